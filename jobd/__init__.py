@@ -1,0 +1,6 @@
+"""jobd: a durable job scheduler whose queue is a PostgreSQL table."""
+
+from jobd.queue import Job, JobSpec, enqueue, enqueue_many
+
+__all__ = ["Job", "JobSpec", "enqueue", "enqueue_many"]
+__version__ = "0.1.0"

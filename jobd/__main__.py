@@ -1,0 +1,5 @@
+import sys
+
+from jobd.cli import main
+
+sys.exit(main())

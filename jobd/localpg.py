@@ -1,0 +1,153 @@
+"""A private PostgreSQL cluster from the installed server binaries.
+
+``make run`` keeps one under ``.jobd/`` when no ``JOBD_DATABASE_URL`` is given, and the test
+harness starts a throwaway one when no server answers. PostgreSQL refuses to run as root, so
+as root the cluster belongs to the ``postgres`` user and its commands run through ``runuser``.
+
+Command line: ``python -m jobd.localpg start DATADIR [--port N]`` prints the URL of a running
+cluster (creating it first if needed); ``python -m jobd.localpg stop DATADIR`` stops it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_PORT = 54329
+
+
+class LocalPgError(RuntimeError):
+    """The cluster could not be created or started; the message says why."""
+
+
+def find_bindir() -> Path:
+    """The directory holding initdb and pg_ctl."""
+    candidates: list[Path] = []
+    pg_config = shutil.which("pg_config")
+    if pg_config:
+        result = subprocess.run([pg_config, "--bindir"], capture_output=True, text=True)
+        if result.returncode == 0:
+            candidates.append(Path(result.stdout.strip()))
+    versioned = [Path(path) for path in glob.glob("/usr/lib/postgresql/*/bin")]
+    versioned.sort(key=lambda path: int(path.parent.name) if path.parent.name.isdigit() else 0,
+                   reverse=True)
+    candidates += versioned
+    initdb = shutil.which("initdb")
+    if initdb:
+        candidates.append(Path(os.path.realpath(initdb)).parent)
+    for candidate in candidates:
+        if (candidate / "initdb").exists() and (candidate / "pg_ctl").exists():
+            return candidate
+    raise LocalPgError("no PostgreSQL server binaries found (initdb/pg_ctl); install postgresql")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class LocalCluster:
+    datadir: Path
+    port: int = DEFAULT_PORT
+
+    @property
+    def url(self) -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+
+    @property
+    def socket_dir(self) -> Path:
+        # Unix socket paths are limited to ~107 bytes; keep the socket in a short path.
+        return Path(tempfile.gettempdir()) / f"jobd-pg-{self.port}"
+
+    def _as_owner(self, command: list[str]) -> list[str]:
+        if os.geteuid() != 0:
+            return command
+        try:
+            pwd.getpwnam("postgres")
+        except KeyError:
+            raise LocalPgError("running as root but there is no 'postgres' user to own the "
+                               "cluster; create one or run as a normal user") from None
+        return ["runuser", "-u", "postgres", "--", *command]
+
+    def _give_to_owner(self, path: Path) -> None:
+        if os.geteuid() == 0:
+            shutil.chown(path, "postgres", "postgres")
+
+    def _run(self, command: list[str]) -> None:
+        result = subprocess.run(self._as_owner(command), capture_output=True, text=True)
+        if result.returncode != 0:
+            output = (result.stderr or result.stdout).strip().splitlines()
+            tail = output[-1] if output else f"exit code {result.returncode}"
+            raise LocalPgError(f"{Path(command[0]).name} failed: {tail}")
+
+    def initialized(self) -> bool:
+        return (self.datadir / "PG_VERSION").exists()
+
+    def running(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
+                return (self.datadir / "postmaster.pid").exists()
+        except OSError:
+            return False
+
+    def start(self) -> str:
+        """Create the cluster if needed, start it if stopped, and return its URL."""
+        bindir = find_bindir()
+        if not self.initialized():
+            self.datadir.mkdir(parents=True, exist_ok=True)
+            self.datadir.chmod(0o700)
+            self._give_to_owner(self.datadir)
+            self._run([str(bindir / "initdb"), "-D", str(self.datadir), "-U", "postgres",
+                       "--auth=trust", "--encoding=UTF8", "--locale=C.UTF-8"])
+        if self.running():
+            return self.url
+        self.socket_dir.mkdir(exist_ok=True)
+        self._give_to_owner(self.socket_dir)
+        log = self.datadir / "server.log"
+        options = (f"-p {self.port} -c listen_addresses=127.0.0.1 "
+                   f"-c unix_socket_directories={self.socket_dir} -c fsync=on "
+                   "-c max_connections=200")
+        self._run([str(bindir / "pg_ctl"), "-D", str(self.datadir), "-l", str(log),
+                   "-o", options, "-w", "-t", "60", "start"])
+        return self.url
+
+    def stop(self) -> None:
+        if not self.initialized():
+            return
+        bindir = find_bindir()
+        self._run([str(bindir / "pg_ctl"), "-D", str(self.datadir), "-m", "fast", "-w", "stop"])
+
+
+def _main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jobd.localpg", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("action", choices=["start", "stop"])
+    parser.add_argument("datadir", type=Path)
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT)
+    args = parser.parse_args(argv)
+    # The datadir must be reachable by the postgres user when running as root.
+    cluster = LocalCluster(args.datadir.resolve(), args.port)
+    try:
+        if args.action == "start":
+            print(cluster.start())
+        else:
+            cluster.stop()
+    except LocalPgError as exc:
+        print(f"jobd.localpg: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

@@ -1,0 +1,88 @@
+"""Applying ``migrations/NNNN_name.sql`` in order, once each.
+
+All pending migrations run in one transaction under a transaction-level advisory lock keyed
+by the schema name, so any number of nodes may run ``jobd migrate`` at once: the first applies,
+the others wait and then find nothing to do. A migration that fails rolls back entirely.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from importlib import resources
+
+import psycopg
+from psycopg import sql
+
+from jobd.db import validate_schema
+
+_FILE_NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
+
+
+@dataclass(frozen=True, slots=True)
+class Migration:
+    version: int
+    name: str
+    text: str
+
+    @property
+    def checksum(self) -> str:
+        return hashlib.sha256(self.text.encode("utf-8")).hexdigest()
+
+
+def available() -> list[Migration]:
+    """The migrations shipped with the package, in version order."""
+    found = []
+    for entry in resources.files("jobd.migrations").iterdir():
+        match = _FILE_NAME.match(entry.name)
+        if match:
+            found.append(Migration(int(match[1]), match[2], entry.read_text("utf-8")))
+    found.sort(key=lambda m: m.version)
+    versions = [m.version for m in found]
+    if len(set(versions)) != len(versions):
+        raise RuntimeError(f"duplicate migration versions in {versions}")
+    return found
+
+
+_LOCK = "SELECT pg_advisory_xact_lock(hashtext('jobd.migrate'), hashtext(%s))"
+_LEDGER = """
+CREATE TABLE IF NOT EXISTS schema_migrations (
+    version    integer     PRIMARY KEY,
+    name       text        NOT NULL,
+    checksum   text        NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT now()
+)"""
+_APPLIED = "SELECT version, name, checksum FROM schema_migrations ORDER BY version"
+_RECORD = "INSERT INTO schema_migrations (version, name, checksum) VALUES (%s, %s, %s)"
+_PARTITIONS = "SELECT ensure_archive_partitions()"
+
+
+class MigrationMismatch(RuntimeError):
+    """An applied migration differs from the file that ships now."""
+
+
+def migrate(conn: psycopg.Connection, schema: str) -> list[Migration]:
+    """Bring ``schema`` up to date; returns the migrations this call applied."""
+    validate_schema(schema)
+    applied_now: list[Migration] = []
+    with conn.transaction():
+        conn.execute(_LOCK, (schema,))
+        conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)))
+        conn.execute(sql.SQL("SET LOCAL search_path TO {}").format(sql.Identifier(schema)))
+        conn.execute(_LEDGER)
+        done = {version: (name, checksum) for version, name, checksum in conn.execute(_APPLIED)}
+        for migration in available():
+            if migration.version in done:
+                if done[migration.version][1] != migration.checksum:
+                    raise MigrationMismatch(
+                        f"migration {migration.version:04d}_{migration.name} was changed "
+                        "after it was applied; add a new migration instead"
+                    )
+                continue
+            conn.execute(migration.text)
+            conn.execute(_RECORD, (migration.version, migration.name, migration.checksum))
+            applied_now.append(migration)
+        # Archive partitions are dated; every migrate run tops them up.
+        conn.execute(_PARTITIONS)
+    return applied_now

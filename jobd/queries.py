@@ -1,0 +1,49 @@
+"""Named SQL statements, loaded once from ``jobd/sql/queries.sql``.
+
+Each block starts with ``-- name: <name>``. Queries whose name ends in ``_qualified`` run on
+connections jobd does not own (a caller's transaction) and carry a ``{schema}`` placeholder that
+is filled with :class:`psycopg.sql.Identifier`; all others rely on the connection's search_path.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from importlib import resources
+
+from psycopg import sql
+
+_NAME_LINE = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
+
+
+def _parse(text: str) -> dict[str, str]:
+    parts = _NAME_LINE.split(text)
+    # parts = [preamble, name1, body1, name2, body2, ...]
+    queries: dict[str, str] = {}
+    for name, body in zip(parts[1::2], parts[2::2], strict=True):
+        if name in queries:
+            raise ValueError(f"query {name!r} is defined twice")
+        queries[name] = body.strip()
+    return queries
+
+
+@functools.cache
+def _all() -> dict[str, str]:
+    return _parse(resources.files("jobd.sql").joinpath("queries.sql").read_text("utf-8"))
+
+
+def names() -> list[str]:
+    return sorted(_all())
+
+
+def query(name: str) -> str:
+    """The text of a named query for a connection whose search_path is the jobd schema."""
+    return _all()[name]
+
+
+@functools.cache
+def qualified(name: str, schema: str) -> sql.Composed:
+    """A named query with its ``{schema}`` placeholder bound to ``schema``."""
+    if not name.endswith("_qualified"):
+        raise KeyError(f"{name!r} is not a schema-qualified query")
+    return sql.SQL(_all()[name]).format(schema=sql.Identifier(schema))

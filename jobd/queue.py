@@ -1,0 +1,417 @@
+"""The queue operations: plain functions over a psycopg 3 connection.
+
+The supervisor, the workers and the CLI call these; none of them holds state. Functions that
+finish jobs take leases, the (id, lease_token) pairs handed out by :func:`claim`; a write whose
+lease is no longer current changes nothing and is reported back as stale.
+
+Time: every comparison happens in the database with ``now()``. Tests may pass ``now`` to move
+the clock without sleeping; production code passes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, NamedTuple
+
+import psycopg
+from psycopg.types.json import Jsonb
+
+from jobd.backoff import RetryPolicy
+from jobd.db import DEFAULT_SCHEMA
+from jobd.queries import qualified, query
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
+
+
+def validate_name(kind: str, value: object) -> str:
+    """Lane and handler names: 1-128 of letters, digits and ``_ . : -``."""
+    if not isinstance(value, str) or not _NAME.match(value):
+        raise ValueError(
+            f"invalid {kind} name {value!r}: use 1-128 letters, digits and _ . : - "
+            "(starting with a letter or digit)"
+        )
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class JobSpec:
+    """One job to enqueue; the arguments of :func:`enqueue` as a value."""
+
+    handler: str
+    payload: Any = field(default_factory=dict)
+    lane: str = "default"
+    run_at: datetime | None = None
+    priority: int = 0
+    idempotency_key: str | None = None
+    max_attempts: int | None = None
+
+    def validated(self) -> JobSpec:
+        validate_name("handler", self.handler)
+        validate_name("lane", self.lane)
+        if self.run_at is not None and self.run_at.utcoffset() is None:
+            raise ValueError("run_at must be timezone-aware (a naive datetime is ambiguous)")
+        if not isinstance(self.priority, int) or not -(2**31) <= self.priority < 2**31:
+            raise ValueError(f"priority must be a 32-bit integer, not {self.priority!r}")
+        if self.max_attempts is not None and (
+            not isinstance(self.max_attempts, int) or not 1 <= self.max_attempts < 2**31
+        ):
+            raise ValueError(f"max_attempts must be a positive integer, not {self.max_attempts!r}")
+        if self.idempotency_key is not None and (
+            not isinstance(self.idempotency_key, str) or not self.idempotency_key
+        ):
+            raise ValueError("idempotency_key must be a non-empty string")
+        return self
+
+
+class Lease(NamedTuple):
+    """Proof that a worker holds a claimed job: its id and the token of that claim."""
+
+    id: int
+    token: int
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """A claimed job, as a handler sees it."""
+
+    id: int
+    lease_token: int
+    lane: str
+    handler: str
+    payload: Any
+    priority: int
+    run_at: datetime
+    attempt: int
+    max_attempts: int | None
+    idempotency_key: str | None
+    created_at: datetime
+    lease_until: datetime
+
+    @property
+    def lease(self) -> Lease:
+        return Lease(self.id, self.lease_token)
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """A failed attempt to record: whose, why, and when to retry."""
+
+    lease: Lease
+    error: str
+    retry_delay: float
+    default_max_attempts: int
+
+
+@dataclass(slots=True)
+class FailOutcome:
+    retried: list[int] = field(default_factory=list)
+    dead: list[int] = field(default_factory=list)
+    stale: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class WriteOutcome:
+    """Result of a fenced batch write: the jobs it applied to and the stale ones it skipped."""
+
+    applied: list[int]
+    stale: list[int]
+
+
+def _fenced_outcome(leases: Sequence[Lease], applied_ids: Iterable[int]) -> WriteOutcome:
+    applied = set(applied_ids)
+    return WriteOutcome(
+        applied=[lease.id for lease in leases if lease.id in applied],
+        stale=[lease.id for lease in leases if lease.id not in applied],
+    )
+
+
+def _lease_arrays(leases: Sequence[Lease]) -> dict[str, list[int]]:
+    return {"ids": [lease.id for lease in leases], "tokens": [lease.token for lease in leases]}
+
+
+# --- enqueue -------------------------------------------------------------------------------
+
+
+def enqueue(
+    conn: psycopg.Connection,
+    handler: str,
+    payload: Any = None,
+    *,
+    lane: str = "default",
+    run_at: datetime | None = None,
+    delay: float | None = None,
+    priority: int = 0,
+    idempotency_key: str | None = None,
+    max_attempts: int | None = None,
+    schema: str = DEFAULT_SCHEMA,
+) -> int:
+    """Enqueue one job with a single INSERT and return its id.
+
+    The job is due at ``run_at``, or ``delay`` seconds from now by the database clock, or now.
+    It is durable when the caller's transaction commits (at once on an autocommit
+    connection). With an ``idempotency_key`` already used, the first job's id is returned and
+    nothing is inserted.
+    """
+    if run_at is not None and delay is not None:
+        raise ValueError("give run_at or delay, not both")
+    if delay is not None and not 0 <= delay < 10**9:
+        raise ValueError(f"delay must be a non-negative number of seconds, not {delay!r}")
+    spec = JobSpec(
+        handler, {} if payload is None else payload, lane, run_at, priority,
+        idempotency_key, max_attempts,
+    ).validated()
+    row = conn.execute(
+        qualified("enqueue_qualified", schema),
+        {
+            "handler": spec.handler,
+            "payload": Jsonb(spec.payload),
+            "lane": spec.lane,
+            "run_at": spec.run_at,
+            "delay": float(delay or 0),
+            "priority": spec.priority,
+            "idempotency_key": spec.idempotency_key,
+            "max_attempts": spec.max_attempts,
+        },
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+_COPY_TYPES = ["int8", "text", "text", "jsonb", "int4", "timestamptz", "text", "int4"]
+
+
+def enqueue_many(
+    conn: psycopg.Connection, specs: Sequence[JobSpec], *, schema: str = DEFAULT_SCHEMA
+) -> list[int]:
+    """Enqueue many jobs in one transaction (a savepoint inside the caller's); ids in order.
+
+    Ids are reserved in one round trip and the rows go in with one binary COPY, so a batch of
+    thousands costs a few round trips. Jobs with an idempotency key go through the key ledger
+    first; a key already taken (or repeated within the batch) yields the existing job's id.
+    """
+    specs = [spec.validated() for spec in specs]
+    if not specs:
+        return []
+    ids: list[int | None] = [None] * len(specs)
+    to_insert: list[tuple[int, JobSpec]] = []
+    with conn.transaction():
+        keyed = [i for i, spec in enumerate(specs) if spec.idempotency_key is not None]
+        unkeyed = [i for i, spec in enumerate(specs) if spec.idempotency_key is None]
+        # COPY cannot evaluate now(), so the database clock is read here: within a
+        # transaction now() is fixed, the same value the column default would give.
+        row = conn.execute(
+            qualified("reserve_ids_qualified", schema), {"schema": schema, "count": len(unkeyed)}
+        ).fetchone()
+        assert row is not None
+        db_now, fresh = row
+        for position, job_id in zip(unkeyed, fresh, strict=True):
+            ids[position] = job_id
+            to_insert.append((job_id, specs[position]))
+        if keyed:
+            _resolve_keys(conn, schema, specs, keyed, ids, to_insert)
+        with conn.cursor().copy(qualified("copy_jobs_qualified", schema)) as copy:
+            copy.set_types(_COPY_TYPES)
+            for job_id, spec in to_insert:
+                copy.write_row((
+                    job_id, spec.lane, spec.handler, Jsonb(spec.payload), spec.priority,
+                    spec.run_at or db_now, spec.idempotency_key, spec.max_attempts,
+                ))
+    return [int(job_id) for job_id in ids if job_id is not None]
+
+
+def _resolve_keys(
+    conn: psycopg.Connection,
+    schema: str,
+    specs: Sequence[JobSpec],
+    keyed: Sequence[int],
+    ids: list[int | None],
+    to_insert: list[tuple[int, JobSpec]],
+) -> None:
+    keys = list(dict.fromkeys(specs[i].idempotency_key for i in keyed))
+    reserved = dict(
+        conn.execute(qualified("reserve_keys_qualified", schema), {"schema": schema, "keys": keys})
+    )
+    # A separate statement takes a fresh snapshot and sees keys that concurrent transactions
+    # committed while the INSERT ... ON CONFLICT waited for them.
+    taken = [key for key in keys if key not in reserved]
+    existing = (
+        dict(conn.execute(qualified("lookup_keys_qualified", schema), {"keys": taken}))
+        if taken
+        else {}
+    )
+    for position in keyed:
+        key = specs[position].idempotency_key
+        if key in reserved:
+            ids[position] = reserved.pop(key)
+            existing[key] = ids[position]
+            to_insert.append((ids[position], specs[position]))
+        else:
+            ids[position] = existing[key]
+
+
+# --- claim and the fenced writes -----------------------------------------------------------
+
+
+def claim(
+    conn: psycopg.Connection,
+    lane: str,
+    worker: str,
+    limit: int,
+    visibility_timeout: float,
+    now: datetime | None = None,
+) -> list[Job]:
+    """Claim up to ``limit`` due jobs of ``lane`` for ``worker`` in one statement."""
+    rows = conn.execute(
+        query("claim_jobs"),
+        {
+            "lane": lane,
+            "worker": worker,
+            "limit": limit,
+            "visibility_timeout": float(visibility_timeout),
+            "now": now,
+        },
+    ).fetchall()
+    return [
+        Job(
+            id=row[0], lease_token=row[1], lane=row[2], handler=row[3], payload=row[4],
+            priority=row[5], run_at=row[6], attempt=row[7], max_attempts=row[8],
+            idempotency_key=row[9], created_at=row[10], lease_until=row[11],
+        )
+        for row in rows
+    ]
+
+
+def heartbeat(
+    conn: psycopg.Connection,
+    leases: Sequence[Lease],
+    visibility_timeout: float,
+    now: datetime | None = None,
+) -> WriteOutcome:
+    """Extend all ``leases`` in one statement; ``stale`` lists the ones already lost."""
+    if not leases:
+        return WriteOutcome([], [])
+    rows = conn.execute(
+        query("heartbeat"),
+        {**_lease_arrays(leases), "visibility_timeout": float(visibility_timeout), "now": now},
+    ).fetchall()
+    return _fenced_outcome(leases, (row[0] for row in rows))
+
+
+def complete(
+    conn: psycopg.Connection, leases: Sequence[Lease], now: datetime | None = None
+) -> WriteOutcome:
+    """Mark a batch done: the rows move to the archive in one statement."""
+    if not leases:
+        return WriteOutcome([], [])
+    rows = conn.execute(query("complete_jobs"), {**_lease_arrays(leases), "now": now}).fetchall()
+    return _fenced_outcome(leases, (row[0] for row in rows))
+
+
+def fail(
+    conn: psycopg.Connection,
+    failures: Sequence[Failure],
+    now: datetime | None = None,
+    *,
+    expired_only: bool = False,
+) -> FailOutcome:
+    """Record failed attempts: retry later, or move to the dead-letter queue when spent."""
+    outcome = FailOutcome()
+    if not failures:
+        return outcome
+    rows = conn.execute(
+        query("fail_jobs"),
+        {
+            **_lease_arrays([f.lease for f in failures]),
+            "errors": [f.error for f in failures],
+            "delays": [float(f.retry_delay) for f in failures],
+            "default_max_attempts": [f.default_max_attempts for f in failures],
+            "expired_only": expired_only,
+            "now": now,
+        },
+    ).fetchall()
+    results = dict(rows)
+    for f in failures:
+        kind = results.get(f.lease.id)
+        if kind == "failed":
+            outcome.retried.append(f.lease.id)
+        elif kind == "dead":
+            outcome.dead.append(f.lease.id)
+        else:
+            outcome.stale.append(f.lease.id)
+    return outcome
+
+
+def release(
+    conn: psycopg.Connection, leases: Sequence[Lease], now: datetime | None = None
+) -> WriteOutcome:
+    """Give claimed jobs back unharmed (their attempt is not counted): claimable at once."""
+    if not leases:
+        return WriteOutcome([], [])
+    rows = conn.execute(query("release_jobs"), _lease_arrays(leases)).fetchall()
+    return _fenced_outcome(leases, (row[0] for row in rows))
+
+
+PolicyLookup = Callable[[str], RetryPolicy]
+
+
+def _fail_rows(
+    conn: psycopg.Connection,
+    rows: Sequence[tuple[int, int, str, int, str]],
+    reason: Callable[[str], str],
+    policy_for: PolicyLookup,
+    now: datetime | None,
+    expired_only: bool,
+) -> FailOutcome:
+    failures = []
+    for job_id, token, lane, attempts, claimed_by in rows:
+        policy = policy_for(lane)
+        failures.append(
+            Failure(
+                lease=Lease(job_id, token),
+                error=reason(claimed_by),
+                retry_delay=policy.backoff.delay(attempts),
+                default_max_attempts=policy.max_attempts,
+            )
+        )
+    return fail(conn, failures, now, expired_only=expired_only)
+
+
+def expire_leases(
+    conn: psycopg.Connection,
+    policy_for: PolicyLookup,
+    now: datetime | None = None,
+    limit: int = 1000,
+) -> FailOutcome:
+    """The lease-expiry sweep: a job whose lease ran out counts as a failed attempt.
+
+    It becomes claimable again after its backoff, or dead when its budget is spent. A worker
+    that renews its lease between the scan and the write keeps its job.
+    """
+    rows = conn.execute(query("expired_leases"), {"now": now, "limit": limit}).fetchall()
+    return _fail_rows(
+        conn, rows, lambda worker: f"lease expired (held by {worker})", policy_for, now, True
+    )
+
+
+def fail_jobs_held_by(
+    conn: psycopg.Connection,
+    worker: str,
+    error: str,
+    policy_for: PolicyLookup,
+    now: datetime | None = None,
+) -> FailOutcome:
+    """Fail every job ``worker`` holds at once, e.g. when its process was seen to die."""
+    rows = conn.execute(query("jobs_held_by"), {"worker": worker}).fetchall()
+    return _fail_rows(conn, rows, lambda _worker: error, policy_for, now, False)
+
+
+def decode_payload(text: str) -> Any:
+    """Parse a JSON payload given as text (CLI input); ValueError names the problem."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"payload is not valid JSON: {exc}") from None

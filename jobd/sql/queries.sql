@@ -1,0 +1,269 @@
+-- Every statement jobd runs against its own schema, by name. jobd/queries.py loads the blocks
+-- into a dict; Python never assembles SQL from strings.
+--
+-- Conventions: the connection's search_path is the jobd schema, so names are unqualified.
+-- Queries that compare time take %(now)s: NULL in production (the database clock, now()),
+-- a fixed instant in tests. Statements that finish jobs check the fencing pair
+-- (id, lease_token) and state = 'claimed', so a worker that lost its lease changes nothing.
+
+-- name: enqueue_qualified
+-- The single-job path, also used on callers' own connections, so the schema is an identifier
+-- supplied with psycopg.sql.
+SELECT {schema}.enqueue(%(handler)s, %(payload)s, %(lane)s,
+                        coalesce(%(run_at)s, now() + make_interval(secs => %(delay)s)),
+                        %(priority)s, %(idempotency_key)s, %(max_attempts)s)
+
+-- name: reserve_ids_qualified
+-- Job ids for a bulk enqueue, and the transaction's now() for rows that give no run_at.
+SELECT now(),
+       ARRAY(SELECT nextval(pg_catalog.format('%%I.job_id_seq', %(schema)s::text)::regclass)
+               FROM generate_series(1, %(count)s))
+
+-- name: reserve_keys_qualified
+-- Claims idempotency keys for a bulk enqueue: the returned keys are new and their jobs must be
+-- inserted; keys already taken are looked up with lookup_keys_qualified.
+INSERT INTO {schema}.job_keys AS k (idempotency_key, job_id)
+SELECT key, nextval(pg_catalog.format('%%I.job_id_seq', %(schema)s::text)::regclass)
+  FROM unnest(%(keys)s::text[]) AS key
+ON CONFLICT DO NOTHING
+RETURNING k.idempotency_key, k.job_id
+
+-- name: lookup_keys_qualified
+SELECT idempotency_key, job_id FROM {schema}.job_keys WHERE idempotency_key = ANY(%(keys)s::text[])
+
+-- name: copy_jobs_qualified
+COPY {schema}.jobs (id, lane, handler, payload, priority, run_at, idempotency_key, max_attempts)
+FROM STDIN
+
+-- name: claim_jobs
+-- Claims up to %(limit)s due jobs of one lane, highest priority first, then oldest run_at.
+-- The recursive part walks the lane's distinct priorities through the index (a loose index
+-- scan), so within each priority run_at bounds the range scan: future-scheduled jobs are never
+-- visited, however many there are. SKIP LOCKED lets concurrent claimers pass each other.
+-- The attempt is counted here, so a job that kills its worker still spends its budget.
+WITH RECURSIVE priorities AS (
+    (SELECT priority FROM jobs
+      WHERE lane = %(lane)s AND state IN ('pending', 'failed')
+      ORDER BY priority DESC LIMIT 1)
+    UNION ALL
+    SELECT (SELECT j.priority FROM jobs AS j
+             WHERE j.lane = %(lane)s AND j.state IN ('pending', 'failed')
+               AND j.priority < p.priority
+             ORDER BY j.priority DESC LIMIT 1)
+      FROM priorities AS p
+     WHERE p.priority IS NOT NULL
+),
+due AS (
+    SELECT d.id
+      FROM priorities AS p
+     CROSS JOIN LATERAL (
+           SELECT id FROM jobs
+            WHERE lane = %(lane)s AND state IN ('pending', 'failed')
+              AND priority = p.priority
+              AND run_at <= coalesce(%(now)s::timestamptz, now())
+            ORDER BY run_at
+            LIMIT %(limit)s
+              FOR UPDATE SKIP LOCKED) AS d
+     WHERE p.priority IS NOT NULL
+     LIMIT %(limit)s
+)
+UPDATE jobs
+   SET state = 'claimed',
+       attempts = jobs.attempts + 1,
+       claimed_by = %(worker)s,
+       lease_until = coalesce(%(now)s::timestamptz, now())
+                     + make_interval(secs => %(visibility_timeout)s),
+       lease_token = (SELECT nextval('lease_token_seq'))
+  FROM due
+ WHERE jobs.id = due.id
+RETURNING jobs.id, jobs.lease_token, jobs.lane, jobs.handler, jobs.payload, jobs.priority,
+          jobs.run_at, jobs.attempts, jobs.max_attempts, jobs.idempotency_key,
+          jobs.created_at, jobs.lease_until
+
+-- name: heartbeat
+-- Extends every lease a worker still holds, in one statement. Returns the jobs whose lease was
+-- extended; a job missing from the result was lost (expired and swept or re-claimed).
+UPDATE jobs
+   SET lease_until = coalesce(%(now)s::timestamptz, now())
+                     + make_interval(secs => %(visibility_timeout)s)
+  FROM unnest(%(ids)s::bigint[], %(tokens)s::bigint[]) AS held(id, token)
+ WHERE jobs.id = held.id AND jobs.lease_token = held.token AND jobs.state = 'claimed'
+RETURNING jobs.id
+
+-- name: complete_jobs
+-- Finishes a batch: the rows leave the hot table and enter the archive in one statement.
+WITH finished AS (
+    DELETE FROM jobs
+     USING unnest(%(ids)s::bigint[], %(tokens)s::bigint[]) AS held(id, token)
+     WHERE jobs.id = held.id AND jobs.lease_token = held.token AND jobs.state = 'claimed'
+    RETURNING jobs.*
+)
+INSERT INTO jobs_archive (id, lane, handler, payload, state, priority, run_at, attempts,
+                          max_attempts, claimed_by, idempotency_key, created_at, last_error,
+                          errors, finished_at)
+SELECT id, lane, handler, payload, 'done', priority, run_at, attempts, max_attempts,
+       claimed_by, idempotency_key, created_at, last_error, errors,
+       coalesce(%(now)s::timestamptz, now())
+  FROM finished
+RETURNING id
+
+-- name: fail_jobs
+-- Records a failed attempt for a batch. Each row carries its retry delay (computed by
+-- jobd.backoff) and the lane's default attempt budget. A job with budget left waits as
+-- 'failed' until run_at; a job without is moved to the dead-letter queue in the same
+-- statement. With %(expired_only)s, only rows whose lease has run out are touched (the sweep
+-- must not fail a job whose worker renewed its lease in the meantime).
+WITH failure AS (
+    SELECT *
+      FROM unnest(%(ids)s::bigint[], %(tokens)s::bigint[], %(errors)s::text[],
+                  %(delays)s::float8[], %(default_max_attempts)s::int[])
+           AS f(id, token, error, delay, default_max_attempts)
+),
+retried AS (
+    UPDATE jobs
+       SET state = 'failed',
+           run_at = coalesce(%(now)s::timestamptz, now()) + make_interval(secs => f.delay),
+           lease_until = NULL,
+           lease_token = NULL,
+           last_error = f.error,
+           errors = jobs.errors || jsonb_build_object(
+               'attempt', jobs.attempts, 'at', coalesce(%(now)s::timestamptz, now()),
+               'error', f.error, 'worker', jobs.claimed_by)
+      FROM failure AS f
+     WHERE jobs.id = f.id AND jobs.lease_token = f.token AND jobs.state = 'claimed'
+       AND jobs.attempts < coalesce(jobs.max_attempts, f.default_max_attempts)
+       AND (NOT %(expired_only)s
+            OR jobs.lease_until < coalesce(%(now)s::timestamptz, now()))
+    RETURNING jobs.id
+),
+died AS (
+    DELETE FROM jobs
+     USING failure AS f
+     WHERE jobs.id = f.id AND jobs.lease_token = f.token AND jobs.state = 'claimed'
+       AND jobs.attempts >= coalesce(jobs.max_attempts, f.default_max_attempts)
+       AND (NOT %(expired_only)s
+            OR jobs.lease_until < coalesce(%(now)s::timestamptz, now()))
+    RETURNING jobs.*, f.error AS final_error
+),
+buried AS (
+    INSERT INTO dead_letter (id, lane, handler, payload, priority, run_at, attempts,
+                             max_attempts, claimed_by, idempotency_key, created_at,
+                             last_error, errors, died_at)
+    SELECT id, lane, handler, payload, priority, run_at, attempts, max_attempts, claimed_by,
+           idempotency_key, created_at, final_error,
+           errors || jsonb_build_object(
+               'attempt', attempts, 'at', coalesce(%(now)s::timestamptz, now()),
+               'error', final_error, 'worker', claimed_by),
+           coalesce(%(now)s::timestamptz, now())
+      FROM died
+    RETURNING id
+)
+SELECT id, 'failed' AS outcome FROM retried
+UNION ALL
+SELECT id, 'dead' FROM buried
+
+-- name: release_jobs
+-- Gives claimed jobs back without spending their attempt (graceful shutdown): they are
+-- claimable again at once, by any node.
+UPDATE jobs
+   SET state = 'pending',
+       attempts = greatest(jobs.attempts - 1, 0),
+       lease_until = NULL,
+       lease_token = NULL,
+       claimed_by = NULL
+  FROM unnest(%(ids)s::bigint[], %(tokens)s::bigint[]) AS held(id, token)
+ WHERE jobs.id = held.id AND jobs.lease_token = held.token AND jobs.state = 'claimed'
+RETURNING jobs.id
+
+-- name: expired_leases
+-- Candidates for the lease-expiry sweep; rides jobs_lease_idx.
+SELECT id, lease_token, lane, attempts, claimed_by
+  FROM jobs
+ WHERE state = 'claimed' AND lease_until < coalesce(%(now)s::timestamptz, now())
+ ORDER BY lease_until
+ LIMIT %(limit)s
+
+-- name: jobs_held_by
+-- The jobs a worker held, for failing them at once when the supervisor sees it die.
+SELECT id, lease_token, lane, attempts, claimed_by
+  FROM jobs
+ WHERE state = 'claimed' AND claimed_by = %(worker)s
+
+-- name: get_job
+SELECT id, lane, handler, payload, state, priority, run_at, attempts, max_attempts,
+       lease_until, claimed_by, idempotency_key, created_at, last_error, errors, finished_at
+  FROM all_jobs
+ WHERE id = %(id)s
+
+-- name: list_jobs
+SELECT id, lane, handler, state, priority, run_at, attempts, max_attempts, claimed_by,
+       created_at, last_error, finished_at
+  FROM all_jobs
+ WHERE (%(state)s::text IS NULL OR state = %(state)s)
+   AND (%(lane)s::text IS NULL OR lane = %(lane)s)
+ ORDER BY id DESC
+ LIMIT %(limit)s
+
+-- name: lane_stats
+-- Per lane: counts of live jobs by state, the age of the oldest due unclaimed job, DLQ depth.
+WITH live AS (
+    SELECT lane,
+           count(*) FILTER (WHERE state = 'pending') AS pending,
+           count(*) FILTER (WHERE state = 'claimed') AS claimed,
+           count(*) FILTER (WHERE state = 'failed') AS failed,
+           extract(epoch FROM coalesce(%(now)s::timestamptz, now())
+                   - min(run_at) FILTER (WHERE state IN ('pending', 'failed')
+                                         AND run_at <= coalesce(%(now)s::timestamptz, now())))
+               AS oldest_unclaimed_age
+      FROM jobs
+     GROUP BY lane
+),
+dead AS (
+    SELECT lane, count(*) AS dead FROM dead_letter GROUP BY lane
+)
+SELECT coalesce(live.lane, dead.lane) AS lane,
+       coalesce(live.pending, 0) AS pending,
+       coalesce(live.claimed, 0) AS claimed,
+       coalesce(live.failed, 0) AS failed,
+       coalesce(dead.dead, 0) AS dead,
+       coalesce(live.oldest_unclaimed_age, 0)::float8 AS oldest_unclaimed_age
+  FROM live
+  FULL JOIN dead ON dead.lane = live.lane
+ ORDER BY 1
+
+-- name: list_dead
+SELECT id, lane, handler, attempts, last_error, died_at, idempotency_key
+  FROM dead_letter
+ WHERE (%(lane)s::text IS NULL OR lane = %(lane)s)
+ ORDER BY died_at DESC, id DESC
+ LIMIT %(limit)s
+
+-- name: replay_dead
+-- Moves dead jobs back to the queue with a fresh attempt budget, keeping their error history.
+-- The job keeps its id (so its idempotency key still points at it); the lease token sequence
+-- guarantees that a worker from before its death can never write to it again.
+WITH revived AS (
+    DELETE FROM dead_letter WHERE id = ANY(%(ids)s::bigint[]) RETURNING *
+)
+INSERT INTO jobs (id, lane, handler, payload, state, priority, run_at, attempts, max_attempts,
+                  idempotency_key, created_at, last_error, errors)
+SELECT id, lane, handler, payload, 'pending', priority, coalesce(%(now)s::timestamptz, now()),
+       0, max_attempts, idempotency_key, created_at, last_error,
+       errors || jsonb_build_object('replayed_at', coalesce(%(now)s::timestamptz, now()))
+  FROM revived
+RETURNING id
+
+-- name: purge_dead
+WITH purged AS (
+    DELETE FROM dead_letter WHERE died_at < %(before)s::timestamptz RETURNING id
+),
+forgotten AS (
+    DELETE FROM job_keys WHERE job_id IN (SELECT id FROM purged)
+)
+SELECT count(*) FROM purged
+
+-- name: ensure_archive_partitions
+SELECT ensure_archive_partitions(%(days_ahead)s)
+
+-- name: drop_archive_partitions
+SELECT drop_archive_partitions(%(cutoff)s::timestamptz)

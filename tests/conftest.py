@@ -1,0 +1,181 @@
+"""The test database harness.
+
+Where the server comes from, in order:
+1. ``JOBD_TEST_DATABASE_URL`` (an admin URL: the tests create and drop databases on it);
+2. a local server on 127.0.0.1:5432 (user postgres, trust auth);
+3. a throwaway cluster from the installed PostgreSQL binaries, deleted afterwards;
+4. a testcontainers PostgreSQL where a Docker engine answers.
+If none works, the run stops with a message naming what was tried.
+
+Each run migrates one template database and clones a fresh database from it for every test
+that asks for one; all of them are dropped at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from jobd.db import connect
+from jobd.localpg import LocalCluster, LocalPgError, free_port
+from jobd.migrate import migrate
+
+LOCAL_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
+SCHEMA = "jobd"
+
+
+@dataclass
+class Server:
+    admin_url: str
+    origin: str
+
+    def url_for(self, dbname: str) -> str:
+        return psycopg.conninfo.make_conninfo(self.admin_url, dbname=dbname)
+
+    def admin(self) -> psycopg.Connection:
+        return psycopg.connect(self.admin_url, autocommit=True, connect_timeout=5)
+
+
+def _answers(url: str) -> str | None:
+    """None when the server answers, else why not."""
+    try:
+        with psycopg.connect(url, connect_timeout=3) as conn:
+            conn.execute("SELECT 1")
+        return None
+    except psycopg.Error as exc:
+        return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+@contextlib.contextmanager
+def _throwaway_cluster() -> Iterator[str]:
+    root = Path(tempfile.mkdtemp(prefix="jobd-test-pg-"))
+    root.chmod(0o755)
+    cluster = LocalCluster(root / "data", free_port())
+    try:
+        yield cluster.start()
+    finally:
+        with contextlib.suppress(LocalPgError):
+            cluster.stop()
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(cluster.socket_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _container() -> Iterator[str]:
+    from testcontainers.postgres import PostgresContainer
+
+    with PostgresContainer("postgres:16", username="postgres", password="postgres",
+                           dbname="postgres", driver=None) as container:
+        yield container.get_connection_url()
+
+
+@contextlib.contextmanager
+def _provide_server() -> Iterator[Server]:
+    tried: list[str] = []
+    explicit = os.environ.get("JOBD_TEST_DATABASE_URL")
+    if explicit:
+        problem = _answers(explicit)
+        if problem:
+            pytest.exit(f"JOBD_TEST_DATABASE_URL does not answer: {problem}", returncode=3)
+        yield Server(explicit, "JOBD_TEST_DATABASE_URL")
+        return
+    problem = _answers(LOCAL_URL)
+    if problem is None:
+        yield Server(LOCAL_URL, "local server on 127.0.0.1:5432")
+        return
+    tried.append(f"local server: {problem}")
+    with contextlib.ExitStack() as stack:
+        try:
+            url = stack.enter_context(_throwaway_cluster())
+            origin = "throwaway cluster"
+        except LocalPgError as exc:
+            tried.append(f"throwaway cluster: {exc}")
+            try:
+                url = stack.enter_context(_container())
+                origin = "testcontainers"
+            except Exception as exc:  # Docker missing shows up as many exception types.
+                tried.append(f"testcontainers: {str(exc).splitlines()[0] if str(exc) else exc!r}")
+                pytest.exit("no PostgreSQL for the tests; tried: " + "; ".join(tried),
+                            returncode=3)
+        yield Server(url, origin)
+
+
+class Databases:
+    """Creates per-test databases as clones of one migrated template."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.prefix = f"jobd_test_{uuid.uuid4().hex[:8]}"
+        self.template = f"{self.prefix}_template"
+        self.counter = itertools.count(1)
+        self.created: list[str] = []
+
+    def create_template(self) -> None:
+        with self.server.admin() as admin:
+            admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(self.template)))
+        self.created.append(self.template)
+        with connect(self.server.url_for(self.template), SCHEMA, autocommit=True) as conn:
+            migrate(conn, SCHEMA)
+
+    def empty(self) -> str:
+        """A new database with nothing in it; returns its URL."""
+        name = f"{self.prefix}_{next(self.counter)}"
+        with self.server.admin() as admin:
+            admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+        self.created.append(name)
+        return self.server.url_for(name)
+
+    def migrated(self) -> str:
+        """A new database with the jobd schema migrated; returns its URL."""
+        name = f"{self.prefix}_{next(self.counter)}"
+        with self.server.admin() as admin:
+            admin.execute(sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
+                sql.Identifier(name), sql.Identifier(self.template)))
+        self.created.append(name)
+        return self.server.url_for(name)
+
+    def drop_all(self) -> None:
+        with self.server.admin() as admin:
+            for name in reversed(self.created):
+                admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+                    sql.Identifier(name)))
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[Server]:
+    with _provide_server() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def databases(pg_server: Server) -> Iterator[Databases]:
+    dbs = Databases(pg_server)
+    dbs.create_template()
+    try:
+        yield dbs
+    finally:
+        dbs.drop_all()
+
+
+@pytest.fixture
+def db_url(databases: Databases) -> str:
+    """URL of a fresh, migrated database for this test alone."""
+    return databases.migrated()
+
+
+@pytest.fixture
+def conn(db_url: str) -> Iterator[psycopg.Connection]:
+    """An autocommit connection to the test's database, search_path = jobd."""
+    with connect(db_url, SCHEMA, autocommit=True) as connection:
+        yield connection

@@ -1,0 +1,371 @@
+"""The queue operations against a real PostgreSQL: enqueue, claim, fencing, retry, DLQ."""
+
+from __future__ import annotations
+
+import multiprocessing
+import random
+from datetime import datetime, timedelta
+
+import psycopg
+import pytest
+
+import jobd
+from jobd import queue
+from jobd.backoff import Backoff, RetryPolicy
+from jobd.db import connect
+from jobd.queue import Failure, JobSpec
+
+
+def db_now(conn: psycopg.Connection) -> datetime:
+    row = conn.execute("SELECT now()").fetchone()
+    assert row is not None
+    return row[0]
+
+
+def state_of(conn: psycopg.Connection, job_id: int) -> str:
+    row = conn.execute("SELECT state FROM all_jobs WHERE id = %s", (job_id,)).fetchone()
+    assert row is not None, f"job {job_id} is nowhere"
+    return row[0]
+
+
+def policy(max_attempts: int = 8) -> queue.PolicyLookup:
+    return lambda _lane: RetryPolicy(Backoff(1.0, 300.0), max_attempts)
+
+
+# --- enqueue -------------------------------------------------------------------------------
+
+
+def test_enqueue_is_visible_only_when_the_callers_transaction_commits(db_url: str) -> None:
+    with connect(db_url, autocommit=False) as writer, connect(db_url) as reader:
+        job_id = jobd.enqueue(writer, "send_email", {"to": "a@example.com"})
+        assert reader.execute("SELECT count(*) FROM jobs").fetchone() == (0,)
+        writer.commit()
+        row = reader.execute(
+            "SELECT handler, payload, state, lane, attempts FROM jobs WHERE id = %s", (job_id,)
+        ).fetchone()
+    assert row == ("send_email", {"to": "a@example.com"}, "pending", "default", 0)
+
+
+def test_rolled_back_enqueue_leaves_nothing(db_url: str) -> None:
+    with connect(db_url, autocommit=False) as writer:
+        jobd.enqueue(writer, "h")
+        jobd.enqueue_many(writer, [JobSpec("h", idempotency_key="k")])
+        writer.rollback()
+    with connect(db_url) as reader:
+        assert reader.execute("SELECT (SELECT count(*) FROM jobs), (SELECT count(*) FROM job_keys)"
+                              ).fetchone() == (0, 0)
+
+
+def test_sql_function_takes_named_arguments(conn: psycopg.Connection) -> None:
+    row = conn.execute(
+        "SELECT enqueue('send_email', '{\"a\": 1}', run_at => now() + interval '1 hour', "
+        "priority => 5, lane => 'mail')"
+    ).fetchone()
+    assert row is not None
+    job = conn.execute(
+        "SELECT lane, priority, run_at > now() + interval '59 minutes' FROM jobs WHERE id = %s",
+        (row[0],),
+    ).fetchone()
+    assert job == ("mail", 5, True)
+
+
+def test_idempotency_key_returns_the_first_job_even_after_it_was_archived(
+    conn: psycopg.Connection,
+) -> None:
+    first = jobd.enqueue(conn, "charge", {"order": 1}, idempotency_key="order-1")
+    assert jobd.enqueue(conn, "charge", {"order": 1}, idempotency_key="order-1") == first
+    [job] = queue.claim(conn, "default", "w", 10, 30)
+    assert queue.complete(conn, [job.lease]).applied == [first]
+    assert state_of(conn, first) == "done"
+    assert jobd.enqueue(conn, "charge", {"order": 1}, idempotency_key="order-1") == first
+    assert jobd.enqueue_many(conn, [JobSpec("charge", idempotency_key="order-1")]) == [first]
+    assert conn.execute("SELECT count(*) FROM all_jobs").fetchone() == (1,)
+
+
+def test_enqueue_many_keeps_order_and_resolves_keys(conn: psycopg.Connection) -> None:
+    existing = jobd.enqueue(conn, "h", idempotency_key="old")
+    specs = [
+        JobSpec("h", {"i": 0}),
+        JobSpec("h", {"i": 1}, idempotency_key="old"),
+        JobSpec("h", {"i": 2}, idempotency_key="new"),
+        JobSpec("h", {"i": 3}, idempotency_key="new"),
+        JobSpec("h", {"i": 4}, lane="other", priority=3),
+    ]
+    ids = jobd.enqueue_many(conn, specs)
+    assert len(ids) == 5
+    assert ids[1] == existing
+    assert ids[2] == ids[3]
+    assert len({ids[0], ids[2], ids[4], existing}) == 4
+    rows = dict(conn.execute("SELECT id, payload FROM jobs").fetchall())
+    assert rows[ids[0]] == {"i": 0}
+    assert rows[ids[2]] == {"i": 2}
+    assert rows[ids[4]] == {"i": 4}
+    assert len(rows) == 4
+
+
+def test_enqueue_rejects_bad_arguments(conn: psycopg.Connection) -> None:
+    with pytest.raises(ValueError, match="lane"):
+        jobd.enqueue(conn, "h", lane="bad lane")
+    with pytest.raises(ValueError, match="handler"):
+        jobd.enqueue(conn, "")
+    with pytest.raises(ValueError, match="timezone-aware"):
+        jobd.enqueue(conn, "h", run_at=datetime(2030, 1, 1))
+    with pytest.raises(ValueError, match="max_attempts"):
+        jobd.enqueue(conn, "h", max_attempts=0)
+    assert conn.execute("SELECT count(*) FROM jobs").fetchone() == (0,)
+
+
+def test_bulk_enqueue_sends_one_notification_per_lane(db_url: str) -> None:
+    with connect(db_url) as listener, connect(db_url) as writer:
+        listener.execute("LISTEN jobd_wakeup")
+        jobd.enqueue_many(writer, [JobSpec("h", lane="a") for _ in range(500)]
+                          + [JobSpec("h", lane="b") for _ in range(500)])
+        future = db_now(writer) + timedelta(hours=1)
+        jobd.enqueue(writer, "h", lane="later", run_at=future)
+        received = [n.payload for n in listener.notifies(timeout=1.0)]
+    assert sorted(received) == ["a", "b"]
+
+
+# --- claim ---------------------------------------------------------------------------------
+
+
+def test_claim_orders_by_priority_then_run_at_and_skips_future_jobs(
+    conn: psycopg.Connection,
+) -> None:
+    now = db_now(conn)
+    low_old = jobd.enqueue(conn, "h", priority=0, run_at=now - timedelta(minutes=5))
+    high_new = jobd.enqueue(conn, "h", priority=10, run_at=now - timedelta(minutes=1))
+    high_old = jobd.enqueue(conn, "h", priority=10, run_at=now - timedelta(minutes=2))
+    mid = jobd.enqueue(conn, "h", priority=5, run_at=now - timedelta(minutes=1))
+    jobd.enqueue(conn, "h", priority=99, run_at=now + timedelta(hours=1))
+    jobd.enqueue(conn, "h", lane="elsewhere", priority=50)
+
+    one_by_one = [queue.claim(conn, "default", "w1", 1, 30) for _ in range(5)]
+    assert [[job.id for job in jobs] for jobs in one_by_one] == [
+        [high_old], [high_new], [mid], [low_old], []]
+
+
+def test_claim_batch_takes_the_highest_priorities_first(conn: psycopg.Connection) -> None:
+    now = db_now(conn)
+    ids = {p: jobd.enqueue(conn, "h", priority=p, run_at=now - timedelta(minutes=10 - p))
+           for p in range(10)}
+    first = queue.claim(conn, "default", "w1", 3, 30)
+    assert {job.id for job in first} == {ids[9], ids[8], ids[7]}
+
+
+def test_claim_sets_lease_and_counts_the_attempt(conn: psycopg.Connection) -> None:
+    job_id = jobd.enqueue(conn, "h")
+    now = db_now(conn) + timedelta(seconds=1)
+    [job] = queue.claim(conn, "default", "node-a:1", 1, 45, now=now)
+    assert job.attempt == 1
+    assert job.lease_until == now + timedelta(seconds=45)
+    row = conn.execute(
+        "SELECT state, claimed_by, attempts, lease_token FROM jobs WHERE id = %s", (job_id,)
+    ).fetchone()
+    assert row == ("claimed", "node-a:1", 1, job.lease_token)
+
+
+def _claim_until_empty(db_url: str, worker: str, batch: int, results: multiprocessing.Queue
+                       ) -> None:
+    claimed: list[int] = []
+    with connect(db_url) as conn:
+        while True:
+            jobs = queue.claim(conn, "default", worker, batch, 60)
+            if not jobs:
+                # The backlog is finite and fully due: an empty claim while other workers
+                # hold locks can still happen, so confirm with a count before stopping.
+                remaining = conn.execute(
+                    "SELECT count(*) FROM jobs WHERE state = 'pending'").fetchone()
+                if remaining == (0,):
+                    break
+                continue
+            claimed.extend(job.id for job in jobs)
+            queue.complete(conn, [job.lease for job in jobs])
+    results.put(claimed)
+
+
+def test_eight_processes_claim_twenty_thousand_jobs_each_exactly_once(
+    conn: psycopg.Connection, db_url: str
+) -> None:
+    ids = jobd.enqueue_many(conn, [JobSpec("h", {"n": n}) for n in range(20_000)])
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    workers = [
+        context.Process(target=_claim_until_empty, args=(db_url, f"w{i}", 1 + i * 7, results))
+        for i in range(8)
+    ]
+    for process in workers:
+        process.start()
+    claimed = [job_id for _ in workers for job_id in results.get(timeout=120)]
+    for process in workers:
+        process.join(timeout=30)
+        assert process.exitcode == 0
+    assert len(claimed) == 20_000
+    assert sorted(claimed) == sorted(ids)
+    assert conn.execute("SELECT count(*), min(attempts), max(attempts) FROM jobs_archive"
+                        ).fetchone() == (20_000, 1, 1)
+    assert conn.execute("SELECT count(*) FROM jobs").fetchone() == (0,)
+
+
+# --- fencing -------------------------------------------------------------------------------
+
+
+def test_a_worker_whose_lease_was_lost_cannot_touch_the_job(conn: psycopg.Connection) -> None:
+    job_id = jobd.enqueue(conn, "h")
+    start = db_now(conn)
+    [stale] = queue.claim(conn, "default", "w1", 1, 30, now=start)
+
+    # w1 stalls past its lease; the sweep makes the job claimable; w2 takes it.
+    swept = queue.expire_leases(conn, lambda _l: RetryPolicy(Backoff(0.001, 0.001), 8),
+                                now=start + timedelta(seconds=31))
+    assert swept.retried == [job_id]
+    [fresh] = queue.claim(conn, "default", "w2", 1, 30, now=start + timedelta(seconds=32))
+    assert fresh.id == job_id and fresh.attempt == 2
+
+    later = start + timedelta(seconds=33)
+    assert queue.heartbeat(conn, [stale.lease], 30, now=later).stale == [job_id]
+    assert queue.complete(conn, [stale.lease], now=later).stale == [job_id]
+    failed = queue.fail(conn, [Failure(stale.lease, "late", 0, 8)], now=later)
+    assert failed.stale == [job_id]
+    assert queue.release(conn, [stale.lease]).stale == [job_id]
+
+    row = conn.execute(
+        "SELECT state, claimed_by, attempts, lease_token FROM jobs WHERE id = %s", (job_id,)
+    ).fetchone()
+    assert row == ("claimed", "w2", 2, fresh.lease_token)
+    assert queue.complete(conn, [fresh.lease], now=later).applied == [job_id]
+    assert state_of(conn, job_id) == "done"
+
+
+def test_sweep_spares_a_lease_renewed_in_time(conn: psycopg.Connection) -> None:
+    job_id = jobd.enqueue(conn, "h")
+    start = db_now(conn)
+    [job] = queue.claim(conn, "default", "w1", 1, 30, now=start)
+    assert queue.heartbeat(conn, [job.lease], 30, now=start + timedelta(seconds=20)).applied == [
+        job_id]
+    swept = queue.expire_leases(conn, policy(), now=start + timedelta(seconds=40))
+    assert swept.retried == swept.dead == []
+    assert state_of(conn, job_id) == "claimed"
+
+
+def test_expired_only_fail_does_not_touch_a_live_lease(conn: psycopg.Connection) -> None:
+    job_id = jobd.enqueue(conn, "h")
+    start = db_now(conn)
+    [job] = queue.claim(conn, "default", "w1", 1, 30, now=start)
+    outcome = queue.fail(conn, [Failure(job.lease, "x", 0, 8)],
+                         now=start + timedelta(seconds=10), expired_only=True)
+    assert outcome.stale == [job_id]
+    assert state_of(conn, job_id) == "claimed"
+
+
+# --- retry and dead letters ----------------------------------------------------------------
+
+
+def test_failed_job_waits_for_its_backoff_then_is_claimable(conn: psycopg.Connection) -> None:
+    job_id = jobd.enqueue(conn, "h")
+    start = db_now(conn)
+    [job] = queue.claim(conn, "default", "w1", 1, 30, now=start)
+    assert queue.fail(conn, [Failure(job.lease, "boom", 10.0, 8)], now=start).retried == [job_id]
+    row = conn.execute("SELECT state, last_error, run_at, lease_until, claimed_by IS NOT NULL "
+                       "FROM jobs WHERE id = %s", (job_id,)).fetchone()
+    assert row == ("failed", "boom", start + timedelta(seconds=10), None, True)
+    assert queue.claim(conn, "default", "w1", 1, 30, now=start + timedelta(seconds=9)) == []
+    [again] = queue.claim(conn, "default", "w1", 1, 30, now=start + timedelta(seconds=10))
+    assert again.id == job_id and again.attempt == 2
+
+
+def test_job_dies_after_max_attempts_with_its_error_history(conn: psycopg.Connection) -> None:
+    job_id = jobd.enqueue(conn, "h", {"x": 1}, max_attempts=3, idempotency_key="k")
+    now = db_now(conn)
+    for attempt in range(1, 4):
+        [job] = queue.claim(conn, "default", "w1", 1, 30, now=now)
+        assert job.attempt == attempt
+        outcome = queue.fail(conn, [Failure(job.lease, f"error {attempt}", 0, 8)], now=now)
+        assert (outcome.dead if attempt == 3 else outcome.retried) == [job_id]
+    assert conn.execute("SELECT count(*) FROM jobs").fetchone() == (0,)
+    dead = conn.execute(
+        "SELECT attempts, last_error, errors, payload, idempotency_key FROM dead_letter "
+        "WHERE id = %s", (job_id,)).fetchone()
+    assert dead is not None
+    attempts, last_error, errors, payload, key = dead
+    assert (attempts, last_error, payload, key) == (3, "error 3", {"x": 1}, "k")
+    assert [e["error"] for e in errors] == ["error 1", "error 2", "error 3"]
+    assert [e["attempt"] for e in errors] == [1, 2, 3]
+    assert state_of(conn, job_id) == "dead"
+
+
+def test_lane_default_budget_applies_when_the_job_sets_none(conn: psycopg.Connection) -> None:
+    job_id = jobd.enqueue(conn, "h")
+    now = db_now(conn)
+    [job] = queue.claim(conn, "default", "w1", 1, 30, now=now)
+    assert queue.fail(conn, [Failure(job.lease, "e", 0, 2)], now=now).retried == [job_id]
+    [job] = queue.claim(conn, "default", "w1", 1, 30, now=now)
+    assert queue.fail(conn, [Failure(job.lease, "e", 0, 2)], now=now).dead == [job_id]
+
+
+def test_expired_lease_with_spent_budget_goes_to_the_dead_letter_queue(
+    conn: psycopg.Connection,
+) -> None:
+    job_id = jobd.enqueue(conn, "h", max_attempts=1)
+    start = db_now(conn)
+    queue.claim(conn, "default", "crashed-worker", 1, 30, now=start)
+    outcome = queue.expire_leases(conn, policy(), now=start + timedelta(seconds=31))
+    assert outcome.dead == [job_id]
+    row = conn.execute("SELECT last_error FROM dead_letter WHERE id = %s", (job_id,)).fetchone()
+    assert row == ("lease expired (held by crashed-worker)",)
+
+
+def test_fail_jobs_held_by_a_dead_worker(conn: psycopg.Connection) -> None:
+    ids = jobd.enqueue_many(conn, [JobSpec("h") for _ in range(3)])
+    queue.claim(conn, "default", "w-dead", 2, 30)
+    queue.claim(conn, "default", "w-alive", 1, 30)
+    outcome = queue.fail_jobs_held_by(conn, "w-dead", "worker killed by SIGKILL", policy())
+    assert len(outcome.retried) == 2
+    rows = conn.execute("SELECT state, last_error FROM jobs ORDER BY id").fetchall()
+    assert sorted(rows, key=str) == sorted(
+        [("failed", "worker killed by SIGKILL")] * 2 + [("claimed", None)], key=str)
+    assert set(outcome.retried) < set(ids)
+
+
+def test_replay_makes_a_dead_job_pending_with_a_fresh_budget(conn: psycopg.Connection) -> None:
+    job_id = jobd.enqueue(conn, "h", max_attempts=1)
+    [job] = queue.claim(conn, "default", "w", 1, 30)
+    queue.fail(conn, [Failure(job.lease, "boom", 0, 8)])
+    replayed = conn.execute(queue.query("replay_dead"), {"ids": [job_id], "now": None}).fetchall()
+    assert replayed == [(job_id,)]
+    row = conn.execute("SELECT state, attempts, jsonb_array_length(errors) FROM jobs "
+                       "WHERE id = %s", (job_id,)).fetchone()
+    assert row == ("pending", 0, 2)
+    [again] = queue.claim(conn, "default", "w", 1, 30)
+    assert again.id == job_id and again.lease_token != job.lease_token
+    assert queue.complete(conn, [job.lease]).stale == [job_id]
+
+
+def test_release_returns_jobs_without_spending_an_attempt(conn: psycopg.Connection) -> None:
+    job_id = jobd.enqueue(conn, "h")
+    [job] = queue.claim(conn, "default", "w", 1, 30)
+    assert queue.release(conn, [job.lease]).applied == [job_id]
+    row = conn.execute("SELECT state, attempts, claimed_by FROM jobs").fetchone()
+    assert row == ("pending", 0, None)
+
+
+def test_a_thousand_simultaneous_failures_retry_spread_over_the_window(
+    conn: psycopg.Connection,
+) -> None:
+    jobd.enqueue_many(conn, [JobSpec("h") for _ in range(1000)])
+    now = db_now(conn)
+    jobs = queue.claim(conn, "default", "w", 1000, 30, now=now)
+    backoff = Backoff(base=1.0, cap=300.0)
+    rng = random.Random(7)
+    # Attempt 6: the window is min(300, 1 * 2**5) = 32 s.
+    failures = [Failure(job.lease, "dependency down", backoff.delay(6, rng), 8) for job in jobs]
+    assert len(queue.fail(conn, failures, now=now).retried) == 1000
+    rows = conn.execute(
+        "SELECT extract(epoch FROM run_at - %s) FROM jobs", (now,)).fetchall()
+    delays = sorted(float(r[0]) for r in rows)
+    assert delays[0] >= 0 and delays[-1] <= 32
+    # Spread, not a herd: no single second holds more than 10 % of the retries, and the
+    # retries cover most of the window.
+    per_second = [sum(1 for d in delays if s <= d < s + 1) for s in range(32)]
+    assert max(per_second) < 100
+    assert delays[-1] - delays[0] > 25
