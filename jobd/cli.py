@@ -10,17 +10,18 @@ import json
 import os
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
 
-from jobd import dlq, inspect, queue
+from jobd import dlq, inspect, logs, queue
 from jobd.config import Config, load, parse_duration
 from jobd.db import DEFAULT_SCHEMA, connect, first_line, resolve_url, validate_schema
 from jobd.errors import JobdError, UsageError
 from jobd.migrate import MigrationMismatch, migrate
+from jobd.supervisor import Supervisor, schema_problem
 
 EPILOG = """\
 connection: --database-url, else $JOBD_DATABASE_URL, else database.url in the config file
@@ -133,6 +134,12 @@ def build_parser() -> argparse.ArgumentParser:
                                    formatter_class=argparse.RawDescriptionHelpFormatter,
                                    **kwargs)
 
+    run_cmd = add("run", "Run the supervisor daemon in the foreground: lane-pinned worker "
+                         "processes, wake-ups, lease sweeps. SIGHUP reloads the config, "
+                         "SIGTERM/SIGINT drain (a second one stops fast). Exit code 3: a "
+                         "handler cannot be imported.")
+    run_cmd.set_defaults(func=cmd_run)
+
     migrate_cmd = add("migrate", "Create or upgrade jobd's schema (safe to run on many nodes at "
                                  "once).")
     migrate_cmd.set_defaults(func=cmd_migrate)
@@ -192,6 +199,18 @@ def build_parser() -> argparse.ArgumentParser:
 # --- commands ------------------------------------------------------------------------------
 
 
+def cmd_run(ctx: Context, _args: argparse.Namespace) -> int:
+    if ctx.config.path is None:
+        raise UsageError("jobd run needs a config file: -c FILE (or $JOBD_CONFIG)")
+    config = replace(ctx.config, schema=ctx.schema)
+    logs.configure(config.log_level)
+    with ctx.connect() as conn:
+        problem = schema_problem(conn)
+    if problem:
+        raise UsageError(problem)
+    return Supervisor(config, ctx.url).run()
+
+
 def cmd_migrate(ctx: Context, _args: argparse.Namespace) -> int:
     with ctx.connect() as conn:
         applied = migrate(conn, ctx.schema)
@@ -238,17 +257,38 @@ def cmd_enqueue(ctx: Context, args: argparse.Namespace) -> int:
 def cmd_status(ctx: Context, _args: argparse.Namespace) -> int:
     with ctx.connect() as conn:
         lanes = inspect.lane_status(conn)
-    configured = [name for name in ctx.config.lanes if name not in {s.lane for s in lanes}]
-    lanes += [inspect.LaneStatus(name, 0, 0, 0, 0, 0.0) for name in configured]
+        nodes = inspect.node_status(conn)
+    # Lanes with no jobs still show when the config or a live node names them.
+    served = {lane for node in nodes for lane in node.workers}
+    missing = (set(ctx.config.lanes) | served) - {s.lane for s in lanes}
+    lanes += [inspect.LaneStatus(name, 0, 0, 0, 0, 0.0) for name in missing]
     lanes.sort(key=lambda s: s.lane)
+    rates = inspect.lane_rates(nodes)
+
+    def rate(lane: str, *kinds: str) -> float:
+        return sum(rates.get(lane, {}).get(kind, 0.0) for kind in kinds)
+
     if ctx.as_json:
-        _print_json({"lanes": [s.as_dict() for s in lanes]})
+        _print_json({
+            "lanes": [{**s.as_dict(), "claim_rate": rate(s.lane, "claimed"),
+                       "failure_rate": rate(s.lane, "failed", "dead")} for s in lanes],
+            "nodes": [n.as_dict() for n in nodes],
+        })
         return 0
     _print_table(
-        ["lane", "pending", "claimed", "failed", "dead (DLQ)", "oldest unclaimed"],
-        [[s.lane, s.pending, s.claimed, s.failed, s.dead, f"{s.oldest_unclaimed_age:.1f}s"]
+        ["lane", "pending", "claimed", "failed", "dead (DLQ)", "oldest unclaimed",
+         "claims/s", "failures/s"],
+        [[s.lane, s.pending, s.claimed, s.failed, s.dead, f"{s.oldest_unclaimed_age:.1f}s",
+          f"{rate(s.lane, 'claimed'):.1f}", f"{rate(s.lane, 'failed', 'dead'):.1f}"]
          for s in lanes],
         empty="no jobs and no lanes configured",
+    )
+    print()
+    _print_table(
+        ["node", "pid", "workers", "last seen"],
+        [[n.node, n.pid, ", ".join(f"{lane}: {count}" for lane, count in n.workers.items()),
+          n.seen_at] for n in nodes],
+        empty="no live nodes (no daemon has reported in the last minute)",
     )
     return 0
 

@@ -85,6 +85,9 @@ class Config:
     max_payload_bytes: int = 1024 * 1024
     worker_timeout: float = 30.0
     shutdown_timeout: float = 30.0
+    duty_interval: float = 10.0
+    archive_retention: float = 7 * 86400.0
+    log_level: str = "info"
 
     def retry_policy(self, lane: str) -> RetryPolicy:
         """The lane's retry policy; defaults for a lane this node does not configure."""
@@ -289,6 +292,7 @@ def _build(root: _Located, path: str | None) -> Config:
     metrics = top.section("metrics")
     limits = top.section("limits")
     supervisor = top.section("supervisor")
+    archive = top.section("archive")
 
     handlers: dict[str, str] = {}
     handler_section = top.section("handlers")
@@ -335,8 +339,12 @@ def _build(root: _Located, path: str | None) -> Config:
             "max_payload_bytes", _int_between(1, 256 * 1024 * 1024), 1024 * 1024),
         worker_timeout=supervisor.take("worker_timeout", _positive_duration, 30.0),
         shutdown_timeout=supervisor.take("shutdown_timeout", _positive_duration, 30.0),
+        duty_interval=supervisor.take("duty_interval", _positive_duration, 10.0),
+        log_level=supervisor.take("log_level", _choice("debug", "info", "warning", "error"),
+                                  "info"),
+        archive_retention=archive.take("retention", _positive_duration, 7 * 86400.0),
     )
-    for section in (database, node, metrics, limits, supervisor, top):
+    for section in (database, node, metrics, limits, supervisor, archive, top):
         section.finish()
     for schedule in config.schedules:
         if schedule.handler not in config.handlers:

@@ -111,6 +111,8 @@ class FailOutcome:
     retried: list[int] = field(default_factory=list)
     dead: list[int] = field(default_factory=list)
     stale: list[int] = field(default_factory=list)
+    # When the earliest retry becomes due, so the caller can wake up for it.
+    next_retry_at: datetime | None = None
 
 
 @dataclass(slots=True)
@@ -333,7 +335,9 @@ def fail(
             "now": now,
         },
     ).fetchall()
-    results = dict(rows)
+    results = {job_id: outcome_kind for job_id, outcome_kind, _ in rows}
+    retry_times = [run_at for _, _, run_at in rows if run_at is not None]
+    outcome.next_retry_at = min(retry_times, default=None)
     for f in failures:
         kind = results.get(f.lease.id)
         if kind == "failed":

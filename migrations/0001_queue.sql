@@ -125,20 +125,24 @@ CREATE VIEW all_jobs AS
            died_at
       FROM dead_letter;
 
--- Wake the lanes that received due work, once per lane and statement (a bulk insert of
--- 20,000 rows sends one notification per lane, not 20,000). The channel carries the schema
--- name so several jobd schemas can share a database.
-CREATE FUNCTION notify_due_jobs() RETURNS trigger LANGUAGE plpgsql AS $$
+-- Wake the lanes that received work, once per lane and statement (a bulk insert of 20,000
+-- rows sends one notification per lane, not 20,000). The payload is the lane name when some
+-- of the new jobs are due now, else 'lane@<epoch seconds>' of the earliest one, so the
+-- listener can wake the lane at that instant instead of polling for it. The channel carries
+-- the schema name so several jobd schemas can share a database.
+CREATE FUNCTION notify_new_jobs() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
-    PERFORM pg_notify(TG_TABLE_SCHEMA || '_wakeup', lane)
-       FROM (SELECT DISTINCT lane FROM new_jobs WHERE run_at <= now()) AS due_lanes;
+    PERFORM pg_notify(TG_TABLE_SCHEMA || '_wakeup',
+                      CASE WHEN first_run_at <= now() THEN lane
+                           ELSE lane || '@' || extract(epoch FROM first_run_at)::text END)
+       FROM (SELECT lane, min(run_at) AS first_run_at FROM new_jobs GROUP BY lane) AS lanes;
     RETURN NULL;
 END
 $$;
 
 CREATE TRIGGER jobs_notify_insert AFTER INSERT ON jobs
     REFERENCING NEW TABLE AS new_jobs
-    FOR EACH STATEMENT EXECUTE FUNCTION notify_due_jobs();
+    FOR EACH STATEMENT EXECUTE FUNCTION notify_new_jobs();
 
 -- One committed INSERT enqueues a job. With an idempotency key, the key ledger decides: the
 -- first caller inserts the job, every later caller gets the first job's id back, even after

@@ -134,7 +134,7 @@ retried AS (
        AND jobs.attempts < coalesce(jobs.max_attempts, f.default_max_attempts)
        AND (NOT %(expired_only)s
             OR jobs.lease_until < coalesce(%(now)s::timestamptz, now()))
-    RETURNING jobs.id
+    RETURNING jobs.id, jobs.run_at
 ),
 died AS (
     DELETE FROM jobs
@@ -158,9 +158,9 @@ buried AS (
       FROM died
     RETURNING id
 )
-SELECT id, 'failed' AS outcome FROM retried
+SELECT id, 'failed' AS outcome, run_at FROM retried
 UNION ALL
-SELECT id, 'dead' FROM buried
+SELECT id, 'dead', NULL FROM buried
 
 -- name: release_jobs
 -- Gives claimed jobs back without spending their attempt (graceful shutdown): they are
@@ -267,3 +267,54 @@ SELECT ensure_archive_partitions(%(days_ahead)s)
 
 -- name: drop_archive_partitions
 SELECT drop_archive_partitions(%(cutoff)s::timestamptz)
+
+-- name: next_run_at
+-- The earliest future run_at (epoch seconds) of a lane's claimable jobs: one probe per distinct
+-- priority (the loose scan of claim_jobs), so it stays cheap however many jobs wait.
+WITH RECURSIVE priorities AS (
+    (SELECT priority FROM jobs
+      WHERE lane = %(lane)s AND state IN ('pending', 'failed')
+      ORDER BY priority DESC LIMIT 1)
+    UNION ALL
+    SELECT (SELECT j.priority FROM jobs AS j
+             WHERE j.lane = %(lane)s AND j.state IN ('pending', 'failed')
+               AND j.priority < p.priority
+             ORDER BY j.priority DESC LIMIT 1)
+      FROM priorities AS p
+     WHERE p.priority IS NOT NULL
+)
+SELECT extract(epoch FROM min(first.run_at))::float8
+  FROM priorities AS p
+ CROSS JOIN LATERAL (
+       SELECT run_at FROM jobs
+        WHERE lane = %(lane)s AND state IN ('pending', 'failed')
+          AND priority = p.priority
+          AND run_at > coalesce(%(now)s::timestamptz, now())
+        ORDER BY run_at
+        LIMIT 1) AS first
+ WHERE p.priority IS NOT NULL
+
+-- name: node_heartbeat
+INSERT INTO nodes AS n (instance, node, pid, workers, counters)
+VALUES (%(instance)s, %(node)s, %(pid)s, %(workers)s, %(counters)s)
+ON CONFLICT (instance) DO UPDATE
+   SET seen_at = now(),
+       workers = excluded.workers,
+       prev_counters = n.counters,
+       prev_seen_at = n.seen_at,
+       counters = excluded.counters
+RETURNING extract(epoch FROM now())::float8
+
+-- name: node_leave
+DELETE FROM nodes WHERE instance = %(instance)s
+
+-- name: prune_nodes
+DELETE FROM nodes WHERE seen_at < now() - make_interval(secs => %(older_than)s)
+
+-- name: live_nodes
+-- Nodes seen recently, with per-lane rates per second over their last two samples.
+SELECT instance, node, pid, started_at, seen_at, workers, counters, prev_counters,
+       extract(epoch FROM seen_at - prev_seen_at)::float8 AS sample_seconds
+  FROM nodes
+ WHERE seen_at >= now() - make_interval(secs => %(within)s)
+ ORDER BY node, instance

@@ -1,0 +1,106 @@
+"""Resolving the config's handler allow-list (``name: module:function``) to callables.
+
+Workers resolve their handlers at start. Before the supervisor starts workers or applies a
+reloaded config it runs ``python -m jobd.handlers`` in a fresh process, so a handler that
+cannot be imported is refused up front instead of crash-looping workers, and user code is
+never imported into the supervisor itself.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import subprocess
+import sys
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+Handler = Callable[..., Any]
+
+TRANSACTIONAL_ATTRIBUTE = "__jobd_transactional__"
+
+
+class HandlerImportError(Exception):
+    """A handler's import path does not lead to a callable."""
+
+
+def transactional(func: Handler) -> Handler:
+    """Mark a handler as transactional: it is called as ``handler(job, conn)``."""
+    setattr(func, TRANSACTIONAL_ATTRIBUTE, True)
+    return func
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedHandler:
+    name: str
+    func: Handler
+    is_async: bool
+    is_transactional: bool
+
+
+def resolve(name: str, path: str) -> ResolvedHandler:
+    module_name, _, attribute_path = path.partition(":")
+    try:
+        target: Any = importlib.import_module(module_name)
+        for attribute in attribute_path.split("."):
+            target = getattr(target, attribute)
+    except Exception as exc:
+        raise HandlerImportError(
+            f"handler {name!r} ({path}) cannot be imported: {type(exc).__name__}: {exc}"
+        ) from exc
+    if not callable(target):
+        raise HandlerImportError(f"handler {name!r} ({path}) is not callable")
+    # A class instance with an ``async def __call__`` is an async handler too.
+    is_async = inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(
+        type(target).__call__)
+    return ResolvedHandler(name, target, is_async,
+                           bool(getattr(target, TRANSACTIONAL_ATTRIBUTE, False)))
+
+
+def resolve_all(paths: Mapping[str, str]) -> dict[str, ResolvedHandler]:
+    return {name: resolve(name, path) for name, path in paths.items()}
+
+
+def check_in_subprocess(paths: Mapping[str, str], timeout: float = 60.0) -> list[str]:
+    """Import every handler in a fresh interpreter; returns one message per failure."""
+    if not paths:
+        return []
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "jobd.handlers"], input=json.dumps(dict(paths)),
+            capture_output=True, text=True, timeout=timeout,
+        )
+    except subprocess.TimeoutExpired:
+        return [f"importing the handlers took longer than {timeout:g}s"]
+    lines = result.stdout.strip().splitlines()
+    try:
+        problems = json.loads(lines[-1]) if lines else None
+        if not isinstance(problems, list):
+            raise ValueError
+    except ValueError:
+        tail = (result.stderr.strip().splitlines() or ["no output"])[-1]
+        return [f"the handler check failed (exit code {result.returncode}): {tail}"]
+    return [str(problem) for problem in problems]
+
+
+def _check_main() -> int:
+    paths = json.load(sys.stdin)
+    problems = []
+    for name, path in paths.items():
+        try:
+            resolve(name, path)
+        except HandlerImportError as exc:
+            problems.append(str(exc))
+        except BaseException as exc:  # a module that calls sys.exit() at import, say
+            problems.append(f"handler {name!r} ({path}) failed at import: "
+                            + traceback.format_exception_only(exc)[-1].strip())
+    # Imported user code may have printed to stdout; the verdict is the last line.
+    sys.stdout.write("\n" + json.dumps(problems) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_check_main())

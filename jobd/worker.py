@@ -1,0 +1,501 @@
+"""A worker process: claims jobs of one lane and runs them.
+
+The supervisor starts it as ``python -m jobd.worker`` with a :class:`WorkerSpec` as JSON on
+stdin (a fresh interpreter: no connection, lock or thread of the supervisor's crosses over).
+
+One thread, the loop in :class:`Worker`, owns the database connection: it claims batches up to
+free capacity, flushes completions and failures in batches, renews the leases of running jobs
+in one statement, and tells the supervisor it is alive. Handlers run elsewhere: sync ones in a
+thread pool of the lane's ``concurrency``, ``async def`` ones on an event loop thread. The loop
+sleeps in ``select`` until the supervisor wakes it (new work in the lane), a handler finishes,
+a signal arrives, or a timer is due; the jittered ``poll_interval`` is only a safety net.
+
+Signals: SIGTERM drains (stop claiming, let jobs finish up to ``shutdown_timeout``, release
+the rest); SIGUSR2 retires (finish every job, however long, then exit: used when a reload
+replaces the worker); SIGQUIT or a second SIGTERM stops at once, releasing what it holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import faulthandler
+import json
+import os
+import queue as stdlib_queue
+import random
+import selectors
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import psycopg
+import setproctitle
+import structlog
+
+from jobd import handlers as handler_registry
+from jobd import logs, queue
+from jobd.backoff import Backoff
+from jobd.config import LaneConfig
+from jobd.db import connect, first_line
+from jobd.errors import DatabaseUnavailable
+
+EXIT_OK = 0
+EXIT_BOOT_FAILURE = 3  # a handler could not be imported: restarting will not help
+EXIT_WEDGED = 4  # every slot is held by a handler that ignored its timeout
+
+REPORT_INTERVAL = 1.0  # seconds between liveness reports to the supervisor
+MAX_ERROR_CHARS = 4000
+
+log = structlog.get_logger("jobd.worker")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    worker_id: str
+    lane: LaneConfig
+    handlers: dict[str, str]
+    database_url: str
+    schema: str
+    slot: int
+    generation: int
+    status_fd: int
+    wake_fd: int
+    shutdown_timeout: float
+    log_level: str = "info"
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkerSpec:
+        data = json.loads(text)
+        lane = dict(data.pop("lane"))
+        lane["backoff"] = Backoff(**lane["backoff"])
+        return cls(lane=LaneConfig(**lane), **data)
+
+
+@dataclass(slots=True)
+class Running:
+    job: queue.Job
+    started: float
+    deadline: float | None
+    abandoned: bool = False  # failed for its timeout; the thread has not returned yet
+    lease_lost: bool = False
+
+
+@dataclass(slots=True)
+class Counters:
+    claimed: int = 0
+    completed: int = 0
+    failed: int = 0
+    dead: int = 0
+    stale: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class Outcome:
+    job: queue.Job
+    error: str | None  # None: success
+
+
+@dataclass(slots=True)
+class _Timers:
+    next_poll: float = 0.0
+    next_heartbeat: float = 0.0
+    next_report: float = 0.0
+    wake_at: list[float] = field(default_factory=list)  # retries of our own failed jobs
+    reconnect_at: float = 0.0
+    reconnect_delay: float = 0.5
+
+
+class JobTimedOut(Exception):
+    """An async handler overran the lane's timeout and was cancelled."""
+
+
+def format_error(exc: BaseException) -> str:
+    text = "".join(traceback.format_exception(exc))
+    headline = f"{type(exc).__name__}: {exc}"
+    if len(text) > MAX_ERROR_CHARS:
+        text = text[-MAX_ERROR_CHARS:]
+    return f"{headline}\n{text}" if text.strip() != headline else headline
+
+
+class Worker:
+    def __init__(self, spec: WorkerSpec, resolved: dict[str, handler_registry.ResolvedHandler]):
+        self.spec = spec
+        self.lane = spec.lane
+        self.handlers = resolved
+        self.conn: psycopg.Connection | None = None
+        self.inflight: dict[int, Running] = {}
+        self.outcomes: stdlib_queue.SimpleQueue[Outcome] = stdlib_queue.SimpleQueue()
+        self.pending_outcomes: list[Outcome] = []
+        self.counters = Counters()
+        self.timers = _Timers()
+        self.maybe_more = True  # there may be due work: claim when capacity allows
+        self.mode = "running"  # running | draining | retiring
+        self.drain_deadline: float | None = None
+        self.stop_now = False
+        self.signals: list[int] = []
+        self.pool = ThreadPoolExecutor(max_workers=self.lane.concurrency,
+                                       thread_name_prefix=f"jobd-{self.lane.name}")
+        self.loop: asyncio.AbstractEventLoop | None = None
+        if any(h.is_async for h in resolved.values()):
+            self.loop = asyncio.new_event_loop()
+            threading.Thread(target=self.loop.run_forever, name="jobd-async", daemon=True).start()
+        self.selector = selectors.DefaultSelector()
+        self._results_r, self._results_w = os.pipe()
+        self._signals_r, self._signals_w = os.pipe()
+        for fd in (self._results_r, self._results_w, self._signals_r, self._signals_w,
+                   spec.wake_fd, spec.status_fd):
+            os.set_blocking(fd, False)
+        self.selector.register(spec.wake_fd, selectors.EVENT_READ, self._on_wake)
+        self.selector.register(self._results_r, selectors.EVENT_READ, self._drain_pipe)
+        self.selector.register(self._signals_r, selectors.EVENT_READ, self._drain_pipe)
+
+    # --- signals ---------------------------------------------------------------------------
+
+    def install_signal_handlers(self) -> None:
+        signal.set_wakeup_fd(self._signals_w)
+        for signum in (signal.SIGTERM, signal.SIGUSR2, signal.SIGQUIT):
+            signal.signal(signum, self._record_signal)
+        # Ctrl-C in a terminal reaches the whole process group; the supervisor decides.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def _record_signal(self, signum: int, _frame: object) -> None:
+        self.signals.append(signum)
+
+    def _handle_signals(self) -> None:
+        while self.signals:
+            signum = self.signals.pop(0)
+            if signum == signal.SIGQUIT or (signum == signal.SIGTERM and self.mode == "draining"):
+                log.info("stopping at once", signal=signal.Signals(signum).name)
+                self.stop_now = True
+            elif signum == signal.SIGTERM:
+                self.mode = "draining"
+                self.drain_deadline = time.monotonic() + self.spec.shutdown_timeout
+                log.info("draining", in_flight=len(self.inflight),
+                         shutdown_timeout=self.spec.shutdown_timeout)
+            elif signum == signal.SIGUSR2 and self.mode == "running":
+                self.mode = "retiring"
+                log.info("retiring", in_flight=len(self.inflight))
+
+    # --- the loop --------------------------------------------------------------------------
+
+    def run(self) -> int:
+        now = time.monotonic()
+        self.timers.next_poll = now + self._poll_delay()
+        self.timers.next_heartbeat = now + self.lane.heartbeat
+        self._report(force=True)
+        while True:
+            for key, _events in self.selector.select(self._select_timeout()):
+                key.data(key.fd)
+            self._handle_signals()
+            if self.stop_now:
+                break
+            self._ensure_connection()
+            self._collect_outcomes()
+            self._expire_timeouts()
+            self._flush_outcomes()
+            self._renew_leases()
+            self._claim()
+            self._report()
+            if self._finished():
+                break
+            if len(self.inflight) >= self.lane.concurrency and all(
+                    r.abandoned for r in self.inflight.values()):
+                log.error("every slot is held by a handler that ignored its timeout; exiting")
+                self._shutdown()
+                return EXIT_WEDGED
+        self._shutdown()
+        return EXIT_OK
+
+    def _finished(self) -> bool:
+        if self.mode == "running":
+            return False
+        working = [r for r in self.inflight.values() if not r.abandoned]
+        if not working and not self.pending_outcomes:
+            return True
+        return (self.mode == "draining" and self.drain_deadline is not None
+                and time.monotonic() >= self.drain_deadline)
+
+    def _select_timeout(self) -> float:
+        now = time.monotonic()
+        moments = [self.timers.next_heartbeat, self.timers.next_report]
+        if self.mode == "running":
+            moments.append(self.timers.next_poll)
+            moments.extend(self.timers.wake_at)
+        if self.conn is None:
+            moments.append(self.timers.reconnect_at)
+        if self.drain_deadline is not None:
+            moments.append(self.drain_deadline)
+        moments.extend(r.deadline for r in self.inflight.values()
+                       if r.deadline is not None and not r.abandoned)
+        return max(0.0, min(moments) - now)
+
+    def _poll_delay(self) -> float:
+        # Jitter keeps a fleet of idle workers from polling in lockstep.
+        return self.lane.poll_interval * random.uniform(0.8, 1.2)
+
+    def _drain_pipe(self, fd: int) -> None:
+        try:
+            while os.read(fd, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _on_wake(self, fd: int) -> None:
+        try:
+            data = os.read(fd, 4096)
+        except BlockingIOError:
+            return
+        if not data:  # the supervisor is gone: drain like SIGTERM
+            self.selector.unregister(fd)
+            if self.mode == "running":
+                self.signals.append(signal.SIGTERM)
+            return
+        self.maybe_more = True
+
+    # --- database --------------------------------------------------------------------------
+
+    def _ensure_connection(self) -> None:
+        if self.conn is not None or time.monotonic() < self.timers.reconnect_at:
+            return
+        try:
+            self.conn = connect(self.spec.database_url, self.spec.schema,
+                                application_name=f"jobd worker {self.lane.name}#{self.spec.slot}")
+            self.timers.reconnect_delay = 0.5
+            self.maybe_more = True
+        except DatabaseUnavailable as exc:
+            self.timers.reconnect_at = time.monotonic() + self.timers.reconnect_delay
+            log.warning("database unavailable", error=str(exc),
+                        retry_in=round(self.timers.reconnect_delay, 1))
+            self.timers.reconnect_delay = min(self.timers.reconnect_delay * 2, 30.0)
+
+    def _db(self, operation: Callable[[psycopg.Connection], Any]) -> Any:
+        """Run ``operation`` on the connection; on a connection failure drop it and say None."""
+        if self.conn is None:
+            return None
+        try:
+            return operation(self.conn)
+        except psycopg.OperationalError as exc:
+            log.warning("database connection lost", error=first_line(exc))
+            self.conn.close()
+            self.conn = None
+            self.timers.reconnect_at = time.monotonic()
+            return None
+
+    # --- claiming and running --------------------------------------------------------------
+
+    def _claim(self) -> None:
+        now = time.monotonic()
+        if self.mode != "running" or self.conn is None:
+            return
+        due_timer = [t for t in self.timers.wake_at if t <= now]
+        if due_timer or now >= self.timers.next_poll:
+            self.timers.wake_at = [t for t in self.timers.wake_at if t > now]
+            self.maybe_more = True
+        free = self.lane.concurrency - len(self.inflight)
+        if not self.maybe_more or free <= 0:
+            return
+        jobs = self._db(lambda conn: queue.claim(
+            conn, self.lane.name, self.spec.worker_id, free, self.lane.visibility_timeout))
+        if jobs is None:
+            return
+        self.maybe_more = len(jobs) == free
+        self.timers.next_poll = time.monotonic() + self._poll_delay()
+        self.counters.claimed += len(jobs)
+        for job in jobs:
+            self._start(job)
+
+    def _start(self, job: queue.Job) -> None:
+        started = time.monotonic()
+        deadline = started + self.lane.timeout if self.lane.timeout else None
+        self.inflight[job.id] = Running(job, started, deadline)
+        resolved = self.handlers.get(job.handler)
+        future: Future[Any]
+        if resolved is None:
+            future = Future()
+            future.set_exception(LookupError(
+                f"no handler named {job.handler!r} on this worker (lane {job.lane!r})"))
+        elif resolved.is_async:
+            assert self.loop is not None
+            future = asyncio.run_coroutine_threadsafe(self._run_async(resolved, job), self.loop)
+        else:
+            future = self.pool.submit(resolved.func, job)
+        future.add_done_callback(lambda done, job=job: self._finish(job, done))
+
+    async def _run_async(self, resolved: handler_registry.ResolvedHandler,
+                         job: queue.Job) -> Any:
+        if not self.lane.timeout:
+            return await resolved.func(job)
+        scope = asyncio.timeout(self.lane.timeout)
+        try:
+            async with scope:
+                return await resolved.func(job)
+        except TimeoutError:
+            if scope.expired():  # our deadline, not a TimeoutError raised by the handler
+                raise JobTimedOut(f"timed out after {self.lane.timeout:g}s") from None
+            raise
+
+    def _finish(self, job: queue.Job, future: Future[Any]) -> None:
+        # Runs in the handler's thread: hand the outcome to the loop and wake it.
+        try:
+            exc = future.exception()
+        except BaseException as cancelled:  # CancelledError: the event loop went away
+            exc = cancelled
+        if isinstance(exc, JobTimedOut):
+            error: str | None = str(exc)
+        else:
+            error = format_error(exc) if exc is not None else None
+        self.outcomes.put(Outcome(job, error))
+        try:
+            os.write(self._results_w, b"!")
+        except BlockingIOError:
+            pass  # the pipe is full, so the loop is already due to wake
+
+    def _collect_outcomes(self) -> None:
+        while True:
+            try:
+                outcome = self.outcomes.get_nowait()
+            except stdlib_queue.Empty:
+                return
+            running = self.inflight.pop(outcome.job.id, None)
+            if running is None or running.abandoned:
+                continue  # already failed for its timeout; the late result changes nothing
+            self.pending_outcomes.append(outcome)
+
+    def _expire_timeouts(self) -> None:
+        now = time.monotonic()
+        for running in self.inflight.values():
+            if running.deadline is not None and now >= running.deadline and not running.abandoned:
+                job = running.job
+                if self.handlers.get(job.handler) and self.handlers[job.handler].is_async:
+                    continue  # asyncio.wait_for cancels it and reports the timeout itself
+                running.abandoned = True
+                self.pending_outcomes.append(
+                    Outcome(job, f"timed out after {self.lane.timeout:g}s"))
+                log.warning("job timed out", job_id=job.id, handler=job.handler,
+                            timeout=self.lane.timeout)
+
+    def _flush_outcomes(self) -> None:
+        if not self.pending_outcomes or self.conn is None:
+            return
+        batch = self.pending_outcomes
+        successes = [o.job.lease for o in batch if o.error is None]
+        failures = [
+            queue.Failure(o.job.lease, o.error, self.lane.backoff.delay(o.job.attempt),
+                          self.lane.max_attempts)
+            for o in batch if o.error is not None
+        ]
+
+        def write(conn: psycopg.Connection) -> tuple[queue.WriteOutcome, queue.FailOutcome]:
+            return queue.complete(conn, successes), queue.fail(conn, failures)
+
+        written = self._db(write)
+        if written is None:
+            return  # kept for the next connection: the leases still decide what applies
+        self.pending_outcomes = []
+        completed, failed = written
+        self.counters.completed += len(completed.applied)
+        self.counters.failed += len(failed.retried)
+        self.counters.dead += len(failed.dead)
+        stale = completed.stale + failed.stale
+        self.counters.stale += len(stale)
+        if stale:
+            log.warning("lost the lease before finishing; result discarded", job_ids=stale)
+        for job_id in failed.dead:
+            log.warning("job moved to the dead-letter queue", job_id=job_id)
+        now = time.monotonic()
+        retried = set(failed.retried)
+        self.timers.wake_at.extend(
+            now + f.retry_delay for f in failures if f.lease.id in retried)
+        if successes or failures:
+            self.maybe_more = True  # capacity freed up: look for more work
+
+    def _renew_leases(self) -> None:
+        now = time.monotonic()
+        if now < self.timers.next_heartbeat:
+            return
+        self.timers.next_heartbeat = now + self.lane.heartbeat
+        held = [r.job.lease for r in self.inflight.values() if not r.abandoned and not r.lease_lost]
+        if not held:
+            return
+        renewed = self._db(lambda conn: queue.heartbeat(conn, held, self.lane.visibility_timeout))
+        if renewed is None:
+            return
+        for job_id in renewed.stale:
+            running = self.inflight.get(job_id)
+            if running is not None:
+                running.lease_lost = True
+        if renewed.stale:
+            log.warning("lease lost while running (expired and swept?)", job_ids=renewed.stale)
+
+    # --- reporting and shutdown ------------------------------------------------------------
+
+    def _report(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now < self.timers.next_report:
+            return
+        self.timers.next_report = now + REPORT_INTERVAL
+        busy = len(self.inflight)
+        title = (f"jobd: worker {self.lane.name}#{self.spec.slot} "
+                 f"busy {busy}/{self.lane.concurrency}")
+        if self.mode != "running":
+            title += f" {self.mode}"
+        setproctitle.setproctitle(title)
+        message = {"busy": busy, "capacity": self.lane.concurrency, "mode": self.mode,
+                   "connected": self.conn is not None, "counters": self.counters.as_dict()}
+        try:
+            os.write(self.spec.status_fd, (json.dumps(message) + "\n").encode())
+        except (BlockingIOError, BrokenPipeError):
+            pass  # the supervisor reads when it can; a missed report only delays its view
+
+    def _shutdown(self) -> None:
+        self._collect_outcomes()
+        if self.conn is None:
+            self.timers.reconnect_at = 0.0
+            self._ensure_connection()
+        self._flush_outcomes()
+        unfinished = [r.job.lease for r in self.inflight.values() if not r.abandoned]
+        if unfinished:
+            released = self._db(lambda conn: queue.release(conn, unfinished))
+            log.info("released unfinished jobs", job_ids=[lease.id for lease in unfinished],
+                     released=len(released.applied) if released else 0)
+        self._report(force=True)
+        if self.conn is not None:
+            self.conn.close()
+
+
+def main() -> int:
+    spec = WorkerSpec.from_json(sys.stdin.read())
+    logs.configure(spec.log_level, process=f"worker {spec.lane.name}#{spec.slot}")
+    structlog.contextvars.bind_contextvars(worker=spec.worker_id, pid=os.getpid())
+    setproctitle.setproctitle(f"jobd: worker {spec.lane.name}#{spec.slot} starting")
+    faulthandler.enable()  # SIGABRT from the supervisor dumps every thread's stack
+    try:
+        resolved = handler_registry.resolve_all(spec.handlers)
+    except handler_registry.HandlerImportError as exc:
+        log.error("boot failure", error=str(exc))
+        return EXIT_BOOT_FAILURE
+    worker = Worker(spec, resolved)
+    worker.install_signal_handlers()
+    log.info("worker started", lane=spec.lane.name, generation=spec.generation,
+             concurrency=spec.lane.concurrency)
+    return worker.run()
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Handler threads that ignored their timeout must not keep the process alive.
+    os._exit(code)
