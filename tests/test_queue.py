@@ -122,8 +122,11 @@ def test_bulk_enqueue_sends_one_notification_per_lane(db_url: str) -> None:
                           + [JobSpec("h", lane="b") for _ in range(500)])
         future = db_now(writer) + timedelta(hours=1)
         jobd.enqueue(writer, "h", lane="later", run_at=future)
-        received = [n.payload for n in listener.notifies(timeout=1.0)]
-    assert sorted(received) == ["a", "b"]
+        received = sorted(n.payload for n in listener.notifies(timeout=1.0, stop_after=3))
+    assert received[:2] == ["a", "b"]
+    lane, _, epoch = received[2].partition("@")
+    assert lane == "later"
+    assert abs(float(epoch) - future.timestamp()) < 0.001
 
 
 # --- claim ---------------------------------------------------------------------------------
