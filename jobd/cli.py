@@ -16,8 +16,9 @@ from typing import Any
 
 import psycopg
 
-from jobd import dlq, inspect, logs, queue
+from jobd import dlq, inspect, logs, queue, schedules
 from jobd.config import Config, load, parse_duration
+from jobd.cron import CronError, CronSchedule
 from jobd.db import DEFAULT_SCHEMA, connect, first_line, resolve_url, validate_schema
 from jobd.errors import JobdError, UsageError
 from jobd.migrate import MigrationMismatch, migrate
@@ -193,6 +194,25 @@ def build_parser() -> argparse.ArgumentParser:
     purge.add_argument("--before", type=_timestamp_or_age, required=True,
                        metavar="ISO8601|AGE", help="an instant, or an age such as 30d")
     purge.set_defaults(func=cmd_dlq_purge)
+    schedules_cmd = add("schedules", "Recurring schedules: list them, or preview a cron "
+                                     "expression's occurrences (DST included).")
+    schedules_sub = schedules_cmd.add_subparsers(dest="schedules_command", metavar="ACTION",
+                                                 required=True, parser_class=_Parser)
+    schedules_list = schedules_sub.add_parser(
+        "list", parents=[common], help="the schedules in the database with their next fire")
+    schedules_list.set_defaults(func=cmd_schedules_list)
+    preview = schedules_sub.add_parser(
+        "next", parents=[common],
+        help="occurrences of an expression strictly after --from, with the materializer's "
+             "DST policy")
+    preview.add_argument("--cron", required=True, metavar="EXPR",
+                         help='five fields, e.g. "30 2 * * *", or @daily, @hourly ...')
+    preview.add_argument("--tz", default="UTC", metavar="ZONE",
+                         help="IANA time zone (default: UTC)")
+    preview.add_argument("--from", dest="start", type=_timestamp, metavar="ISO8601",
+                         help="start instant, with a UTC offset (default: now)")
+    preview.add_argument("--count", type=_positive_int, default=10, help="how many (default 10)")
+    preview.set_defaults(func=cmd_schedules_next)
     return parser
 
 
@@ -359,6 +379,57 @@ def cmd_dlq_purge(ctx: Context, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_schedules_list(ctx: Context, _args: argparse.Namespace) -> int:
+    with ctx.connect() as conn:
+        rows = schedules.list_schedules(conn)
+        row = conn.execute("SELECT now()").fetchone()
+    assert row is not None
+    now = row[0]
+    listing = []
+    for entry in rows:
+        cursor = entry["materialized_until"]
+        assert isinstance(cursor, datetime)
+        local = utc = None
+        try:
+            cron = CronSchedule.parse(str(entry["cron"]), str(entry["timezone"]))
+        except CronError:
+            cron = None  # written by another jobd version; list it without a next fire
+        if cron is not None and entry["enabled"]:
+            following = cron.next_after(max(now, cursor))
+            if following:
+                local, utc = following[0].local(cron.zone), following[0].fire_at
+        listing.append({**entry, "state": "enabled" if entry["enabled"] else "disabled",
+                        "next_fire_local": local, "next_fire_utc": utc})
+    if ctx.as_json:
+        _print_json(listing)
+        return 0
+    columns = ["id", "cron", "timezone", "next_fire_local", "next_fire_utc", "last_fire_at",
+               "state"]
+    _print_table(["id", "cron", "zone", "next fire (local)", "next fire (UTC)", "last fire",
+                  "state"],
+                 [[_local(item[c]) if c == "next_fire_local" else item[c] for c in columns]
+                  for item in listing], empty="no schedules")
+    return 0
+
+
+def cmd_schedules_next(ctx: Context, args: argparse.Namespace) -> int:
+    try:
+        cron = CronSchedule.parse(args.cron, args.tz)
+    except CronError as exc:
+        raise UsageError(str(exc)) from None
+    start = args.start or datetime.now(UTC)
+    occurrences = cron.next_after(start, args.count)
+    if ctx.as_json:
+        _print_json([o.local(cron.zone).isoformat() for o in occurrences])
+        return 0
+    kind = "wildcard: fires by real time" if cron.wildcard else "fixed time: once per local time"
+    print(f"{cron.expression} in {cron.zone.key} ({kind})")
+    _print_table(["local", "UTC", "occurrence key"],
+                 [[_local(o.local(cron.zone)), o.fire_at, o.key] for o in occurrences],
+                 empty="no occurrence in the next 30 years")
+    return 0
+
+
 # --- output --------------------------------------------------------------------------------
 
 
@@ -379,6 +450,13 @@ def _cell(value: object) -> str:
         return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + "Z"
     text = str(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _local(value: object) -> str:
+    """A local time with its UTC offset, e.g. 2026-03-29 03:00 +02:00."""
+    if not isinstance(value, datetime):
+        return _cell(value)
+    return value.strftime("%Y-%m-%d %H:%M:%S %z")[:-2] + ":" + value.strftime("%z")[-2:]
 
 
 def _print_table(headers: Sequence[str], rows: Sequence[Sequence[object]], empty: str) -> None:

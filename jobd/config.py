@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from jobd.backoff import Backoff, RetryPolicy
+from jobd.cron import CronError, CronSchedule
 from jobd.db import DEFAULT_SCHEMA, validate_schema
 from jobd.errors import ConfigError, UsageError
 
@@ -255,11 +256,18 @@ def _lane(name: str, located: _Located, path: str) -> LaneConfig:
     return lane
 
 
+def _cron(value: object) -> str:
+    try:
+        return CronSchedule.parse(_string(value)).expression
+    except CronError as exc:
+        raise ValueError(str(exc)) from None
+
+
 def _schedule(located: _Located, path: str) -> ScheduleConfig:
     section = _Section(located, path)
     schedule = ScheduleConfig(
         id=section.take("id", _name("schedule")),
-        cron=section.take("cron", _string),
+        cron=section.take("cron", _cron),
         handler=section.take("handler", _name("handler")),
         timezone=section.take("timezone", _timezone, "UTC"),
         lane=section.take("lane", _name("lane"), "default"),

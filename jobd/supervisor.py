@@ -40,7 +40,7 @@ import setproctitle
 import structlog
 from psycopg.types.json import Jsonb
 
-from jobd import archive, queue
+from jobd import archive, queue, schedules
 from jobd.config import Config, LaneConfig, load
 from jobd.db import connect, first_line
 from jobd.errors import ConfigError, DatabaseUnavailable
@@ -140,6 +140,8 @@ class Supervisor:
         self.exited_counters: dict[str, dict[str, int]] = {}
         self.db_clock_offset = 0.0  # database epoch minus local epoch
         self.next_duty = 0.0
+        self.schedules_synced = False
+        self.next_schedule_tick: float | None = None  # monotonic instant of the next fire
         self.next_maintenance = 0.0
         self.next_listener_probe = time.monotonic() + LISTENER_PROBE_INTERVAL
         self.next_watchdog = 0.0
@@ -220,6 +222,8 @@ class Supervisor:
     def _select_timeout(self) -> float:
         now = time.monotonic()
         moments = [now + 1.0, self.next_duty]
+        if self.next_schedule_tick is not None:
+            moments.append(self.next_schedule_tick)
         moments += [slot.spawn_at for slot in self.slots.values() if slot.process is None]
         moments += self.lane_wake_at.values()
         moments += [p.kill_at for p in self._all_processes() if p.kill_at is not None]
@@ -502,27 +506,52 @@ class Supervisor:
         if self.notifier.watchdog_interval and now >= self.next_watchdog:
             self.notifier.watchdog()
             self.next_watchdog = now + self.notifier.watchdog_interval
-        if now < self.next_duty or self.conn is None:
+        if self.conn is None:
             return
-        self.next_duty = now + self.config.duty_interval
-        swept = self._db("lease sweep", self._sweep_and_heartbeat)
-        if swept:
-            self.lanes_to_wake.update(self.config.lanes)
+        if not self.schedules_synced:
+            self.schedules_synced = self._db("schedule sync", self._sync_schedules) or False
+        if now >= self.next_duty:
+            self.next_duty = now + self.config.duty_interval
+            swept = self._db("duties", self._duty_transaction)
+            if swept:
+                self.lanes_to_wake.update(self.config.lanes)
+        elif self.next_schedule_tick is not None and now >= self.next_schedule_tick:
+            self.next_schedule_tick = None
+            self._db("schedules", self._materialize)
         if now >= self.next_maintenance:
             self.next_maintenance = now + MAINTENANCE_INTERVAL
             self._db("archive maintenance", self._maintain_archive)
 
-    def _sweep_and_heartbeat(self, conn: psycopg.Connection) -> int:
-        """One transaction: the lease-expiry sweep and this node's heartbeat."""
+    def _duty_transaction(self, conn: psycopg.Connection) -> int:
+        """One transaction: lease-expiry sweep, node heartbeat, due schedule occurrences."""
         with conn.transaction():
             outcome = queue.expire_leases(conn, self.config.retry_policy)
             row = conn.execute(query("node_heartbeat"), self._node_row()).fetchone()
+            self._materialize(conn)
         if row is not None:
             self.db_clock_offset = float(row[0]) - time.time()
         swept = len(outcome.retried) + len(outcome.dead)
         if swept:
             log.warning("expired leases swept", retried=outcome.retried, dead=outcome.dead)
         return swept
+
+    def _sync_schedules(self, conn: psycopg.Connection) -> bool:
+        disabled = schedules.sync(conn, self.config.schedules)
+        if disabled:
+            log.info("schedules disabled (no longer configured)", schedules=disabled)
+        self._materialize(conn)
+        return True
+
+    def _materialize(self, conn: psycopg.Connection) -> None:
+        result = schedules.tick(conn)
+        if result.enqueued:
+            self.lanes_to_wake.update(self.config.lanes)
+        if result.next_fire_at is None:
+            self.next_schedule_tick = None
+            return
+        delay = result.next_fire_at.timestamp() - (time.time() + self.db_clock_offset)
+        # A floor keeps a slightly early timer (clock offset error) from spinning.
+        self.next_schedule_tick = time.monotonic() + max(0.05, delay)
 
     def _node_row(self) -> dict[str, object]:
         workers: dict[str, int] = {}
@@ -543,6 +572,7 @@ class Supervisor:
         cutoff = row[0] - timedelta(seconds=self.config.archive_retention)
         dropped = archive.drop_before(conn, cutoff)
         conn.execute(query("prune_nodes"), {"older_than": NODE_STALE_AFTER})
+        schedules.prune_ledger(conn)
         if created or dropped:
             log.info("archive maintenance", partitions_created=created,
                      partitions_dropped=dropped)
@@ -590,6 +620,7 @@ class Supervisor:
                 if (lane.name, index) not in self.slots:
                     self.slots[(lane.name, index)] = Slot(lane, index, self.generation)
         self.config = new
+        self.schedules_synced = False  # the next duty pass writes the new schedules
         self._schedule_future_work(new.lanes)
         self.lanes_to_wake.update(new.lanes)
 

@@ -318,3 +318,52 @@ SELECT instance, node, pid, started_at, seen_at, workers, counters, prev_counter
   FROM nodes
  WHERE seen_at >= now() - make_interval(secs => %(within)s)
  ORDER BY node, instance
+
+-- name: sync_schedule
+-- Upserts one schedule from the config. A new schedule starts materializing from now (no
+-- backfill); a changed one keeps its cursor, so occurrences after it follow the new rules.
+INSERT INTO schedules AS s (id, cron, timezone, handler, lane, payload, priority, catchup,
+                            overlap, enabled, materialized_until)
+VALUES (%(id)s, %(cron)s, %(timezone)s, %(handler)s, %(lane)s, %(payload)s, %(priority)s,
+        %(catchup)s, %(overlap)s, true, coalesce(%(now)s::timestamptz, now()))
+ON CONFLICT (id) DO UPDATE
+   SET cron = excluded.cron, timezone = excluded.timezone, handler = excluded.handler,
+       lane = excluded.lane, payload = excluded.payload, priority = excluded.priority,
+       catchup = excluded.catchup, overlap = excluded.overlap, enabled = true,
+       updated_at = now()
+ WHERE (s.cron, s.timezone, s.handler, s.lane, s.payload, s.priority, s.catchup, s.overlap,
+        s.enabled)
+       IS DISTINCT FROM
+       (excluded.cron, excluded.timezone, excluded.handler, excluded.lane, excluded.payload,
+        excluded.priority, excluded.catchup, excluded.overlap, true)
+
+-- name: disable_schedules_except
+UPDATE schedules SET enabled = false, updated_at = now()
+ WHERE enabled AND NOT (id = ANY(%(ids)s::text[]))
+RETURNING id
+
+-- name: due_schedules
+-- The enabled schedules with their cursors, and the database clock to judge "due" by.
+SELECT id, cron, timezone, catchup, materialized_until, coalesce(%(now)s::timestamptz, now())
+  FROM schedules
+ WHERE enabled
+ ORDER BY id
+
+-- name: fire_schedule
+SELECT outcome, job_id FROM fire_schedule(%(schedule_id)s, %(occurrence)s, %(fire_at)s,
+                                          %(now)s::timestamptz)
+
+-- name: advance_schedule
+-- Moves a schedule's cursor past occurrences that were deliberately not fired (catch-up
+-- policy), so they are not considered again.
+UPDATE schedules SET materialized_until = greatest(materialized_until, %(until)s::timestamptz)
+ WHERE id = %(schedule_id)s
+
+-- name: list_schedules
+SELECT id, cron, timezone, handler, lane, catchup, overlap, enabled, materialized_until,
+       last_fire_at, last_job_id
+  FROM schedules
+ ORDER BY id
+
+-- name: prune_schedule_fires
+DELETE FROM schedule_fires WHERE fire_at < now() - make_interval(secs => %(older_than)s)

@@ -1,0 +1,162 @@
+"""Cron occurrences in a time zone, with an explicit daylight-saving policy. Pure: no I/O.
+
+croniter does the expression arithmetic on local wall-clock time (naive datetimes); this
+module turns each wall-clock occurrence into instants following Debian cron's policy
+(docs/design/schedules.md):
+
+- A **fixed-time** schedule (neither the minute nor the hour field starts with ``*``, e.g.
+  ``30 2 * * *``) fires once per local occurrence. A wall time skipped by a spring-forward
+  jump fires at the first instant after the jump; a wall time repeated by a fall-back fires
+  at its first pass only. Its occurrence key is the local wall time, so the two instants of
+  a repeated 01:30 share one key and cannot both fire.
+- A **wildcard** schedule (``*/15 * * * *``, ``0 * * * *``) fires by real time: at every
+  instant whose local wall time matches. It keeps firing through both passes of a repeated
+  hour and does not fire for wall times that do not exist. Its key is the UTC instant.
+"""
+
+from __future__ import annotations
+
+import zoneinfo
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta, tzinfo
+
+from croniter import croniter
+
+# The largest wall-clock shift a zone makes at once (Debian cron's threshold, too). Searches
+# look this far past their bounds so that instants come out in true order.
+MAX_SHIFT = timedelta(hours=3)
+# How far ahead to look for the next occurrence before calling an expression impossible
+# (e.g. 0 0 30 2 *: February 30th).
+HORIZON = timedelta(days=366 * 30)
+
+ALIASES = {
+    "@yearly": "0 0 1 1 *",
+    "@annually": "0 0 1 1 *",
+    "@monthly": "0 0 1 * *",
+    "@weekly": "0 0 * * 0",
+    "@daily": "0 0 * * *",
+    "@midnight": "0 0 * * *",
+    "@hourly": "0 * * * *",
+}
+
+
+class CronError(ValueError):
+    """An invalid expression or time zone; the message says which and why."""
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Occurrence:
+    fire_at: datetime  # the instant (UTC)
+    key: str  # deterministic identity of the occurrence, for deduplication
+
+    def local(self, zone: tzinfo) -> datetime:
+        return self.fire_at.astimezone(zone)
+
+
+@dataclass(frozen=True, slots=True)
+class CronSchedule:
+    expression: str
+    zone: zoneinfo.ZoneInfo
+    wildcard: bool
+
+    @classmethod
+    def parse(cls, expression: str, timezone: str = "UTC") -> CronSchedule:
+        fields = ALIASES.get(expression.strip(), expression).split()
+        if len(fields) != 5:
+            raise CronError(
+                f"invalid cron expression {expression!r}: expected 5 fields "
+                "(minute hour day-of-month month day-of-week) or an alias like @daily")
+        normalized = " ".join(fields)
+        if not croniter.is_valid(normalized):
+            raise CronError(f"invalid cron expression {expression!r}")
+        try:
+            zone = zoneinfo.ZoneInfo(timezone)
+        except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+            raise CronError(
+                f"unknown time zone {timezone!r} (use an IANA name like Europe/Berlin)"
+            ) from None
+        wildcard = fields[0].startswith("*") or fields[1].startswith("*")
+        return cls(normalized, zone, wildcard)
+
+    # --- wall clock to instants ------------------------------------------------------------
+
+    def _instants(self, wall: datetime) -> list[Occurrence]:
+        """The occurrences of one wall-clock match (0, 1 or 2 of them)."""
+        first = wall.replace(tzinfo=self.zone, fold=0)
+        second = wall.replace(tzinfo=self.zone, fold=1)
+        exists = _round_trips(first) or _round_trips(second)
+        if not exists:
+            if self.wildcard:
+                return []  # by real time: a wall time that never happens does not fire
+            return [Occurrence(self._end_of_gap(wall), self._local_key(wall))]
+        instants = sorted({first.astimezone(UTC), second.astimezone(UTC)})
+        if self.wildcard:
+            return [Occurrence(instant, _utc_key(instant)) for instant in instants]
+        return [Occurrence(instants[0], self._local_key(wall))]
+
+    def _end_of_gap(self, wall: datetime) -> datetime:
+        """The first instant after the spring-forward jump that skipped ``wall``."""
+        probe = wall
+        for _ in range(int(MAX_SHIFT / timedelta(minutes=1)) + 1):
+            probe += timedelta(minutes=1)
+            candidate = probe.replace(second=0, microsecond=0, tzinfo=self.zone)
+            if _round_trips(candidate):
+                return candidate.astimezone(UTC)
+        raise CronError(f"{wall} in {self.zone.key} is in a gap longer than {MAX_SHIFT}")
+
+    def _local_key(self, wall: datetime) -> str:
+        return wall.strftime("%Y-%m-%dT%H:%M") + " " + self.zone.key
+
+    # --- searches --------------------------------------------------------------------------
+
+    def _walls(self, start: datetime, forward: bool) -> Iterator[datetime]:
+        walker = croniter(self.expression, start)
+        step = walker.get_next if forward else walker.get_prev
+        while True:
+            yield step(datetime)
+
+    def _wall(self, instant: datetime) -> datetime:
+        return instant.astimezone(self.zone).replace(tzinfo=None)
+
+    def next_after(self, after: datetime, count: int = 1) -> list[Occurrence]:
+        """The first ``count`` occurrences strictly after ``after``, in order."""
+        found: list[Occurrence] = []
+        horizon = self._wall(after) + HORIZON
+        for wall in self._walls(self._wall(after) - MAX_SHIFT, forward=True):
+            if len(found) >= count and wall > self._wall(sorted(found)[count - 1].fire_at) \
+                    + MAX_SHIFT:
+                break
+            if wall > horizon:
+                break
+            found.extend(o for o in self._instants(wall) if o.fire_at > after)
+        return sorted(found)[:count]
+
+    def between(self, after: datetime, until: datetime, last: int | None = None
+                ) -> list[Occurrence]:
+        """Occurrences in ``(after, until]`` in order; with ``last``, only the latest ones.
+
+        Searches backwards from ``until``, so catching up after a long downtime costs what
+        the occurrences kept cost, not what the downtime was.
+        """
+        found: list[Occurrence] = []
+        floor = self._wall(after) - MAX_SHIFT
+        for wall in self._walls(self._wall(until) + MAX_SHIFT, forward=False):
+            if wall < floor:
+                break
+            if last is not None and len(found) >= last and wall < self._wall(
+                    sorted(found)[-last].fire_at) - MAX_SHIFT:
+                break
+            found.extend(o for o in self._instants(wall) if after < o.fire_at <= until)
+        found.sort()
+        return found if last is None else found[-last:] if last else []
+
+
+def _round_trips(aware: datetime) -> bool:
+    """Whether an aware local time exists: converting to UTC and back gives it again."""
+    back = aware.astimezone(UTC).astimezone(aware.tzinfo)
+    return back.replace(tzinfo=None) == aware.replace(tzinfo=None)
+
+
+def _utc_key(instant: datetime) -> str:
+    return instant.astimezone(UTC).strftime("%Y-%m-%dT%H:%MZ")
