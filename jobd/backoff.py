@@ -7,6 +7,7 @@ herd re-saturates the dependency that just failed. Full jitter draws each delay 
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 
@@ -17,6 +18,8 @@ class Backoff:
     cap: float = 300.0
 
     def __post_init__(self) -> None:
+        if not (math.isfinite(self.base) and math.isfinite(self.cap)):
+            raise ValueError("backoff base and cap must be finite numbers")
         if self.base <= 0 or self.cap <= 0:
             raise ValueError("backoff base and cap must be positive")
         if self.cap < self.base:

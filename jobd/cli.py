@@ -493,9 +493,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MigrationMismatch as exc:
         print(f"jobd: {exc}", file=sys.stderr)
         return 1
-    except psycopg.errors.UndefinedTable:
-        print("jobd: jobd's tables are missing in this database; run `jobd migrate` first",
-              file=sys.stderr)
+    except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedFunction,
+            psycopg.errors.InvalidSchemaName):
+        print("jobd: jobd's schema is missing or incomplete in this database; run "
+              "`jobd migrate` first", file=sys.stderr)
         return 1
     except psycopg.Error as exc:
         print(f"jobd: database error: {first_line(exc)}", file=sys.stderr)

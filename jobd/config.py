@@ -6,6 +6,7 @@ Every error names the file, the line and the key that is wrong, e.g.
 
 from __future__ import annotations
 
+import math
 import re
 import socket
 import zoneinfo
@@ -38,6 +39,8 @@ def parse_duration(value: object) -> float:
         if not match:
             raise ValueError(f"expected a duration like 30s, 5m or 250ms, not {value!r}")
         seconds = float(match[1]) * _UNIT_SECONDS[match[2]]
+    if not math.isfinite(seconds):
+        raise ValueError(f"a duration must be a finite number, not {value!r}")
     if seconds < 0:
         raise ValueError(f"a duration cannot be negative: {value!r}")
     return seconds
@@ -107,21 +110,25 @@ class _Located:
     line: int
 
 
-def _plain(node: yaml.Node) -> _Located:
+def _plain(node: yaml.Node, path: str = "") -> _Located:
+    """Convert a YAML node; a mapping's values carry the line of their key."""
     line = node.start_mark.line + 1
     if isinstance(node, yaml.MappingNode):
         mapping: dict[str, _Located] = {}
         for key_node, value_node in node.value:
+            key_line = key_node.start_mark.line + 1
             key = yaml.safe_load(yaml.serialize(key_node))
             if not isinstance(key, str):
-                raise _Invalid(key_node.start_mark.line + 1, "",
-                               f"keys must be strings, not {key!r}")
+                raise _Invalid(key_line, path, f"keys must be strings, not {key!r}")
+            key_path = f"{path}.{key}" if path else key
             if key in mapping:
-                raise _Invalid(key_node.start_mark.line + 1, key, "duplicate key")
-            mapping[key] = _plain(value_node)
+                raise _Invalid(key_line, key_path, "duplicate key")
+            value = _plain(value_node, key_path)
+            mapping[key] = _Located(value.value, key_line)
         return _Located(mapping, line)
     if isinstance(node, yaml.SequenceNode):
-        return _Located([_plain(item) for item in node.value], line)
+        return _Located([_plain(item, f"{path}[{i}]") for i, item in enumerate(node.value)],
+                        line)
     return _Located(yaml.safe_load(yaml.serialize(node)), line)
 
 
@@ -263,12 +270,19 @@ def _cron(value: object) -> str:
         raise ValueError(str(exc)) from None
 
 
-def _schedule(located: _Located, path: str) -> ScheduleConfig:
+def _schedule(located: _Located, path: str, handlers: dict[str, str]) -> ScheduleConfig:
     section = _Section(located, path)
+
+    def known_handler(value: object) -> str:
+        name = _name("handler")(value)
+        if name not in handlers:
+            raise ValueError(f"handler {name!r} is not in handlers")
+        return name
+
     schedule = ScheduleConfig(
         id=section.take("id", _name("schedule")),
         cron=section.take("cron", _cron),
-        handler=section.take("handler", _name("handler")),
+        handler=section.take("handler", known_handler),
         timezone=section.take("timezone", _timezone, "UTC"),
         lane=section.take("lane", _name("lane"), "default"),
         payload=_unwrap(section.raw("payload")) or {},
@@ -328,11 +342,11 @@ def _build(root: _Located, path: str | None) -> Config:
         if not isinstance(schedules_raw.value, list):
             _raise(schedules_raw.line, "schedules", "must be a list")
         for index, item in enumerate(schedules_raw.value):
-            schedules.append(_schedule(item, f"schedules[{index}]"))
-        ids = [s.id for s in schedules]
-        duplicates = sorted({i for i in ids if ids.count(i) > 1})
-        if duplicates:
-            _raise(schedules_raw.line, "schedules", f"duplicate schedule ids: {duplicates}")
+            schedule = _schedule(item, f"schedules[{index}]", handlers)
+            if schedule.id in {s.id for s in schedules}:
+                _raise(item.line, f"schedules[{index}].id",
+                       f"duplicate schedule id {schedule.id!r}")
+            schedules.append(schedule)
 
     config = Config(
         path=path,
@@ -354,10 +368,6 @@ def _build(root: _Located, path: str | None) -> Config:
     )
     for section in (database, node, metrics, limits, supervisor, archive, top):
         section.finish()
-    for schedule in config.schedules:
-        if schedule.handler not in config.handlers:
-            _raise(root.line, "schedules", f"schedule {schedule.id!r} names handler "
-                   f"{schedule.handler!r}, which is not in handlers")
     return config
 
 

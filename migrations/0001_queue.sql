@@ -200,6 +200,8 @@ DECLARE
     part       text;
     created    integer := 0;
 BEGIN
+    -- Every supervisor tops up partitions; take turns so two never create the same one.
+    PERFORM pg_advisory_xact_lock(hashtext('jobd.archive_partitions'), hashtext(current_schema()));
     FOR day IN SELECT generate_series((now() AT TIME ZONE 'UTC')::date - 1,
                                       (now() AT TIME ZONE 'UTC')::date + days_ahead,
                                       interval '1 day')::date
