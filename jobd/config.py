@@ -25,6 +25,9 @@ _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+# The built-in outbox delivery handler (jobd.outbox.deliver); the name is reserved.
+OUTBOX_HANDLER = "jobd.outbox"
+OUTBOX_HANDLER_PATH = "jobd.outbox:deliver"
 _LISTEN = re.compile(r"^(?P<host>[^\s:]+|\[[0-9a-fA-F:]+\]):(?P<port>\d{1,5})$")
 
 
@@ -90,8 +93,18 @@ class Config:
     worker_timeout: float = 30.0
     shutdown_timeout: float = 30.0
     duty_interval: float = 10.0
+    restart_backoff: Backoff = field(default_factory=lambda: Backoff(1.0, 60.0))
+    healthy_uptime: float = 30.0
     archive_retention: float = 7 * 86400.0
     log_level: str = "info"
+    outbox_lane: str = "outbox"
+    outbox_senders: dict[str, str] = field(default_factory=dict)
+
+    def worker_handlers(self) -> dict[str, str]:
+        """The handler map workers load: the allow-list plus the outbox delivery handler."""
+        if not self.outbox_senders:
+            return dict(self.handlers)
+        return {**self.handlers, OUTBOX_HANDLER: OUTBOX_HANDLER_PATH}
 
     def retry_policy(self, lane: str) -> RetryPolicy:
         """The lane's retry policy; defaults for a lane this node does not configure."""
@@ -315,6 +328,8 @@ def _build(root: _Located, path: str | None) -> Config:
     limits = top.section("limits")
     supervisor = top.section("supervisor")
     archive = top.section("archive")
+    outbox = top.section("outbox")
+    restart = supervisor.section("restart_backoff")
 
     handlers: dict[str, str] = {}
     handler_section = top.section("handlers")
@@ -322,6 +337,8 @@ def _build(root: _Located, path: str | None) -> Config:
         line = handler_section.items[name].line
         if not _NAME.match(name):
             _raise(line, f"handlers.{name}", "invalid handler name")
+        if name == OUTBOX_HANDLER:
+            _raise(line, f"handlers.{name}", "this name is reserved for outbox delivery")
         target = handler_section.take(name, _string)
         if not _IMPORT_PATH.match(target):
             _raise(line, f"handlers.{name}",
@@ -362,13 +379,40 @@ def _build(root: _Located, path: str | None) -> Config:
         worker_timeout=supervisor.take("worker_timeout", _positive_duration, 30.0),
         shutdown_timeout=supervisor.take("shutdown_timeout", _positive_duration, 30.0),
         duty_interval=supervisor.take("duty_interval", _positive_duration, 10.0),
+        restart_backoff=_restart_backoff(restart),
+        healthy_uptime=supervisor.take("healthy_uptime", _positive_duration, 30.0),
+        outbox_lane=outbox.take("lane", _name("lane"), "outbox"),
+        outbox_senders=_senders(outbox.section("senders")),
         log_level=supervisor.take("log_level", _choice("debug", "info", "warning", "error"),
                                   "info"),
         archive_retention=archive.take("retention", _positive_duration, 7 * 86400.0),
     )
-    for section in (database, node, metrics, limits, supervisor, archive, top):
+    for section in (database, node, metrics, limits, restart, supervisor, archive, outbox, top):
         section.finish()
+    if config.outbox_senders and config.outbox_lane not in config.lanes:
+        _raise(outbox.line, "outbox.lane",
+               f"outbox senders are configured but lane {config.outbox_lane!r} is not in lanes")
     return config
+
+
+def _restart_backoff(section: _Section) -> Backoff:
+    base = section.take("base", _positive_duration, 1.0)
+    cap = section.take("cap", _positive_duration, 60.0)
+    if cap < base:
+        raise _Invalid(section.line, section.path, "cap must not be below base")
+    return Backoff(base, cap)
+
+
+def _senders(section: _Section) -> dict[str, str]:
+    senders = {}
+    for name in list(section.items):
+        line = section.items[name].line
+        target = section.take(name, _string)
+        if not _NAME.match(name) or not _IMPORT_PATH.match(target):
+            _raise(line, f"outbox.senders.{name}",
+                   f"must be name: module:function, not {name}: {target!r}")
+        senders[name] = target
+    return senders
 
 
 def _schema_name(value: object) -> str:

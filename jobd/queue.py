@@ -95,6 +95,15 @@ class Job:
     def lease(self) -> Lease:
         return Lease(self.id, self.lease_token)
 
+    @property
+    def effect_key(self) -> str:
+        """A stable key for this job's effect: its idempotency key, else one from its id.
+
+        Pass it to external APIs that accept idempotency keys; transactional handlers record
+        it in the dedup store.
+        """
+        return self.idempotency_key if self.idempotency_key is not None else f"job:{self.id}"
+
 
 @dataclass(frozen=True, slots=True)
 class Failure:

@@ -182,7 +182,8 @@ class Supervisor:
 
     def check_boot(self) -> list[str]:
         """Problems that must stop the daemon before anything starts."""
-        return check_in_subprocess(self.config.handlers)
+        return check_in_subprocess({**self.config.worker_handlers(),
+                                    **self.config.outbox_senders})
 
     def run(self) -> int:
         problems = self.check_boot()
@@ -329,7 +330,12 @@ class Supervisor:
         self.generation += 1
         for lane in lanes:
             for index in range(lane.workers):
-                self.slots[(lane.name, index)] = Slot(lane, index, self.generation)
+                self.slots[(lane.name, index)] = self._new_slot(lane, index)
+
+    def _new_slot(self, lane: LaneConfig, index: int) -> Slot:
+        backoff = SlotBackoff(self.config.restart_backoff.base, self.config.restart_backoff.cap,
+                              self.config.healthy_uptime)
+        return Slot(lane, index, self.generation, backoff)
 
     def _spawn_due(self) -> None:
         now = time.monotonic()
@@ -344,7 +350,8 @@ class Supervisor:
         spec = WorkerSpec(
             worker_id=f"{self.config.node_name}:{slot.lane.name}#{slot.index}:"
                       f"{secrets.token_hex(4)}",
-            lane=slot.lane, handlers=dict(self.config.handlers), database_url=self.url,
+            lane=slot.lane, handlers=self.config.worker_handlers(),
+            senders=dict(self.config.outbox_senders), database_url=self.url,
             schema=self.schema, slot=slot.index, generation=slot.generation,
             status_fd=status_w, wake_fd=wake_r, shutdown_timeout=self.config.shutdown_timeout,
             log_level=self.config.log_level,
@@ -571,6 +578,8 @@ class Supervisor:
         assert row is not None
         cutoff = row[0] - timedelta(seconds=self.config.archive_retention)
         dropped = archive.drop_before(conn, cutoff)
+        # Effect keys live as long as the jobs they belong to can be seen again.
+        conn.execute(query("prune_processed_keys"), {"cutoff": cutoff})
         conn.execute(query("prune_nodes"), {"older_than": NODE_STALE_AFTER})
         schedules.prune_ledger(conn)
         if created or dropped:
@@ -588,7 +597,7 @@ class Supervisor:
             if path is None:
                 raise ConfigError("the daemon was started without a config file")
             new = load(path)
-            problems = check_in_subprocess(new.handlers)
+            problems = check_in_subprocess({**new.worker_handlers(), **new.outbox_senders})
             if problems:
                 raise ConfigError("; ".join(problems))
         except ConfigError as exc:
@@ -605,7 +614,8 @@ class Supervisor:
 
     def _apply(self, new: Config) -> None:
         old = self.config
-        handlers_changed = new.handlers != old.handlers
+        handlers_changed = (new.worker_handlers(), new.outbox_senders) != (
+            old.worker_handlers(), old.outbox_senders)
         self.fatal_lanes.clear()
         self.generation += 1
         for (lane_name, index), slot in list(self.slots.items()):
@@ -615,11 +625,11 @@ class Supervisor:
                 del self.slots[(lane_name, index)]
                 if slot.process is not None:
                     self._retire(slot.process)
+        self.config = new
         for lane in new.lanes.values():
             for index in range(lane.workers):
                 if (lane.name, index) not in self.slots:
-                    self.slots[(lane.name, index)] = Slot(lane, index, self.generation)
-        self.config = new
+                    self.slots[(lane.name, index)] = self._new_slot(lane, index)
         self.schedules_synced = False  # the next duty pass writes the new schedules
         self._schedule_future_work(new.lanes)
         self.lanes_to_wake.update(new.lanes)

@@ -37,12 +37,13 @@ from typing import Any
 import psycopg
 import setproctitle
 import structlog
+from psycopg_pool import ConnectionPool
 
+from jobd import exactly_once, logs, outbox, queue
 from jobd import handlers as handler_registry
-from jobd import logs, queue
 from jobd.backoff import Backoff
 from jobd.config import LaneConfig
-from jobd.db import connect, first_line
+from jobd.db import connect, conninfo, first_line
 from jobd.errors import DatabaseUnavailable
 
 EXIT_OK = 0
@@ -67,6 +68,7 @@ class WorkerSpec:
     status_fd: int
     wake_fd: int
     shutdown_timeout: float
+    senders: dict[str, str] = field(default_factory=dict)
     log_level: str = "info"
 
     def to_json(self) -> str:
@@ -105,6 +107,8 @@ class Counters:
 class Outcome:
     job: queue.Job
     error: str | None  # None: success
+    committed: bool = False  # a transactional handler already completed the job
+    stale: bool = False  # the lease was lost; nothing was written
 
 
 @dataclass(slots=True)
@@ -147,6 +151,14 @@ class Worker:
         self.signals: list[int] = []
         self.pool = ThreadPoolExecutor(max_workers=self.lane.concurrency,
                                        thread_name_prefix=f"jobd-{self.lane.name}")
+        self.tx_pool: ConnectionPool | None = None
+        if any(h.is_transactional for h in resolved.values()):
+            # Handler connections: one per concurrent transactional job, opened on demand.
+            self.tx_pool = ConnectionPool(
+                conninfo(spec.database_url, spec.schema,
+                         f"jobd handler {spec.lane.name}#{spec.slot}"),
+                min_size=0, max_size=spec.lane.concurrency, open=True,
+                kwargs={"autocommit": True}, name=f"jobd-{spec.lane.name}-handlers")
         self.loop: asyncio.AbstractEventLoop | None = None
         if any(h.is_async for h in resolved.values()):
             self.loop = asyncio.new_event_loop()
@@ -326,12 +338,20 @@ class Worker:
             future = Future()
             future.set_exception(LookupError(
                 f"no handler named {job.handler!r} on this worker (lane {job.lane!r})"))
+        elif resolved.is_transactional:
+            future = self.pool.submit(self._run_transactional, resolved, job)
         elif resolved.is_async:
             assert self.loop is not None
             future = asyncio.run_coroutine_threadsafe(self._run_async(resolved, job), self.loop)
         else:
             future = self.pool.submit(resolved.func, job)
         future.add_done_callback(lambda done, job=job: self._finish(job, done))
+
+    def _run_transactional(self, resolved: handler_registry.ResolvedHandler,
+                           job: queue.Job) -> str:
+        assert self.tx_pool is not None
+        with self.tx_pool.connection() as conn:
+            return exactly_once.run_transactional(conn, job, resolved.func)
 
     async def _run_async(self, resolved: handler_registry.ResolvedHandler,
                          job: queue.Job) -> Any:
@@ -352,11 +372,15 @@ class Worker:
             exc = future.exception()
         except BaseException as cancelled:  # CancelledError: the event loop went away
             exc = cancelled
-        if isinstance(exc, JobTimedOut):
-            error: str | None = str(exc)
+        resolved = self.handlers.get(job.handler)
+        committed = exc is None and resolved is not None and resolved.is_transactional
+        if isinstance(exc, exactly_once.LeaseLost):
+            outcome = Outcome(job, None, stale=True)
+        elif isinstance(exc, JobTimedOut):
+            outcome = Outcome(job, str(exc))
         else:
-            error = format_error(exc) if exc is not None else None
-        self.outcomes.put(Outcome(job, error))
+            outcome = Outcome(job, format_error(exc) if exc is not None else None, committed)
+        self.outcomes.put(outcome)
         try:
             os.write(self._results_w, b"!")
         except BlockingIOError:
@@ -390,7 +414,10 @@ class Worker:
         if not self.pending_outcomes or self.conn is None:
             return
         batch = self.pending_outcomes
-        successes = [o.job.lease for o in batch if o.error is None]
+        committed = [o.job.id for o in batch if o.committed]
+        lost = [o.job.id for o in batch if o.stale]
+        successes = [o.job.lease for o in batch if o.error is None and not o.committed
+                     and not o.stale]
         failures = [
             queue.Failure(o.job.lease, o.error, self.lane.backoff.delay(o.job.attempt),
                           self.lane.max_attempts)
@@ -405,10 +432,10 @@ class Worker:
             return  # kept for the next connection: the leases still decide what applies
         self.pending_outcomes = []
         completed, failed = written
-        self.counters.completed += len(completed.applied)
+        self.counters.completed += len(completed.applied) + len(committed)
         self.counters.failed += len(failed.retried)
         self.counters.dead += len(failed.dead)
-        stale = completed.stale + failed.stale
+        stale = completed.stale + failed.stale + lost
         self.counters.stale += len(stale)
         if stale:
             log.warning("lost the lease before finishing; result discarded", job_ids=stale)
@@ -418,7 +445,7 @@ class Worker:
         retried = set(failed.retried)
         self.timers.wake_at.extend(
             now + f.retry_delay for f in failures if f.lease.id in retried)
-        if successes or failures:
+        if batch:
             self.maybe_more = True  # capacity freed up: look for more work
 
     def _renew_leases(self) -> None:
@@ -473,6 +500,8 @@ class Worker:
         self._report(force=True)
         if self.conn is not None:
             self.conn.close()
+        if self.tx_pool is not None:
+            self.tx_pool.close(timeout=1.0)
 
 
 def main() -> int:
@@ -483,6 +512,8 @@ def main() -> int:
     faulthandler.enable()  # SIGABRT from the supervisor dumps every thread's stack
     try:
         resolved = handler_registry.resolve_all(spec.handlers)
+        outbox.install_senders(
+            {name: r.func for name, r in handler_registry.resolve_all(spec.senders).items()})
     except handler_registry.HandlerImportError as exc:
         log.error("boot failure", error=str(exc))
         return EXIT_BOOT_FAILURE

@@ -367,3 +367,25 @@ SELECT id, cron, timezone, handler, lane, catchup, overlap, enabled, materialize
 
 -- name: prune_schedule_fires
 DELETE FROM schedule_fires WHERE fire_at < now() - make_interval(secs => %(older_than)s)
+
+-- name: record_effect_key
+-- Inside a transactional handler's transaction: claims the job's idempotency key. No row
+-- back means the key's effect already committed (a replay): the handler must not run again.
+-- A concurrent transaction holding the same key makes this wait for its outcome.
+INSERT INTO processed_keys (idempotency_key, job_id)
+VALUES (%(key)s, %(job_id)s)
+ON CONFLICT DO NOTHING
+RETURNING job_id
+
+-- name: prune_processed_keys
+DELETE FROM processed_keys WHERE processed_at < %(cutoff)s::timestamptz
+
+-- name: outbox_add
+SELECT outbox_add(%(key)s, %(sender)s, %(payload)s, %(lane)s, %(source_job_id)s)
+
+-- name: outbox_entry_for_delivery
+SELECT id, key, sender, payload, state FROM outbox WHERE id = %(id)s FOR UPDATE
+
+-- name: outbox_delivered
+UPDATE outbox SET state = 'delivered', delivered_at = now(), last_error = NULL
+ WHERE id = %(id)s

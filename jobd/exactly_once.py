@@ -1,0 +1,46 @@
+"""Transactional handlers: the effect, the dedup record and the completion commit together.
+
+Delivery stays at-least-once (a worker can die, a lease can expire); the *effect* is made
+exactly-once. In one transaction on the worker's handler connection:
+
+1. the job's effect key goes into ``processed_keys`` (``ON CONFLICT DO NOTHING``): no row back
+   means the effect already committed, so the handler is skipped (a replay is a no-op);
+   a concurrent transaction holding the key makes this statement wait for its outcome;
+2. the handler runs with the connection: its writes join the transaction;
+3. the job is completed with its lease token (fencing): if the lease was lost — the job was
+   re-claimed by another worker — nothing matches and everything above rolls back.
+
+The commit is the single point at which effect, key and completion become true together.
+See docs/design/exactly-once.md for the crash analysis.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+import psycopg
+
+from jobd.queries import query
+from jobd.queue import Job
+
+
+class LeaseLost(Exception):
+    """The job's lease is no longer this worker's; the transaction was rolled back."""
+
+
+def run_transactional(
+    conn: psycopg.Connection, job: Job, handler: Callable[[Job, psycopg.Connection], Any]
+) -> Literal["done", "replayed"]:
+    """Run ``handler(job, conn)`` exactly-once-in-effect; raises LeaseLost or the handler's
+    exception (after rolling back)."""
+    with conn.transaction():
+        first = conn.execute(query("record_effect_key"),
+                             {"key": job.effect_key, "job_id": job.id}).fetchone()
+        if first is not None:
+            handler(job, conn)
+        completed = conn.execute(query("complete_jobs"), {
+            "ids": [job.id], "tokens": [job.lease_token], "now": None}).fetchall()
+        if not completed:
+            raise LeaseLost(f"job {job.id}: lease lost before commit; effect rolled back")
+    return "done" if first is not None else "replayed"

@@ -1,0 +1,81 @@
+"""The outbox: effects outside PostgreSQL, recorded in the handler's transaction, delivered
+afterwards with a stable key.
+
+A transactional handler calls :func:`add`; the entry and a delivery job (handler
+``jobd.outbox``, on the configured outbox lane) commit with the handler's own writes. The
+delivery job calls the registered sender (config ``outbox.senders``) with the entry, whose
+``key`` the sender passes to the receiving API. Delivery is at-least-once with the lane's
+retries and backoff; a receiver that deduplicates by key sees each entry exactly once. An
+entry whose delivery job runs out of attempts is marked ``dead`` (the job is in the
+dead-letter queue, and replaying it retries the delivery).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from psycopg.types.json import Jsonb
+
+from jobd.handlers import transactional
+from jobd.queries import query
+from jobd.queue import Job
+
+DELIVERY_HANDLER = "jobd.outbox"
+DELIVERY_PATH = "jobd.outbox:deliver"
+
+
+@dataclass(frozen=True, slots=True)
+class OutboxEntry:
+    id: int
+    key: str  # pass this to the receiving API as its idempotency key
+    sender: str
+    payload: Any
+    attempt: int
+
+
+Sender = Callable[[OutboxEntry], Any]
+
+# Set by the worker process at start from the config's outbox.senders.
+_senders: dict[str, Sender] = {}
+
+
+def install_senders(senders: Mapping[str, Sender]) -> None:
+    _senders.clear()
+    _senders.update(senders)
+
+
+def add(conn: psycopg.Connection, job: Job, sender: str, payload: Any, *,
+        key: str | None = None, lane: str = "outbox") -> int:
+    """Record an outbox entry in the handler's transaction; returns its id.
+
+    ``key`` defaults to ``<job's effect key>:<sender>``; a handler that sends several
+    messages through one sender gives each its own key. Adding a key twice keeps the first.
+    """
+    entry_key = key if key is not None else f"{job.effect_key}:{sender}"
+    row = conn.execute(query("outbox_add"), {
+        "key": entry_key, "sender": sender, "payload": Jsonb(payload), "lane": lane,
+        "source_job_id": job.id,
+    }).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+@transactional
+def deliver(job: Job, conn: psycopg.Connection) -> None:
+    """The delivery job: hand the entry to its sender, then mark it delivered."""
+    row = conn.execute(query("outbox_entry_for_delivery"),
+                       {"id": job.payload["outbox_id"]}).fetchone()
+    if row is None:
+        raise LookupError(f"outbox entry {job.payload['outbox_id']} does not exist")
+    entry_id, key, sender_name, payload, state = row
+    if state == "delivered":
+        return
+    sender = _senders.get(sender_name)
+    if sender is None:
+        raise LookupError(f"no outbox sender named {sender_name!r} on this worker "
+                          "(config outbox.senders)")
+    sender(OutboxEntry(entry_id, key, sender_name, payload, job.attempt))
+    conn.execute(query("outbox_delivered"), {"id": entry_id})
