@@ -21,6 +21,8 @@ from jobd.cron import CronError, CronSchedule
 from jobd.db import DEFAULT_SCHEMA, validate_schema
 from jobd.errors import ConfigError, UsageError
 
+# Longer durations are certainly a mistake, and PostgreSQL cannot add huge ones to now().
+MAX_DURATION_SECONDS = 3650 * 86400.0
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
@@ -46,6 +48,8 @@ def parse_duration(value: object) -> float:
         raise ValueError(f"a duration must be a finite number, not {value!r}")
     if seconds < 0:
         raise ValueError(f"a duration cannot be negative: {value!r}")
+    if seconds > MAX_DURATION_SECONDS:
+        raise ValueError(f"a duration cannot exceed 3650d, not {value!r}")
     return seconds
 
 

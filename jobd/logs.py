@@ -4,11 +4,25 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import MutableMapping
+from typing import Any
 
 import structlog
 
 
-def configure(level: str = "info", *, process: str = "supervisor") -> None:
+def configure(level: str = "info", **static: object) -> None:
+    """Configure structlog for this process; ``static`` fields go into every event.
+
+    Static fields (process role, worker id, pid) are added by a processor rather than bound
+    in context variables, so events logged from handler threads carry them too.
+    """
+
+    def add_static(_logger: Any, _method: str, event: MutableMapping[str, Any]
+                   ) -> MutableMapping[str, Any]:
+        for key, value in static.items():
+            event.setdefault(key, value)
+        return event
+
     renderer: structlog.types.Processor
     if sys.stderr.isatty():
         renderer = structlog.dev.ConsoleRenderer()
@@ -17,6 +31,7 @@ def configure(level: str = "info", *, process: str = "supervisor") -> None:
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            add_static,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,
@@ -26,4 +41,3 @@ def configure(level: str = "info", *, process: str = "supervisor") -> None:
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
         cache_logger_on_first_use=True,
     )
-    structlog.contextvars.bind_contextvars(process=process)

@@ -506,8 +506,8 @@ class Worker:
 
 def main() -> int:
     spec = WorkerSpec.from_json(sys.stdin.read())
-    logs.configure(spec.log_level, process=f"worker {spec.lane.name}#{spec.slot}")
-    structlog.contextvars.bind_contextvars(worker=spec.worker_id, pid=os.getpid())
+    logs.configure(spec.log_level, process=f"worker {spec.lane.name}#{spec.slot}",
+                   worker=spec.worker_id, pid=os.getpid())
     setproctitle.setproctitle(f"jobd: worker {spec.lane.name}#{spec.slot} starting")
     faulthandler.enable()  # SIGABRT from the supervisor dumps every thread's stack
     try:

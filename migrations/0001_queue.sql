@@ -231,6 +231,7 @@ AS $$
 DECLARE
     part    record;
     dropped integer := 0;
+    saved_lock_timeout text := current_setting('lock_timeout');
 BEGIN
     FOR part IN
         SELECT c.relname,
@@ -242,9 +243,18 @@ BEGIN
            AND c.relname <> 'jobs_archive_default'
     LOOP
         CONTINUE WHEN part.upper_bound > cutoff;
-        EXECUTE format('DROP TABLE %I', part.relname);
-        dropped := dropped + 1;
+        -- Dropping a partition needs ACCESS EXCLUSIVE on jobs_archive. Queued behind a long
+        -- reader, that request would block every completion; give up after a second instead
+        -- and let the next maintenance run try again.
+        BEGIN
+            PERFORM set_config('lock_timeout', '1s', true);
+            EXECUTE format('DROP TABLE %I', part.relname);
+            dropped := dropped + 1;
+        EXCEPTION WHEN lock_not_available THEN
+            RAISE NOTICE 'jobd: archive partition % is in use; retention will retry', part.relname;
+        END;
     END LOOP;
+    PERFORM set_config('lock_timeout', saved_lock_timeout, true);
     DELETE FROM jobs_archive_default WHERE finished_at < cutoff;
     DELETE FROM job_keys k
      WHERE k.created_at < cutoff

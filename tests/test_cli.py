@@ -1,0 +1,384 @@
+"""The `jobd` command line, run as a subprocess against a real database."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+import pytest
+
+import jobd
+from jobd import queue
+from jobd.queue import Failure
+
+if TYPE_CHECKING:
+    from conftest import Databases
+
+EXAMPLE = str(Path(__file__).resolve().parent.parent / "config" / "jobd.example.yaml")
+UNREACHABLE = "postgresql://postgres@127.0.0.1:1/postgres"
+TIMEOUT = 60
+TOP = 2**31 - 1
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("JOBD_DATABASE_URL", "JOBD_CONFIG")}
+    return {**env, **extra}
+
+
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "jobd", *args], capture_output=True, text=True,
+                          env=env or clean_env(), timeout=TIMEOUT)
+
+
+def ok(*args: str) -> str:
+    result = cli(*args)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def ok_json(*args: str) -> Any:
+    return json.loads(ok(*args, "--json"))
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess[str], code: int) -> str:
+    assert result.returncode == code, (result.stdout, result.stderr)
+    assert result.stdout == ""
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("jobd")
+    return lines[0]
+
+
+def count_jobs(conn: psycopg.Connection) -> int:
+    row = conn.execute("SELECT count(*) FROM all_jobs").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def make_dead(conn: psycopg.Connection, lane: str = "default", key: str | None = None) -> int:
+    # The highest priority, so the claim takes this job whatever else is queued.
+    job_id = jobd.enqueue(conn, "send_email", {"to": "a@example.com"}, lane=lane,
+                          priority=TOP, max_attempts=1, idempotency_key=key)
+    [job] = queue.claim(conn, lane, "node-1:1", 1, 30)
+    assert queue.fail(conn, [Failure(job.lease, "smtp refused", 0, 8)]).dead == [job_id]
+    return job_id
+
+
+def make_done(conn: psycopg.Connection, lane: str = "default") -> int:
+    job_id = jobd.enqueue(conn, "send_email", lane=lane, priority=TOP)
+    [job] = queue.claim(conn, lane, "node-1:1", 1, 30)
+    assert queue.complete(conn, [job.lease]).applied == [job_id]
+    return job_id
+
+
+# --- enqueue -------------------------------------------------------------------------------
+
+
+def test_enqueue_prints_the_id_of_a_committed_job(db_url: str, conn: psycopg.Connection) -> None:
+    out = ok("enqueue", "send_email", "--payload", '{"to": "a@example.com"}', "--lane", "mail",
+             "--priority", "5", "--max-attempts", "3", "--database-url", db_url)
+    assert re.fullmatch(r"\d+\n", out)
+    row = conn.execute(
+        "SELECT handler, payload, lane, priority, max_attempts, state, run_at <= now() "
+        "FROM jobs WHERE id = %s", (int(out),)).fetchone()
+    assert row == ("send_email", {"to": "a@example.com"}, "mail", 5, 3, "pending", True)
+
+
+def test_enqueue_json_output(db_url: str, conn: psycopg.Connection) -> None:
+    data = ok_json("enqueue", "h", "--database-url", db_url)
+    assert conn.execute("SELECT handler FROM jobs WHERE id = %s", (data["id"],)
+                        ).fetchone() == ("h",)
+
+
+def test_delay_is_measured_by_the_database_clock(db_url: str, conn: psycopg.Connection) -> None:
+    job_id = int(ok("enqueue", "h", "--delay", "30s", "--database-url", db_url))
+    row = conn.execute("SELECT run_at - created_at, run_at > now() FROM jobs WHERE id = %s",
+                       (job_id,)).fetchone()
+    assert row == (timedelta(seconds=30), True)
+
+
+def test_run_at_is_the_given_instant(db_url: str, conn: psycopg.Connection) -> None:
+    job_id = int(ok("enqueue", "h", "--run-at", "2031-06-01T09:30:00+02:00",
+                    "--database-url", db_url))
+    row = conn.execute("SELECT run_at FROM jobs WHERE id = %s", (job_id,)).fetchone()
+    assert row is not None
+    assert row[0] == datetime.fromisoformat("2031-06-01T07:30:00+00:00")
+
+
+def test_idempotency_key_twice_prints_the_same_id(db_url: str, conn: psycopg.Connection) -> None:
+    args = ("enqueue", "charge", "--idempotency-key", "order-17", "--database-url", db_url)
+    first, second = ok(*args), ok(*args)
+    assert first == second
+    assert count_jobs(conn) == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["h", "--payload", "{not json"], "JSON"),
+        (["h", "--payload", "{\"a\": 1"], "JSON"),
+        (["h", "--lane", "bad lane"], "lane"),
+        (["h", "--lane", ""], "lane"),
+        (["bad/handler"], "handler"),
+        (["h", "--priority", "high"], "integer"),
+        (["h", "--priority", str(2**31)], "32-bit"),
+        (["h", "--max-attempts", "0"], "at least 1"),
+        (["h", "--run-at", "2030-01-01T00:00:00"], "UTC offset"),
+        (["h", "--run-at", "tomorrow"], "ISO 8601"),
+        (["h", "--delay", "soon"], "duration"),
+        (["h", "--delay", "5s", "--run-at", "2030-01-01T00:00:00Z"], "not allowed"),
+        (["h", "--idempotency-key", ""], "idempotency_key"),
+    ],
+)
+def test_bad_enqueue_input_is_a_one_line_usage_error(
+    db_url: str, conn: psycopg.Connection, args: list[str], fragment: str
+) -> None:
+    line = assert_one_line_error(cli("enqueue", *args, "--database-url", db_url), 2)
+    assert fragment in line
+    assert count_jobs(conn) == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [(["nope"], "unknown handler 'nope'"), (["echo", "--lane", "nope"], "unknown lane 'nope'")],
+)
+def test_handlers_and_lanes_must_be_in_the_config(
+    db_url: str, conn: psycopg.Connection, args: list[str], fragment: str
+) -> None:
+    line = assert_one_line_error(
+        cli("enqueue", *args, "-c", EXAMPLE, "--database-url", db_url), 2)
+    assert fragment in line
+    assert count_jobs(conn) == 0
+    assert ok("enqueue", "echo", "--lane", "critical", "-c", EXAMPLE, "--database-url", db_url)
+    assert count_jobs(conn) == 1
+
+
+def test_payload_over_the_configured_limit(
+    tmp_path: Path, db_url: str, conn: psycopg.Connection
+) -> None:
+    config = tmp_path / "small.yaml"
+    config.write_text("limits:\n  max_payload_bytes: 32\n", "utf-8")
+    exact = json.dumps({"to": "x" * 22})
+    assert len(exact.encode()) == 32
+    too_big = json.dumps({"to": "x" * 23})
+    line = assert_one_line_error(cli("enqueue", "h", "--payload", too_big, "-c", str(config),
+                                     "--database-url", db_url), 2)
+    assert "33 bytes" in line and "max_payload_bytes" in line
+    assert count_jobs(conn) == 0
+    ok("enqueue", "h", "--payload", exact, "-c", str(config), "--database-url", db_url)
+    assert count_jobs(conn) == 1
+
+
+def test_an_invalid_config_file_is_a_usage_error(tmp_path: Path, db_url: str) -> None:
+    config = tmp_path / "broken.yaml"
+    config.write_text("lanes:\n  default:\n    workers: many\n", "utf-8")
+    line = assert_one_line_error(cli("status", "-c", str(config), "--database-url", db_url), 2)
+    assert f"{config}:3:" in line and "lanes.default.workers" in line
+
+
+@pytest.mark.parametrize("command", [["enqueue", "h"], ["status"], ["migrate"]])
+def test_unreachable_database(command: list[str]) -> None:
+    line = assert_one_line_error(cli(*command, "--database-url", UNREACHABLE), 2)
+    assert "cannot connect" in line
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["status"], ["jobs", "list"], ["jobs", "show", "1"], ["dlq", "list"],
+     ["dlq", "replay", "1"], ["dlq", "purge", "--before", "1d"]],
+)
+def test_missing_tables_ask_for_migrate(databases: Databases, command: list[str]) -> None:
+    line = assert_one_line_error(cli(*command, "--database-url", databases.empty()), 1)
+    assert "jobd migrate" in line
+
+
+def test_enqueue_into_an_unmigrated_database_asks_for_migrate(databases: Databases) -> None:
+    line = assert_one_line_error(cli("enqueue", "h", "--database-url", databases.empty()), 1)
+    assert "jobd migrate" in line
+
+
+# --- status --------------------------------------------------------------------------------
+
+
+def test_status_shows_counts_per_lane_and_dlq_depth(db_url: str, conn: psycopg.Connection
+                                                    ) -> None:
+    dead = [make_dead(conn, "mail") for _ in range(2)]
+    make_done(conn)
+    jobd.enqueue(conn, "h")
+    jobd.enqueue(conn, "h")
+    jobd.enqueue(conn, "h", lane="mail", priority=9)
+    assert len(queue.claim(conn, "mail", "node-1:1", 1, 30)) == 1
+    jobd.enqueue(conn, "h", lane="mail")
+    [failing] = queue.claim(conn, "mail", "node-1:1", 1, 30)
+    assert queue.fail(conn, [Failure(failing.lease, "x", 60, 8)]).retried == [failing.id]
+
+    lanes = {s["lane"]: s for s in ok_json("status", "--database-url", db_url)["lanes"]}
+    assert set(lanes) == {"default", "mail"}
+    assert {k: lanes["default"][k] for k in ("pending", "claimed", "failed", "dead")} == {
+        "pending": 2, "claimed": 0, "failed": 0, "dead": 0}
+    assert {k: lanes["mail"][k] for k in ("pending", "claimed", "failed", "dead")} == {
+        "pending": 0, "claimed": 1, "failed": 1, "dead": len(dead)}
+    assert lanes["default"]["oldest_unclaimed_age"] >= 0
+
+    text = ok("status", "--database-url", db_url).splitlines()
+    assert text[0].split()[:4] == ["lane", "pending", "claimed", "failed"]
+    assert "dead (DLQ)" in text[0]
+    # The lane table runs to the first blank line (other sections may follow).
+    table = text[1:text.index("")] if "" in text else text[1:]
+    rows = {line.split()[0]: line.split()[1:5] for line in table}
+    assert rows == {"default": ["2", "0", "0", "0"], "mail": ["0", "1", "1", "2"]}
+
+
+def test_status_lists_configured_lanes_without_jobs(db_url: str) -> None:
+    lanes = ok_json("status", "-c", EXAMPLE, "--database-url", db_url)["lanes"]
+    assert [s["lane"] for s in lanes] == ["critical", "default"]
+    assert all(s["pending"] == s["dead"] == 0 for s in lanes)
+
+
+def test_status_of_an_empty_queue(db_url: str) -> None:
+    assert "no jobs" in ok("status", "--database-url", db_url)
+
+
+# --- jobs ----------------------------------------------------------------------------------
+
+
+def shown_state(db_url: str, job_id: int) -> str:
+    out = ok("jobs", "show", str(job_id), "--database-url", db_url)
+    match = re.search(r"^\s*state: (\w+)$", out, re.MULTILINE)
+    assert match, out
+    assert ok_json("jobs", "show", str(job_id), "--database-url", db_url)["state"] == match[1]
+    return match[1]
+
+
+def test_jobs_show_live_archived_and_dead(db_url: str, conn: psycopg.Connection) -> None:
+    pending = jobd.enqueue(conn, "h", {"n": 1})
+    done = make_done(conn)
+    dead = make_dead(conn)
+    assert shown_state(db_url, pending) == "pending"
+    assert shown_state(db_url, done) == "done"
+    assert shown_state(db_url, dead) == "dead"
+    shown = ok_json("jobs", "show", str(dead), "--database-url", db_url)
+    assert shown["id"] == dead
+    assert shown["payload"] == {"to": "a@example.com"}
+    assert [e["error"] for e in shown["errors"]] == ["smtp refused"]
+    assert "smtp refused" in ok("jobs", "show", str(dead), "--database-url", db_url)
+
+
+def test_jobs_show_unknown_id(db_url: str) -> None:
+    line = assert_one_line_error(cli("jobs", "show", "424242", "--database-url", db_url), 1)
+    assert "424242" in line
+
+
+def test_jobs_list_filters_by_state_and_lane(db_url: str, conn: psycopg.Connection) -> None:
+    done = [make_done(conn), make_done(conn, "mail")]
+    pending = jobd.enqueue(conn, "h")
+    dead = make_dead(conn)
+    listed = ok_json("jobs", "list", "--state", "done", "--database-url", db_url)
+    assert sorted(row["id"] for row in listed) == sorted(done)
+    assert {row["state"] for row in listed} == {"done"}
+    mail = ok_json("jobs", "list", "--state", "done", "--lane", "mail", "--database-url", db_url)
+    assert [row["id"] for row in mail] == [done[1]]
+    every = ok_json("jobs", "list", "--database-url", db_url)
+    assert [row["id"] for row in every] == sorted([*done, pending, dead], reverse=True)
+    assert len(ok_json("jobs", "list", "--limit", "2", "--database-url", db_url)) == 2
+    text = ok("jobs", "list", "--state", "done", "--database-url", db_url)
+    assert {int(line.split()[0]) for line in text.splitlines()[1:]} == set(done)
+    assert_one_line_error(cli("jobs", "list", "--state", "finished", "--database-url", db_url), 2)
+
+
+# --- dead-letter queue ---------------------------------------------------------------------
+
+
+def test_dlq_list_and_replay(db_url: str, conn: psycopg.Connection) -> None:
+    dead = make_dead(conn)
+    listed = ok_json("dlq", "list", "--database-url", db_url)
+    assert [(row["id"], row["last_error"]) for row in listed] == [(dead, "smtp refused")]
+    assert str(dead) in ok("dlq", "list", "--database-url", db_url)
+
+    out = ok("dlq", "replay", str(dead), "--database-url", db_url)
+    assert str(dead) in out
+    row = conn.execute("SELECT state, attempts FROM jobs WHERE id = %s", (dead,)).fetchone()
+    assert row == ("pending", 0)
+    assert conn.execute("SELECT count(*) FROM dead_letter").fetchone() == (0,)
+    assert "empty" in ok("dlq", "list", "--database-url", db_url)
+
+
+def test_replay_is_all_or_nothing(db_url: str, conn: psycopg.Connection) -> None:
+    dead = make_dead(conn)
+    live = jobd.enqueue(conn, "h")
+    line = assert_one_line_error(
+        cli("dlq", "replay", str(dead), str(live), "999999", "--database-url", db_url), 2)
+    assert str(live) in line and "999999" in line
+    assert conn.execute("SELECT id FROM dead_letter").fetchall() == [(dead,)]
+    row = conn.execute("SELECT state FROM all_jobs WHERE id = %s", (dead,)).fetchone()
+    assert row == ("dead",)
+
+
+def test_dlq_purge_removes_dead_jobs_and_frees_their_keys(
+    db_url: str, conn: psycopg.Connection
+) -> None:
+    dead = make_dead(conn, key="once")
+    assert jobd.enqueue(conn, "send_email", idempotency_key="once") == dead
+    assert "purged 0" in ok("dlq", "purge", "--before", "1h", "--database-url", db_url)
+    data = ok_json("dlq", "purge", "--before", "0s", "--database-url", db_url)
+    assert data["purged"] == 1
+    assert conn.execute("SELECT count(*) FROM dead_letter").fetchone() == (0,)
+    assert jobd.enqueue(conn, "send_email", idempotency_key="once") != dead
+
+
+# --- options and help ----------------------------------------------------------------------
+
+HELP_COMMANDS = [
+    [], ["migrate"], ["enqueue"], ["status"], ["jobs"], ["jobs", "show"], ["jobs", "list"],
+    ["dlq"], ["dlq", "list"], ["dlq", "replay"], ["dlq", "purge"],
+]
+
+
+def test_every_subcommand_has_help() -> None:
+    processes = [
+        subprocess.Popen([sys.executable, "-m", "jobd", *command, "--help"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=clean_env())
+        for command in HELP_COMMANDS
+    ]
+    for command, process in zip(HELP_COMMANDS, processes, strict=True):
+        out, err = process.communicate(timeout=TIMEOUT)
+        assert (command, process.returncode, err) == (command, 0, "")
+        assert out.startswith("usage: jobd")
+
+
+def test_missing_subcommand_is_a_usage_error() -> None:
+    assert_one_line_error(cli(), 2)
+    assert_one_line_error(cli("dlq"), 2)
+
+
+def test_options_work_before_and_after_the_subcommand(
+    db_url: str, conn: psycopg.Connection
+) -> None:
+    jobd.enqueue(conn, "h", lane="mail")
+    outputs = [
+        ok("--database-url", db_url, "--json", "status"),
+        ok("status", "--database-url", db_url, "--json"),
+        ok("--json", "status", "--database-url", db_url),
+        ok("--database-url", UNREACHABLE, "status", "--database-url", db_url, "--json"),
+        ok("-c", EXAMPLE, "status", "--json", "--database-url", db_url),
+    ]
+    lanes = [[s["lane"] for s in json.loads(out)["lanes"]] for out in outputs]
+    assert lanes[:4] == [["mail"]] * 4
+    assert lanes[4] == ["critical", "default", "mail"]
+    shown = ok("jobs", "--database-url", db_url, "list", "--json")
+    assert [row["lane"] for row in json.loads(shown)] == ["mail"]
+
+
+def test_database_url_from_the_environment(db_url: str, conn: psycopg.Connection) -> None:
+    result = cli("enqueue", "h", env=clean_env(JOBD_DATABASE_URL=db_url))
+    assert result.returncode == 0, result.stderr
+    assert conn.execute("SELECT id FROM jobs").fetchall() == [(int(result.stdout),)]

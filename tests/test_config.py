@@ -1,0 +1,314 @@
+"""The YAML configuration: the example file, durations, and errors that point at the mistake."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from jobd.backoff import Backoff
+from jobd.config import Config, load, parse, parse_duration
+from jobd.errors import ConfigError, UsageError
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "config" / "jobd.example.yaml"
+
+HANDLERS = "handlers:\n  echo: jobd.examples:echo\n"
+
+
+def config_error(tmp_path: Path, text: str) -> tuple[Path, int, str]:
+    """Load ``text`` from a file; return the file, the line the error names and the message."""
+    path = tmp_path / "jobd.yaml"
+    path.write_text(text, "utf-8")
+    with pytest.raises(ConfigError) as caught:
+        load(path)
+    message = str(caught.value)
+    match = re.match(rf"^{re.escape(str(path))}:(\d+):", message)
+    assert match, f"the message does not start with FILE:LINE: {message!r}"
+    assert "\n" not in message
+    return path, int(match[1]), message
+
+
+# --- the example file ----------------------------------------------------------------------
+
+
+def test_the_example_config_loads() -> None:
+    config = load(EXAMPLE)
+    assert config.path == str(EXAMPLE)
+    assert config.database_url == "postgresql://postgres@127.0.0.1:5432/postgres"
+    assert config.schema == "jobd"
+    assert config.node_name == "example-1"
+    assert config.metrics_listen == "127.0.0.1:9464"
+    assert config.max_payload_bytes == 1_048_576
+    assert config.worker_timeout == config.shutdown_timeout == 30.0
+    assert config.handlers == {
+        "echo": "jobd.examples:echo", "sleep": "jobd.examples:sleep", "fail": "jobd.examples:fail"}
+    assert set(config.lanes) == {"default", "critical"}
+    default = config.lanes["default"]
+    assert (default.workers, default.concurrency, default.visibility_timeout, default.heartbeat,
+            default.timeout, default.max_attempts) == (2, 8, 30.0, 10.0, 300.0, 8)
+    assert default.backoff == Backoff(1.0, 300.0)
+    critical = config.lanes["critical"]
+    assert critical.backoff == Backoff(0.5, 60.0)
+    assert critical.retry_policy.max_attempts == 5
+    [schedule] = config.schedules
+    assert (schedule.id, schedule.cron, schedule.timezone, schedule.handler, schedule.lane) == (
+        "heartbeat-log", "*/5 * * * *", "UTC", "echo", "default")
+    assert schedule.payload == {"message": "five minutes passed"}
+
+
+def test_a_lane_the_node_does_not_configure_gets_the_default_policy() -> None:
+    config = load(EXAMPLE)
+    assert config.retry_policy("critical").backoff == Backoff(0.5, 60.0)
+    policy = config.retry_policy("not-configured-here")
+    assert (policy.backoff, policy.max_attempts) == (Backoff(1.0, 300.0), 8)
+
+
+def test_an_empty_file_gives_the_defaults() -> None:
+    config = parse("", "empty.yaml")
+    assert config.lanes == {} and config.handlers == {} and config.schedules == ()
+    assert config.schema == "jobd"
+    assert config.max_payload_bytes == Config().max_payload_bytes
+
+
+# --- durations -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("250ms", 0.25), ("30s", 30.0), ("5m", 300.0), ("1h", 3600.0), ("2d", 172_800.0),
+        ("1.5s", 1.5), (" 10s ", 10.0), ("45", 45.0), ("0.5", 0.5), (7, 7.0), (2.5, 2.5),
+        ("0s", 0.0),
+    ],
+)
+def test_durations(text: object, seconds: float) -> None:
+    assert parse_duration(text) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["30 sec", "5 minutes", "-5s", "abc", "", "1e3s", "s", True, -1, float("nan"), float("inf")],
+)
+def test_malformed_durations_are_refused(text: object) -> None:
+    with pytest.raises(ValueError):
+        parse_duration(text)
+
+
+def test_durations_in_the_file_accept_units_and_bare_numbers() -> None:
+    config = parse("lanes:\n  fast: {visibility_timeout: 250ms, heartbeat: 100ms}\n"
+                   "  slow: {visibility_timeout: 1h, heartbeat: 5m, timeout: 90, "
+                   "backoff: {base: 2, cap: 10m}}\n")
+    assert (config.lanes["fast"].visibility_timeout, config.lanes["fast"].heartbeat) == (
+        0.25, pytest.approx(0.1))
+    slow = config.lanes["slow"]
+    assert (slow.visibility_timeout, slow.heartbeat, slow.timeout) == (3600.0, 300.0, 90.0)
+    assert slow.backoff == Backoff(2.0, 600.0)
+
+
+# --- errors name the file, the line and the key --------------------------------------------
+
+
+def test_unknown_key(tmp_path: Path) -> None:
+    _, line, message = config_error(
+        tmp_path, "lanes:\n  default:\n    workers: 2\n    wrokers: 3\n")
+    assert line == 4
+    assert "lanes.default.wrokers: unknown key" in message
+
+
+def test_unknown_top_level_key(tmp_path: Path) -> None:
+    _, line, message = config_error(tmp_path, "database:\n  schema: jobd\nlane: fast\n")
+    assert line == 3
+    assert "lane: unknown key" in message
+
+
+def test_wrong_type(tmp_path: Path) -> None:
+    path, line, message = config_error(
+        tmp_path, "# comment\nlanes:\n  default:\n    concurrency: 4\n    workers: two\n")
+    assert line == 5
+    assert "lanes.default.workers:" in message
+    assert "'two'" in message
+    assert message.startswith(str(path))
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "key"),
+    [
+        ("lanes:\n  default:\n    visibility_timeout: soon\n", 3,
+         "lanes.default.visibility_timeout"),
+        ("limits:\n  max_payload_bytes: lots\n", 2, "limits.max_payload_bytes"),
+        ("metrics:\n  listen: 9464\n", 2, "metrics.listen"),
+        ("supervisor:\n  worker_timeout: 0s\n", 2, "supervisor.worker_timeout"),
+        (HANDLERS + "schedules:\n  - id: a\n    cron: '* * * * *'\n    handler: echo\n"
+         "    catchup: maybe\n", 7, "schedules[0].catchup"),
+    ],
+)
+def test_wrong_values_name_their_key(tmp_path: Path, text: str, line: int, key: str) -> None:
+    _, reported, message = config_error(tmp_path, text)
+    assert reported == line
+    assert f"{key}:" in message
+
+
+def test_heartbeat_must_be_shorter_than_the_visibility_timeout(tmp_path: Path) -> None:
+    _, line, message = config_error(
+        tmp_path,
+        "lanes:\n  default: {workers: 1}\n  mail: {visibility_timeout: 10s, heartbeat: 10s}\n")
+    assert line == 3
+    assert "lanes.mail:" in message
+    assert "heartbeat" in message and "visibility_timeout" in message
+
+
+def test_bad_handler_import_path(tmp_path: Path) -> None:
+    _, line, message = config_error(
+        tmp_path, "handlers:\n  echo: jobd.examples:echo\n  report: myapp.tasks.report\n")
+    assert line == 3
+    assert "handlers.report:" in message
+    assert "module:function" in message
+
+
+def test_unknown_timezone(tmp_path: Path) -> None:
+    _, line, message = config_error(
+        tmp_path,
+        HANDLERS + "schedules:\n  - id: nightly\n    cron: '30 2 * * *'\n"
+        "    timezone: Europe/Atlantis\n    handler: echo\n")
+    assert line == 6
+    assert "schedules[0].timezone:" in message
+    assert "Europe/Atlantis" in message
+
+
+@pytest.mark.parametrize(
+    ("text", "line"),
+    [
+        ("lanes:\n  default:\n    workers: 2\n   concurrency: 3\n", 4),
+        ("database:\n  url: 'postgresql://x\nnode:\n  name: a\n", 5),
+        ("lanes:\n  default: {workers: 2\nhandlers: {}\n", 3),
+        ("handlers:\n\techo: a:b\n", 2),
+    ],
+)
+def test_invalid_yaml(tmp_path: Path, text: str, line: int) -> None:
+    _, reported, message = config_error(tmp_path, text)
+    assert reported == line
+    assert "invalid YAML" in message
+
+
+def test_duplicate_schedule_id(tmp_path: Path) -> None:
+    _, _, message = config_error(
+        tmp_path,
+        HANDLERS + "schedules:\n"
+        "  - {id: nightly, cron: '0 1 * * *', handler: echo}\n"
+        "  - {id: hourly, cron: '0 * * * *', handler: echo}\n"
+        "  - {id: nightly, cron: '0 2 * * *', handler: echo}\n")
+    assert "schedules" in message
+    assert "duplicate" in message and "nightly" in message
+    assert "hourly" not in message
+
+
+def test_schedule_naming_an_unknown_handler(tmp_path: Path) -> None:
+    _, _, message = config_error(
+        tmp_path, HANDLERS + "schedules:\n  - {id: s, cron: '* * * * *', handler: missing}\n")
+    assert "schedules" in message
+    assert "'missing'" in message and "not in handlers" in message
+
+
+def test_duplicate_key(tmp_path: Path) -> None:
+    _, line, message = config_error(
+        tmp_path, "lanes:\n  default:\n    workers: 2\n    workers: 3\n")
+    assert line == 4
+    assert "duplicate key" in message
+
+
+def test_missing_required_schedule_key(tmp_path: Path) -> None:
+    _, line, message = config_error(
+        tmp_path, HANDLERS + "schedules:\n  - {id: s, handler: echo}\n")
+    assert line == 4
+    assert "schedules[0]:" in message and "'cron'" in message
+
+
+def test_sections_of_the_wrong_shape(tmp_path: Path) -> None:
+    assert "lanes: must be a mapping" in config_error(tmp_path, "lanes:\n  - default\n")[2]
+    assert "schedules: must be a list" in config_error(tmp_path, "schedules: {a: 1}\n")[2]
+
+
+def test_invalid_schema_name(tmp_path: Path) -> None:
+    _, line, message = config_error(tmp_path, "database:\n  schema: Jobd-Prod\n")
+    assert line == 2
+    assert "database.schema:" in message
+
+
+def test_unreadable_file_names_the_file(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError, match=re.escape(str(missing))):
+        load(missing)
+
+
+def test_config_errors_are_usage_errors() -> None:
+    # The CLI maps usage errors to exit code 2.
+    assert issubclass(ConfigError, UsageError)
+
+
+# --- errors in nested sections point at the offending key --------------------------------
+
+
+def test_duplicate_key_names_its_full_path(tmp_path: Path) -> None:
+    _, _, message = config_error(tmp_path, "lanes:\n  default:\n    workers: 2\n    workers: 3\n")
+    assert "lanes.default.workers:" in message
+
+
+def test_unknown_handler_error_points_at_the_schedule(tmp_path: Path) -> None:
+    text = ("# jobd\n\ndatabase:\n  schema: jobd\n" + HANDLERS +
+            "schedules:\n  - id: s\n    cron: '* * * * *'\n    handler: missing\n")
+    _, line, message = config_error(tmp_path, text)
+    assert line == 10
+    assert "schedules[0].handler:" in message
+
+
+def test_duplicate_schedule_id_points_at_the_repeat(tmp_path: Path) -> None:
+    _, line, _ = config_error(
+        tmp_path,
+        HANDLERS + "schedules:\n"
+        "  - {id: hourly, cron: '0 * * * *', handler: echo}\n"
+        "  - {id: nightly, cron: '0 1 * * *', handler: echo}\n"
+        "  - {id: nightly, cron: '0 2 * * *', handler: echo}\n")
+    assert line == 6
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "lines"),
+    [
+        ("lanes:\n  default:\n    workers: 2\n    bakoff:\n      base: 1s\n",
+         "lanes.default.bakoff: unknown key", {4}),
+        ("lanes:\n  'bad lane':\n    workers: 1\n", "lanes.bad lane: invalid lane name", {2}),
+        ("lanes:\n  default:\n    workers: 2\n    visibility_timeout: 10s\n    heartbeat: 10s\n",
+         "lanes.default: heartbeat", {2, 5}),
+        ("lanes:\n  default:\n    backoff:\n      base: 10s\n      cap: 1s\n",
+         "lanes.default.backoff: cap must not be below base", {3, 5}),
+    ],
+)
+def test_block_mapping_errors_point_at_the_key(
+    tmp_path: Path, text: str, key: str, lines: set[int]
+) -> None:
+    _, line, message = config_error(tmp_path, text)
+    assert key in message
+    assert line in lines
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "lanes:\n  default: {backoff: {base: 1s, cap: .nan}}\n",
+        "lanes:\n  default: {visibility_timeout: .inf}\n",
+    ],
+)
+def test_non_finite_durations_are_refused(tmp_path: Path, text: str) -> None:
+    config_error(tmp_path, text)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "lanes:\n  default: {visibility_timeout: 99999999999999d}\n",
+        "lanes:\n  default: {backoff: {base: 1s, cap: 99999999999999d}}\n",
+    ],
+)
+def test_durations_beyond_the_timestamp_range_are_refused(tmp_path: Path, text: str) -> None:
+    config_error(tmp_path, text)

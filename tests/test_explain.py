@@ -1,0 +1,179 @@
+"""The hot queries ride their partial indexes on a table of a million jobs, few of them due.
+
+The table: 1,000,000 pending jobs scheduled in the future (lanes default 40 %, bulk 30 %,
+reports 30 %, ten priorities each), 3,000 due jobs in lane default (five priorities) and 2,000
+claimed jobs whose leases expire over the next minute. A claim must find the due jobs without
+visiting the future ones, whatever their number.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from jobd.db import connect
+from jobd.queries import query
+
+if TYPE_CHECKING:
+    from conftest import Databases
+
+FUTURE_JOBS = 1_000_000
+DUE_JOBS = 3_000
+CLAIMED_JOBS = 2_000
+
+Plan = dict[str, Any]
+
+
+@pytest.fixture(scope="module")
+def big_queue(databases: Databases) -> Iterator[psycopg.Connection]:
+    url = databases.migrated()
+    with connect(url) as conn:
+        conn.execute(
+            """INSERT INTO jobs (lane, handler, priority, run_at)
+               SELECT CASE WHEN i %% 10 < 4 THEN 'default'
+                           WHEN i %% 10 < 7 THEN 'bulk' ELSE 'reports' END,
+                      'send_email', (i / 10) %% 10,
+                      now() + make_interval(secs => 60 + i %% 604800)
+                 FROM generate_series(1, %s) AS i""",
+            (FUTURE_JOBS,),
+        )
+        conn.execute(
+            """INSERT INTO jobs (lane, handler, priority, run_at)
+               SELECT 'default', 'send_email', i %% 5, now() - make_interval(secs => i)
+                 FROM generate_series(1, %s) AS i""",
+            (DUE_JOBS,),
+        )
+        conn.execute(
+            """INSERT INTO jobs (lane, handler, state, run_at, attempts, claimed_by,
+                                 lease_token, lease_until)
+               SELECT 'default', 'send_email', 'claimed', now() - interval '1 minute', 1,
+                      'node-1:' || i %% 16, nextval('lease_token_seq'),
+                      now() + make_interval(secs => i %% 60 - 30)
+                 FROM generate_series(1, %s) AS i""",
+            (CLAIMED_JOBS,),
+        )
+        conn.execute("ANALYZE jobs")
+        yield conn
+    with databases.server.admin() as admin:
+        admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+            sql.Identifier(psycopg.conninfo.conninfo_to_dict(url)["dbname"])))
+
+
+def nodes(plan: Plan) -> Iterator[Plan]:
+    yield plan
+    for child in plan.get("Plans", []):
+        yield from nodes(child)
+
+
+def seq_scans_on_jobs(plan: Plan) -> list[Plan]:
+    return [n for n in nodes(plan) if n["Node Type"] == "Seq Scan"
+            and n.get("Relation Name") == "jobs"]
+
+
+def indexes_used(plan: Plan) -> set[str]:
+    return {n["Index Name"] for n in nodes(plan) if "Index Name" in n}
+
+
+def pages(plan: Plan) -> int:
+    """Shared buffers the node and everything below it touched (hits and reads)."""
+    return int(plan["Shared Hit Blocks"]) + int(plan["Shared Read Blocks"])
+
+
+def cte(plan: Plan, name: str) -> Plan:
+    [found] = [n for n in nodes(plan) if n.get("Subplan Name") == f"CTE {name}"]
+    return found
+
+
+def explain(conn: psycopg.Connection, name: str, params: dict[str, Any], *,
+            analyze: bool = False) -> Plan:
+    options = "ANALYZE, BUFFERS, FORMAT JSON" if analyze else "FORMAT JSON"
+    # EXPLAIN ANALYZE runs the statement: the claim's UPDATE is rolled back.
+    with conn.transaction(force_rollback=True):
+        row = conn.execute(f"EXPLAIN ({options}) {query(name)}", params).fetchone()
+    assert row is not None
+    return row[0][0]["Plan"]
+
+
+def claim_params(lane: str, now: datetime | None = None) -> dict[str, Any]:
+    return {"lane": lane, "worker": "node-2:7", "limit": 100, "visibility_timeout": 30.0,
+            "now": now}
+
+
+def test_the_table_has_a_million_rows_and_few_due(big_queue: psycopg.Connection) -> None:
+    row = big_queue.execute(
+        "SELECT count(*), count(*) FILTER (WHERE state = 'pending' AND run_at <= now()), "
+        "count(*) FILTER (WHERE lane = 'bulk' AND run_at <= now()), "
+        "count(*) FILTER (WHERE lane = 'bulk') FROM jobs").fetchone()
+    assert row == (FUTURE_JOBS + DUE_JOBS + CLAIMED_JOBS, DUE_JOBS, 0, 300_000)
+
+
+@pytest.mark.parametrize("lane", ["default", "bulk", "nonexistent"])
+def test_claim_plan_rides_the_claimable_index(big_queue: psycopg.Connection, lane: str) -> None:
+    plan = explain(big_queue, "claim_jobs", claim_params(lane))
+    assert seq_scans_on_jobs(plan) == []
+    assert "jobs_claimable_idx" in indexes_used(plan)
+
+
+def test_claim_generic_plan_rides_the_claimable_index(big_queue: psycopg.Connection) -> None:
+    # A worker runs the claim over and over on one connection: psycopg prepares it and the
+    # server may switch to a generic plan that does not know the lane.
+    big_queue.execute("SET plan_cache_mode = force_generic_plan")
+    try:
+        plan = explain(big_queue, "claim_jobs", claim_params("default"))
+    finally:
+        big_queue.execute("RESET plan_cache_mode")
+    assert seq_scans_on_jobs(plan) == []
+    assert "jobs_claimable_idx" in indexes_used(plan)
+
+
+def test_claim_of_due_jobs_does_not_walk_the_future_ones(big_queue: psycopg.Connection) -> None:
+    plan = explain(big_queue, "claim_jobs", claim_params("default"), analyze=True)
+    assert plan["Actual Rows"] == 100
+    assert seq_scans_on_jobs(plan) == []
+    # Finding the jobs: a descent per priority plus the due range (observed ~180 pages);
+    # walking the 400,000 future jobs of the lane would take thousands.
+    finding = pages(cte(plan, "priorities")) + pages(cte(plan, "due"))
+    assert finding < 400
+    # The whole statement, including updating 100 rows and their index entries
+    # (observed ~1,600 pages).
+    assert pages(plan) < 2_500
+
+
+def test_claim_in_a_lane_with_only_future_jobs_visits_almost_nothing(
+    big_queue: psycopg.Connection,
+) -> None:
+    plan = explain(big_queue, "claim_jobs", claim_params("bulk"), analyze=True)
+    assert plan["Actual Rows"] == 0
+    assert seq_scans_on_jobs(plan) == []
+    assert "jobs_claimable_idx" in indexes_used(plan)
+    # Ten priorities, each a short index descent that stops at the first future run_at
+    # (observed ~80 pages); 300,000 future rows span thousands of index pages.
+    assert pages(plan) < 200
+
+
+def test_claim_finds_jobs_due_at_an_injected_time_with_the_same_plan(
+    big_queue: psycopg.Connection,
+) -> None:
+    row = big_queue.execute("SELECT now()").fetchone()
+    assert row is not None
+    # An hour ahead, the earliest few thousand of the future jobs are due as well.
+    later = row[0] + timedelta(hours=1)
+    plan = explain(big_queue, "claim_jobs", claim_params("bulk", later), analyze=True)
+    assert plan["Actual Rows"] == 100
+    assert pages(plan) < 2_500
+
+
+def test_expired_leases_ride_the_lease_index(big_queue: psycopg.Connection) -> None:
+    params = {"now": None, "limit": 1000}
+    plan = explain(big_queue, "expired_leases", params)
+    assert seq_scans_on_jobs(plan) == []
+    assert "jobs_lease_idx" in indexes_used(plan)
+    analyzed = explain(big_queue, "expired_leases", params, analyze=True)
+    assert 0 < analyzed["Actual Rows"] <= CLAIMED_JOBS
+    # One heap page per expired job at most, never the million pending rows.
+    assert pages(analyzed) < CLAIMED_JOBS + 100
