@@ -120,8 +120,10 @@ class FailOutcome:
     retried: list[int] = field(default_factory=list)
     dead: list[int] = field(default_factory=list)
     stale: list[int] = field(default_factory=list)
-    # When the earliest retry becomes due, so the caller can wake up for it.
-    next_retry_at: datetime | None = None
+    # When each retried job becomes due again (database clock), so callers can wake for it.
+    retry_at: dict[int, datetime] = field(default_factory=dict)
+    # Filled by the sweeps that know the jobs' lanes: the earliest retry per lane.
+    next_retry_by_lane: dict[str, datetime] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -345,8 +347,7 @@ def fail(
         },
     ).fetchall()
     results = {job_id: outcome_kind for job_id, outcome_kind, _ in rows}
-    retry_times = [run_at for _, _, run_at in rows if run_at is not None]
-    outcome.next_retry_at = min(retry_times, default=None)
+    outcome.retry_at = {job_id: run_at for job_id, _, run_at in rows if run_at is not None}
     for f in failures:
         kind = results.get(f.lease.id)
         if kind == "failed":
@@ -380,6 +381,7 @@ def _fail_rows(
     expired_only: bool,
 ) -> FailOutcome:
     failures = []
+    lanes = {row[0]: row[2] for row in rows}
     for job_id, token, lane, attempts, claimed_by in rows:
         policy = policy_for(lane)
         failures.append(
@@ -390,7 +392,13 @@ def _fail_rows(
                 default_max_attempts=policy.max_attempts,
             )
         )
-    return fail(conn, failures, now, expired_only=expired_only)
+    outcome = fail(conn, failures, now, expired_only=expired_only)
+    for job_id, run_at in outcome.retry_at.items():
+        lane = lanes[job_id]
+        current = outcome.next_retry_by_lane.get(lane)
+        if current is None or run_at < current:
+            outcome.next_retry_by_lane[lane] = run_at
+    return outcome
 
 
 def expire_leases(

@@ -61,6 +61,7 @@ BOOT_FAILURES_BEFORE_FATAL = 3
 MAINTENANCE_INTERVAL = 3600.0
 LISTENER_PROBE_INTERVAL = 60.0
 NODE_STALE_AFTER = 3600.0
+WAKE_MARGIN = 0.01  # seconds
 
 log = structlog.get_logger("jobd.supervisor")
 T = TypeVar("T")
@@ -290,7 +291,9 @@ class Supervisor:
             self.listener.check()
 
     def _wake_lane_at(self, lane: str, at_epoch: float) -> None:
-        delay = at_epoch - (time.time() + self.db_clock_offset)
+        # The margin absorbs the error of the measured clock offset, so the claim that the
+        # wake-up triggers finds the job due by the database clock.
+        delay = at_epoch + WAKE_MARGIN - (time.time() + self.db_clock_offset)
         at = time.monotonic() + max(0.0, delay)
         current = self.lane_wake_at.get(lane)
         if current is None or at < current:
@@ -467,6 +470,7 @@ class Supervisor:
                     return len(released.applied), 0
                 outcome = queue.fail_jobs_held_by(conn, worker_id, reason,
                                                   self.config.retry_policy)
+                self._wake_for_retries(outcome)
                 return len(outcome.retried), len(outcome.dead)
 
             settled = self._db("crash attribution", settle)
@@ -537,10 +541,16 @@ class Supervisor:
             self._materialize(conn)
         if row is not None:
             self.db_clock_offset = float(row[0]) - time.time()
+        self._wake_for_retries(outcome)
         swept = len(outcome.retried) + len(outcome.dead)
         if swept:
             log.warning("expired leases swept", retried=outcome.retried, dead=outcome.dead)
         return swept
+
+    def _wake_for_retries(self, outcome: queue.FailOutcome) -> None:
+        """Wake each lane when the earliest of the retries the supervisor recorded falls due."""
+        for lane, run_at in outcome.next_retry_by_lane.items():
+            self._wake_lane_at(lane, run_at.timestamp())
 
     def _sync_schedules(self, conn: psycopg.Connection) -> bool:
         disabled = schedules.sync(conn, self.config.schedules)

@@ -1,0 +1,484 @@
+"""The daemon end to end: real supervisor and worker processes against a real PostgreSQL.
+
+Each test starts `python -m jobd run` with a config of its own (see tests/daemon_support.py)
+and watches it through its JSON log lines, /proc and the database. Lanes poll only every 60s,
+so work that starts sooner than that was started by a wake-up.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from datetime import datetime, timedelta
+
+import daemon_support
+import psycopg
+import pytest
+from daemon_support import (
+    Daemon,
+    alive,
+    db_now,
+    effects,
+    group_members,
+    job_row,
+    job_state,
+    make_config,
+    wait_until,
+)
+
+import jobd
+
+# The fixtures the tests use, from the support module.
+daemons = daemon_support.daemons
+effects_db = daemon_support.effects_db
+
+pytestmark = pytest.mark.slow
+
+Daemons = Callable[..., Daemon]
+
+
+def wait_state(conn: psycopg.Connection, job_id: int, state: str, timeout: float,
+               daemon: Daemon) -> None:
+    wait_until(lambda: job_state(conn, job_id) == state, timeout,
+               message=lambda: f"job {job_id} to be {state} (it is "
+                               f"{job_state(conn, job_id)})\n{daemon.tail()}")
+
+
+def claimed_count(conn: psycopg.Connection) -> int:
+    row = conn.execute("SELECT count(*) FROM jobs WHERE state = 'claimed'").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def log_seconds(entry: dict) -> float:
+    return datetime.fromisoformat(entry["timestamp"].replace("Z", "+00:00")).timestamp()
+
+
+# --- 1. jobs flow --------------------------------------------------------------------------
+
+
+def test_enqueued_jobs_run_and_end_done(daemons: Daemons, effects_db: psycopg.Connection
+                                        ) -> None:
+    early = [jobd.enqueue(effects_db, "ok", {"n": n}) for n in range(3)]
+    daemon = daemons(make_config({"default": {"workers": 2, "concurrency": 2}}))
+    slots = daemon.wait_workers_started("default", 2)
+    late = [jobd.enqueue(effects_db, "ok", {"n": n}) for n in range(3, 6)]
+    for job_id in early + late:
+        wait_state(effects_db, job_id, "done", 15, daemon)
+        [end] = effects(effects_db, job_id, "end")
+        assert end["attempt"] == 1
+        assert end["pid"] in slots.values()
+    # The workers are the supervisor's children, titled by lane, slot and load.
+    wait_until(lambda: sorted(re.sub(r" busy \d+/2$", "", title)
+                              for title in daemon.child_processes().values())
+               == ["jobd: worker default#0", "jobd: worker default#1"], 5,
+               message=lambda: f"worker titles, got {daemon.child_processes()}")
+    assert set(daemon.child_processes()) == set(slots.values())
+    assert claimed_count(effects_db) == 0
+
+
+# --- 2. a worker killed mid-job ------------------------------------------------------------
+
+
+def test_a_worker_killed_mid_job_is_replaced_and_its_job_retried_without_lease_expiry(
+    daemons: Daemons, effects_db: psycopg.Connection
+) -> None:
+    daemon = daemons(make_config({"default": {"workers": 1, "visibility_timeout": "60s"}}))
+    [pid] = daemon.wait_workers_started("default", 1).values()
+    worker_id = daemon.workers("default")[("default", 0)]["worker"]
+    job_id = jobd.enqueue(effects_db, "slow", {"seconds": 120, "slow_attempts": [1]})
+    wait_until(lambda: effects(effects_db, job_id, "start"), 10, message="the job to start")
+    assert effects(effects_db, job_id, "start")[0]["pid"] == pid
+    assert job_row(effects_db, job_id)["claimed_by"] == worker_id
+
+    mark = daemon.mark()
+    killed_at = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+
+    exited = daemon.wait_for_log("worker exited", since=mark, pid=pid)
+    assert exited["cause"] == "killed by SIGKILL"
+    failed = daemon.wait_for_log("failed the jobs of a dead worker", since=mark,
+                                 worker=worker_id)
+    assert (failed["retried"], failed["dead"]) == (1, 0)
+    respawned = daemon.wait_for_log("worker spawned", since=mark, lane="default", slot=0)
+    assert respawned["pid"] != pid
+
+    wait_state(effects_db, job_id, "done", 20, daemon)
+    assert time.monotonic() - killed_at < 20  # the lease (60s) did not have to run out
+    row = job_row(effects_db, job_id)
+    assert row["attempts"] == 2
+    [error] = row["errors"]
+    assert error["attempt"] == 1
+    assert error["worker"] == worker_id
+    assert "died: killed by SIGKILL" in error["error"]
+    assert [e["pid"] for e in effects(effects_db, job_id, "end")] == [respawned["pid"]]
+    assert claimed_count(effects_db) == 0
+    assert not alive(pid)
+
+
+# --- 3. a job that kills its worker every time ---------------------------------------------
+
+
+def test_a_job_that_kills_its_worker_reaches_the_dead_letter_queue(
+    daemons: Daemons, effects_db: psycopg.Connection
+) -> None:
+    daemon = daemons(make_config(
+        {"default": {"workers": 2, "concurrency": 2, "max_attempts": 3}}))
+    daemon.wait_workers_started("default", 2)
+    poison = jobd.enqueue(effects_db, "suicide")
+    # A job that shares a worker with the poison dies with it: give the normal jobs room.
+    normal = [jobd.enqueue(effects_db, "ok", {"n": n}, max_attempts=20) for n in range(6)]
+
+    wait_state(effects_db, poison, "dead", 40, daemon)
+    row = job_row(effects_db, poison)
+    assert row["attempts"] == 3
+    assert len(row["errors"]) == 3
+    assert [e["attempt"] for e in row["errors"]] == [1, 2, 3]
+    for error in row["errors"]:
+        assert "died: killed by SIGKILL" in error["error"]
+    assert len(effects(effects_db, poison, "start")) == 3
+    for job_id in normal:
+        wait_state(effects_db, job_id, "done", 15, daemon)
+
+    backoffs = daemon.events("worker restart backing off")
+    assert len(backoffs) >= 3
+    by_slot: dict[int, list[float]] = {}
+    for entry in backoffs:
+        by_slot.setdefault(entry["slot"], []).append(entry["delay"])
+    for delays in by_slot.values():
+        assert delays == [2.0 ** n for n in range(len(delays))]  # 1, 2, 4, ... per slot
+    assert max(d for delays in by_slot.values() for d in delays) >= 2.0
+    # A crash loop is not a boot failure: the lane keeps its workers.
+    assert not daemon.events("lane halted: its workers fail to boot; fix the config and send "
+                             "SIGHUP")
+    wait_until(lambda: len(daemon.worker_pids("default")) == 2, 15,
+               message="both slots to be running again")
+
+
+class RetryNotWoken(AssertionError):
+    """A retry that was due did not start: nothing woke the lane for it."""
+
+
+def test_a_crash_retry_starts_when_its_backoff_ends_not_at_the_next_poll(
+    daemons: Daemons, effects_db: psycopg.Connection
+) -> None:
+    daemon = daemons(make_config({"default": {
+        "workers": 1, "max_attempts": 5, "backoff": {"base": "20s", "cap": "20s"}}}))
+    daemon.wait_workers_started("default", 1)
+    job_id = jobd.enqueue(effects_db, "slow", {"seconds": 120, "slow_attempts": [1, 2, 3]})
+
+    def started(attempt: int) -> bool:
+        return any(e["attempt"] == attempt for e in effects(effects_db, job_id, "start"))
+
+    # The retry delay is drawn at random (full jitter). A retry that falls due before the
+    # replacement worker's first claim is found by that claim and shows nothing: kill the
+    # job's worker again until a retry falls due later than that.
+    for attempt in (1, 2, 3):
+        wait_until(lambda attempt=attempt: started(attempt), 30,
+                   message=lambda attempt=attempt: f"attempt {attempt}\n{daemon.tail()}")
+        pid = effects(effects_db, job_id, "start")[-1]["pid"]
+        mark = daemon.mark()
+        os.kill(pid, signal.SIGKILL)
+        wait_until(lambda attempt=attempt: len(job_row(effects_db, job_id)["errors"]) == attempt,
+                   10, message="the crash to be attributed")
+        retry_at = job_row(effects_db, job_id)["run_at"]
+        wait_until(lambda attempt=attempt, retry_at=retry_at: started(attempt + 1)
+                   or db_now(effects_db) > retry_at + timedelta(seconds=3),
+                   40, message="the retry to start or its deadline to pass")
+        if not started(attempt + 1):
+            raise RetryNotWoken(
+                f"the retry of job {job_id} was due at {retry_at} and had not started 3s "
+                f"later (the lane polls every 60s)\n{daemon.tail(12)}")
+        replacement = daemon.wait_for_log("worker started", process=None, since=mark)
+        if retry_at.timestamp() > log_seconds(replacement) + 0.5:
+            return  # due well after the replacement's first claim, and woken for all that
+    pytest.skip("every retry fell due before the replacement worker's first claim")
+
+
+# --- 4. a hung worker ----------------------------------------------------------------------
+
+
+def test_a_stopped_worker_is_aborted_killed_and_replaced(
+    daemons: Daemons, effects_db: psycopg.Connection
+) -> None:
+    daemon = daemons(make_config({"default": {"workers": 1}},
+                                 supervisor={"worker_timeout": "2s"}))
+    [pid] = daemon.wait_workers_started("default", 1).values()
+    mark = daemon.mark()
+    os.kill(pid, signal.SIGSTOP)  # never continued: the fixture's cleanup kills everything
+
+    hung = daemon.wait_for_log("worker hung; aborting it", since=mark, pid=pid, timeout=10)
+    assert hung["silent"] >= 2.0
+    exited = daemon.wait_for_log("worker exited", since=mark, pid=pid, timeout=15)
+    assert exited["cause"].startswith("hung: no liveness report")
+    # A stopped process cannot run its SIGABRT handler: only the SIGKILL after ABORT_GRACE
+    # (5s) ends it.
+    assert log_seconds(exited) - log_seconds(hung) >= 4.5
+    wait_until(lambda: not alive(pid), 5, message=f"pid {pid} to be gone")
+
+    respawned = daemon.wait_for_log("worker spawned", since=mark, lane="default", slot=0)
+    assert respawned["pid"] != pid
+    job_id = jobd.enqueue(effects_db, "ok")
+    wait_state(effects_db, job_id, "done", 15, daemon)
+    assert effects(effects_db, job_id, "end")[0]["pid"] == respawned["pid"]
+
+
+# --- 5. reload -----------------------------------------------------------------------------
+
+
+def test_reload_adds_a_worker_and_a_lane_without_touching_running_workers(
+    daemons: Daemons, effects_db: psycopg.Connection
+) -> None:
+    daemon = daemons(make_config({"default": {"workers": 2}}))
+    before = daemon.wait_workers_started("default", 2)
+
+    mark = daemon.reload(make_config({"default": {"workers": 3}, "extra": {"workers": 1}}))
+    reloaded = daemon.wait_for_log("config reloaded", since=mark)
+    assert reloaded["lanes"] == {"default": 3, "extra": 1}
+    third = daemon.wait_for_log("worker spawned", since=mark, lane="default", slot=2)
+    extra = daemon.wait_for_log("worker spawned", since=mark, lane="extra", slot=0)
+    daemon.wait_workers_started("extra", 1, since=mark)
+
+    assert daemon.worker_pids("default") == {**before, 2: third["pid"]}
+    assert not daemon.events("worker retiring", since=mark)
+    assert not daemon.events("worker exited", since=mark)
+    assert all(alive(pid) for pid in before.values())
+
+    job_id = jobd.enqueue(effects_db, "ok", lane="extra")
+    wait_state(effects_db, job_id, "done", 15, daemon)
+    assert effects(effects_db, job_id, "end")[0]["pid"] == extra["pid"]
+
+
+@pytest.mark.parametrize("bad_config", [
+    "lanes: [this is not: valid yaml\n",
+    "handlers: {ok: 'testhandlers:ok'}\nlanes:\n  default:\n    wrokers: 3\n",
+], ids=["invalid-yaml", "unknown-key"])
+def test_reload_refuses_an_invalid_config_and_keeps_running(
+    daemons: Daemons, effects_db: psycopg.Connection, bad_config: str
+) -> None:
+    daemon = daemons(make_config({"default": {"workers": 2}}))
+    before = daemon.wait_workers_started("default", 2)
+
+    mark = daemon.reload(bad_config)
+    refused = daemon.wait_for_log("reload refused; still running the previous config",
+                                  since=mark)
+    assert str(daemon.config_path) in refused["error"]
+    assert daemon.running()
+    assert not daemon.events("config reloaded", since=mark)
+
+    job_id = jobd.enqueue(effects_db, "ok")
+    wait_state(effects_db, job_id, "done", 15, daemon)
+    assert daemon.worker_pids("default") == before
+    assert not daemon.events("worker exited", since=mark)
+
+
+def test_reload_replaces_a_changed_lane_while_its_in_flight_job_finishes_once(
+    daemons: Daemons, effects_db: psycopg.Connection
+) -> None:
+    daemon = daemons(make_config({"default": {"workers": 1, "concurrency": 2}}))
+    [old_pid] = daemon.wait_workers_started("default", 1).values()
+    job_id = jobd.enqueue(effects_db, "slow", {"seconds": 6})
+    wait_until(lambda: effects(effects_db, job_id, "start"), 10, message="the job to start")
+
+    mark = daemon.reload(make_config({"default": {"workers": 1, "concurrency": 3}}))
+    daemon.wait_for_log("config reloaded", since=mark)
+    daemon.wait_for_log("worker retiring", since=mark, pid=old_pid)
+    new = daemon.wait_for_log("worker spawned", since=mark, lane="default", slot=0)
+    assert new["pid"] != old_pid
+    assert new["generation"] > daemon.events("worker spawned", pid=old_pid)[0]["generation"]
+    daemon.wait_workers_started("default", 1, since=mark)
+    titles = {old_pid: "jobd: worker default#0 busy 1/2 retiring",
+              new["pid"]: "jobd: worker default#0 busy 0/3"}
+    wait_until(lambda: daemon.child_processes() == titles, 5,
+               message=lambda: f"titles {titles}, got {daemon.child_processes()}")
+
+    # The old worker finishes the job it holds, then exits cleanly.
+    exited = daemon.wait_for_log("worker exited", since=mark, pid=old_pid, timeout=15)
+    assert exited["cause"] == "exit code 0"
+    wait_state(effects_db, job_id, "done", 5, daemon)
+    assert [e["pid"] for e in effects(effects_db, job_id, "start")] == [old_pid]
+    assert [e["pid"] for e in effects(effects_db, job_id, "end")] == [old_pid]
+    row = job_row(effects_db, job_id)
+    assert (row["attempts"], row["errors"]) == (1, [])
+    # Work goes to the new generation.
+    after = jobd.enqueue(effects_db, "ok")
+    wait_state(effects_db, after, "done", 15, daemon)
+    assert effects(effects_db, after, "end")[0]["pid"] == new["pid"]
+
+
+# --- 6. drain on SIGTERM -------------------------------------------------------------------
+
+
+def test_sigterm_drains_finishes_short_jobs_and_releases_long_ones(
+    daemons: Daemons, effects_db: psycopg.Connection
+) -> None:
+    daemon = daemons(make_config({"default": {"workers": 1, "concurrency": 4}},
+                                 supervisor={"shutdown_timeout": "3s"}))
+    [pid] = daemon.wait_workers_started("default", 1).values()
+    short = jobd.enqueue(effects_db, "slow", {"seconds": 1})
+    long = jobd.enqueue(effects_db, "slow", {"seconds": 60})
+    for job_id in (short, long):
+        wait_until(lambda job_id=job_id: effects(effects_db, job_id, "start"), 10,
+                   message=f"job {job_id} to start")
+    assert job_row(effects_db, long)["state"] == "claimed"
+
+    stopping_at = time.monotonic()
+    daemon.signal(signal.SIGTERM)
+    assert daemon.wait_exit(3 + 4) == 0
+    assert time.monotonic() - stopping_at < 3 + 3
+
+    assert job_state(effects_db, short) == "done"
+    row = job_row(effects_db, long)
+    assert (row["state"], row["attempts"], row["claimed_by"], row["errors"]) == (
+        "pending", 0, None, [])
+    assert not effects(effects_db, long, "end")
+    assert daemon.events("draining")
+    assert daemon.events("stopped")
+    assert not group_members(daemon.pid)
+    assert not alive(pid)
+
+
+def test_a_second_sigterm_stops_fast(daemons: Daemons, effects_db: psycopg.Connection
+                                     ) -> None:
+    daemon = daemons(make_config({"default": {"workers": 1}},
+                                 supervisor={"shutdown_timeout": "30s"}))
+    daemon.wait_workers_started("default", 1)
+    long = jobd.enqueue(effects_db, "slow", {"seconds": 60})
+    wait_until(lambda: effects(effects_db, long, "start"), 10, message="the job to start")
+
+    daemon.signal(signal.SIGTERM)
+    daemon.wait_for_log("draining")
+    stopping_at = time.monotonic()
+    daemon.signal(signal.SIGTERM)
+    assert daemon.wait_exit(5) == 0
+    assert time.monotonic() - stopping_at < 3
+    assert daemon.events("second stop signal: stopping fast")
+    row = job_row(effects_db, long)
+    assert (row["state"], row["attempts"], row["claimed_by"]) == ("pending", 0, None)
+    assert not group_members(daemon.pid)
+
+
+# --- 7. handlers that cannot be imported ---------------------------------------------------
+
+
+BROKEN_HANDLERS = {"ok": "testhandlers:ok", "broken": "no_such_module_for_jobd_tests:run"}
+
+
+def test_a_handler_that_cannot_be_imported_fails_the_boot_with_exit_code_3(
+    daemons: Daemons,
+) -> None:
+    daemon = daemons(make_config({"default": {}}, handlers=BROKEN_HANDLERS))
+    started = time.monotonic()
+    assert daemon.wait_exit(20) == 3
+    assert time.monotonic() - started < 15
+    [failure] = daemon.events("boot failure")
+    assert "'broken'" in failure["error"]
+    assert "no_such_module_for_jobd_tests" in failure["error"]
+    assert not daemon.events("worker spawned")
+
+
+def test_reload_refuses_a_handler_that_cannot_be_imported(
+    daemons: Daemons, effects_db: psycopg.Connection
+) -> None:
+    daemon = daemons(make_config({"default": {"workers": 1}}))
+    before = daemon.wait_workers_started("default", 1)
+
+    mark = daemon.reload(make_config({"default": {"workers": 1}}, handlers=BROKEN_HANDLERS))
+    refused = daemon.wait_for_log("reload refused; still running the previous config",
+                                  since=mark)
+    assert "'broken'" in refused["error"]
+    assert daemon.running()
+
+    job_id = jobd.enqueue(effects_db, "ok")
+    wait_state(effects_db, job_id, "done", 15, daemon)
+    assert daemon.worker_pids("default") == before
+    assert not daemon.events("worker exited", since=mark)
+
+
+# --- 8. the LISTEN connection --------------------------------------------------------------
+
+
+def listener_backends(conn: psycopg.Connection) -> list[int]:
+    rows = conn.execute(
+        "SELECT pid FROM pg_stat_activity WHERE application_name = 'jobd listener'"
+        " AND datname = current_database()").fetchall()
+    return [row[0] for row in rows]
+
+
+def test_wakeups_resume_after_the_listen_connection_is_terminated(
+    daemons: Daemons, effects_db: psycopg.Connection
+) -> None:
+    daemon = daemons(make_config({"default": {"workers": 1, "poll_interval": "60s"}}))
+    daemon.wait_workers_started("default", 1)
+    [backend] = wait_until(lambda: listener_backends(effects_db), 10,
+                           message="the listener's backend")
+
+    mark = daemon.mark()
+    effects_db.execute("SELECT pg_terminate_backend(%s)", (backend,))
+    daemon.wait_for_log("listen connection restored", since=mark, timeout=10)
+    [new_backend] = wait_until(lambda: listener_backends(effects_db), 10,
+                               message="a new listener backend")
+    assert new_backend != backend
+
+    job_id = jobd.enqueue(effects_db, "ok")
+    wait_state(effects_db, job_id, "done", 10, daemon)
+    [start] = effects(effects_db, job_id, "start")
+    created = job_row(effects_db, job_id)["created_at"]
+    assert start["at"] - created < timedelta(seconds=2)
+
+
+# --- 9. long-poll, not busy-poll -----------------------------------------------------------
+
+
+def test_notifications_and_scheduled_instants_wake_an_idle_lane(
+    daemons: Daemons, effects_db: psycopg.Connection
+) -> None:
+    daemon = daemons(make_config({"default": {"workers": 1, "poll_interval": "60s"}}))
+    daemon.wait_workers_started("default", 1)
+    warmup = jobd.enqueue(effects_db, "ok")
+    wait_state(effects_db, warmup, "done", 15, daemon)
+
+    now_job = jobd.enqueue(effects_db, "ok")
+    wait_state(effects_db, now_job, "done", 5, daemon)
+    [start] = effects(effects_db, now_job, "start")
+    assert start["at"] - job_row(effects_db, now_job)["created_at"] < timedelta(seconds=1)
+
+    later = jobd.enqueue(effects_db, "ok", delay=3)
+    run_at = job_row(effects_db, later)["run_at"]
+    wait_state(effects_db, later, "done", 10, daemon)
+    [start] = effects(effects_db, later, "start")
+    assert run_at <= start["at"] <= run_at + timedelta(seconds=2)
+
+
+# --- 10. command-line errors ---------------------------------------------------------------
+
+
+def run_cli(*args: str, cwd: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JOBD_")}
+    return subprocess.run([sys.executable, "-m", "jobd", *args], capture_output=True,
+                          text=True, timeout=60, env=env, cwd=cwd)
+
+
+def test_run_without_a_config_file_is_a_usage_error(db_url: str, tmp_path) -> None:
+    result = run_cli("run", "--database-url", db_url, cwd=str(tmp_path))
+    assert result.returncode == 2
+    [line] = result.stderr.strip().splitlines()
+    assert "-c FILE" in line
+
+
+def test_run_against_a_database_without_jobd_schema_says_to_migrate(
+    databases, tmp_path
+) -> None:
+    empty_url = databases.empty()
+    daemon = Daemon(tmp_path, empty_url)
+    daemon.write_config(make_config({"default": {}}))
+    result = run_cli("run", "-c", str(daemon.config_path), "--database-url", empty_url,
+                     cwd=str(tmp_path))
+    assert result.returncode == 2
+    [line] = result.stderr.strip().splitlines()
+    assert "jobd migrate" in line
