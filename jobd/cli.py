@@ -424,6 +424,8 @@ def cmd_schedules_next(ctx: Context, args: argparse.Namespace) -> int:
         return 0
     kind = "wildcard: fires by real time" if cron.wildcard else "fixed time: once per local time"
     print(f"{cron.expression} in {cron.zone.key} ({kind})")
+    if len(occurrences) < args.count:
+        print(f"(only {len(occurrences)} occurrence(s) within 30 years of the start)")
     _print_table(["local", "UTC", "occurrence key"],
                  [[_local(o.local(cron.zone)), o.fire_at, o.key] for o in occurrences],
                  empty="no occurrence in the next 30 years")

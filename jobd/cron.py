@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta, tzinfo
 
-from croniter import croniter
+from croniter import CroniterBadDateError, croniter
 
 # The largest wall-clock shift a zone makes at once (Debian cron's threshold, too). Searches
 # look this far past their bounds so that instants come out in true order.
@@ -71,6 +71,12 @@ class CronSchedule:
         if not croniter.is_valid(normalized):
             raise CronError(f"invalid cron expression {expression!r}")
         try:
+            croniter(normalized, datetime(2000, 1, 1)).get_next(datetime)
+        except CroniterBadDateError:
+            raise CronError(
+                f"cron expression {expression!r} matches no date (e.g. February 30th)"
+            ) from None
+        try:
             zone = zoneinfo.ZoneInfo(timezone)
         except (zoneinfo.ZoneInfoNotFoundError, ValueError):
             raise CronError(
@@ -119,14 +125,26 @@ class CronSchedule:
     def _wall(self, instant: datetime) -> datetime:
         return instant.astimezone(self.zone).replace(tzinfo=None)
 
+    def _margin(self, instant: datetime) -> timedelta:
+        """MAX_SHIFT if the zone's offset changes within MAX_SHIFT of ``instant``, else 0.
+
+        Near a change, wall-clock order and real-time order can disagree, so searches look
+        past their bounds; elsewhere they need not (a */1 schedule then costs a few steps).
+        """
+        before = (instant - MAX_SHIFT).astimezone(self.zone).utcoffset()
+        after = (instant + MAX_SHIFT).astimezone(self.zone).utcoffset()
+        return MAX_SHIFT if before != after else timedelta(0)
+
     def next_after(self, after: datetime, count: int = 1) -> list[Occurrence]:
         """The first ``count`` occurrences strictly after ``after``, in order."""
         found: list[Occurrence] = []
         horizon = self._wall(after) + HORIZON
-        for wall in self._walls(self._wall(after) - MAX_SHIFT, forward=True):
-            if len(found) >= count and wall > self._wall(sorted(found)[count - 1].fire_at) \
-                    + MAX_SHIFT:
-                break
+        start = self._wall(after) - self._margin(after) - timedelta(minutes=1)
+        for wall in self._walls(start, forward=True):
+            if len(found) >= count:
+                last = sorted(found)[count - 1].fire_at
+                if wall > self._wall(last) + self._margin(last):
+                    break
             if wall > horizon:
                 break
             found.extend(o for o in self._instants(wall) if o.fire_at > after)
@@ -139,17 +157,21 @@ class CronSchedule:
         Searches backwards from ``until``, so catching up after a long downtime costs what
         the occurrences kept cost, not what the downtime was.
         """
+        if last == 0:
+            return []
         found: list[Occurrence] = []
-        floor = self._wall(after) - MAX_SHIFT
-        for wall in self._walls(self._wall(until) + MAX_SHIFT, forward=False):
+        floor = self._wall(after) - self._margin(after)
+        start = self._wall(until) + self._margin(until) + timedelta(minutes=1)
+        for wall in self._walls(start, forward=False):
             if wall < floor:
                 break
-            if last is not None and len(found) >= last and wall < self._wall(
-                    sorted(found)[-last].fire_at) - MAX_SHIFT:
-                break
+            if last is not None and len(found) >= last:
+                earliest_kept = sorted(found)[-last].fire_at
+                if wall < self._wall(earliest_kept) - self._margin(earliest_kept):
+                    break
             found.extend(o for o in self._instants(wall) if after < o.fire_at <= until)
         found.sort()
-        return found if last is None else found[-last:] if last else []
+        return found if last is None else found[-last:]
 
 
 def _round_trips(aware: datetime) -> bool:

@@ -66,7 +66,9 @@ def sync(conn: psycopg.Connection, schedules: Sequence[ScheduleConfig],
          now: datetime | None = None) -> list[str]:
     """Write the configured schedules; disable the ones no longer configured (returned)."""
     with conn.transaction():
-        for s in schedules:
+        # In id order, the order tick() locks them in, so a sync and another node's tick
+        # cannot deadlock.
+        for s in sorted(schedules, key=lambda schedule: schedule.id):
             conn.execute(query("sync_schedule"), {
                 "id": s.id, "cron": s.cron, "timezone": s.timezone, "handler": s.handler,
                 "lane": s.lane, "payload": Jsonb(s.payload), "priority": s.priority,
