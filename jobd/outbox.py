@@ -38,25 +38,33 @@ class OutboxEntry:
 
 Sender = Callable[[OutboxEntry], Any]
 
-# Set by the worker process at start from the config's outbox.senders.
-_senders: dict[str, Sender] = {}
+@dataclass(slots=True)
+class _Settings:
+    """Set by the worker process at start from the config's outbox section."""
+
+    senders: dict[str, Sender]
+    lane: str
 
 
-def install_senders(senders: Mapping[str, Sender]) -> None:
-    _senders.clear()
-    _senders.update(senders)
+_settings = _Settings({}, "outbox")
+
+
+def install(senders: Mapping[str, Sender], lane: str) -> None:
+    _settings.senders = dict(senders)
+    _settings.lane = lane
 
 
 def add(conn: psycopg.Connection, job: Job, sender: str, payload: Any, *,
-        key: str | None = None, lane: str = "outbox") -> int:
+        key: str | None = None) -> int:
     """Record an outbox entry in the handler's transaction; returns its id.
 
     ``key`` defaults to ``<job's effect key>:<sender>``; a handler that sends several
     messages through one sender gives each its own key. Adding a key twice keeps the first.
+    The delivery job goes to the configured ``outbox.lane``.
     """
     entry_key = key if key is not None else f"{job.effect_key}:{sender}"
     row = conn.execute(query("outbox_add"), {
-        "key": entry_key, "sender": sender, "payload": Jsonb(payload), "lane": lane,
+        "key": entry_key, "sender": sender, "payload": Jsonb(payload), "lane": _settings.lane,
         "source_job_id": job.id,
     }).fetchone()
     assert row is not None
@@ -73,7 +81,7 @@ def deliver(job: Job, conn: psycopg.Connection) -> None:
     entry_id, key, sender_name, payload, state = row
     if state == "delivered":
         return
-    sender = _senders.get(sender_name)
+    sender = _settings.senders.get(sender_name)
     if sender is None:
         raise LookupError(f"no outbox sender named {sender_name!r} on this worker "
                           "(config outbox.senders)")

@@ -43,7 +43,11 @@ def query(name: str) -> str:
 
 @functools.cache
 def qualified(name: str, schema: str) -> sql.Composed:
-    """A named query with its ``{schema}`` placeholder bound to ``schema``."""
+    """A named query with ``{schema}`` bound to ``schema`` as an identifier and
+    ``{job_id_seq}`` to the regclass literal of its job id sequence (a constant, so the
+    planner resolves it once rather than per row)."""
     if not name.endswith("_qualified"):
         raise KeyError(f"{name!r} is not a schema-qualified query")
-    return sql.SQL(_all()[name]).format(schema=sql.Identifier(schema))
+    sequence = sql.SQL("{}::regclass").format(
+        sql.Literal(sql.Identifier(schema, "job_id_seq").as_string()))
+    return sql.SQL(_all()[name]).format(schema=sql.Identifier(schema), job_id_seq=sequence)

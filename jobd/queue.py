@@ -24,6 +24,9 @@ from jobd.backoff import RetryPolicy
 from jobd.db import DEFAULT_SCHEMA
 from jobd.queries import qualified, query
 
+# Keys of jobd's own making (schedule occurrences, outbox deliveries, keys derived from job
+# ids) start with this; callers' keys may not, so the two can never collide.
+RESERVED_KEY_PREFIX = "jobd:"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
 
 
@@ -64,6 +67,10 @@ class JobSpec:
             not isinstance(self.idempotency_key, str) or not self.idempotency_key
         ):
             raise ValueError("idempotency_key must be a non-empty string")
+        key = self.idempotency_key
+        if key is not None and key.startswith(RESERVED_KEY_PREFIX):
+            raise ValueError(f"idempotency keys starting with {RESERVED_KEY_PREFIX!r} are "
+                             "reserved for jobd's own jobs")
         return self
 
 
@@ -102,7 +109,9 @@ class Job:
         Pass it to external APIs that accept idempotency keys; transactional handlers record
         it in the dedup store.
         """
-        return self.idempotency_key if self.idempotency_key is not None else f"job:{self.id}"
+        if self.idempotency_key is not None:
+            return self.idempotency_key
+        return f"{RESERVED_KEY_PREFIX}job:{self.id}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,7 +226,7 @@ def enqueue_many(
         # COPY cannot evaluate now(), so the database clock is read here: within a
         # transaction now() is fixed, the same value the column default would give.
         row = conn.execute(
-            qualified("reserve_ids_qualified", schema), {"schema": schema, "count": len(unkeyed)}
+            qualified("reserve_ids_qualified", schema), {"count": len(unkeyed)}
         ).fetchone()
         assert row is not None
         db_now, fresh = row
@@ -246,7 +255,7 @@ def _resolve_keys(
 ) -> None:
     keys = list(dict.fromkeys(specs[i].idempotency_key for i in keyed))
     reserved = dict(
-        conn.execute(qualified("reserve_keys_qualified", schema), {"schema": schema, "keys": keys})
+        conn.execute(qualified("reserve_keys_qualified", schema), {"keys": keys})
     )
     # A separate statement takes a fresh snapshot and sees keys that concurrent transactions
     # committed while the INSERT ... ON CONFLICT waited for them.
@@ -269,6 +278,32 @@ def _resolve_keys(
 # --- claim and the fenced writes -----------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class ClaimRequest:
+    """What :func:`claim` takes, as a value (for :func:`settle_and_claim`)."""
+
+    lane: str
+    worker: str
+    limit: int
+    visibility_timeout: float
+
+
+def _claim_params(request: ClaimRequest, now: datetime | None) -> dict[str, Any]:
+    return {"lane": request.lane, "worker": request.worker, "limit": request.limit,
+            "visibility_timeout": float(request.visibility_timeout), "now": now}
+
+
+def _jobs(rows: Iterable[tuple[Any, ...]]) -> list[Job]:
+    return [
+        Job(
+            id=row[0], lease_token=row[1], lane=row[2], handler=row[3], payload=row[4],
+            priority=row[5], run_at=row[6], attempt=row[7], max_attempts=row[8],
+            idempotency_key=row[9], created_at=row[10], lease_until=row[11],
+        )
+        for row in rows
+    ]
+
+
 def claim(
     conn: psycopg.Connection,
     lane: str,
@@ -278,24 +313,8 @@ def claim(
     now: datetime | None = None,
 ) -> list[Job]:
     """Claim up to ``limit`` due jobs of ``lane`` for ``worker`` in one statement."""
-    rows = conn.execute(
-        query("claim_jobs"),
-        {
-            "lane": lane,
-            "worker": worker,
-            "limit": limit,
-            "visibility_timeout": float(visibility_timeout),
-            "now": now,
-        },
-    ).fetchall()
-    return [
-        Job(
-            id=row[0], lease_token=row[1], lane=row[2], handler=row[3], payload=row[4],
-            priority=row[5], run_at=row[6], attempt=row[7], max_attempts=row[8],
-            idempotency_key=row[9], created_at=row[10], lease_until=row[11],
-        )
-        for row in rows
-    ]
+    request = ClaimRequest(lane, worker, limit, visibility_timeout)
+    return _jobs(conn.execute(query("claim_jobs"), _claim_params(request, now)).fetchall())
 
 
 def heartbeat(
@@ -324,30 +343,25 @@ def complete(
     return _fenced_outcome(leases, (row[0] for row in rows))
 
 
-def fail(
-    conn: psycopg.Connection,
-    failures: Sequence[Failure],
-    now: datetime | None = None,
-    *,
-    expired_only: bool = False,
-) -> FailOutcome:
-    """Record failed attempts: retry later, or move to the dead-letter queue when spent."""
+def _fail_params(failures: Sequence[Failure], now: datetime | None,
+                 expired_only: bool) -> dict[str, Any]:
+    return {
+        **_lease_arrays([f.lease for f in failures]),
+        "errors": [f.error for f in failures],
+        "delays": [float(f.retry_delay) for f in failures],
+        "default_max_attempts": [f.default_max_attempts for f in failures],
+        "expired_only": expired_only,
+        "now": now,
+    }
+
+
+def _fail_outcome(failures: Sequence[Failure], rows: Iterable[tuple[Any, ...]]) -> FailOutcome:
     outcome = FailOutcome()
-    if not failures:
-        return outcome
-    rows = conn.execute(
-        query("fail_jobs"),
-        {
-            **_lease_arrays([f.lease for f in failures]),
-            "errors": [f.error for f in failures],
-            "delays": [float(f.retry_delay) for f in failures],
-            "default_max_attempts": [f.default_max_attempts for f in failures],
-            "expired_only": expired_only,
-            "now": now,
-        },
-    ).fetchall()
-    results = {job_id: outcome_kind for job_id, outcome_kind, _ in rows}
-    outcome.retry_at = {job_id: run_at for job_id, _, run_at in rows if run_at is not None}
+    results = {}
+    for job_id, kind, run_at in rows:
+        results[job_id] = kind
+        if run_at is not None:
+            outcome.retry_at[job_id] = run_at
     for f in failures:
         kind = results.get(f.lease.id)
         if kind == "failed":
@@ -357,6 +371,52 @@ def fail(
         else:
             outcome.stale.append(f.lease.id)
     return outcome
+
+
+def fail(
+    conn: psycopg.Connection,
+    failures: Sequence[Failure],
+    now: datetime | None = None,
+    *,
+    expired_only: bool = False,
+) -> FailOutcome:
+    """Record failed attempts: retry later, or move to the dead-letter queue when spent."""
+    if not failures:
+        return FailOutcome()
+    rows = conn.execute(query("fail_jobs"), _fail_params(failures, now, expired_only)).fetchall()
+    return _fail_outcome(failures, rows)
+
+
+def settle_and_claim(
+    conn: psycopg.Connection,
+    completions: Sequence[Lease],
+    failures: Sequence[Failure],
+    request: ClaimRequest | None,
+    now: datetime | None = None,
+) -> tuple[WriteOutcome, FailOutcome, list[Job]]:
+    """:func:`complete`, :func:`fail` and :func:`claim` in one network round trip.
+
+    Pipeline mode sends the statements together; a sync after each keeps them separate
+    transactions, so a failing claim cannot undo the completions before it. This is the
+    worker's hot path: results of finished jobs go out with the request for more work.
+    """
+    with conn.pipeline() as pipeline:
+        completed = failed = claimed = None
+        if completions:
+            completed = conn.execute(query("complete_jobs"),
+                                     {**_lease_arrays(completions), "now": now})
+            pipeline.sync()
+        if failures:
+            failed = conn.execute(query("fail_jobs"), _fail_params(failures, now, False))
+            pipeline.sync()
+        if request is not None:
+            claimed = conn.execute(query("claim_jobs"), _claim_params(request, now))
+    return (
+        _fenced_outcome(completions, (row[0] for row in completed.fetchall()))
+        if completed else WriteOutcome([], []),
+        _fail_outcome(failures, failed.fetchall()) if failed else FailOutcome(),
+        _jobs(claimed.fetchall()) if claimed else [],
+    )
 
 
 def release(

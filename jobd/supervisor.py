@@ -354,7 +354,8 @@ class Supervisor:
             worker_id=f"{self.config.node_name}:{slot.lane.name}#{slot.index}:"
                       f"{secrets.token_hex(4)}",
             lane=slot.lane, handlers=self.config.worker_handlers(),
-            senders=dict(self.config.outbox_senders), database_url=self.url,
+            senders=dict(self.config.outbox_senders), outbox_lane=self.config.outbox_lane,
+            database_url=self.url,
             schema=self.schema, slot=slot.index, generation=slot.generation,
             status_fd=status_w, wake_fd=wake_r, shutdown_timeout=self.config.shutdown_timeout,
             log_level=self.config.log_level,

@@ -69,6 +69,7 @@ class WorkerSpec:
     wake_fd: int
     shutdown_timeout: float
     senders: dict[str, str] = field(default_factory=dict)
+    outbox_lane: str = "outbox"
     log_level: str = "info"
 
     def to_json(self) -> str:
@@ -119,6 +120,7 @@ class _Timers:
     wake_at: list[float] = field(default_factory=list)  # retries of our own failed jobs
     reconnect_at: float = 0.0
     reconnect_delay: float = 0.5
+    db_retry_at: float = 0.0  # after a failed statement, wait before the next one
 
 
 class JobTimedOut(Exception):
@@ -216,9 +218,8 @@ class Worker:
             self._ensure_connection()
             self._collect_outcomes()
             self._expire_timeouts()
-            self._flush_outcomes()
             self._renew_leases()
-            self._claim()
+            self._settle_and_claim()
             self._report()
             if self._finished():
                 break
@@ -247,6 +248,8 @@ class Worker:
             moments.extend(self.timers.wake_at)
         if self.conn is None:
             moments.append(self.timers.reconnect_at)
+        if self.timers.db_retry_at > now:
+            moments.append(self.timers.db_retry_at)
         if self.drain_deadline is not None:
             moments.append(self.drain_deadline)
         moments.extend(r.deadline for r in self.inflight.values()
@@ -294,7 +297,7 @@ class Worker:
 
     def _db(self, operation: Callable[[psycopg.Connection], Any]) -> Any:
         """Run ``operation`` on the connection; on a connection failure drop it and say None."""
-        if self.conn is None:
+        if self.conn is None or time.monotonic() < self.timers.db_retry_at:
             return None
         try:
             return operation(self.conn)
@@ -304,25 +307,35 @@ class Worker:
             self.conn = None
             self.timers.reconnect_at = time.monotonic()
             return None
+        except psycopg.Error as exc:
+            # A statement failed (a deadlock with a sweep, say). The loop tries again in a
+            # second with the same leases, which decide what still applies: in a pipelined
+            # settle, statements before the failed one may have committed, and their jobs then
+            # come back as stale.
+            log.error("database statement failed; retrying", error=first_line(exc))
+            if self.conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+                self.conn.rollback()
+            self.timers.db_retry_at = time.monotonic() + 1.0
+            return None
 
     # --- claiming and running --------------------------------------------------------------
 
-    def _claim(self) -> None:
+    def _claim_request(self) -> queue.ClaimRequest | None:
+        """What to claim now, or None: only when running, with capacity, and maybe work."""
         now = time.monotonic()
-        if self.mode != "running" or self.conn is None:
-            return
-        due_timer = [t for t in self.timers.wake_at if t <= now]
-        if due_timer or now >= self.timers.next_poll:
+        if self.mode != "running":
+            return None
+        if any(t <= now for t in self.timers.wake_at) or now >= self.timers.next_poll:
             self.timers.wake_at = [t for t in self.timers.wake_at if t > now]
             self.maybe_more = True
         free = self.lane.concurrency - len(self.inflight)
         if not self.maybe_more or free <= 0:
-            return
-        jobs = self._db(lambda conn: queue.claim(
-            conn, self.lane.name, self.spec.worker_id, free, self.lane.visibility_timeout))
-        if jobs is None:
-            return
-        self.maybe_more = len(jobs) == free
+            return None
+        return queue.ClaimRequest(self.lane.name, self.spec.worker_id, free,
+                                  self.lane.visibility_timeout)
+
+    def _started(self, jobs: list[queue.Job], request: queue.ClaimRequest) -> None:
+        self.maybe_more = len(jobs) == request.limit
         self.timers.next_poll = time.monotonic() + self._poll_delay()
         self.counters.claimed += len(jobs)
         for job in jobs:
@@ -410,10 +423,14 @@ class Worker:
                 log.warning("job timed out", job_id=job.id, handler=job.handler,
                             timeout=self.lane.timeout)
 
-    def _flush_outcomes(self) -> None:
-        if not self.pending_outcomes or self.conn is None:
+    def _settle_and_claim(self, claim: bool = True) -> None:
+        """Write finished jobs' outcomes and claim more work in one round trip."""
+        if self.conn is None:
             return
+        request = self._claim_request() if claim else None
         batch = self.pending_outcomes
+        if not batch and request is None:
+            return
         committed = [o.job.id for o in batch if o.committed]
         lost = [o.job.id for o in batch if o.stale]
         successes = [o.job.lease for o in batch if o.error is None and not o.committed
@@ -423,15 +440,12 @@ class Worker:
                           self.lane.max_attempts)
             for o in batch if o.error is not None
         ]
-
-        def write(conn: psycopg.Connection) -> tuple[queue.WriteOutcome, queue.FailOutcome]:
-            return queue.complete(conn, successes), queue.fail(conn, failures)
-
-        written = self._db(write)
+        written = self._db(lambda conn: queue.settle_and_claim(conn, successes, failures,
+                                                              request))
         if written is None:
             return  # kept for the next connection: the leases still decide what applies
         self.pending_outcomes = []
-        completed, failed = written
+        completed, failed, jobs = written
         self.counters.completed += len(completed.applied) + len(committed)
         self.counters.failed += len(failed.retried)
         self.counters.dead += len(failed.dead)
@@ -447,6 +461,8 @@ class Worker:
             now + f.retry_delay for f in failures if f.lease.id in retried)
         if batch:
             self.maybe_more = True  # capacity freed up: look for more work
+        if request is not None:
+            self._started(jobs, request)
 
     def _renew_leases(self) -> None:
         now = time.monotonic()
@@ -459,12 +475,19 @@ class Worker:
         renewed = self._db(lambda conn: queue.heartbeat(conn, held, self.lane.visibility_timeout))
         if renewed is None:
             return
+        lost = []
         for job_id in renewed.stale:
             running = self.inflight.get(job_id)
-            if running is not None:
-                running.lease_lost = True
-        if renewed.stale:
-            log.warning("lease lost while running (expired and swept?)", job_ids=renewed.stale)
+            if running is None:
+                continue
+            running.lease_lost = True
+            # A transactional job completes itself when it commits; its lease is gone then
+            # and its outcome (done, or LeaseLost) is on the way. Only the others are lost.
+            resolved = self.handlers.get(running.job.handler)
+            if not (resolved and resolved.is_transactional):
+                lost.append(job_id)
+        if lost:
+            log.warning("lease lost while running (expired and swept?)", job_ids=lost)
 
     # --- reporting and shutdown ------------------------------------------------------------
 
@@ -491,7 +514,7 @@ class Worker:
         if self.conn is None:
             self.timers.reconnect_at = 0.0
             self._ensure_connection()
-        self._flush_outcomes()
+        self._settle_and_claim(claim=False)
         unfinished = [r.job.lease for r in self.inflight.values() if not r.abandoned]
         if unfinished:
             released = self._db(lambda conn: queue.release(conn, unfinished))
@@ -512,8 +535,9 @@ def main() -> int:
     faulthandler.enable()  # SIGABRT from the supervisor dumps every thread's stack
     try:
         resolved = handler_registry.resolve_all(spec.handlers)
-        outbox.install_senders(
-            {name: r.func for name, r in handler_registry.resolve_all(spec.senders).items()})
+        outbox.install(
+            {name: r.func for name, r in handler_registry.resolve_all(spec.senders).items()},
+            spec.outbox_lane)
     except handler_registry.HandlerImportError as exc:
         log.error("boot failure", error=str(exc))
         return EXIT_BOOT_FAILURE

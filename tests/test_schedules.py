@@ -50,7 +50,7 @@ def jobs_of(conn: psycopg.Connection, schedule_id: str) -> list[tuple[Any, ...]]
     return conn.execute(
         "SELECT id, run_at, idempotency_key, state FROM all_jobs"
         " WHERE idempotency_key LIKE %s ORDER BY run_at, id",
-        (f"schedule:{schedule_id}:%",)).fetchall()
+        (f"jobd:schedule:{schedule_id}:%",)).fetchall()
 
 
 def cursor_of(conn: psycopg.Connection, schedule_id: str) -> datetime:
@@ -152,7 +152,7 @@ def test_three_racing_materializers_fire_every_occurrence_exactly_once(
         "SELECT f.schedule_id, f.occurrence, f.fire_at, j.run_at, j.idempotency_key"
         "  FROM schedule_fires AS f JOIN jobs AS j ON j.id = f.job_id").fetchall()
     assert len(jobs) == len(rows)
-    assert all(run_at == fire_at and key == f"schedule:{sid}:{occurrence}"
+    assert all(run_at == fire_at and key == f"jobd:schedule:{sid}:{occurrence}"
                for sid, occurrence, fire_at, run_at, key in jobs)
     assert conn.execute("SELECT count(*), count(DISTINCT idempotency_key) FROM jobs"
                         ).fetchone() == (len(rows), len(rows))
@@ -275,7 +275,7 @@ def test_catchup_policies_after_three_days_of_downtime(conn: psycopg.Connection)
 
     latest = jobs_of(conn, "latest")
     assert [run_at for _, run_at, _, _ in latest] == [utc(2026, 10, 20, 12, 0)]
-    assert [row[2] for row in latest] == ["schedule:latest:2026-10-20T12:00Z"]
+    assert [row[2] for row in latest] == ["jobd:schedule:latest:2026-10-20T12:00Z"]
     assert [r[2] for r in ledger(conn, "all")] == [o.fire_at for o in missed[-CATCHUP_ALL_LIMIT:]]
     assert [r[1] for r in jobs_of(conn, "all")] == [
         o.fire_at for o in missed[-CATCHUP_ALL_LIMIT:]]
@@ -376,7 +376,7 @@ def test_a_late_node_cannot_refire_an_occurrence_whose_job_was_archived(
     set_cursor(conn, "s", t0)
     late = tick(conn, now=utc(2026, 10, 20, 12, 6))
     assert late.duplicates == [("s", key)] and late.enqueued == []
-    assert jobs_of(conn, "s") == [(job_id, utc(2026, 10, 20, 12, 5), f"schedule:s:{key}", "done")]
+    assert jobs_of(conn, "s") == [(job_id, utc(2026, 10, 20, 12, 5), f"jobd:schedule:s:{key}", "done")]
 
     # Even after archive retention dropped the job and forgot its idempotency key.
     archive.drop_before(conn, db_now(conn) + timedelta(days=30))
@@ -474,7 +474,7 @@ def test_the_job_carries_the_schedule_and_the_occurrence(conn: psycopg.Connectio
     row = conn.execute("SELECT handler, lane, payload, priority, run_at, idempotency_key, state"
                        "  FROM jobs WHERE id = %s", (job_id,)).fetchone()
     assert row == ("send_report", "reports", {"kind": "daily"}, 7, utc(2027, 3, 28, 1),
-                   "schedule:nightly-report:2027-03-28T02:30 Europe/Berlin", "pending")
+                   "jobd:schedule:nightly-report:2027-03-28T02:30 Europe/Berlin", "pending")
     assert ledger(conn) == [("nightly-report", key, utc(2027, 3, 28, 1), "enqueued", job_id)]
     assert conn.execute("SELECT last_fire_at, last_job_id FROM schedules").fetchone() == (
         utc(2027, 3, 28, 1), job_id)

@@ -4,7 +4,16 @@
 -- Conventions: the connection's search_path is the jobd schema, so names are unqualified.
 -- Queries that compare time take %(now)s: NULL in production (the database clock, now()),
 -- a fixed instant in tests. Statements that finish jobs check the fencing pair
--- (id, lease_token) and state = 'claimed', so a worker that lost its lease changes nothing.
+-- (id, lease_token), so a worker that lost its lease changes nothing.
+--
+-- A matching lease_token implies state = 'claimed' (a CHECK constraint ties a token to that
+-- state and every other transition clears it), so fenced statements test the token alone.
+--
+-- Plan shape: psycopg prepares a statement after a few uses and PostgreSQL then settles on a
+-- generic plan that cannot see the parameters. Batch statements therefore select their rows
+-- with `id = ANY(%(ids)s)` (a primary-key probe in any plan) and check each row's token with
+-- `lease_token = tokens[array_position(ids, id)]`. Joining unnest(ids, tokens), or writing
+-- state = 'claimed', let the generic plan walk every claimed row through jobs_lease_idx.
 
 -- name: enqueue_qualified
 -- The single-job path, also used on callers' own connections, so the schema is an identifier
@@ -15,15 +24,13 @@ SELECT {schema}.enqueue(%(handler)s, %(payload)s, %(lane)s,
 
 -- name: reserve_ids_qualified
 -- Job ids for a bulk enqueue, and the transaction's now() for rows that give no run_at.
-SELECT now(),
-       ARRAY(SELECT nextval(pg_catalog.format('%%I.job_id_seq', %(schema)s::text)::regclass)
-               FROM generate_series(1, %(count)s))
+SELECT now(), ARRAY(SELECT nextval({job_id_seq}) FROM generate_series(1, %(count)s))
 
 -- name: reserve_keys_qualified
 -- Claims idempotency keys for a bulk enqueue: the returned keys are new and their jobs must be
 -- inserted; keys already taken are looked up with lookup_keys_qualified.
 INSERT INTO {schema}.job_keys AS k (idempotency_key, job_id)
-SELECT key, nextval(pg_catalog.format('%%I.job_id_seq', %(schema)s::text)::regclass)
+SELECT key, nextval({job_id_seq})
   FROM unnest(%(keys)s::text[]) AS key
 ON CONFLICT DO NOTHING
 RETURNING k.idempotency_key, k.job_id
@@ -33,7 +40,7 @@ SELECT idempotency_key, job_id FROM {schema}.job_keys WHERE idempotency_key = AN
 
 -- name: copy_jobs_qualified
 COPY {schema}.jobs (id, lane, handler, payload, priority, run_at, idempotency_key, max_attempts)
-FROM STDIN
+FROM STDIN (FORMAT BINARY)
 
 -- name: claim_jobs
 -- Claims up to %(limit)s due jobs of one lane, highest priority first, then oldest run_at.
@@ -74,8 +81,7 @@ UPDATE jobs
        lease_until = coalesce(%(now)s::timestamptz, now())
                      + make_interval(secs => %(visibility_timeout)s),
        lease_token = (SELECT nextval('lease_token_seq'))
-  FROM due
- WHERE jobs.id = due.id
+ WHERE jobs.id = ANY(ARRAY(SELECT id FROM due))
 RETURNING jobs.id, jobs.lease_token, jobs.lane, jobs.handler, jobs.payload, jobs.priority,
           jobs.run_at, jobs.attempts, jobs.max_attempts, jobs.idempotency_key,
           jobs.created_at, jobs.lease_until
@@ -86,16 +92,16 @@ RETURNING jobs.id, jobs.lease_token, jobs.lane, jobs.handler, jobs.payload, jobs
 UPDATE jobs
    SET lease_until = coalesce(%(now)s::timestamptz, now())
                      + make_interval(secs => %(visibility_timeout)s)
-  FROM unnest(%(ids)s::bigint[], %(tokens)s::bigint[]) AS held(id, token)
- WHERE jobs.id = held.id AND jobs.lease_token = held.token AND jobs.state = 'claimed'
+ WHERE jobs.id = ANY(%(ids)s::bigint[])
+   AND jobs.lease_token = (%(tokens)s::bigint[])[array_position(%(ids)s::bigint[], jobs.id)]
 RETURNING jobs.id
 
 -- name: complete_jobs
 -- Finishes a batch: the rows leave the hot table and enter the archive in one statement.
 WITH finished AS (
     DELETE FROM jobs
-     USING unnest(%(ids)s::bigint[], %(tokens)s::bigint[]) AS held(id, token)
-     WHERE jobs.id = held.id AND jobs.lease_token = held.token AND jobs.state = 'claimed'
+     WHERE jobs.id = ANY(%(ids)s::bigint[])
+       AND jobs.lease_token = (%(tokens)s::bigint[])[array_position(%(ids)s::bigint[], jobs.id)]
     RETURNING jobs.*
 )
 INSERT INTO jobs_archive (id, lane, handler, payload, state, priority, run_at, attempts,
@@ -109,41 +115,44 @@ RETURNING id
 
 -- name: fail_jobs
 -- Records a failed attempt for a batch. Each row carries its retry delay (computed by
--- jobd.backoff) and the lane's default attempt budget. A job with budget left waits as
--- 'failed' until run_at; a job without is moved to the dead-letter queue in the same
--- statement. With %(expired_only)s, only rows whose lease has run out are touched (the sweep
--- must not fail a job whose worker renewed its lease in the meantime).
+-- jobd.backoff) and the lane's default attempt budget, at the same position as its id. A job
+-- with budget left waits as 'failed' until run_at; a job without is moved to the dead-letter
+-- queue in the same statement. With %(expired_only)s, only rows whose lease has run out are
+-- touched (the sweep must not fail a job whose worker renewed its lease in the meantime).
 WITH failure AS (
-    SELECT *
-      FROM unnest(%(ids)s::bigint[], %(tokens)s::bigint[], %(errors)s::text[],
-                  %(delays)s::float8[], %(default_max_attempts)s::int[])
-           AS f(id, token, error, delay, default_max_attempts)
+    SELECT jobs.id,
+           array_position(%(ids)s::bigint[], jobs.id) AS position,
+           jobs.attempts >= coalesce(
+               jobs.max_attempts,
+               (%(default_max_attempts)s::int[])[array_position(%(ids)s::bigint[], jobs.id)])
+               AS spent
+      FROM jobs
+     WHERE jobs.id = ANY(%(ids)s::bigint[])
+       AND jobs.lease_token = (%(tokens)s::bigint[])[array_position(%(ids)s::bigint[], jobs.id)]
+       AND (NOT %(expired_only)s
+            OR jobs.lease_until < coalesce(%(now)s::timestamptz, now()))
+       FOR UPDATE
 ),
 retried AS (
     UPDATE jobs
        SET state = 'failed',
-           run_at = coalesce(%(now)s::timestamptz, now()) + make_interval(secs => f.delay),
+           run_at = coalesce(%(now)s::timestamptz, now())
+                    + make_interval(secs => (%(delays)s::float8[])[f.position]),
            lease_until = NULL,
            lease_token = NULL,
-           last_error = f.error,
+           last_error = (%(errors)s::text[])[f.position],
            errors = jobs.errors || jsonb_build_object(
                'attempt', jobs.attempts, 'at', coalesce(%(now)s::timestamptz, now()),
-               'error', f.error, 'worker', jobs.claimed_by)
+               'error', (%(errors)s::text[])[f.position], 'worker', jobs.claimed_by)
       FROM failure AS f
-     WHERE jobs.id = f.id AND jobs.lease_token = f.token AND jobs.state = 'claimed'
-       AND jobs.attempts < coalesce(jobs.max_attempts, f.default_max_attempts)
-       AND (NOT %(expired_only)s
-            OR jobs.lease_until < coalesce(%(now)s::timestamptz, now()))
+     WHERE jobs.id = f.id AND NOT f.spent
     RETURNING jobs.id, jobs.run_at
 ),
 died AS (
     DELETE FROM jobs
      USING failure AS f
-     WHERE jobs.id = f.id AND jobs.lease_token = f.token AND jobs.state = 'claimed'
-       AND jobs.attempts >= coalesce(jobs.max_attempts, f.default_max_attempts)
-       AND (NOT %(expired_only)s
-            OR jobs.lease_until < coalesce(%(now)s::timestamptz, now()))
-    RETURNING jobs.*, f.error AS final_error
+     WHERE jobs.id = f.id AND f.spent
+    RETURNING jobs.*, (%(errors)s::text[])[f.position] AS final_error
 ),
 buried AS (
     INSERT INTO dead_letter (id, lane, handler, payload, priority, run_at, attempts,
@@ -171,8 +180,8 @@ UPDATE jobs
        lease_until = NULL,
        lease_token = NULL,
        claimed_by = NULL
-  FROM unnest(%(ids)s::bigint[], %(tokens)s::bigint[]) AS held(id, token)
- WHERE jobs.id = held.id AND jobs.lease_token = held.token AND jobs.state = 'claimed'
+ WHERE jobs.id = ANY(%(ids)s::bigint[])
+   AND jobs.lease_token = (%(tokens)s::bigint[])[array_position(%(ids)s::bigint[], jobs.id)]
 RETURNING jobs.id
 
 -- name: expired_leases

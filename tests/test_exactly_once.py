@@ -1,0 +1,464 @@
+"""Transactional handlers against a real PostgreSQL: replays of a job have exactly one effect.
+
+A transactional handler's writes, the record of its effect key in ``processed_keys`` and the
+fenced completion of the job commit together or not at all. These tests drive one job through
+the situations that cause a second execution — two workers (an expired lease and a re-claim),
+two threads at once, a process killed between the effect and the commit, the same key
+delivered as several jobs, a handler that raises — and count the effect rows afterwards.
+
+Lease expiry is simulated with the queue functions' injectable ``now``: nothing sleeps for a
+lease to run out. The effect table has no unique constraint, so a double effect would show as
+two rows.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from datetime import datetime, timedelta
+
+import psycopg
+import pytest
+
+import jobd
+from jobd import queue
+from jobd.backoff import Backoff, RetryPolicy
+from jobd.db import connect
+from jobd.exactly_once import LeaseLost, run_transactional
+from jobd.queue import Failure, Job
+
+VISIBILITY = 30.0  # seconds of lease per claim in these tests
+LANE = "default"
+
+
+# --- helpers -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tables(conn: psycopg.Connection) -> psycopg.Connection:
+    """``public.effects`` (the handler's transactional write, no unique constraint) and
+    ``public.executions`` (every call of the handler, written outside its transaction)."""
+    conn.execute("CREATE TABLE public.effects (id bigserial PRIMARY KEY, key text NOT NULL,"
+                 " job_id bigint NOT NULL, worker text NOT NULL)")
+    conn.execute("CREATE TABLE public.executions (id bigserial PRIMARY KEY, key text NOT NULL,"
+                 " job_id bigint NOT NULL, worker text NOT NULL)")
+    return conn
+
+
+def db_now(conn: psycopg.Connection) -> datetime:
+    row = conn.execute("SELECT now()").fetchone()
+    assert row is not None
+    return row[0]
+
+
+def policy(max_attempts: int = 8) -> queue.PolicyLookup:
+    return lambda _lane: RetryPolicy(Backoff(1.0, 1.0), max_attempts)
+
+
+def state_of(conn: psycopg.Connection, job_id: int) -> str:
+    row = conn.execute("SELECT state FROM all_jobs WHERE id = %s", (job_id,)).fetchone()
+    assert row is not None, f"job {job_id} is nowhere"
+    return str(row[0])
+
+
+def effect_rows(conn: psycopg.Connection) -> list[tuple[str, int, str]]:
+    return [(r[0], r[1], r[2]) for r in conn.execute(
+        "SELECT key, job_id, worker FROM public.effects ORDER BY id")]
+
+
+def execution_count(conn: psycopg.Connection) -> int:
+    row = conn.execute("SELECT count(*) FROM public.executions").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def processed_keys(conn: psycopg.Connection) -> list[tuple[str, int]]:
+    return [(r[0], r[1]) for r in conn.execute(
+        "SELECT idempotency_key, job_id FROM processed_keys ORDER BY idempotency_key")]
+
+
+def insert_effect(job: Job, conn: psycopg.Connection, worker: str) -> None:
+    conn.execute("INSERT INTO public.effects (key, job_id, worker) VALUES (%s, %s, %s)",
+                 (job.effect_key, job.id, worker))
+
+
+def record_execution(db_url: str, job: Job, worker: str) -> None:
+    """Outside the handler's transaction: survives its rollback."""
+    with connect(db_url) as side:
+        side.execute("INSERT INTO public.executions (key, job_id, worker) VALUES (%s, %s, %s)",
+                     (job.effect_key, job.id, worker))
+
+
+def effect_handler(worker: str, calls: list[str] | None = None, db_url: str | None = None,
+                   entered: threading.Event | None = None,
+                   release: threading.Event | None = None,
+                   ) -> Callable[[Job, psycopg.Connection], None]:
+    """A transactional handler that writes one effect row; optionally it records the call,
+    then says it is inside (``entered``) and waits for ``release`` before returning."""
+
+    @jobd.transactional
+    def handler(job: Job, conn: psycopg.Connection) -> None:
+        if calls is not None:
+            calls.append(worker)
+        if db_url is not None:
+            record_execution(db_url, job, worker)
+        insert_effect(job, conn, worker)
+        if entered is not None:
+            entered.set()
+        if release is not None:
+            assert release.wait(30), "the test never released the handler"
+
+    return handler
+
+
+def claim_one(conn: psycopg.Connection, worker: str, now: datetime) -> Job:
+    jobs = queue.claim(conn, LANE, worker, 1, VISIBILITY, now=now)
+    assert len(jobs) == 1, f"{worker} claimed {len(jobs)} jobs"
+    return jobs[0]
+
+
+def reclaim_after_expiry(conn: psycopg.Connection, stale: Job, worker: str) -> Job:
+    """Let ``stale``'s lease run out (the sweep fails the attempt, backoff 1s) and claim the
+    job again for ``worker``; returns the new claim."""
+    after = stale.lease_until + timedelta(seconds=1)
+    swept = queue.expire_leases(conn, policy(), now=after)
+    assert swept.retried == [stale.id]
+    fresh = claim_one(conn, worker, after + timedelta(seconds=2))
+    assert fresh.id == stale.id and fresh.lease_token != stale.lease_token
+    assert fresh.effect_key == stale.effect_key
+    return fresh
+
+
+def backend_waits_on_lock(conn: psycopg.Connection, application_name: str) -> bool:
+    row = conn.execute(
+        "SELECT wait_event_type FROM pg_stat_activity"
+        " WHERE datname = current_database() AND application_name = %s",
+        (application_name,)).fetchone()
+    return row is not None and row[0] == "Lock"
+
+
+def wait_until(condition: Callable[[], object], timeout: float, message: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {message}")
+        time.sleep(0.02)
+
+
+# --- (a) the same job through two workers --------------------------------------------------
+
+
+@pytest.mark.parametrize("stale_runs_first", [True, False],
+                         ids=["stale-worker-first", "stale-worker-after-commit"])
+def test_stale_worker_rolls_back_when_its_job_was_reclaimed(
+    tables: psycopg.Connection, db_url: str, stale_runs_first: bool
+) -> None:
+    conn = tables
+    job_id = jobd.enqueue(conn, "tx", {"order": 1}, idempotency_key="order-1")
+    a = claim_one(conn, "worker-a", db_now(conn))
+    b = reclaim_after_expiry(conn, a, "worker-b")
+    calls: list[str] = []
+
+    with connect(db_url) as a_conn, connect(db_url) as b_conn:
+        if stale_runs_first:
+            # A's handler runs (the key is free) and writes its effect; the fenced
+            # completion finds B's token and everything of A's rolls back.
+            with pytest.raises(LeaseLost):
+                run_transactional(a_conn, a, effect_handler("worker-a", calls))
+            assert calls == ["worker-a"]
+            assert effect_rows(conn) == []
+            assert processed_keys(conn) == []
+            assert state_of(conn, job_id) == "claimed"
+            assert run_transactional(b_conn, b, effect_handler("worker-b", calls)) == "done"
+        else:
+            assert run_transactional(b_conn, b, effect_handler("worker-b", calls)) == "done"
+            # A finds the key (its handler is skipped) and then its lease gone.
+            with pytest.raises(LeaseLost):
+                run_transactional(a_conn, a, effect_handler("worker-a", calls))
+
+    assert calls == (["worker-a", "worker-b"] if stale_runs_first else ["worker-b"])
+    assert effect_rows(conn) == [("order-1", job_id, "worker-b")]
+    assert processed_keys(conn) == [("order-1", job_id)]
+    assert state_of(conn, job_id) == "done"
+    assert conn.execute("SELECT count(*) FROM jobs").fetchone() == (0,)
+
+
+def test_a_committed_job_cannot_be_claimed_or_committed_again(
+    tables: psycopg.Connection, db_url: str
+) -> None:
+    conn = tables
+    job_id = jobd.enqueue(conn, "tx")
+    now = db_now(conn)
+    a = claim_one(conn, "worker-a", now)
+    calls: list[str] = []
+    with connect(db_url) as a_conn:
+        assert run_transactional(a_conn, a, effect_handler("worker-a", calls)) == "done"
+        # Nothing is left to claim or to sweep, however late it gets.
+        later = now + timedelta(hours=1)
+        assert queue.claim(conn, LANE, "worker-b", 10, VISIBILITY, now=later) == []
+        swept = queue.expire_leases(conn, policy(), now=later)
+        assert swept.retried == [] and swept.dead == []
+        # The same claimed Job run again (a worker that did not learn of its commit).
+        with pytest.raises(LeaseLost):
+            run_transactional(a_conn, a, effect_handler("worker-a", calls))
+    assert calls == ["worker-a"]
+    assert effect_rows(conn) == [(f"jobd:job:{job_id}", job_id, "worker-a")]
+    assert processed_keys(conn) == [(f"jobd:job:{job_id}", job_id)]
+    assert state_of(conn, job_id) == "done"
+
+
+# --- (b) two threads at once ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("first", ["stale", "current"])
+def test_concurrent_runs_of_one_key_serialize_on_the_key(
+    tables: psycopg.Connection, db_url: str, first: str
+) -> None:
+    """The first run holds the key (uncommitted) inside its handler; the second run's key
+    insert waits for it. Whatever the order, one effect: the stale run's."""
+    conn = tables
+    job_id = jobd.enqueue(conn, "tx", idempotency_key="pay-7")
+    stale = claim_one(conn, "worker-a", db_now(conn))
+    current = reclaim_after_expiry(conn, stale, "worker-b")
+    jobs = {"stale": (stale, "worker-a"), "current": (current, "worker-b")}
+    second = "current" if first == "stale" else "stale"
+
+    calls: list[str] = []
+    entered, release = threading.Event(), threading.Event()
+    results: dict[str, object] = {}
+
+    def run(which: str, handler: Callable[[Job, psycopg.Connection], None]) -> None:
+        job, worker = jobs[which]
+        with connect(db_url, application_name=f"test {worker}") as tx_conn:
+            try:
+                results[which] = run_transactional(tx_conn, job, handler)
+            except BaseException as exc:
+                results[which] = exc
+
+    first_worker, second_worker = jobs[first][1], jobs[second][1]
+    first_thread = threading.Thread(target=run, args=(
+        first, effect_handler(first_worker, calls, entered=entered, release=release)))
+    second_thread = threading.Thread(target=run, args=(
+        second, effect_handler(second_worker, calls)))
+    first_thread.start()
+    try:
+        assert entered.wait(10), "the first handler never started"
+        second_thread.start()
+        # The second run is stuck on the first one's uncommitted key, before its handler.
+        wait_until(lambda: backend_waits_on_lock(conn, f"test {second_worker}"), 10,
+                   f"{second_worker}'s key insert to wait on a lock")
+        assert calls == [first_worker]
+        assert effect_rows(conn) == []  # nothing committed yet
+    finally:
+        release.set()
+        first_thread.join(30)
+        second_thread.join(30)
+    assert not first_thread.is_alive() and not second_thread.is_alive()
+
+    assert isinstance(results["stale"], LeaseLost), results
+    assert results["current"] == "done", results
+    if first == "stale":
+        # The stale run rolled back, freeing the key: the current one ran its handler.
+        assert calls == ["worker-a", "worker-b"]
+    else:
+        # The current run committed the key: the stale one skipped its handler.
+        assert calls == ["worker-b"]
+    assert effect_rows(conn) == [("pay-7", job_id, "worker-b")]
+    assert processed_keys(conn) == [("pay-7", job_id)]
+    assert state_of(conn, job_id) == "done"
+
+
+# --- (c) a crash between the effect and the commit -----------------------------------------
+
+
+def _run_and_die(db_url: str, job: Job) -> None:
+    """In a child process: run the job's handler, which writes its effect and then kills
+    the process before run_transactional can commit."""
+
+    @jobd.transactional
+    def handler(job: Job, conn: psycopg.Connection) -> None:
+        record_execution(db_url, job, "crasher")
+        insert_effect(job, conn, "crasher")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    with connect(db_url, application_name="test crasher") as conn:
+        run_transactional(conn, job, handler)
+    os._exit(0)  # not reached
+
+
+def test_a_crash_between_effect_and_commit_leaves_no_trace_and_the_retry_runs_once(
+    tables: psycopg.Connection, db_url: str
+) -> None:
+    conn = tables
+    job_id = jobd.enqueue(conn, "tx", idempotency_key="mail-42")
+    job = claim_one(conn, "worker-a", db_now(conn))
+
+    context = multiprocessing.get_context("spawn")
+    child = context.Process(target=_run_and_die, args=(db_url, job))
+    child.start()
+    child.join(60)
+    assert child.exitcode == -signal.SIGKILL
+    # The server notices the dead client and aborts its transaction.
+    wait_until(lambda: conn.execute(
+        "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'test crasher'"
+    ).fetchone() == (0,), 30, "the dead child's backend to go away")
+
+    assert execution_count(conn) == 1  # the handler did run
+    assert effect_rows(conn) == []
+    assert processed_keys(conn) == []
+    assert state_of(conn, job_id) == "claimed"
+
+    retry = reclaim_after_expiry(conn, job, "worker-b")
+    with connect(db_url) as b_conn:
+        assert run_transactional(
+            b_conn, retry, effect_handler("worker-b", db_url=db_url)) == "done"
+    assert execution_count(conn) == 2
+    assert effect_rows(conn) == [("mail-42", job_id, "worker-b")]
+    assert processed_keys(conn) == [("mail-42", job_id)]
+    assert state_of(conn, job_id) == "done"
+
+
+# --- (d, e) the same key delivered again ---------------------------------------------------
+
+
+def insert_job_bypassing_the_ledger(conn: psycopg.Connection, key: str) -> int:
+    """A second job with a key already used: what a producer that skips jobd.enqueue, or a
+    key ledger pruned before the dedup store, would deliver."""
+    row = conn.execute(
+        "INSERT INTO jobs (handler, idempotency_key) VALUES ('tx', %s) RETURNING id", (key,)
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+@pytest.mark.parametrize("how", ["direct-insert", "ledger-pruned"])
+def test_a_replayed_key_is_a_no_op_that_still_completes_the_job(
+    tables: psycopg.Connection, db_url: str, how: str
+) -> None:
+    conn = tables
+    first_id = jobd.enqueue(conn, "tx", idempotency_key="invoice-9")
+    calls: list[str] = []
+    with connect(db_url) as tx_conn:
+        job = claim_one(conn, "worker-a", db_now(conn))
+        assert run_transactional(tx_conn, job, effect_handler("worker-a", calls)) == "done"
+
+        if how == "direct-insert":
+            second_id = insert_job_bypassing_the_ledger(conn, "invoice-9")
+        else:
+            conn.execute("DELETE FROM job_keys WHERE idempotency_key = 'invoice-9'")
+            second_id = jobd.enqueue(conn, "tx", idempotency_key="invoice-9")
+        assert second_id != first_id
+
+        replay = claim_one(conn, "worker-b", db_now(conn))
+        assert replay.id == second_id and replay.effect_key == "invoice-9"
+        assert run_transactional(tx_conn, replay, effect_handler("worker-b", calls)) \
+            == "replayed"
+
+    assert calls == ["worker-a"]
+    assert effect_rows(conn) == [("invoice-9", first_id, "worker-a")]
+    assert processed_keys(conn) == [("invoice-9", first_id)]
+    assert state_of(conn, first_id) == "done"
+    assert state_of(conn, second_id) == "done"
+    assert conn.execute("SELECT count(*) FROM jobs").fetchone() == (0,)
+
+
+def test_five_deliveries_of_one_key_have_one_effect(
+    tables: psycopg.Connection, db_url: str
+) -> None:
+    conn = tables
+    ids = [jobd.enqueue(conn, "tx", idempotency_key="ship-3")]
+    ids += [insert_job_bypassing_the_ledger(conn, "ship-3") for _ in range(4)]
+    calls: list[str] = []
+    outcomes = []
+    with connect(db_url) as tx_conn:
+        for n in range(5):
+            job = claim_one(conn, f"worker-{n}", db_now(conn))
+            outcomes.append(run_transactional(tx_conn, job, effect_handler(f"worker-{n}", calls)))
+    assert outcomes == ["done"] + ["replayed"] * 4
+    assert calls == ["worker-0"]
+    assert len(effect_rows(conn)) == 1
+    assert [state_of(conn, job_id) for job_id in ids] == ["done"] * 5
+
+
+def test_one_job_through_five_workers_has_one_effect(
+    tables: psycopg.Connection, db_url: str
+) -> None:
+    """A key-less job (key ``job:<id>``) whose lease expires four times: every worker runs
+    the handler, only the one holding the lease at the end commits."""
+    conn = tables
+    job_id = jobd.enqueue(conn, "tx")
+    claims = [claim_one(conn, "worker-0", db_now(conn))]
+    for n in range(1, 5):
+        claims.append(reclaim_after_expiry(conn, claims[-1], f"worker-{n}"))
+    outcomes: list[object] = []
+    with connect(db_url) as tx_conn:
+        for n, job in enumerate(claims):
+            try:
+                outcomes.append(run_transactional(
+                    tx_conn, job, effect_handler(f"worker-{n}", db_url=db_url)))
+            except LeaseLost as exc:
+                outcomes.append(type(exc))
+    assert outcomes == [LeaseLost] * 4 + ["done"]
+    assert execution_count(conn) == 5
+    assert effect_rows(conn) == [(f"jobd:job:{job_id}", job_id, "worker-4")]
+    assert state_of(conn, job_id) == "done"
+    row = conn.execute("SELECT attempts FROM all_jobs WHERE id = %s", (job_id,)).fetchone()
+    assert row == (5,)
+
+
+# --- (f) a handler that raises -------------------------------------------------------------
+
+
+def test_a_failing_handler_leaves_nothing_and_the_retry_has_one_effect(
+    tables: psycopg.Connection, db_url: str
+) -> None:
+    conn = tables
+    job_id = jobd.enqueue(conn, "tx", idempotency_key="refund-5")
+
+    @jobd.transactional
+    def flaky(job: Job, tx: psycopg.Connection) -> None:
+        insert_effect(job, tx, "flaky")
+        tx.execute("INSERT INTO public.effects (key, job_id, worker) VALUES ('other', 0, 'x')")
+        raise RuntimeError("the payment provider said no")
+
+    now = db_now(conn)
+    job = claim_one(conn, "worker-a", now)
+    with connect(db_url) as tx_conn:
+        with pytest.raises(RuntimeError, match="provider said no"):
+            run_transactional(tx_conn, job, flaky)
+        assert effect_rows(conn) == []
+        assert processed_keys(conn) == []
+        assert state_of(conn, job_id) == "claimed"
+        # The connection is usable again: the transaction was rolled back, not left open.
+        assert tx_conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+
+        failed = queue.fail(conn, [Failure(job.lease, "RuntimeError", 1.0, 8)], now=now)
+        assert failed.retried == [job_id]
+        retry = claim_one(conn, "worker-b", now + timedelta(seconds=2))
+        assert retry.attempt == 2
+        assert run_transactional(tx_conn, retry, effect_handler("worker-b")) == "done"
+    assert effect_rows(conn) == [("refund-5", job_id, "worker-b")]
+    assert processed_keys(conn) == [("refund-5", job_id)]
+    assert state_of(conn, job_id) == "done"
+
+
+# --- known problems ------------------------------------------------------------------------
+
+
+def test_a_derived_key_does_not_collide_with_a_callers_key(
+    tables: psycopg.Connection, db_url: str
+) -> None:
+    conn = tables
+    keyless = jobd.enqueue(conn, "tx")
+    keyed = jobd.enqueue(conn, "tx", idempotency_key=f"job:{keyless}")
+    calls: list[str] = []
+    with connect(db_url) as tx_conn:
+        first, second = queue.claim(conn, LANE, "w", 2, VISIBILITY)
+        assert (first.id, second.id) == (keyless, keyed)
+        assert run_transactional(tx_conn, first, effect_handler("w", calls)) == "done"
+        assert run_transactional(tx_conn, second, effect_handler("w", calls)) == "done"
+    assert len(effect_rows(conn)) == 2
