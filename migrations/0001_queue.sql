@@ -166,6 +166,12 @@ BEGIN
         RAISE EXCEPTION 'jobd.enqueue: handler and lane must not be null'
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
+    -- Keys starting with 'jobd:' name jobd's own jobs (schedule occurrences, outbox
+    -- deliveries, keys derived from job ids); a caller's key must not collide with them.
+    IF starts_with(enqueue.idempotency_key, 'jobd:') THEN
+        RAISE EXCEPTION 'jobd.enqueue: idempotency keys starting with ''jobd:'' are reserved'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
     IF enqueue.idempotency_key IS NOT NULL THEN
         INSERT INTO job_keys AS k (idempotency_key, job_id)
              VALUES (enqueue.idempotency_key, nextval('job_id_seq'))

@@ -37,7 +37,7 @@ CREATE TABLE schedule_fires (
 CREATE INDEX schedule_fires_fire_at_idx ON schedule_fires (fire_at);
 
 -- Fires one occurrence: the ledger row, the job (with the idempotency key
--- 'schedule:<id>:<occurrence>') and the schedule's cursor, in one transaction. Returns
+-- 'jobd:schedule:<id>:<occurrence>') and the schedule's cursor, in one transaction. Returns
 -- 'enqueued' with the job id, or why nothing was enqueued: 'not_due' (fire_at is in the
 -- future by the database clock), 'disabled', 'duplicate' (already in the ledger) or
 -- 'skipped_overlap'. The schedule row is locked, so materializers of one schedule take turns.
@@ -51,7 +51,7 @@ DECLARE
     clock  timestamptz := coalesce(fire_schedule.at, now());
     s      schedules%ROWTYPE;
     new_id bigint;
-    key    text := 'schedule:' || fire_schedule.schedule_id || ':' || fire_schedule.occurrence;
+    key    text := 'jobd:schedule:' || fire_schedule.schedule_id || ':' || fire_schedule.occurrence;
 BEGIN
     IF fire_schedule.fire_at > clock THEN
         RETURN QUERY SELECT 'not_due'::text, NULL::bigint;

@@ -52,8 +52,8 @@ BEGIN
     END IF;
     INSERT INTO jobs (id, lane, handler, payload, idempotency_key)
     VALUES (job_id, outbox_add.lane, 'jobd.outbox', jsonb_build_object('outbox_id', entry_id),
-            'outbox:' || outbox_add.key);
-    INSERT INTO job_keys (idempotency_key, job_id) VALUES ('outbox:' || outbox_add.key, job_id)
+            'jobd:outbox:' || outbox_add.key);
+    INSERT INTO job_keys (idempotency_key, job_id) VALUES ('jobd:outbox:' || outbox_add.key, job_id)
     ON CONFLICT DO NOTHING;
     RETURN entry_id;
 END
