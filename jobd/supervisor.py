@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import secrets
 import selectors
 import signal
@@ -136,7 +137,9 @@ class Supervisor:
         self.listener = Listener(database_url, self.schema)
         self.listener_fd: int | None = None
         self.lane_wake_at: dict[str, float] = {}  # monotonic instants of scheduled work
-        self.lanes_to_wake: set[str] = set()
+        # lane -> jobs due (None: wake every worker of the lane)
+        self.lanes_to_wake: dict[str, int | None] = {}
+        self.next_lane_poll = 0.0
         self.pending_attribution: list[tuple[str, str, bool]] = []  # (worker, reason, release)
         self.exited_counters: dict[str, dict[str, int]] = {}
         self.db_clock_offset = 0.0  # database epoch minus local epoch
@@ -215,6 +218,7 @@ class Supervisor:
             self._ensure_connection()
             self._ensure_listener()
             self._receive_wakeups()
+            self._poll_lanes()
             self._wake_lanes()
             self._run_duties()
             self._update_status()
@@ -223,7 +227,7 @@ class Supervisor:
 
     def _select_timeout(self) -> float:
         now = time.monotonic()
-        moments = [now + 1.0, self.next_duty]
+        moments = [now + 1.0, self.next_duty, self.next_lane_poll]
         if self.next_schedule_tick is not None:
             moments.append(self.next_schedule_tick)
         moments += [slot.spawn_at for slot in self.slots.values() if slot.process is None]
@@ -274,15 +278,13 @@ class Supervisor:
             self.listener_fd = self.listener.fileno()
             assert self.listener_fd is not None
             self.selector.register(self.listener_fd, selectors.EVENT_READ, lambda _fd: None)
-            # Notifications sent while we were not listening are lost: wake every lane once
-            # and look up when scheduled work falls due.
-            self.lanes_to_wake.update(self.config.lanes)
-            self._schedule_future_work(self.config.lanes)
+            # Notifications sent while we were not listening are lost: look at every lane.
+            self.next_lane_poll = 0.0
 
     def _receive_wakeups(self) -> None:
         for wakeup in self.listener.receive():
             if wakeup.at_epoch is None:
-                self.lanes_to_wake.add(wakeup.lane)
+                self._request_wake(wakeup.lane, wakeup.due)
             else:
                 self._wake_lane_at(wakeup.lane, wakeup.at_epoch)
         now = time.monotonic()
@@ -299,33 +301,71 @@ class Supervisor:
         if current is None or at < current:
             self.lane_wake_at[lane] = at
 
-    def _schedule_future_work(self, lanes: Iterable[str]) -> None:
-        def lookup(conn: psycopg.Connection) -> dict[str, float]:
-            found = {}
-            for lane in lanes:
-                row = conn.execute(query("next_run_at"), {"lane": lane, "now": None}).fetchone()
-                if row and row[0] is not None:
-                    found[lane] = float(row[0])
-            return found
+    def _request_wake(self, lane: str, due: int | None = None) -> None:
+        """Wake workers of ``lane``: enough for ``due`` jobs, or all of them (None)."""
+        pending = self.lanes_to_wake.get(lane, 0)
+        if due is None or pending is None:
+            self.lanes_to_wake[lane] = None
+        else:
+            self.lanes_to_wake[lane] = pending + due
 
-        for lane, at_epoch in (self._db("next_run_at", lookup) or {}).items():
-            self._wake_lane_at(lane, at_epoch)
+    def _wake_all(self, lanes: Iterable[str]) -> None:
+        for lane in lanes:
+            self._request_wake(lane)
+
+    def _poll_lanes(self) -> None:
+        """The fallback poll: one statement tells, per lane, whether work is due or when.
+
+        Notifications are the fast path; this catches what they miss (the LISTEN connection
+        was down, another node retried a job, a timer was lost in a reload).
+        """
+        now = time.monotonic()
+        if now < self.next_lane_poll or not self.config.lanes:
+            return
+        interval = min(lane.poll_interval for lane in self.config.lanes.values())
+        # Jitter keeps the supervisors of a fleet from polling in lockstep.
+        self.next_lane_poll = now + interval * random.uniform(0.8, 1.2)
+        rows = self._db("lane poll", lambda conn: conn.execute(
+            query("lane_heads"), {"lanes": list(self.config.lanes), "now": None}).fetchall())
+        for lane, head, db_now in rows or []:
+            if head is None:
+                continue
+            if head <= db_now:
+                self._request_wake(lane)
+            else:
+                self._wake_lane_at(lane, head)
 
     def _wake_lanes(self) -> None:
         now = time.monotonic()
         for lane, at in list(self.lane_wake_at.items()):
             if at <= now:
                 del self.lane_wake_at[lane]
-                self.lanes_to_wake.add(lane)
-        if not self.lanes_to_wake:
-            return
-        for process in self._all_processes():
-            if process.lane in self.lanes_to_wake and not process.retiring:
+                self._request_wake(lane)
+        for lane, due in self.lanes_to_wake.items():
+            for process in self._workers_to_wake(lane, due):
                 try:
                     os.write(process.wake_w, b"!")
                 except (BlockingIOError, BrokenPipeError):
                     pass  # a full pipe already holds a wake-up; a broken one is being reaped
         self.lanes_to_wake.clear()
+
+    def _workers_to_wake(self, lane: str, due: int | None) -> list[WorkerProcess]:
+        """The lane's workers with the most free capacity, as many as ``due`` jobs need.
+
+        Waking every worker for one job makes all but one claim nothing; on a small machine
+        those empty claims compete with the job for CPU.
+        """
+        workers = [p for p in self._all_processes() if p.lane == lane and not p.retiring]
+        if due is None:
+            return workers
+        workers.sort(key=lambda p: _as_int(p.status.get("busy")) - p.spec.lane.concurrency)
+        needed = max(1, -(-due // max(1, workers[0].spec.lane.concurrency))) if workers else 0
+        chosen = workers[:needed]
+        for process in chosen:
+            # Count the wake-up as load until the next report, so the next one picks another.
+            process.status["busy"] = _as_int(process.status.get("busy")) + min(
+                due, process.spec.lane.concurrency)
+        return chosen
 
     # --- spawning --------------------------------------------------------------------------
 
@@ -485,7 +525,7 @@ class Supervisor:
             elif not release and (first or second):
                 log.warning("failed the jobs of a dead worker", worker=worker_id,
                             retried=first, dead=second, reason=reason)
-                self.lanes_to_wake.update(self.config.lanes)
+                self._wake_all(self.config.lanes)
         self.pending_attribution = remaining
 
     def _check_liveness(self) -> None:
@@ -526,7 +566,7 @@ class Supervisor:
             self.next_duty = now + self.config.duty_interval
             swept = self._db("duties", self._duty_transaction)
             if swept:
-                self.lanes_to_wake.update(self.config.lanes)
+                self._wake_all(self.config.lanes)
         elif self.next_schedule_tick is not None and now >= self.next_schedule_tick:
             self.next_schedule_tick = None
             self._db("schedules", self._materialize)
@@ -563,7 +603,7 @@ class Supervisor:
     def _materialize(self, conn: psycopg.Connection) -> None:
         result = schedules.tick(conn)
         if result.enqueued:
-            self.lanes_to_wake.update(self.config.lanes)
+            self._wake_all(self.config.lanes)
         if result.next_fire_at is None:
             self.next_schedule_tick = None
             return
@@ -642,8 +682,7 @@ class Supervisor:
                 if (lane.name, index) not in self.slots:
                     self.slots[(lane.name, index)] = self._new_slot(lane, index)
         self.schedules_synced = False  # the next duty pass writes the new schedules
-        self._schedule_future_work(new.lanes)
-        self.lanes_to_wake.update(new.lanes)
+        self.next_lane_poll = 0.0  # look at every lane, new ones included
 
     def _retire(self, process: WorkerProcess) -> None:
         process.retiring = True

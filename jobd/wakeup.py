@@ -1,9 +1,9 @@
 """The supervisor's LISTEN connection: turns enqueue notifications into lane wake-ups.
 
 Notifications are a hint, never the only path: if the connection dies the listener
-reconnects with backoff and the workers' fallback polls cover the gap. A payload is a lane
-name (due work now) or ``lane@<epoch seconds>`` (the earliest job the statement scheduled for
-later), which the supervisor turns into a timer.
+reconnects with backoff and the supervisor's fallback poll covers the gap. A payload is
+``lane#<n>`` (n jobs due now) or ``lane@<epoch seconds>`` (the earliest job the statement
+scheduled for later), which the supervisor turns into a timer.
 """
 
 from __future__ import annotations
@@ -26,16 +26,24 @@ log = structlog.get_logger("jobd.wakeup")
 class Wakeup:
     lane: str
     at_epoch: float | None  # None: now
+    due: int = 1  # how many jobs became due (when at_epoch is None)
 
 
 def parse_payload(payload: str) -> Wakeup | None:
-    lane, sep, at = payload.partition("@")
+    """``lane#<due count>``, ``lane@<epoch>``, or a bare ``lane`` (one due job)."""
+    if "@" in payload:
+        lane, _, at = payload.partition("@")
+        try:
+            return Wakeup(lane, float(at)) if lane else None
+        except ValueError:
+            return None
+    lane, sep, count = payload.partition("#")
     if not lane:
         return None
     if not sep:
         return Wakeup(lane, None)
     try:
-        return Wakeup(lane, float(at))
+        return Wakeup(lane, None, max(1, int(count)))
     except ValueError:
         return None
 

@@ -51,6 +51,7 @@ EXIT_BOOT_FAILURE = 3  # a handler could not be imported: restarting will not he
 EXIT_WEDGED = 4  # every slot is held by a handler that ignored its timeout
 
 REPORT_INTERVAL = 1.0  # seconds between liveness reports to the supervisor
+SAFETY_POLL_FACTOR = 12  # a worker's own fallback poll, in lane poll_intervals
 MAX_ERROR_CHARS = 4000
 
 log = structlog.get_logger("jobd.worker")
@@ -257,8 +258,10 @@ class Worker:
         return max(0.0, min(moments) - now)
 
     def _poll_delay(self) -> float:
-        # Jitter keeps a fleet of idle workers from polling in lockstep.
-        return self.lane.poll_interval * random.uniform(0.8, 1.2)
+        # The supervisor polls each lane every poll_interval and wakes its workers; a worker
+        # polls by itself only much more rarely, in case the supervisor cannot. Jitter keeps
+        # a fleet of idle workers from polling in lockstep.
+        return self.lane.poll_interval * SAFETY_POLL_FACTOR * random.uniform(0.8, 1.2)
 
     def _drain_pipe(self, fd: int) -> None:
         try:
@@ -459,8 +462,8 @@ class Worker:
         retried = set(failed.retried)
         self.timers.wake_at.extend(
             now + f.retry_delay for f in failures if f.lease.id in retried)
-        if batch:
-            self.maybe_more = True  # capacity freed up: look for more work
+        # Freed capacity alone is no reason to claim: only a claim that came back full, a
+        # wake-up, a timer or a poll says there may be more work (maybe_more).
         if request is not None:
             self._started(jobs, request)
 

@@ -126,16 +126,19 @@ CREATE VIEW all_jobs AS
       FROM dead_letter;
 
 -- Wake the lanes that received work, once per lane and statement (a bulk insert of 20,000
--- rows sends one notification per lane, not 20,000). The payload is the lane name when some
--- of the new jobs are due now, else 'lane@<epoch seconds>' of the earliest one, so the
--- listener can wake the lane at that instant instead of polling for it. The channel carries
--- the schema name so several jobd schemas can share a database.
+-- rows sends one notification per lane, not 20,000). The payload is 'lane#<n>' when n of the
+-- new jobs are due now (so the listener wakes as many workers as that needs), else
+-- 'lane@<epoch seconds>' of the earliest one, so it can wake the lane at that instant instead
+-- of polling for it. The channel carries the schema name so several jobd schemas can share
+-- a database.
 CREATE FUNCTION notify_new_jobs() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
     PERFORM pg_notify(TG_TABLE_SCHEMA || '_wakeup',
-                      CASE WHEN first_run_at <= now() THEN lane
+                      CASE WHEN due > 0 THEN lane || '#' || due
                            ELSE lane || '@' || extract(epoch FROM first_run_at)::text END)
-       FROM (SELECT lane, min(run_at) AS first_run_at FROM new_jobs GROUP BY lane) AS lanes;
+       FROM (SELECT lane, min(run_at) AS first_run_at,
+                    count(*) FILTER (WHERE run_at <= now()) AS due
+               FROM new_jobs GROUP BY lane) AS lanes;
     RETURN NULL;
 END
 $$;

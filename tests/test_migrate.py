@@ -106,7 +106,7 @@ def test_migrate_into_another_schema(databases: Databases) -> None:
         assert jobd.enqueue(conn, "send_email", schema="other", idempotency_key="k") == job_id
         [bulk] = jobd.enqueue_many(conn, [jobd.JobSpec("h", lane="b")], schema="other")
         notified = sorted(n.payload for n in conn.notifies(timeout=5, stop_after=2))
-        assert notified == ["b", "default"]
+        assert notified == ["b#1", "default#1"]
         [job] = queue.claim(conn, "default", "w", 10, 30)
         assert (job.id, job.payload) == (job_id, {"to": "a@example.com"})
         assert queue.complete(conn, [job.lease]).applied == [job_id]

@@ -123,7 +123,7 @@ def test_bulk_enqueue_sends_one_notification_per_lane(db_url: str) -> None:
         future = db_now(writer) + timedelta(hours=1)
         jobd.enqueue(writer, "h", lane="later", run_at=future)
         received = sorted(n.payload for n in listener.notifies(timeout=1.0, stop_after=3))
-    assert received[:2] == ["a", "b"]
+    assert received[:2] == ["a#500", "b#500"]
     lane, _, epoch = received[2].partition("@")
     assert lane == "later"
     assert abs(float(epoch) - future.timestamp()) < 0.001

@@ -83,6 +83,11 @@ def test_describe_exit(returncode: int, description: str) -> None:
     ("default@", None),
     ("default@soon", None),
     ("default@1@2", None),
+    ("default#1", Wakeup("default", None, 1)),
+    ("bulk#20000", Wakeup("bulk", None, 20000)),
+    ("default#", None),
+    ("default#many", None),
+    ("#3", None),
 ])
 def test_parse_payload(payload: str, expected: Wakeup | None) -> None:
     assert parse_payload(payload) == expected

@@ -277,31 +277,13 @@ SELECT ensure_archive_partitions(%(days_ahead)s)
 -- name: drop_archive_partitions
 SELECT drop_archive_partitions(%(cutoff)s::timestamptz)
 
--- name: next_run_at
--- The earliest future run_at (epoch seconds) of a lane's claimable jobs: one probe per distinct
--- priority (the loose scan of claim_jobs), so it stays cheap however many jobs wait.
-WITH RECURSIVE priorities AS (
-    (SELECT priority FROM jobs
-      WHERE lane = %(lane)s AND state IN ('pending', 'failed')
-      ORDER BY priority DESC LIMIT 1)
-    UNION ALL
-    SELECT (SELECT j.priority FROM jobs AS j
-             WHERE j.lane = %(lane)s AND j.state IN ('pending', 'failed')
-               AND j.priority < p.priority
-             ORDER BY j.priority DESC LIMIT 1)
-      FROM priorities AS p
-     WHERE p.priority IS NOT NULL
-)
-SELECT extract(epoch FROM min(first.run_at))::float8
-  FROM priorities AS p
- CROSS JOIN LATERAL (
-       SELECT run_at FROM jobs
-        WHERE lane = %(lane)s AND state IN ('pending', 'failed')
-          AND priority = p.priority
-          AND run_at > coalesce(%(now)s::timestamptz, now())
-        ORDER BY run_at
-        LIMIT 1) AS first
- WHERE p.priority IS NOT NULL
+-- name: lane_heads
+-- Per lane, the earliest run_at of its claimable jobs (epoch seconds, NULL when it has none)
+-- and the database clock: the supervisor wakes lanes with due work and sets timers for the
+-- rest.
+SELECT lane, extract(epoch FROM lane_head(lane))::float8,
+       extract(epoch FROM coalesce(%(now)s::timestamptz, now()))::float8
+  FROM unnest(%(lanes)s::text[]) AS lane
 
 -- name: node_heartbeat
 INSERT INTO nodes AS n (instance, node, pid, workers, counters)
