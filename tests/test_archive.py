@@ -8,7 +8,6 @@ from datetime import UTC, date, datetime, timedelta
 from typing import TYPE_CHECKING
 
 import psycopg
-import pytest
 from psycopg import sql
 
 import jobd

@@ -376,7 +376,8 @@ def test_a_late_node_cannot_refire_an_occurrence_whose_job_was_archived(
     set_cursor(conn, "s", t0)
     late = tick(conn, now=utc(2026, 10, 20, 12, 6))
     assert late.duplicates == [("s", key)] and late.enqueued == []
-    assert jobs_of(conn, "s") == [(job_id, utc(2026, 10, 20, 12, 5), f"jobd:schedule:s:{key}", "done")]
+    assert jobs_of(conn, "s") == [
+        (job_id, utc(2026, 10, 20, 12, 5), f"jobd:schedule:s:{key}", "done")]
 
     # Even after archive retention dropped the job and forgot its idempotency key.
     archive.drop_before(conn, db_now(conn) + timedelta(days=30))
