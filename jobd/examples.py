@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import time
 
+import psycopg
 import structlog
 
+from jobd import outbox
+from jobd.handlers import transactional
 from jobd.queue import Job
 
 log = structlog.get_logger("jobd.examples")
@@ -24,3 +27,25 @@ def sleep(job: Job) -> None:
 def fail(job: Job) -> None:
     """Fails every attempt: watch it back off and land in the dead-letter queue."""
     raise RuntimeError(f"example failure on attempt {job.attempt}")
+
+
+@transactional
+def record_order(job: Job, conn: psycopg.Connection) -> None:
+    """A transactional handler: its write, its effect key and the job's completion commit
+    together, and it asks for a receipt mail through the outbox in the same transaction.
+
+    Payload: {"order": 123, "email": "a@example.com"}.
+    """
+    conn.execute(
+        "CREATE TABLE IF NOT EXISTS public.jobd_example_orders "
+        "(effect_key text, order_id bigint, recorded_at timestamptz DEFAULT now())")
+    payload = job.payload or {}
+    conn.execute("INSERT INTO public.jobd_example_orders (effect_key, order_id) VALUES (%s, %s)",
+                 (job.effect_key, payload.get("order")))
+    outbox.add(conn, job, "mail", {"to": payload.get("email"), "order": payload.get("order")})
+
+
+def log_mail(entry: outbox.OutboxEntry) -> None:
+    """An outbox sender: a real one passes entry.key to its API as the idempotency key."""
+    log.info("mail sent", key=entry.key, to=(entry.payload or {}).get("to"),
+             attempt=entry.attempt)
