@@ -41,7 +41,7 @@ import setproctitle
 import structlog
 from psycopg.types.json import Jsonb
 
-from jobd import archive, queue, schedules
+from jobd import archive, pipes, queue, schedules
 from jobd.config import Config, LaneConfig, load
 from jobd.db import connect, first_line
 from jobd.errors import ConfigError, DatabaseUnavailable
@@ -161,17 +161,10 @@ class Supervisor:
         signal.set_wakeup_fd(self._signal_w)
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD):
             signal.signal(signum, self._record_signal)
-        self.selector.register(self._signal_r, selectors.EVENT_READ, self._drain_signal_pipe)
+        self.selector.register(self._signal_r, selectors.EVENT_READ, pipes.drain)
 
     def _record_signal(self, signum: int, _frame: object) -> None:
         self.signals.append(signum)
-
-    def _drain_signal_pipe(self, fd: int) -> None:
-        try:
-            while os.read(fd, 4096):
-                pass
-        except BlockingIOError:
-            pass
 
     def _handle_signals(self) -> None:
         while self.signals:
@@ -343,10 +336,7 @@ class Supervisor:
                 self._request_wake(lane)
         for lane, due in self.lanes_to_wake.items():
             for process in self._workers_to_wake(lane, due):
-                try:
-                    os.write(process.wake_w, b"!")
-                except (BlockingIOError, BrokenPipeError):
-                    pass  # a full pipe already holds a wake-up; a broken one is being reaped
+                pipes.poke(process.wake_w)
         self.lanes_to_wake.clear()
 
     def _workers_to_wake(self, lane: str, due: int | None) -> list[WorkerProcess]:

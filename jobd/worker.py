@@ -39,7 +39,7 @@ import setproctitle
 import structlog
 from psycopg_pool import ConnectionPool
 
-from jobd import exactly_once, logs, outbox, queue
+from jobd import exactly_once, logs, outbox, pipes, queue
 from jobd import handlers as handler_registry
 from jobd.backoff import Backoff
 from jobd.config import LaneConfig
@@ -173,8 +173,8 @@ class Worker:
                    spec.wake_fd, spec.status_fd):
             os.set_blocking(fd, False)
         self.selector.register(spec.wake_fd, selectors.EVENT_READ, self._on_wake)
-        self.selector.register(self._results_r, selectors.EVENT_READ, self._drain_pipe)
-        self.selector.register(self._signals_r, selectors.EVENT_READ, self._drain_pipe)
+        self.selector.register(self._results_r, selectors.EVENT_READ, pipes.drain)
+        self.selector.register(self._signals_r, selectors.EVENT_READ, pipes.drain)
 
     # --- signals ---------------------------------------------------------------------------
 
@@ -262,13 +262,6 @@ class Worker:
         # polls by itself only much more rarely, in case the supervisor cannot. Jitter keeps
         # a fleet of idle workers from polling in lockstep.
         return self.lane.poll_interval * SAFETY_POLL_FACTOR * random.uniform(0.8, 1.2)
-
-    def _drain_pipe(self, fd: int) -> None:
-        try:
-            while os.read(fd, 4096):
-                pass
-        except BlockingIOError:
-            pass
 
     def _on_wake(self, fd: int) -> None:
         try:
@@ -397,10 +390,7 @@ class Worker:
         else:
             outcome = Outcome(job, format_error(exc) if exc is not None else None, committed)
         self.outcomes.put(outcome)
-        try:
-            os.write(self._results_w, b"!")
-        except BlockingIOError:
-            pass  # the pipe is full, so the loop is already due to wake
+        pipes.poke(self._results_w)
 
     def _collect_outcomes(self) -> None:
         while True:

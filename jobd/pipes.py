@@ -1,0 +1,23 @@
+"""Self-pipes and wake-up pipes: non-blocking byte signals between threads and processes."""
+
+from __future__ import annotations
+
+import os
+
+
+def drain(fd: int) -> None:
+    """Read and discard whatever is waiting on a non-blocking pipe."""
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass
+
+
+def poke(fd: int) -> None:
+    """Write one byte to a non-blocking pipe. A full pipe already holds a wake-up and a
+    broken one belongs to a process that is being reaped, so neither is an error."""
+    try:
+        os.write(fd, b"!")
+    except (BlockingIOError, BrokenPipeError):
+        pass
