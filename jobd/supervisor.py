@@ -201,6 +201,7 @@ class Supervisor:
                 key.data(key.fd)
             self._handle_signals()
             self._reap()
+            self._enforce_kills()
             if self.stopping:
                 if not self._all_processes():
                     break
@@ -220,10 +221,17 @@ class Supervisor:
 
     def _select_timeout(self) -> float:
         now = time.monotonic()
-        moments = [now + 1.0, self.next_duty, self.next_lane_poll]
+        moments = [now + 1.0]
+        # Duties need the database: while it is away they wait for the next connection try,
+        # or an overdue duty would turn the loop into a spin.
+        database_ready = self.conn_retry_at if self.conn is None else 0.0
+        database_moments = [self.next_duty, self.next_lane_poll]
         if self.next_schedule_tick is not None:
-            moments.append(self.next_schedule_tick)
-        moments += [slot.spawn_at for slot in self.slots.values() if slot.process is None]
+            database_moments.append(self.next_schedule_tick)
+        moments += [max(moment, database_ready) for moment in database_moments]
+        if not self.stopping:
+            moments += [slot.spawn_at for slot in self.slots.values()
+                        if slot.process is None and slot.lane.name not in self.fatal_lanes]
         moments += self.lane_wake_at.values()
         moments += [p.kill_at for p in self._all_processes() if p.kill_at is not None]
         if self.notifier.watchdog_interval:
@@ -518,14 +526,19 @@ class Supervisor:
                 self._wake_all(self.config.lanes)
         self.pending_attribution = remaining
 
+    def _enforce_kills(self) -> None:
+        """SIGKILL the workers whose grace after SIGABRT has run out."""
+        now = time.monotonic()
+        for process in self._all_processes():
+            if process.kill_at is not None and now >= process.kill_at:
+                self._signal(process, signal.SIGKILL)
+                process.kill_at = None
+
     def _check_liveness(self) -> None:
         now = time.monotonic()
         for process in self._all_processes():
-            if process.kill_at is not None:
-                if now >= process.kill_at:
-                    self._signal(process, signal.SIGKILL)
-                    process.kill_at = None
-                continue
+            if process.kill_at is not None or process.kill_reason is not None:
+                continue  # already being aborted
             silent = now - process.last_seen
             if silent > self.config.worker_timeout:
                 process.kill_reason = (f"hung: no liveness report for {silent:.0f}s "

@@ -244,9 +244,13 @@ class Worker:
     def _select_timeout(self) -> float:
         now = time.monotonic()
         moments = [self.timers.next_heartbeat, self.timers.next_report]
+        # Moments that need the database are no sooner than it can be used again: a poll that
+        # is overdue because the database is down must not turn the loop into a spin.
+        database_ready = (self.timers.reconnect_at if self.conn is None
+                          else self.timers.db_retry_at)
         if self.mode == "running":
-            moments.append(self.timers.next_poll)
-            moments.extend(self.timers.wake_at)
+            moments += [max(moment, database_ready)
+                        for moment in (self.timers.next_poll, *self.timers.wake_at)]
         if self.conn is None:
             moments.append(self.timers.reconnect_at)
         if self.timers.db_retry_at > now:

@@ -15,6 +15,8 @@ import sys
 import time
 from collections.abc import Callable
 from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
 
 import daemon_support
 import psycopg
@@ -32,6 +34,7 @@ from daemon_support import (
 )
 
 import jobd
+from jobd.db import connect
 
 # The fixtures the tests use, from the support module.
 daemons = daemon_support.daemons
@@ -482,3 +485,54 @@ def test_run_against_a_database_without_jobd_schema_says_to_migrate(
     assert result.returncode == 2
     [line] = result.stderr.strip().splitlines()
     assert "jobd migrate" in line
+
+
+def _cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU time of the given processes, from /proc/PID/stat."""
+    ticks = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_database_outage_neither_spins_nor_loses_work(
+    daemons: Daemons, effects_db: psycopg.Connection, pg_server: Any, db_url: str
+) -> None:
+    daemon = daemons(make_config({"default": {"workers": 2, "concurrency": 2,
+                                              "poll_interval": "1s"}},
+                                 supervisor={"duty_interval": "1s"}))
+    daemon.wait_workers_started("default", 2)
+    first = jobd.enqueue(effects_db, "ok", {"n": 1})
+    wait_state(effects_db, first, "done", 15, daemon)
+
+    dbname = psycopg.conninfo.conninfo_to_dict(db_url)["dbname"]
+    with psycopg.connect(pg_server.admin_url, autocommit=True) as admin:
+        admin.execute(psycopg.sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS false").format(
+            psycopg.sql.Identifier(dbname)))
+        try:
+            admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                          "WHERE datname = %s AND application_name LIKE 'jobd _%%'", (dbname,))
+            wait_until(lambda: "database unavailable" in " ".join(
+                daemon.child_processes().values()) or daemon.events("database unavailable"),
+                15, message=lambda: f"the daemon to notice the outage\n{daemon.tail()}")
+            # Down for a while: the supervisor and its workers wait, they do not spin.
+            processes = [daemon.pid, *daemon.child_processes()]
+            before, started = _cpu_seconds(processes), time.monotonic()
+            window_deadline = started + 3.0
+            while time.monotonic() < window_deadline:  # a measurement window, until deadline
+                time.sleep(0.1)
+            used = _cpu_seconds(processes) - before
+            assert used < 0.3 * (time.monotonic() - started), (
+                f"{used:.2f}s of CPU in a 3s outage\n{daemon.tail()}")
+        finally:
+            admin.execute(psycopg.sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS true").format(
+                psycopg.sql.Identifier(dbname)))
+    # Back: work enqueued after the outage runs.
+    with connect(db_url) as conn:
+        second = jobd.enqueue(conn, "ok", {"n": 2})
+        wait_state(conn, second, "done", 30, daemon)
+    assert daemon.running()
