@@ -38,6 +38,8 @@ def configure(level: str = "info", **static: object) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        # One write per line: the supervisor and its workers share stderr, and two lines
+        # written piecemeal by two processes would interleave.
+        logger_factory=structlog.WriteLoggerFactory(sys.stderr),
         cache_logger_on_first_use=True,
     )

@@ -30,7 +30,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -152,8 +152,10 @@ class Worker:
         self.drain_deadline: float | None = None
         self.stop_now = False
         self.signals: list[int] = []
-        self.pool = ThreadPoolExecutor(max_workers=self.lane.concurrency,
-                                       thread_name_prefix=f"jobd-{self.lane.name}")
+        self.handler_queue: stdlib_queue.SimpleQueue[
+            tuple[handler_registry.ResolvedHandler, queue.Job]] = stdlib_queue.SimpleQueue()
+        self.handler_threads: list[threading.Thread] = []
+        self._poked = False
         self.tx_pool: ConnectionPool | None = None
         if any(h.is_transactional for h in resolved.values()):
             # Handler connections: one per concurrent transactional job, opened on demand.
@@ -346,19 +348,41 @@ class Worker:
         deadline = started + self.lane.timeout if self.lane.timeout else None
         self.inflight[job.id] = Running(job, started, deadline)
         resolved = self.handlers.get(job.handler)
-        future: Future[Any]
         if resolved is None:
-            future = Future()
-            future.set_exception(LookupError(
-                f"no handler named {job.handler!r} on this worker (lane {job.lane!r})"))
-        elif resolved.is_transactional:
-            future = self.pool.submit(self._run_transactional, resolved, job)
+            self._deliver(Outcome(job, f"LookupError: no handler named {job.handler!r} on this "
+                                       f"worker (lane {job.lane!r})"))
         elif resolved.is_async:
             assert self.loop is not None
             future = asyncio.run_coroutine_threadsafe(self._run_async(resolved, job), self.loop)
+            future.add_done_callback(lambda done, job=job: self._finish_async(job, done))
         else:
-            future = self.pool.submit(resolved.func, job)
-        future.add_done_callback(lambda done, job=job: self._finish(job, done))
+            self._ensure_handler_threads()
+            self.handler_queue.put((resolved, job))
+
+    def _ensure_handler_threads(self) -> None:
+        # A plain queue and long-lived threads: cheaper per job than an executor's futures
+        # and callbacks, which matters when jobs take microseconds.
+        while len(self.handler_threads) < self.lane.concurrency:
+            thread = threading.Thread(target=self._handler_thread, daemon=True,
+                                      name=f"jobd-{self.lane.name}-{len(self.handler_threads)}")
+            thread.start()
+            self.handler_threads.append(thread)
+
+    def _handler_thread(self) -> None:
+        while True:
+            resolved, job = self.handler_queue.get()
+            try:
+                if resolved.is_transactional:
+                    self._run_transactional(resolved, job)
+                    outcome = Outcome(job, None, committed=True)
+                else:
+                    resolved.func(job)
+                    outcome = Outcome(job, None)
+            except exactly_once.LeaseLost:
+                outcome = Outcome(job, None, stale=True)
+            except BaseException as exc:  # a handler's sys.exit() fails its job, no more
+                outcome = Outcome(job, format_error(exc))
+            self._deliver(outcome)
 
     def _run_transactional(self, resolved: handler_registry.ResolvedHandler,
                            job: queue.Job) -> str:
@@ -379,24 +403,29 @@ class Worker:
                 raise JobTimedOut(f"timed out after {self.lane.timeout:g}s") from None
             raise
 
-    def _finish(self, job: queue.Job, future: Future[Any]) -> None:
-        # Runs in the handler's thread: hand the outcome to the loop and wake it.
+    def _finish_async(self, job: queue.Job, future: Future[Any]) -> None:
         try:
             exc = future.exception()
         except BaseException as cancelled:  # CancelledError: the event loop went away
             exc = cancelled
-        resolved = self.handlers.get(job.handler)
-        committed = exc is None and resolved is not None and resolved.is_transactional
-        if isinstance(exc, exactly_once.LeaseLost):
-            outcome = Outcome(job, None, stale=True)
-        elif isinstance(exc, JobTimedOut):
-            outcome = Outcome(job, str(exc))
+        if isinstance(exc, JobTimedOut):
+            self._deliver(Outcome(job, str(exc)))
         else:
-            outcome = Outcome(job, format_error(exc) if exc is not None else None, committed)
+            self._deliver(Outcome(job, format_error(exc) if exc is not None else None))
+
+    def _deliver(self, outcome: Outcome) -> None:
+        """From any thread: hand an outcome to the loop, waking it if it may be asleep.
+
+        One wake-up per batch: the loop clears ``_poked`` before it drains the queue, so an
+        outcome queued after the drain started always finds it clear and pokes again.
+        """
         self.outcomes.put(outcome)
-        pipes.poke(self._results_w)
+        if not self._poked:
+            self._poked = True
+            pipes.poke(self._results_w)
 
     def _collect_outcomes(self) -> None:
+        self._poked = False
         while True:
             try:
                 outcome = self.outcomes.get_nowait()

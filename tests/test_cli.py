@@ -239,7 +239,7 @@ def test_status_shows_counts_per_lane_and_dlq_depth(db_url: str, conn: psycopg.C
 
 def test_status_lists_configured_lanes_without_jobs(db_url: str) -> None:
     lanes = ok_json("status", "-c", EXAMPLE, "--database-url", db_url)["lanes"]
-    assert [s["lane"] for s in lanes] == ["critical", "default"]
+    assert [s["lane"] for s in lanes] == ["critical", "default", "outbox"]
     assert all(s["pending"] == s["dead"] == 0 for s in lanes)
 
 
@@ -373,7 +373,7 @@ def test_options_work_before_and_after_the_subcommand(
     ]
     lanes = [[s["lane"] for s in json.loads(out)["lanes"]] for out in outputs]
     assert lanes[:4] == [["mail"]] * 4
-    assert lanes[4] == ["critical", "default", "mail"]
+    assert lanes[4] == ["critical", "default", "mail", "outbox"]
     shown = ok("jobs", "--database-url", db_url, "list", "--json")
     assert [row["lane"] for row in json.loads(shown)] == ["mail"]
 

@@ -42,8 +42,11 @@ def test_the_example_config_loads() -> None:
     assert config.max_payload_bytes == 1_048_576
     assert config.worker_timeout == config.shutdown_timeout == 30.0
     assert config.handlers == {
-        "echo": "jobd.examples:echo", "sleep": "jobd.examples:sleep", "fail": "jobd.examples:fail"}
-    assert set(config.lanes) == {"default", "critical"}
+        "echo": "jobd.examples:echo", "sleep": "jobd.examples:sleep", "fail": "jobd.examples:fail",
+        "order": "jobd.examples:record_order"}
+    assert (config.outbox_lane, config.outbox_senders) == (
+        "outbox", {"mail": "jobd.examples:log_mail"})
+    assert set(config.lanes) == {"default", "critical", "outbox"}
     default = config.lanes["default"]
     assert (default.workers, default.concurrency, default.visibility_timeout, default.heartbeat,
             default.timeout, default.max_attempts) == (2, 8, 30.0, 10.0, 300.0, 8)
