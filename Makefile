@@ -29,8 +29,11 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
+# jobd next to Procrastinate, PgQueuer, Graphile Worker and pg-boss, the SQL ceiling, and
+# growth (~15 min; installs the peers under $$JOBD_BENCH_HOME, default ~/.cache/jobd-bench).
+# bench/queue_ops.py and bench/daemon_bench.py measure the queue functions and the daemon alone.
 bench: $(STAMP)
-	$(BIN)/python bench/queue_ops.py
+	$(BIN)/python -m bench
 
 clean-db:
 	-$(BIN)/python -m jobd.localpg stop .jobd/pg
