@@ -156,35 +156,10 @@ def noop(job):
 '''
 
 # The claim+complete ceiling: the minimal SQL for a claim of a batch and its move to the
-# archive, two statements (two commits) per batch, ids carried across with \gset.
-PGBENCH_SCRIPT = """\
-WITH claimed AS (
-    UPDATE jobd.jobs
-       SET state = 'claimed',
-           attempts = attempts + 1,
-           claimed_by = 'pgbench',
-           lease_until = now() + interval '30 seconds',
-           lease_token = (SELECT nextval('jobd.lease_token_seq'))
-     WHERE id IN (SELECT id FROM jobd.jobs
-                   WHERE lane = 'default' AND state IN ('pending', 'failed')
-                     AND run_at <= now()
-                   ORDER BY priority DESC, run_at
-                   LIMIT :batch
-                     FOR UPDATE SKIP LOCKED)
-    RETURNING id
-)
-SELECT array_agg(id) AS ids FROM claimed
-\\gset
-WITH finished AS (
-    DELETE FROM jobd.jobs WHERE id = ANY (CAST(:ids AS bigint[])) RETURNING *
-)
-INSERT INTO jobd.jobs_archive (id, lane, handler, payload, state, priority, run_at, attempts,
-                               max_attempts, claimed_by, idempotency_key, created_at,
-                               last_error, errors, finished_at)
-SELECT id, lane, handler, payload, 'done', priority, run_at, attempts, max_attempts,
-       claimed_by, idempotency_key, created_at, last_error, errors, now()
-  FROM finished;
-"""
+# archive, two statements (two commits) per batch (bench/sql/, shared by the benchmarks).
+_CEILING_SQL = Path(__file__).resolve().parent / "sql"
+PGBENCH_SCRIPT = ((_CEILING_SQL / "ceiling_claim.sql").read_text()
+                  + (_CEILING_SQL / "ceiling_done_archive.sql").read_text())
 
 _PROCESSED = re.compile(r"number of transactions actually processed: (\d+)")
 _FAILED = re.compile(r"number of failed transactions: (\d+)")

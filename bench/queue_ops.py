@@ -119,48 +119,16 @@ CLAIM_TARGET_RATIO = 0.70
 BARE_INSERT = "INSERT INTO jobd.jobs (handler, payload) VALUES (%s, %s)"
 BARE_COPY = "COPY jobd.jobs (handler, payload) FROM STDIN"
 
-# pgbench scripts: claim a batch, then finish it. The claim is one statement; the ids it
-# returns reach the second statement through \gset.
+# pgbench scripts (bench/sql/, shared by the benchmarks): claim a batch, then finish it.
+CEILING_SQL = Path(__file__).resolve().parent / "sql"
+CEILING_CLAIM = (CEILING_SQL / "ceiling_claim.sql").read_text()
 
-_BARE_CLAIM = """\
-WITH claimed AS (
-    UPDATE jobd.jobs
-       SET state = 'claimed',
-           attempts = attempts + 1,
-           claimed_by = 'pgbench',
-           lease_until = now() + interval '30 seconds',
-           lease_token = (SELECT nextval('jobd.lease_token_seq'))
-     WHERE id IN (SELECT id FROM jobd.jobs
-                   WHERE lane = 'default' AND state IN ('pending', 'failed')
-                     AND run_at <= now()
-                   ORDER BY priority DESC, run_at
-                   LIMIT :batch
-                     FOR UPDATE SKIP LOCKED)
-    RETURNING id
-)
-SELECT array_agg(id) AS ids FROM claimed
-\\gset
-"""
 
-_BARE_DONE_DELETE = """\
-DELETE FROM jobd.jobs WHERE id = ANY (CAST(:ids AS bigint[]));
-"""
 
-_BARE_DONE_ARCHIVE = """\
-WITH finished AS (
-    DELETE FROM jobd.jobs WHERE id = ANY (CAST(:ids AS bigint[])) RETURNING *
-)
-INSERT INTO jobd.jobs_archive (id, lane, handler, payload, state, priority, run_at, attempts,
-                               max_attempts, claimed_by, idempotency_key, created_at,
-                               last_error, errors, finished_at)
-SELECT id, lane, handler, payload, 'done', priority, run_at, attempts, max_attempts,
-       claimed_by, idempotency_key, created_at, last_error, errors, now()
-  FROM finished;
-"""
 
 PGBENCH_SCRIPTS = {
-    "bare delete": _BARE_CLAIM + _BARE_DONE_DELETE,
-    "bare archive": _BARE_CLAIM + _BARE_DONE_ARCHIVE,
+    "bare delete": CEILING_CLAIM + (CEILING_SQL / "ceiling_done_delete.sql").read_text(),
+    "bare archive": CEILING_CLAIM + (CEILING_SQL / "ceiling_done_archive.sql").read_text(),
 }
 
 

@@ -87,32 +87,10 @@ SERVER_SETTINGS = [
 
 # The ceiling: the least SQL that does a queue's work on jobd's own tables. Claim a batch of
 # due jobs with FOR UPDATE SKIP LOCKED, then mark them done by moving them to the archive;
-# two transactions per batch, as a worker has.
-PGBENCH_SCRIPT = """\
-WITH claimed AS (
-    UPDATE jobd.jobs
-       SET state = 'claimed', attempts = attempts + 1, claimed_by = 'pgbench',
-           lease_until = now() + interval '30 seconds',
-           lease_token = (SELECT nextval('jobd.lease_token_seq'))
-     WHERE id IN (SELECT id FROM jobd.jobs
-                   WHERE lane = 'default' AND state IN ('pending', 'failed') AND run_at <= now()
-                   ORDER BY priority DESC, run_at
-                   LIMIT :batch
-                     FOR UPDATE SKIP LOCKED)
-    RETURNING id
-)
-SELECT array_agg(id) AS ids FROM claimed
-\\gset
-WITH finished AS (
-    DELETE FROM jobd.jobs WHERE id = ANY (CAST(:ids AS bigint[])) RETURNING *
-)
-INSERT INTO jobd.jobs_archive (id, lane, handler, payload, state, priority, run_at, attempts,
-                               max_attempts, claimed_by, idempotency_key, created_at,
-                               last_error, errors, finished_at)
-SELECT id, lane, handler, payload, 'done', priority, run_at, attempts, max_attempts,
-       claimed_by, idempotency_key, created_at, last_error, errors, now()
-  FROM finished;
-"""
+# two transactions per batch, as a worker has (bench/sql/, shared by the benchmarks).
+_CEILING_SQL = Path(__file__).resolve().parent / "sql"
+PGBENCH_SCRIPT = ((_CEILING_SQL / "ceiling_claim.sql").read_text()
+                  + (_CEILING_SQL / "ceiling_done_archive.sql").read_text())
 
 
 def log(message: str) -> None:
