@@ -81,6 +81,9 @@ class Lease(NamedTuple):
     token: int
 
 
+_UNDECODED = object()
+
+
 @dataclass(frozen=True, slots=True)
 class Job:
     """A claimed job, as a handler sees it."""
@@ -89,7 +92,7 @@ class Job:
     lease_token: int
     lane: str
     handler: str
-    payload: Any
+    payload_json: str  # the payload as the database sent it; see ``payload``
     priority: int
     run_at: datetime
     attempt: int
@@ -97,6 +100,15 @@ class Job:
     idempotency_key: str | None
     created_at: datetime
     lease_until: datetime
+    _payload: Any = field(default=_UNDECODED, repr=False, compare=False)
+
+    @property
+    def payload(self) -> Any:
+        """The decoded payload. Decoded on first use, in the handler's thread, so the worker
+        loop that claims batches does not spend its time parsing JSON."""
+        if self._payload is _UNDECODED:
+            object.__setattr__(self, "_payload", json.loads(self.payload_json))
+        return self._payload
 
     @property
     def lease(self) -> Lease:
@@ -296,7 +308,7 @@ def _claim_params(request: ClaimRequest, now: datetime | None) -> dict[str, Any]
 def _jobs(rows: Iterable[tuple[Any, ...]]) -> list[Job]:
     return [
         Job(
-            id=row[0], lease_token=row[1], lane=row[2], handler=row[3], payload=row[4],
+            id=row[0], lease_token=row[1], lane=row[2], handler=row[3], payload_json=row[4],
             priority=row[5], run_at=row[6], attempt=row[7], max_attempts=row[8],
             idempotency_key=row[9], created_at=row[10], lease_until=row[11],
         )

@@ -82,7 +82,7 @@ UPDATE jobs
                      + make_interval(secs => %(visibility_timeout)s),
        lease_token = (SELECT nextval('lease_token_seq'))
  WHERE jobs.id = ANY(ARRAY(SELECT id FROM due))
-RETURNING jobs.id, jobs.lease_token, jobs.lane, jobs.handler, jobs.payload, jobs.priority,
+RETURNING jobs.id, jobs.lease_token, jobs.lane, jobs.handler, jobs.payload::text, jobs.priority,
           jobs.run_at, jobs.attempts, jobs.max_attempts, jobs.idempotency_key,
           jobs.created_at, jobs.lease_until
 
