@@ -41,6 +41,7 @@ import psycopg
 from psycopg.conninfo import make_conninfo
 
 import jobd
+from bench.daemon_bench import descendants, rss_kb
 from bench.peers.install import Peers, install
 from jobd.archive import drop_before
 from jobd.db import connect
@@ -108,25 +109,6 @@ def percentile(values: Sequence[float], p: float) -> float:
     if not ordered:
         return math.nan
     return ordered[min(len(ordered), max(1, math.ceil(p / 100 * len(ordered)))) - 1]
-
-
-def rss_kb(pid: int) -> int:
-    with suppress(OSError):
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return 0
-
-
-def descendants(pid: int) -> list[int]:
-    found, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        found.append(current)
-        for task in Path(f"/proc/{current}/task").glob("*/children"):
-            with suppress(OSError, ValueError):
-                todo += [int(child) for child in task.read_text().split()]
-    return found
 
 
 # --- the systems ----------------------------------------------------------------------------

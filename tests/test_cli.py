@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -13,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 import pytest
+from cli_support import TIMEOUT, UNREACHABLE, assert_one_line_error, clean_env, cli, ok
 
 import jobd
 from jobd import queue
@@ -22,39 +22,11 @@ if TYPE_CHECKING:
     from conftest import Databases
 
 EXAMPLE = str(Path(__file__).resolve().parent.parent / "config" / "jobd.example.yaml")
-UNREACHABLE = "postgresql://postgres@127.0.0.1:1/postgres"
-TIMEOUT = 60
 TOP = 2**31 - 1
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("JOBD_DATABASE_URL", "JOBD_CONFIG")}
-    return {**env, **extra}
-
-
-def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "jobd", *args], capture_output=True, text=True,
-                          env=env or clean_env(), timeout=TIMEOUT)
-
-
-def ok(*args: str) -> str:
-    result = cli(*args)
-    assert result.returncode == 0, result.stderr
-    return result.stdout
 
 
 def ok_json(*args: str) -> Any:
     return json.loads(ok(*args, "--json"))
-
-
-def assert_one_line_error(result: subprocess.CompletedProcess[str], code: int) -> str:
-    assert result.returncode == code, (result.stdout, result.stderr)
-    assert result.stdout == ""
-    assert "Traceback" not in result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("jobd")
-    return lines[0]
 
 
 def count_jobs(conn: psycopg.Connection) -> int:

@@ -3,43 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg
 import pytest
+from cli_support import UNREACHABLE, assert_one_line_error, cli, ok
 
 from jobd.config import ScheduleConfig
 from jobd.cron import CronSchedule
 from jobd.schedules import sync, tick
-
-TIMEOUT = 60
-UNREACHABLE = "postgresql://postgres@127.0.0.1:1/postgres"
-
-
-def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("JOBD_DATABASE_URL", "JOBD_CONFIG")}
-    return subprocess.run([sys.executable, "-m", "jobd", *args], capture_output=True, text=True,
-                          env=env, timeout=TIMEOUT)
-
-
-def ok(*args: str) -> str:
-    result = cli(*args)
-    assert result.returncode == 0, result.stderr
-    return result.stdout
-
-
-def one_line_error(result: subprocess.CompletedProcess[str]) -> str:
-    assert result.returncode == 2, (result.stdout, result.stderr)
-    assert result.stdout == ""
-    assert "Traceback" not in result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("jobd")
-    return lines[0]
 
 
 def next_json(*args: str) -> list[str]:
@@ -113,11 +86,11 @@ def test_next_table_shows_local_utc_and_the_occurrence_key() -> None:
 def test_next_rejects_bad_input_with_one_line_and_exit_2(
     args: tuple[str, ...], expected: str
 ) -> None:
-    assert expected in one_line_error(cli("schedules", "next", *args))
+    assert expected in assert_one_line_error(cli("schedules", "next", *args))
 
 
 def test_next_rejects_an_expression_that_never_fires() -> None:
-    assert "0 0 30 2 *" in one_line_error(cli("schedules", "next", "--cron", "0 0 30 2 *"))
+    assert "0 0 30 2 *" in assert_one_line_error(cli("schedules", "next", "--cron", "0 0 30 2 *"))
 
 
 # --- schedules list ------------------------------------------------------------------------
