@@ -22,7 +22,7 @@ from typing import Any, Literal
 import psycopg
 
 from jobd.queries import query
-from jobd.queue import Job
+from jobd.queue import Job, complete
 
 
 class LeaseLost(Exception):
@@ -39,8 +39,6 @@ def run_transactional(
                              {"key": job.effect_key, "job_id": job.id}).fetchone()
         if first is not None:
             handler(job, conn)
-        completed = conn.execute(query("complete_jobs"), {
-            "ids": [job.id], "tokens": [job.lease_token], "now": None}).fetchall()
-        if not completed:
+        if not complete(conn, [job.lease]).applied:
             raise LeaseLost(f"job {job.id}: lease lost before commit; effect rolled back")
     return "done" if first is not None else "replayed"

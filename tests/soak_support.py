@@ -31,6 +31,7 @@ HANDLERS_MODULE = '''\
 
 import os
 import threading
+import time
 
 import jobd
 
@@ -54,6 +55,9 @@ def effect(job, conn):
     conn.execute(
         "INSERT INTO public.soak_effects (key, job_id, attempt, pid) VALUES (%s, %s, %s, %s)",
         (job.effect_key, job.id, job.attempt, os.getpid()))
+    # Hold the transaction open a moment: kills land between the effect and the commit, and
+    # the chaos phase lasts long enough for its faults however fast the daemon drains.
+    time.sleep(0.03)
 '''
 
 # No unique constraint on purpose: a second effect for a key must show up as a second row.

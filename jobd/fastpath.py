@@ -1,0 +1,203 @@
+"""jobd's named queries as prepared statements, pipelined over libpq: the worker's hot path.
+
+psycopg's pipeline mode spends about 15 us of client CPU per statement (a cursor, query
+conversion, a send attempt and result bookkeeping per statement). A worker that settles and
+claims one job at a time runs four statements per job, and on a small machine that CPU is taken
+from the database server it shares the cores with. Here the statements go through psycopg's
+libpq wrapper (``psycopg.pq``) directly: prepared once per connection, sent together, with one
+Sync at the end. Parameters and results are adapted by psycopg's own ``Transformer``, so values
+come out exactly as they do from a cursor.
+
+Transactions: the connection must be in autocommit mode and idle. Everything sent in one call
+is one implicit transaction unless it contains explicit ``BEGIN``/``COMMIT`` commands; the first
+statement that fails makes the server skip the rest, an explicit transaction left open by the
+failure is rolled back, and the error is raised.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import select
+import weakref
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from psycopg import errors, pq
+from psycopg.adapt import PyFormat, Transformer
+
+from jobd.queries import query
+
+ExecStatus = pq.ExecStatus
+
+# Transaction commands that may appear between statements.
+BEGIN = "BEGIN"
+COMMIT = "COMMIT"
+_COMMANDS = {BEGIN: b"BEGIN", COMMIT: b"COMMIT"}
+
+_PLACEHOLDER = re.compile(r"%\((\w+)\)s")
+_STATEMENT_PREFIX = "jobd_"
+
+
+@dataclass(frozen=True, slots=True)
+class Statement:
+    """A named query in the form the protocol wants: ``$n`` placeholders, names in order."""
+
+    name: bytes
+    text: bytes
+    params: tuple[str, ...]
+
+
+@functools.cache
+def statement(name: str) -> Statement:
+    """The named query ``name`` (from ``jobd/sql/queries.sql``) as a prepared statement."""
+    params: list[str] = []
+
+    def positional(match: re.Match[str]) -> str:
+        if match[1] not in params:
+            params.append(match[1])
+        return f"${params.index(match[1]) + 1}"
+
+    text = _PLACEHOLDER.sub(positional, query(name))
+    if "%" in _PLACEHOLDER.sub("", query(name)).replace("%%", ""):
+        raise ValueError(f"query {name!r} has a placeholder other than %(name)s")
+    return Statement((_STATEMENT_PREFIX + name).encode(), text.replace("%%", "%").encode(),
+                     tuple(params))
+
+
+# Statements already prepared on each server session, by the libpq connection that holds it.
+_prepared: weakref.WeakKeyDictionary[pq.abc.PGconn, set[bytes]] = weakref.WeakKeyDictionary()
+
+Step = tuple[str, Mapping[str, Any] | None]
+
+
+def run(conn: psycopg.Connection, steps: Sequence[Step],
+        binary: frozenset[str] = frozenset()) -> list[list[tuple[Any, ...]]]:
+    """Run ``steps`` in one round trip and return each step's rows (empty for commands).
+
+    A step is a query name with its parameters, or ``(BEGIN, None)`` / ``(COMMIT, None)``.
+    Queries named in ``binary`` return their results in binary format. If the exchange is cut
+    short (the network fails, a signal interrupts it), the connection is closed: its protocol
+    state is unknown, and the caller's reconnect logic takes it from there.
+    """
+    with conn.lock:
+        pgconn = conn.pgconn
+        _check_ready(conn, pgconn)
+        prepared = _prepared.setdefault(pgconn, set())
+        transformer = Transformer(conn)
+        try:
+            pgconn.enter_pipeline_mode()
+            sent = _send(pgconn, transformer, steps, prepared, binary)
+            pgconn.pipeline_sync()
+            _flush(pgconn)
+            results = [_result_of(pgconn) for _ in sent]
+            _read_sync(pgconn)
+            pgconn.exit_pipeline_mode()
+        except BaseException:
+            pgconn.finish()
+            raise
+        error = _first_error(conn, sent, results, prepared)
+        if pgconn.transaction_status == pq.TransactionStatus.INERROR:
+            _rollback(conn, pgconn)
+        if error is not None:
+            raise error
+        rows: list[list[tuple[Any, ...]]] = []
+        for preparing, result in zip(sent, results, strict=True):
+            if preparing is None:
+                transformer.set_pgresult(result)
+                rows.append(transformer.load_rows(0, result.ntuples, tuple)
+                            if result.status == ExecStatus.TUPLES_OK else [])
+        return rows
+
+
+def _check_ready(conn: psycopg.Connection, pgconn: pq.abc.PGconn) -> None:
+    if conn.closed:
+        raise psycopg.OperationalError("the connection is closed")
+    if not conn.autocommit:
+        raise psycopg.ProgrammingError("jobd's fast path needs an autocommit connection")
+    if (pgconn.transaction_status != pq.TransactionStatus.IDLE
+            or pgconn.pipeline_status != pq.PipelineStatus.OFF):
+        raise psycopg.ProgrammingError("jobd's fast path needs an idle connection")
+
+
+def _send(pgconn: pq.abc.PGconn, transformer: Transformer, steps: Sequence[Step],
+          prepared: set[bytes], binary: frozenset[str]) -> list[bytes | None]:
+    """Queue every step, preparing the statements this session has not seen. Returns one
+    entry per expected result: the statement name for a prepare, None for a step."""
+    sent: list[bytes | None] = []
+    preparing: set[bytes] = set()
+    for name, params in steps:
+        if name in _COMMANDS:
+            pgconn.send_query_params(_COMMANDS[name], None)
+            sent.append(None)
+            continue
+        stmt = statement(name)
+        if stmt.name not in prepared and stmt.name not in preparing:
+            pgconn.send_prepare(stmt.name, stmt.text)
+            preparing.add(stmt.name)
+            sent.append(stmt.name)
+        values = [(params or {})[param] for param in stmt.params]
+        dumped = transformer.dump_sequence(values, [PyFormat.TEXT] * len(values))
+        result_format = pq.Format.BINARY if name in binary else pq.Format.TEXT
+        pgconn.send_query_prepared(stmt.name, dumped, result_format=result_format)
+        sent.append(None)
+    return sent
+
+
+def _wait(pgconn: pq.abc.PGconn, events: int) -> None:
+    poller = select.poll()
+    poller.register(pgconn.socket, events)
+    poller.poll()
+
+
+def _flush(pgconn: pq.abc.PGconn) -> None:
+    # Read while writing: the server may be blocked sending results we have not consumed.
+    while pgconn.flush():
+        _wait(pgconn, select.POLLIN | select.POLLOUT)
+        pgconn.consume_input()
+
+
+def _next(pgconn: pq.abc.PGconn) -> pq.abc.PGresult | None:
+    while pgconn.is_busy():
+        _wait(pgconn, select.POLLIN)
+        pgconn.consume_input()
+    return pgconn.get_result()
+
+
+def _result_of(pgconn: pq.abc.PGconn) -> pq.abc.PGresult:
+    """The result of the next queued statement (its first result; the NULL ends it)."""
+    result = _next(pgconn)
+    if result is None:
+        raise psycopg.InternalError("libpq returned no result for a pipelined statement")
+    while _next(pgconn) is not None:
+        pass
+    return result
+
+
+def _read_sync(pgconn: pq.abc.PGconn) -> None:
+    result = _next(pgconn)
+    if result is None or result.status != ExecStatus.PIPELINE_SYNC:
+        raise psycopg.InternalError("libpq did not return the pipeline's sync")
+
+
+def _first_error(conn: psycopg.Connection, sent: Sequence[bytes | None],
+                 results: Sequence[pq.abc.PGresult],
+                 prepared: set[bytes]) -> psycopg.Error | None:
+    first: psycopg.Error | None = None
+    for preparing, result in zip(sent, results, strict=True):
+        if preparing is not None and result.status == ExecStatus.COMMAND_OK:
+            prepared.add(preparing)
+        if result.status == ExecStatus.FATAL_ERROR and first is None:
+            first = errors.error_from_result(result, encoding=conn.info.encoding)
+    if isinstance(first, errors.InvalidSqlStatementName):
+        # The session lost its prepared statements (DISCARD ALL, say): prepare them again.
+        prepared.clear()
+    return first
+
+
+def _rollback(conn: psycopg.Connection, pgconn: pq.abc.PGconn) -> None:
+    result = pgconn.exec_(b"ROLLBACK")
+    if result.status != ExecStatus.COMMAND_OK:
+        raise errors.error_from_result(result, encoding=conn.info.encoding)

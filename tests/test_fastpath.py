@@ -1,0 +1,144 @@
+"""The worker's hot path over libpq (``jobd.fastpath`` through ``queue.settle_and_claim``):
+what it returns, its transaction boundaries, and how it leaves the connection on errors."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import psycopg
+import pytest
+from psycopg import errors
+
+import jobd
+from jobd import fastpath, queue
+from jobd.db import connect
+from jobd.queue import ClaimRequest, Failure
+
+LANE = "default"
+
+
+def request(limit: int = 10, worker: str = "w1") -> ClaimRequest:
+    return ClaimRequest(LANE, worker, limit, 30.0)
+
+
+def states(conn: psycopg.Connection) -> dict[int, str]:
+    return dict(conn.execute("SELECT id, state FROM all_jobs").fetchall())
+
+
+def explode_on_archive(conn: psycopg.Connection, handler: str) -> None:
+    """A trigger that makes completing jobs of ``handler`` fail."""
+    conn.execute(f"""
+        CREATE FUNCTION explode() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            IF NEW.handler = '{handler}' THEN RAISE EXCEPTION 'archive refused'; END IF;
+            RETURN NEW;
+        END $$;
+        CREATE TRIGGER explode BEFORE INSERT ON jobs_archive
+            FOR EACH ROW EXECUTE FUNCTION explode();
+    """)
+
+
+def test_claimed_jobs_carry_the_rows_values(conn: psycopg.Connection) -> None:
+    key = "order-17"
+    job_id = jobd.enqueue(conn, "h", {"n": 1, "s": "é"}, priority=3, idempotency_key=key,
+                          max_attempts=4)
+    _, _, jobs = queue.settle_and_claim(conn, [], [], request())
+    (job,) = jobs
+    row = conn.execute(
+        "SELECT id, lease_token, lane, handler, payload::text, priority, run_at, attempts,"
+        " max_attempts, idempotency_key, created_at, lease_until FROM jobs WHERE id = %s",
+        (job_id,)).fetchone()
+    assert row is not None
+    assert (job.id, job.lease_token, job.lane, job.handler, job.payload_json, job.priority,
+            job.run_at, job.attempt, job.max_attempts, job.idempotency_key, job.created_at,
+            job.lease_until) == row
+    assert job.payload == {"n": 1, "s": "é"}
+    assert job.effect_key == key
+    assert job.lease_until - job.run_at > timedelta(seconds=29)
+
+
+def test_settles_and_claims_in_one_call(conn: psycopg.Connection) -> None:
+    ids = [jobd.enqueue(conn, "h", {"i": i}) for i in range(6)]
+    done, failing, lost = queue.claim(conn, LANE, "w1", 3, 30.0)
+    stale = queue.Lease(lost.id, lost.lease_token + 1000)
+    completed, failed, claimed = queue.settle_and_claim(
+        conn, [done.lease, stale], [Failure(failing.lease, "boom", 60.0, 8)], request(limit=2))
+    assert completed.applied == [done.id] and completed.stale == [lost.id]
+    assert failed.retried == [failing.id] and failing.id in failed.retry_at
+    assert [job.id for job in claimed] == ids[3:5]
+    assert states(conn) == {done.id: "done", failing.id: "failed", lost.id: "claimed",
+                            ids[3]: "claimed", ids[4]: "claimed", ids[5]: "pending"}
+
+
+def test_nothing_to_do_sends_nothing(conn: psycopg.Connection) -> None:
+    assert queue.settle_and_claim(conn, [], [], None) == (
+        queue.WriteOutcome([], []), queue.FailOutcome(), [])
+
+
+def test_a_failing_outcome_skips_the_claim_and_leaves_the_connection_idle(
+        conn: psycopg.Connection) -> None:
+    explode_on_archive(conn, "bad")
+    bad = jobd.enqueue(conn, "bad")
+    good = jobd.enqueue(conn, "good")
+    (job,) = queue.claim(conn, LANE, "w1", 1, 30.0)
+    assert job.id == bad
+    other = jobd.enqueue(conn, "h")
+    with pytest.raises(errors.RaiseException, match="archive refused"):
+        queue.settle_and_claim(conn, [job.lease], [], request())
+    assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    assert states(conn) == {bad: "claimed", good: "pending", other: "pending"}
+    conn.execute("DROP TRIGGER explode ON jobs_archive")
+    completed, _, claimed = queue.settle_and_claim(conn, [job.lease], [], request())
+    assert completed.applied == [bad]
+    assert sorted(j.id for j in claimed) == [good, other]
+
+
+def test_a_failing_claim_does_not_undo_the_outcomes(conn: psycopg.Connection) -> None:
+    jobd.enqueue(conn, "h")
+    (job,) = queue.claim(conn, LANE, "w1", 1, 30.0)
+    later = jobd.enqueue(conn, "h")
+    with pytest.raises(errors.InvalidRowCountInLimitClause):
+        queue.settle_and_claim(conn, [job.lease], [], request(limit=-1))
+    assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    assert states(conn) == {job.id: "done", later: "pending"}
+
+
+def test_statements_lost_by_the_session_are_prepared_again(conn: psycopg.Connection) -> None:
+    first, second = jobd.enqueue(conn, "h"), jobd.enqueue(conn, "h")
+    assert [j.id for j in queue.settle_and_claim(conn, [], [], request(limit=1))[2]] == [first]
+    conn.execute("DEALLOCATE ALL")
+    with pytest.raises(errors.InvalidSqlStatementName):
+        queue.settle_and_claim(conn, [], [], request(limit=1))
+    assert [j.id for j in queue.settle_and_claim(conn, [], [], request(limit=1))[2]] == [second]
+
+
+def test_needs_an_idle_autocommit_connection(db_url: str) -> None:
+    with connect(db_url, autocommit=False) as manual:
+        with pytest.raises(psycopg.ProgrammingError, match="autocommit"):
+            queue.settle_and_claim(manual, [], [], request())
+    with connect(db_url) as auto:
+        with auto.transaction():
+            with pytest.raises(psycopg.ProgrammingError, match="idle"):
+                queue.settle_and_claim(auto, [], [], request())
+
+
+def test_a_broken_connection_is_closed(db_url: str, conn: psycopg.Connection) -> None:
+    jobd.enqueue(conn, "h")
+    with connect(db_url) as victim:
+        pid = victim.info.backend_pid
+        conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        with pytest.raises(psycopg.OperationalError):
+            queue.settle_and_claim(victim, [], [], request())
+        assert victim.closed
+    assert states(conn) != {} and set(states(conn).values()) == {"pending"}
+
+
+def test_commands_and_queries_return_rows_in_order(conn: psycopg.Connection) -> None:
+    job_id = jobd.enqueue(conn, "h")
+    rows = fastpath.run(conn, [
+        (fastpath.BEGIN, None),
+        ("get_job", {"id": job_id}),
+        (fastpath.COMMIT, None),
+    ])
+    assert len(rows) == 3 and rows[0] == [] and rows[2] == []
+    assert rows[1][0][0] == job_id
