@@ -19,15 +19,16 @@ enqueue.bulk
 claim+complete
     jobd: client processes (one connection each) run the worker's hot path,
     ``jobd.queue.settle_and_claim()``: the completion of the previous batch and the claim of the
-    next one go out in one round trip (pipeline mode, still two transactions), at batch sizes 1
+    next one go out in one round trip (one pipeline, still two transactions), at batch sizes 1
     and 100 and with 1 and 4 clients, against a pre-enqueued backlog. Baselines: pgbench with a
     custom script, the same client count, batch size and number of iterations per client,
     running the minimal SQL: a claim (``UPDATE ... WHERE id IN (SELECT ... FOR UPDATE SKIP
     LOCKED)``, setting the lease columns the table's CHECK requires) followed by either a
     ``DELETE`` of the claimed rows ("bare delete") or a ``DELETE ... RETURNING`` feeding an
     ``INSERT`` into jobd.jobs_archive, which is what jobd's complete does ("bare archive"). Both
-    sides commit twice per batch (claim, then done). Target: jobd >= 70 % of the bare SQL at the
-    same batch size.
+    sides commit twice per batch (claim, then done). Target: jobd >= 70 % of "bare archive" at
+    the same batch size and client count, the bare SQL that does the same durable work; "bare
+    delete" keeps no history, which is less work, and is printed for reference.
 
 How it is measured:
 
@@ -113,6 +114,10 @@ CLIENT_TIMEOUT = 600.0
 
 BULK_TARGET_JOBS_PER_S = 60_000
 CLAIM_TARGET_RATIO = 0.70
+# The target compares jobd with the bare SQL that does the same durable work: a finished job
+# is kept in the archive. "bare delete" throws the job away, less work than jobd is asked to
+# do; it is printed for reference.
+CLAIM_TARGET_BASELINE = "bare archive"
 
 # --- the bare SQL ------------------------------------------------------------------------------
 
@@ -192,9 +197,14 @@ class Comparison:
     baselines: list[Series]
     target_rate: float | None = None
     target_ratio: float | None = None
+    # The baseline the ratio target is judged against; the others are shown for reference.
+    target_baseline: str | None = None
 
     def ratio(self, baseline: Series) -> float:
         return self.jobd.median / baseline.median
+
+    def judges(self, baseline: Series) -> bool:
+        return self.target_ratio is not None and baseline.implementation == self.target_baseline
 
 
 @dataclass(frozen=True, slots=True)
@@ -577,7 +587,8 @@ def run_all(bench: Bench, single_jobs: int, parts: Sequence[str]) -> list[Compar
                     jobs,
                     claim_contenders(bench, batch, clients, jobs),
                 )
-                comparisons.append(Comparison(jobd_series, bares, target_ratio=CLAIM_TARGET_RATIO))
+                comparisons.append(Comparison(jobd_series, bares, target_ratio=CLAIM_TARGET_RATIO,
+                                              target_baseline=CLAIM_TARGET_BASELINE))
     return comparisons
 
 
@@ -644,6 +655,8 @@ def verdict(comparison: Comparison, baseline: Series | None) -> str:
         ok = comparison.jobd.median >= comparison.target_rate
         return f"{'met' if ok else 'MISSED'} (>= {comparison.target_rate:,.0f}/s)"
     if baseline is not None and comparison.target_ratio is not None:
+        if not comparison.judges(baseline):
+            return "reference"
         ok = comparison.ratio(baseline) >= comparison.target_ratio
         return f"{'met' if ok else 'MISSED'} (>= {comparison.target_ratio:.2f})"
     return ""
@@ -729,7 +742,7 @@ def json_lines(comparisons: Sequence[Comparison], environment: dict[str, Any]) -
                     record["meets_target"] = series.median >= comparison.target_rate
             else:
                 record["jobd_ratio"] = round(comparison.ratio(series), 3)
-                if comparison.target_ratio is not None:
+                if comparison.judges(series):
                     record["target_ratio"] = comparison.target_ratio
                     record["meets_target"] = comparison.ratio(series) >= comparison.target_ratio
             record.update(
