@@ -11,7 +11,11 @@ come out exactly as they do from a cursor.
 Transactions: the connection must be in autocommit mode and idle. Everything sent in one call
 is one implicit transaction unless it contains explicit ``BEGIN``/``COMMIT`` commands; the first
 statement that fails makes the server skip the rest, an explicit transaction left open by the
-failure is rolled back, and the error is raised.
+failure is rolled back, and the error is raised. Parameters are converted before anything is
+sent, so a value the server cannot take fails without touching the connection. If the exchange
+is cut short, the connection is closed; whatever the server had already received still runs,
+so a claim sent with outcomes may have claimed jobs nobody was told about (the worker releases
+those when it reconnects, see ``worker.py``; otherwise their leases expire).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any
 
 import psycopg
 from psycopg import errors, pq
+from psycopg.abc import Buffer
 from psycopg.adapt import PyFormat, Transformer
 
 from jobd.queries import query
@@ -87,9 +92,12 @@ def run(conn: psycopg.Connection, steps: Sequence[Step],
         _check_ready(conn, pgconn)
         prepared = _prepared.setdefault(pgconn, set())
         transformer = Transformer(conn)
+        # Parameters are converted before anything is sent: a value PostgreSQL cannot take
+        # (a NUL byte in a string, say) fails here and leaves the connection as it was.
+        messages = _messages(transformer, steps, prepared, binary)
         try:
             pgconn.enter_pipeline_mode()
-            sent = _send(pgconn, transformer, steps, prepared, binary)
+            sent = _send(pgconn, messages)
             pgconn.pipeline_sync()
             _flush(pgconn)
             results = [_result_of(pgconn) for _ in sent]
@@ -98,6 +106,7 @@ def run(conn: psycopg.Connection, steps: Sequence[Step],
         except BaseException:
             pgconn.finish()
             raise
+        _dispatch_notifications(pgconn)
         error = _first_error(conn, sent, results, prepared)
         if pgconn.transaction_status == pq.TransactionStatus.INERROR:
             _rollback(conn, pgconn)
@@ -122,27 +131,53 @@ def _check_ready(conn: psycopg.Connection, pgconn: pq.abc.PGconn) -> None:
         raise psycopg.ProgrammingError("jobd's fast path needs an idle connection")
 
 
-def _send(pgconn: pq.abc.PGconn, transformer: Transformer, steps: Sequence[Step],
-          prepared: set[bytes], binary: frozenset[str]) -> list[bytes | None]:
-    """Queue every step, preparing the statements this session has not seen. Returns one
-    entry per expected result: the statement name for a prepare, None for a step."""
-    sent: list[bytes | None] = []
+@dataclass(frozen=True, slots=True)
+class _Message:
+    """One protocol message to queue: a prepare (``params`` None) or an execution."""
+
+    name: bytes
+    text: bytes | None = None  # the statement to prepare
+    params: Sequence[Buffer | None] | None = None
+    result_format: pq.Format = pq.Format.TEXT
+    command: bool = False  # a transaction command, sent unprepared
+
+
+def _messages(transformer: Transformer, steps: Sequence[Step], prepared: set[bytes],
+              binary: frozenset[str]) -> list[_Message]:
+    """The messages for ``steps``, parameters already converted, with a prepare before the
+    first use of each statement this session has not prepared yet."""
+    messages: list[_Message] = []
     preparing: set[bytes] = set()
     for name, params in steps:
         if name in _COMMANDS:
-            pgconn.send_query_params(_COMMANDS[name], None)
-            sent.append(None)
+            messages.append(_Message(_COMMANDS[name], command=True))
             continue
         stmt = statement(name)
         if stmt.name not in prepared and stmt.name not in preparing:
-            pgconn.send_prepare(stmt.name, stmt.text)
+            messages.append(_Message(stmt.name, text=stmt.text))
             preparing.add(stmt.name)
-            sent.append(stmt.name)
         values = [(params or {})[param] for param in stmt.params]
         dumped = transformer.dump_sequence(values, [PyFormat.TEXT] * len(values))
-        result_format = pq.Format.BINARY if name in binary else pq.Format.TEXT
-        pgconn.send_query_prepared(stmt.name, dumped, result_format=result_format)
-        sent.append(None)
+        messages.append(_Message(stmt.name, params=list(dumped), result_format=(
+            pq.Format.BINARY if name in binary else pq.Format.TEXT)))
+    return messages
+
+
+def _send(pgconn: pq.abc.PGconn, messages: Sequence[_Message]) -> list[bytes | None]:
+    """Queue every message. Returns one entry per expected result: the statement name for a
+    prepare, None for an execution."""
+    sent: list[bytes | None] = []
+    for message in messages:
+        if message.command:
+            pgconn.send_query_params(message.name, None)
+            sent.append(None)
+        elif message.text is not None:
+            pgconn.send_prepare(message.name, message.text)
+            sent.append(message.name)
+        else:
+            pgconn.send_query_prepared(message.name, message.params,
+                                       result_format=message.result_format)
+            sent.append(None)
     return sent
 
 
@@ -170,7 +205,7 @@ def _result_of(pgconn: pq.abc.PGconn) -> pq.abc.PGresult:
     """The result of the next queued statement (its first result; the NULL ends it)."""
     result = _next(pgconn)
     if result is None:
-        raise psycopg.InternalError("libpq returned no result for a pipelined statement")
+        raise psycopg.OperationalError("lost track of the pipeline: a statement had no result")
     while _next(pgconn) is not None:
         pass
     return result
@@ -179,7 +214,15 @@ def _result_of(pgconn: pq.abc.PGconn) -> pq.abc.PGresult:
 def _read_sync(pgconn: pq.abc.PGconn) -> None:
     result = _next(pgconn)
     if result is None or result.status != ExecStatus.PIPELINE_SYNC:
-        raise psycopg.InternalError("libpq did not return the pipeline's sync")
+        raise psycopg.OperationalError("lost track of the pipeline: no sync at its end")
+
+
+def _dispatch_notifications(pgconn: pq.abc.PGconn) -> None:
+    # Notifications that arrived with the results wait in libpq; hand them to psycopg's
+    # handler as its own cursors would, so conn.notifies() and listeners still see them.
+    while (notification := pgconn.notifies()) is not None:
+        if pgconn.notify_handler is not None:
+            pgconn.notify_handler(notification)
 
 
 def _first_error(conn: psycopg.Connection, sent: Sequence[bytes | None],

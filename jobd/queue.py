@@ -112,7 +112,7 @@ class Job:
     created_at: datetime
     lease_until: datetime
 
-    def __init__(self, *, id: int, lease_token: int, lane: str, handler: str,
+    def __init__(self, id: int, lease_token: int, lane: str, handler: str,
                  payload_json: str, priority: int, run_at: datetime, attempt: int,
                  max_attempts: int | None, idempotency_key: str | None,
                  created_at: datetime, lease_until: datetime) -> None:
@@ -127,6 +127,10 @@ class Job:
         job._row = row
         job._payload = _UNDECODED
         return job
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled as its row: a copy decodes its payload itself when asked.
+        return (Job.from_row, (self._row,))
 
     @property
     def payload(self) -> Any:
@@ -209,9 +213,9 @@ def _fenced_outcome(leases: Sequence[Lease], applied_ids: Iterable[int]) -> Writ
 
 
 def _bigint_array(values: Iterable[int]) -> str:
-    """A ``bigint[]`` parameter as its text literal. psycopg's generic list adapter inspects
-    every element; for the id and token arrays of a 100-job batch that cost more client CPU
-    than the rest of the round trip. ``%d`` refuses anything but integers."""
+    """A ``bigint[]`` parameter as its text literal, for ids and tokens (integers from the
+    database). psycopg's generic list adapter inspects every element; for the id and token
+    arrays of a 100-job batch that cost more client CPU than the rest of the round trip."""
     return "{" + ",".join(map("%d".__mod__, values)) + "}"
 
 
@@ -563,6 +567,17 @@ def fail_jobs_held_by(
     """Fail every job ``worker`` holds at once, e.g. when its process was seen to die."""
     rows = conn.execute(query("jobs_held_by"), {"worker": worker}).fetchall()
     return _fail_rows(conn, rows, lambda _worker: error, policy_for, now, False)
+
+
+def release_claims_not_held(conn: psycopg.Connection, worker: str,
+                            held: Iterable[int]) -> list[int]:
+    """Release the jobs claimed under ``worker``'s name except the ``held`` ones: claims whose
+    result never reached the worker (its connection broke while the claim ran). Their
+    attempt is given back. Returns the released ids."""
+    held_ids = set(held)
+    rows = conn.execute(query("jobs_held_by"), {"worker": worker}).fetchall()
+    orphans = [Lease(row[0], row[1]) for row in rows if row[0] not in held_ids]
+    return release(conn, orphans).applied if orphans else []
 
 
 def decode_payload(text: str) -> Any:

@@ -195,6 +195,11 @@ class Supervisor:
         self._spawn_due()
         log.info("supervisor started", node=self.config.node_name, instance=self.instance,
                  lanes={name: lane.workers for name, lane in self.config.lanes.items()})
+        if self.config.metrics_listen is not None:
+            # Accepted so configs written for the documented format load, but nothing listens
+            # yet: say so rather than leave an operator probing an empty port.
+            log.warning("metrics are not served by this version; metrics.listen is ignored",
+                        listen=self.config.metrics_listen)
         self.notifier.ready(self._status_text())
         while True:
             for key, _events in self.selector.select(self._select_timeout()):

@@ -53,6 +53,7 @@ EXIT_WEDGED = 4  # every slot is held by a handler that ignored its timeout
 REPORT_INTERVAL = 1.0  # seconds between liveness reports to the supervisor
 SAFETY_POLL_FACTOR = 12  # a worker's own fallback poll, in lane poll_intervals
 MAX_ERROR_CHARS = 4000
+_OPEN_TRANSACTION = (psycopg.pq.TransactionStatus.INTRANS, psycopg.pq.TransactionStatus.INERROR)
 
 log = structlog.get_logger("jobd.worker")
 
@@ -129,8 +130,10 @@ class JobTimedOut(Exception):
 
 
 def format_error(exc: BaseException) -> str:
-    text = "".join(traceback.format_exception(exc))
-    headline = f"{type(exc).__name__}: {exc}"
+    # PostgreSQL text cannot hold NUL: an error message with one would be refused, and the
+    # job's outcome with it, on every retry.
+    text = "".join(traceback.format_exception(exc)).replace("\x00", "\\x00")
+    headline = f"{type(exc).__name__}: {exc}".replace("\x00", "\\x00")
     if len(text) > MAX_ERROR_CHARS:
         text = text[-MAX_ERROR_CHARS:]
     return f"{headline}\n{text}" if text.strip() != headline else headline
@@ -143,6 +146,9 @@ class Worker:
         self.handlers = resolved
         self.conn: psycopg.Connection | None = None
         self.inflight: dict[int, Running] = {}
+        # Set when a connection is lost: a claim may have run on the server without its
+        # result reaching us, so the next connection checks for jobs claimed in our name.
+        self.reconnected_claims_unknown = False
         self.outcomes: stdlib_queue.SimpleQueue[Outcome] = stdlib_queue.SimpleQueue()
         self.pending_outcomes: list[Outcome] = []
         self.counters = Counters()
@@ -219,6 +225,8 @@ class Worker:
             if self.stop_now:
                 break
             self._ensure_connection()
+            if self.reconnected_claims_unknown and self.conn is not None:
+                self._release_claims_not_held()
             self._collect_outcomes()
             self._expire_timeouts()
             self._renew_leases()
@@ -303,22 +311,41 @@ class Worker:
             return None
         try:
             return operation(self.conn)
-        except psycopg.OperationalError as exc:
-            log.warning("database connection lost", error=first_line(exc))
-            self.conn.close()
-            self.conn = None
-            self.timers.reconnect_at = time.monotonic()
-            return None
         except psycopg.Error as exc:
+            if isinstance(exc, psycopg.OperationalError) or self.conn.closed:
+                self._connection_lost(exc)
+                return None
             # A statement failed (a deadlock with a sweep, say). The loop tries again in a
             # second with the same leases, which decide what still applies: in a pipelined
             # settle, statements before the failed one may have committed, and their jobs then
             # come back as stale.
             log.error("database statement failed; retrying", error=first_line(exc))
-            if self.conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+            if self.conn.info.transaction_status in _OPEN_TRANSACTION:
                 self.conn.rollback()
             self.timers.db_retry_at = time.monotonic() + 1.0
             return None
+
+    def _connection_lost(self, exc: psycopg.Error) -> None:
+        log.warning("database connection lost", error=first_line(exc))
+        if self.conn is not None:
+            self.conn.close()
+        self.conn = None
+        self.timers.reconnect_at = time.monotonic()
+        self.reconnected_claims_unknown = True
+
+    def _release_claims_not_held(self) -> None:
+        """After a lost connection: give back jobs claimed under this worker's name that it
+        never received. A settle-and-claim cut short may still have run its claim on the
+        server; without this those jobs would wait for their lease to expire and then be
+        charged a failed attempt they never made."""
+        held = set(self.inflight) | {o.job.id for o in self.pending_outcomes}
+        released = self._db(lambda conn: queue.release_claims_not_held(
+            conn, self.spec.worker_id, held))
+        if released is None:
+            return  # the connection failed again; the next one tries again
+        self.reconnected_claims_unknown = False
+        if released:
+            log.warning("released jobs claimed by a call cut short", job_ids=released)
 
     # --- claiming and running --------------------------------------------------------------
 

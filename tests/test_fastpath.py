@@ -3,6 +3,8 @@ what it returns, its transaction boundaries, and how it leaves the connection on
 
 from __future__ import annotations
 
+import copy as copy_module
+import pickle
 from datetime import timedelta
 
 import psycopg
@@ -113,13 +115,12 @@ def test_statements_lost_by_the_session_are_prepared_again(conn: psycopg.Connect
 
 
 def test_needs_an_idle_autocommit_connection(db_url: str) -> None:
-    with connect(db_url, autocommit=False) as manual:
-        with pytest.raises(psycopg.ProgrammingError, match="autocommit"):
-            queue.settle_and_claim(manual, [], [], request())
-    with connect(db_url) as auto:
-        with auto.transaction():
-            with pytest.raises(psycopg.ProgrammingError, match="idle"):
-                queue.settle_and_claim(auto, [], [], request())
+    with (connect(db_url, autocommit=False) as manual,
+          pytest.raises(psycopg.ProgrammingError, match="autocommit")):
+        queue.settle_and_claim(manual, [], [], request())
+    with (connect(db_url) as auto, auto.transaction(),
+          pytest.raises(psycopg.ProgrammingError, match="idle")):
+        queue.settle_and_claim(auto, [], [], request())
 
 
 def test_a_broken_connection_is_closed(db_url: str, conn: psycopg.Connection) -> None:
@@ -142,3 +143,35 @@ def test_commands_and_queries_return_rows_in_order(conn: psycopg.Connection) -> 
     ])
     assert len(rows) == 3 and rows[0] == [] and rows[2] == []
     assert rows[1][0][0] == job_id
+
+
+def test_a_value_the_server_cannot_take_fails_before_anything_is_sent(
+        conn: psycopg.Connection) -> None:
+    jobd.enqueue(conn, "h")
+    (job,) = queue.claim(conn, LANE, "w1", 1, 30.0)
+    other = jobd.enqueue(conn, "h")
+    with pytest.raises(psycopg.DataError, match="NUL"):
+        queue.settle_and_claim(conn, [], [Failure(job.lease, "bad \x00 byte", 1.0, 8)],
+                               request())
+    assert not conn.closed
+    assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    assert states(conn) == {job.id: "claimed", other: "pending"}
+
+
+def test_notifications_that_arrive_with_the_results_reach_psycopg(
+        db_url: str, conn: psycopg.Connection) -> None:
+    heard: list[str] = []
+    with connect(db_url) as listener:
+        listener.add_notify_handler(lambda n: heard.append(n.payload))
+        listener.execute("LISTEN fastpath_test")
+        conn.execute("NOTIFY fastpath_test, 'hello'")
+        queue.settle_and_claim(listener, [], [], request())
+    assert heard == ["hello"]
+
+
+def test_a_claimed_job_pickles_and_copies_with_its_payload(conn: psycopg.Connection) -> None:
+    jobd.enqueue(conn, "h", {"n": 1})
+    _, _, (job,) = queue.settle_and_claim(conn, [], [], request())
+    for copy in (pickle.loads(pickle.dumps(job)), copy_module.deepcopy(job)):
+        assert copy == job and hash(copy) == hash(job) and repr(copy) == repr(job)
+        assert copy.payload == {"n": 1}

@@ -193,7 +193,8 @@ SELECT id, lease_token, lane, attempts, claimed_by
  LIMIT %(limit)s
 
 -- name: jobs_held_by
--- The jobs a worker held, for failing them at once when the supervisor sees it die.
+-- The jobs a worker holds: failed at once when the supervisor sees it die, or released by the
+-- worker itself when a claim cut short by a lost connection took jobs it never received.
 SELECT id, lease_token, lane, attempts, claimed_by
   FROM jobs
  WHERE state = 'claimed' AND claimed_by = %(worker)s

@@ -1,0 +1,91 @@
+"""The worker loop's database steps, driven in-process against a real PostgreSQL: how it
+survives failed statements, lost connections and error texts PostgreSQL cannot store."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+
+import jobd
+from jobd import queue, worker
+from jobd.config import LaneConfig
+from jobd.db import DEFAULT_SCHEMA
+
+LANE = "default"
+WORKER_ID = "test-node:default#0:cafe"
+
+
+@pytest.fixture
+def loop(db_url: str) -> Iterator[worker.Worker]:
+    """A worker with no handlers (no threads, no pools), connected, not started."""
+    status_r, status_w = os.pipe()
+    wake_r, wake_w = os.pipe()
+    spec = worker.WorkerSpec(
+        worker_id=WORKER_ID, lane=LaneConfig(LANE), handlers={}, database_url=db_url,
+        schema=DEFAULT_SCHEMA, slot=0, generation=1, status_fd=status_w, wake_fd=wake_r,
+        shutdown_timeout=1.0)
+    subject = worker.Worker(spec, {})
+    subject._ensure_connection()
+    assert subject.conn is not None
+    yield subject
+    if subject.conn is not None:
+        subject.conn.close()
+    for fd in (status_r, status_w, wake_r, wake_w):
+        os.close(fd)
+
+
+def state_of(conn: psycopg.Connection, job_id: int) -> tuple[str, int, str | None]:
+    row = conn.execute("SELECT state, attempts, last_error FROM all_jobs WHERE id = %s",
+                       (job_id,)).fetchone()
+    assert row is not None
+    return row
+
+
+def test_an_error_text_with_a_nul_byte_is_stored_escaped(
+        loop: worker.Worker, conn: psycopg.Connection) -> None:
+    jobd.enqueue(conn, "h")
+    jobd.enqueue(conn, "h")
+    good, bad = queue.claim(conn, LANE, WORKER_ID, 2, 30.0)
+    try:
+        raise ValueError("cannot parse b'\x00\x01'")
+    except ValueError as exc:
+        error = worker.format_error(exc)
+    loop.pending_outcomes = [worker.Outcome(good, None), worker.Outcome(bad, error)]
+    loop._settle_and_claim(claim=False)
+    assert loop.pending_outcomes == []
+    assert state_of(conn, good.id)[0] == "done"
+    state, _, last_error = state_of(conn, bad.id)
+    assert state == "failed"
+    assert last_error is not None and "cannot parse b'\\x00\\x01'" in last_error
+
+
+def test_a_statement_error_that_closed_the_connection_counts_as_a_lost_connection(
+        loop: worker.Worker) -> None:
+    def breaks(conn: psycopg.Connection) -> None:
+        conn.close()
+        raise psycopg.DataError("refused")
+
+    assert loop._db(breaks) is None
+    assert loop.conn is None and loop.reconnected_claims_unknown
+    loop._ensure_connection()
+    assert loop.conn is not None and not loop.conn.closed
+
+
+def test_after_a_lost_connection_claims_it_never_received_are_released(
+        loop: worker.Worker, conn: psycopg.Connection) -> None:
+    for _ in range(3):
+        jobd.enqueue(conn, "h")
+    # A claim whose result was lost with the connection, next to a job the worker did get.
+    held, *orphans = queue.claim(conn, LANE, WORKER_ID, 3, 30.0)
+    loop.pending_outcomes = [worker.Outcome(held, None)]
+    loop._connection_lost(psycopg.OperationalError("server closed the connection"))
+    loop._ensure_connection()
+    loop._release_claims_not_held()
+    assert not loop.reconnected_claims_unknown
+    assert [state_of(conn, job.id)[:2] for job in orphans] == [("pending", 0), ("pending", 0)]
+    assert state_of(conn, held.id)[:2] == ("claimed", 1)
+    loop._settle_and_claim(claim=False)
+    assert state_of(conn, held.id)[0] == "done"
