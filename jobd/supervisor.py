@@ -32,7 +32,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, astuple, dataclass, field, replace
 from datetime import timedelta
 from typing import TypeVar
 
@@ -632,18 +632,11 @@ class Supervisor:
                 "workers": Jsonb(workers), "counters": Jsonb(counters)}
 
     def _maintain_archive(self, conn: psycopg.Connection) -> None:
-        created = archive.ensure_partitions(conn)
-        row = conn.execute("SELECT now()").fetchone()
-        assert row is not None
-        cutoff = row[0] - timedelta(seconds=self.config.archive_retention)
-        dropped = archive.drop_before(conn, cutoff)
-        # Effect keys live as long as the jobs they belong to can be seen again.
-        conn.execute(query("prune_processed_keys"), {"cutoff": cutoff})
+        done = archive.apply_retention(conn, timedelta(seconds=self.config.archive_retention))
         conn.execute(query("prune_nodes"), {"older_than": NODE_STALE_AFTER})
         schedules.prune_ledger(conn)
-        if created or dropped:
-            log.info("archive maintenance", partitions_created=created,
-                     partitions_dropped=dropped)
+        if any(astuple(done)):
+            log.info("archive maintenance", **asdict(done))
 
     # --- reload ----------------------------------------------------------------------------
 

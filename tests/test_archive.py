@@ -280,3 +280,24 @@ def test_retention_behind_a_long_reader_does_not_stall_completions(
             reader.rollback()
             thread.join(timeout=30)
     assert completed == [job_id]
+
+
+def test_retention_prunes_old_effect_keys_and_delivered_outbox_entries(
+        conn: psycopg.Connection) -> None:
+    conn.execute("""
+        INSERT INTO processed_keys (idempotency_key, job_id, processed_at) VALUES
+            ('old', 1, now() - interval '8 days'), ('recent', 2, now() - interval '6 days');
+        INSERT INTO outbox (key, sender, delivery_job_id, state, created_at, delivered_at)
+        VALUES ('delivered-old', 's', 1, 'delivered', now() - interval '9 days',
+                now() - interval '8 days'),
+               ('delivered-recent', 's', 2, 'delivered', now() - interval '9 days',
+                now() - interval '6 days'),
+               ('pending-old', 's', 3, 'pending', now() - interval '9 days', NULL),
+               ('dead-old', 's', 4, 'dead', now() - interval '9 days', NULL)""")
+    done = archive.apply_retention(conn, timedelta(days=7))
+    assert (done.effect_keys_pruned, done.outbox_entries_pruned) == (1, 1)
+    assert conn.execute("SELECT idempotency_key FROM processed_keys").fetchall() == [("recent",)]
+    assert sorted(row[0] for row in conn.execute("SELECT key FROM outbox")) == [
+        "dead-old", "delivered-recent", "pending-old"]
+    again = archive.apply_retention(conn, timedelta(days=7))
+    assert (again.effect_keys_pruned, again.outbox_entries_pruned) == (0, 0)

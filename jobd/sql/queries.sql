@@ -372,6 +372,14 @@ RETURNING job_id
 -- name: prune_processed_keys
 DELETE FROM processed_keys WHERE processed_at < %(cutoff)s::timestamptz
 
+-- name: prune_outbox
+-- Delivered entries past the retention cutoff. created_at <= delivered_at, so the created_at
+-- bound is implied; it is there to let the scan ride outbox_created_at_idx.
+DELETE FROM outbox
+ WHERE created_at < %(cutoff)s::timestamptz
+   AND state = 'delivered'
+   AND delivered_at < %(cutoff)s::timestamptz
+
 -- name: outbox_add
 SELECT outbox_add(%(key)s, %(sender)s, %(payload)s, %(lane)s, %(source_job_id)s)
 
