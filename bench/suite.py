@@ -761,6 +761,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--latency-rounds", type=int, default=3)
     parser.add_argument("--growth-sizes", default=",".join(str(s) for s in GROWTH_SIZES))
+    parser.add_argument("--growth-rounds", type=int, default=3,
+                        help="drain rounds at each growth size (one drain spreads widely)")
     parser.add_argument("--upgrade-peers", action="store_true",
                         help="reinstall the peers at their latest releases")
     parser.add_argument("--keep", action="store_true", help="keep the temp dir (logs, cluster)")
@@ -819,7 +821,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 records.extend(measure_idle(env, systems))
             if "growth" in only:
                 sizes = [int(s) for s in args.growth_sizes.split(",") if s]
-                records.extend(measure_growth(env, sizes, rounds=1))
+                records.extend(measure_growth(env, sizes, rounds=args.growth_rounds))
     except KeyboardInterrupt:
         log("interrupted")
         return 130
