@@ -14,8 +14,8 @@ statement that fails makes the server skip the rest, an explicit transaction lef
 failure is rolled back, and the error is raised. Parameters are converted before anything is
 sent, so a value the server cannot take fails without touching the connection. If the exchange
 is cut short, the connection is closed; whatever the server had already received still runs,
-so a claim sent with outcomes may have claimed jobs nobody was told about (the worker releases
-those when it reconnects, see ``worker.py``; otherwise their leases expire).
+so a claim sent with outcomes may have claimed jobs nobody was told about (the worker fails
+those as an attempt when it reconnects, see ``worker.py``; otherwise their leases expire).
 """
 
 from __future__ import annotations

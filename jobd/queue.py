@@ -569,15 +569,20 @@ def fail_jobs_held_by(
     return _fail_rows(conn, rows, lambda _worker: error, policy_for, now, False)
 
 
-def release_claims_not_held(conn: psycopg.Connection, worker: str,
-                            held: Iterable[int]) -> list[int]:
-    """Release the jobs claimed under ``worker``'s name except the ``held`` ones: claims whose
-    result never reached the worker (its connection broke while the claim ran). Their
-    attempt is given back. Returns the released ids."""
-    held_ids = set(held)
+def fail_claims_not_held(conn: psycopg.Connection, worker: str, held: Iterable[Lease],
+                         error: str, policy_for: PolicyLookup,
+                         now: datetime | None = None) -> FailOutcome:
+    """Fail the jobs claimed under ``worker``'s name except the ``held`` leases: claims whose
+    rows never reached the worker (its connection broke while the claim ran, or the rows
+    could not be loaded). They are retried after their backoff, or dead when their budget is
+    spent: the attempt was counted at claim, and a claim that fails the same way every time
+    must end in the dead-letter queue rather than loop."""
+    held_leases = set(held)
     rows = conn.execute(query("jobs_held_by"), {"worker": worker}).fetchall()
-    orphans = [Lease(row[0], row[1]) for row in rows if row[0] not in held_ids]
-    return release(conn, orphans).applied if orphans else []
+    orphans = [row for row in rows if Lease(row[0], row[1]) not in held_leases]
+    if not orphans:
+        return FailOutcome()
+    return _fail_rows(conn, orphans, lambda _worker: error, policy_for, now, False)
 
 
 def decode_payload(text: str) -> Any:

@@ -130,13 +130,27 @@ class JobTimedOut(Exception):
 
 
 def format_error(exc: BaseException) -> str:
-    # PostgreSQL text cannot hold NUL: an error message with one would be refused, and the
-    # job's outcome with it, on every retry.
-    text = "".join(traceback.format_exception(exc)).replace("\x00", "\\x00")
-    headline = f"{type(exc).__name__}: {exc}".replace("\x00", "\\x00")
+    """The text stored as a failed attempt's error: the exception's headline, then its
+    traceback, each at most MAX_ERROR_CHARS, and always storable: PostgreSQL text cannot hold
+    NUL or lone surrogates, and an exception whose ``__str__`` fails still fails its job
+    rather than the worker thread that ran it."""
+    try:
+        headline = f"{type(exc).__name__}: {exc}"
+    except Exception as broken:
+        headline = f"{type(exc).__name__} (its message could not be formatted: {broken!r})"
+    try:
+        text = "".join(traceback.format_exception(exc))
+    except Exception:
+        text = headline
+    headline, text = _storable(headline)[:MAX_ERROR_CHARS], _storable(text)
     if len(text) > MAX_ERROR_CHARS:
         text = text[-MAX_ERROR_CHARS:]
     return f"{headline}\n{text}" if text.strip() != headline else headline
+
+
+def _storable(text: str) -> str:
+    return (text.replace("\x00", "\\x00")
+            .encode("utf-8", "backslashreplace").decode("utf-8"))
 
 
 class Worker:
@@ -146,9 +160,10 @@ class Worker:
         self.handlers = resolved
         self.conn: psycopg.Connection | None = None
         self.inflight: dict[int, Running] = {}
-        # Set when a connection is lost: a claim may have run on the server without its
-        # result reaching us, so the next connection checks for jobs claimed in our name.
-        self.reconnected_claims_unknown = False
+        # Set when a claim may have taken jobs whose rows never reached us (the connection
+        # broke, or the rows could not be loaded): the loop then checks the jobs claimed in
+        # our name against the ones it holds.
+        self.claims_unknown = False
         self.outcomes: stdlib_queue.SimpleQueue[Outcome] = stdlib_queue.SimpleQueue()
         self.pending_outcomes: list[Outcome] = []
         self.counters = Counters()
@@ -225,8 +240,8 @@ class Worker:
             if self.stop_now:
                 break
             self._ensure_connection()
-            if self.reconnected_claims_unknown and self.conn is not None:
-                self._release_claims_not_held()
+            if self.claims_unknown and self.conn is not None:
+                self._fail_claims_not_held()
             self._collect_outcomes()
             self._expire_timeouts()
             self._renew_leases()
@@ -312,17 +327,20 @@ class Worker:
         try:
             return operation(self.conn)
         except psycopg.Error as exc:
-            if isinstance(exc, psycopg.OperationalError) or self.conn.closed:
+            if self.conn.closed or self.conn.broken:
                 self._connection_lost(exc)
                 return None
-            # A statement failed (a deadlock with a sweep, say). The loop tries again in a
-            # second with the same leases, which decide what still applies: in a pipelined
-            # settle, statements before the failed one may have committed, and their jobs then
-            # come back as stale.
+            # A statement failed (a deadlock with a sweep, say); the connection is fine. The
+            # loop tries again in a second with the same leases, which decide what still
+            # applies: in a pipelined settle, statements before the failed one may have
+            # committed, and their jobs then come back as stale.
             log.error("database statement failed; retrying", error=first_line(exc))
-            if self.conn.info.transaction_status in _OPEN_TRANSACTION:
-                self.conn.rollback()
             self.timers.db_retry_at = time.monotonic() + 1.0
+            if self.conn.info.transaction_status in _OPEN_TRANSACTION:
+                try:
+                    self.conn.rollback()
+                except psycopg.Error as rollback_failed:
+                    self._connection_lost(rollback_failed)
             return None
 
     def _connection_lost(self, exc: psycopg.Error) -> None:
@@ -331,21 +349,29 @@ class Worker:
             self.conn.close()
         self.conn = None
         self.timers.reconnect_at = time.monotonic()
-        self.reconnected_claims_unknown = True
+        # The server may have run a claim whose result we never read.
+        self.claims_unknown = True
 
-    def _release_claims_not_held(self) -> None:
-        """After a lost connection: give back jobs claimed under this worker's name that it
-        never received. A settle-and-claim cut short may still have run its claim on the
-        server; without this those jobs would wait for their lease to expire and then be
-        charged a failed attempt they never made."""
-        held = set(self.inflight) | {o.job.id for o in self.pending_outcomes}
-        released = self._db(lambda conn: queue.release_claims_not_held(
-            conn, self.spec.worker_id, held))
-        if released is None:
-            return  # the connection failed again; the next one tries again
-        self.reconnected_claims_unknown = False
-        if released:
-            log.warning("released jobs claimed by a call cut short", job_ids=released)
+    def _fail_claims_not_held(self) -> None:
+        """Fail the jobs claimed under this worker's name that it does not hold: a claim whose
+        rows never reached it. Without this they would wait for their lease to expire. They
+        count as a failed attempt (retried after the backoff, dead when the budget is
+        spent), so a job whose claim fails the same way every time cannot loop forever."""
+        held = [r.job.lease for r in self.inflight.values()]
+        held += [o.job.lease for o in self.pending_outcomes]
+        policy = self.lane.retry_policy
+        outcome = self._db(lambda conn: queue.fail_claims_not_held(
+            conn, self.spec.worker_id, held,
+            "claimed, but the claim's result never reached the worker", lambda _lane: policy))
+        if outcome is None:
+            return  # the database failed again; the flag stays and the loop tries again
+        self.claims_unknown = False
+        orphans = outcome.retried + outcome.dead
+        if orphans:
+            # Their retries wake a worker like any other: the jobs table's trigger announces
+            # the new run_at and the supervisor sets a timer for it.
+            log.warning("failed jobs claimed without reaching this worker", job_ids=orphans,
+                        dead=outcome.dead)
 
     # --- claiming and running --------------------------------------------------------------
 
@@ -458,8 +484,13 @@ class Worker:
                 outcome = self.outcomes.get_nowait()
             except stdlib_queue.Empty:
                 return
-            running = self.inflight.pop(outcome.job.id, None)
-            if running is None or running.abandoned:
+            running = self.inflight.get(outcome.job.id)
+            if running is None or running.job.lease_token != outcome.job.lease_token:
+                # A run abandoned for its timeout whose job was claimed again since (here or
+                # elsewhere): the late result changes nothing, and the new run stays held.
+                continue
+            del self.inflight[outcome.job.id]
+            if running.abandoned:
                 continue  # already failed for its timeout; the late result changes nothing
             self.pending_outcomes.append(outcome)
 
@@ -496,6 +527,9 @@ class Worker:
         written = self._db(lambda conn: queue.settle_and_claim(conn, successes, failures,
                                                               request))
         if written is None:
+            if request is not None:
+                # The claim may have committed even if its rows did not reach us.
+                self.claims_unknown = True
             return  # kept for the next connection: the leases still decide what applies
         self.pending_outcomes = []
         completed, failed, jobs = written

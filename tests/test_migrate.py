@@ -237,6 +237,12 @@ def test_states_allowed_in_the_hot_table(conn: psycopg.Connection) -> None:
             conn.execute("INSERT INTO jobs (handler, state) VALUES ('h', %s)", (state,))
 
 
+def test_run_at_must_be_a_real_moment(conn: psycopg.Connection) -> None:
+    for moment in ("infinity", "-infinity"):
+        with pytest.raises(psycopg.errors.CheckViolation):
+            conn.execute("SELECT jobd.enqueue('h', '{}', run_at => %s::timestamptz)", (moment,))
+
+
 def function_signature(conn: psycopg.Connection, schema: str, name: str
                        ) -> list[tuple[Sequence[str], list[str], str, int]]:
     rows = conn.execute(

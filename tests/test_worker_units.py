@@ -69,12 +69,18 @@ def test_a_statement_error_that_closed_the_connection_counts_as_a_lost_connectio
         raise psycopg.DataError("refused")
 
     assert loop._db(breaks) is None
-    assert loop.conn is None and loop.reconnected_claims_unknown
+    assert loop.conn is None and loop.claims_unknown
     loop._ensure_connection()
     assert loop.conn is not None and not loop.conn.closed
 
 
-def test_after_a_lost_connection_claims_it_never_received_are_released(
+def test_a_failed_statement_on_a_healthy_connection_keeps_it(loop: worker.Worker) -> None:
+    conn = loop.conn
+    assert loop._db(lambda c: c.execute("SELECT 1/0")) is None
+    assert loop.conn is conn and not conn.closed and not loop.claims_unknown
+
+
+def test_after_a_lost_connection_claims_it_never_received_fail_as_an_attempt(
         loop: worker.Worker, conn: psycopg.Connection) -> None:
     for _ in range(3):
         jobd.enqueue(conn, "h")
@@ -83,9 +89,47 @@ def test_after_a_lost_connection_claims_it_never_received_are_released(
     loop.pending_outcomes = [worker.Outcome(held, None)]
     loop._connection_lost(psycopg.OperationalError("server closed the connection"))
     loop._ensure_connection()
-    loop._release_claims_not_held()
-    assert not loop.reconnected_claims_unknown
-    assert [state_of(conn, job.id)[:2] for job in orphans] == [("pending", 0), ("pending", 0)]
+    loop._fail_claims_not_held()
+    assert not loop.claims_unknown
+    for job in orphans:
+        state, attempts, error = state_of(conn, job.id)
+        assert (state, attempts) == ("failed", 1)
+        assert error is not None and "never reached the worker" in error
     assert state_of(conn, held.id)[:2] == ("claimed", 1)
     loop._settle_and_claim(claim=False)
     assert state_of(conn, held.id)[0] == "done"
+
+
+def test_claimed_rows_that_cannot_be_loaded_end_in_the_dead_letter_queue(
+        loop: worker.Worker, conn: psycopg.Connection) -> None:
+    # A row from before the run_at CHECK existed: no client can load '-infinity'.
+    conn.execute("ALTER TABLE jobs DROP CONSTRAINT jobs_run_at_finite")
+    poison = jobd.enqueue(conn, "h", max_attempts=2)
+    for attempt in (1, 2):
+        # Due at once, and unloadable: the claim commits, its rows fail to load.
+        conn.execute("UPDATE jobs SET run_at = '-infinity' WHERE id = %s", (poison,))
+        loop.timers.db_retry_at = 0.0
+        loop.maybe_more = True
+        loop._settle_and_claim()
+        assert loop.claims_unknown and loop.inflight == {}
+        loop.timers.db_retry_at = 0.0
+        loop._fail_claims_not_held()
+        assert not loop.claims_unknown
+        if attempt == 1:
+            assert conn.execute("SELECT state, attempts FROM jobs WHERE id = %s",
+                                (poison,)).fetchone() == ("failed", 1)
+    assert conn.execute("SELECT count(*) FROM dead_letter WHERE id = %s",
+                        (poison,)).fetchone() == (1,)
+
+
+def test_a_late_result_of_an_abandoned_run_leaves_the_new_run_held(
+        loop: worker.Worker, conn: psycopg.Connection) -> None:
+    jobd.enqueue(conn, "h")
+    (first,) = queue.claim(conn, LANE, WORKER_ID, 1, 30.0)
+    queue.fail(conn, [queue.Failure(first.lease, "timed out", 0.0, 8)])
+    (second,) = queue.claim(conn, LANE, WORKER_ID, 1, 30.0)
+    assert second.id == first.id and second.lease_token != first.lease_token
+    loop.inflight[second.id] = worker.Running(second, 0.0, None)
+    loop.outcomes.put(worker.Outcome(first, None))
+    loop._collect_outcomes()
+    assert loop.inflight[second.id].job is second and loop.pending_outcomes == []

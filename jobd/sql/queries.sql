@@ -193,8 +193,9 @@ SELECT id, lease_token, lane, attempts, claimed_by
  LIMIT %(limit)s
 
 -- name: jobs_held_by
--- The jobs a worker holds: failed at once when the supervisor sees it die, or released by the
--- worker itself when a claim cut short by a lost connection took jobs it never received.
+-- The jobs a worker holds: failed at once when the supervisor sees it die, or by the worker
+-- itself when a claim took jobs whose rows it never received. Rare, so no index of its own:
+-- it reads the live jobs table.
 SELECT id, lease_token, lane, attempts, claimed_by
   FROM jobs
  WHERE state = 'claimed' AND claimed_by = %(worker)s
