@@ -97,24 +97,24 @@ def run(conn: psycopg.Connection, steps: Sequence[Step],
         messages = _messages(transformer, steps, prepared, binary)
         try:
             pgconn.enter_pipeline_mode()
-            sent = _send(pgconn, messages)
+            _send(pgconn, messages)
             pgconn.pipeline_sync()
             _flush(pgconn)
-            results = [_result_of(pgconn) for _ in sent]
+            results = [_result_of(pgconn) for _ in messages]
             _read_sync(pgconn)
             pgconn.exit_pipeline_mode()
         except BaseException:
             pgconn.finish()
             raise
         _dispatch_notifications(pgconn)
-        error = _first_error(conn, sent, results, prepared)
+        error = _first_error(conn, messages, results, prepared)
         if pgconn.transaction_status == pq.TransactionStatus.INERROR:
             _rollback(conn, pgconn)
         if error is not None:
             raise error
         rows: list[list[tuple[Any, ...]]] = []
-        for preparing, result in zip(sent, results, strict=True):
-            if preparing is None:
+        for message, result in zip(messages, results, strict=True):
+            if message.text is None:  # not a prepare
                 transformer.set_pgresult(result)
                 rows.append(transformer.load_rows(0, result.ntuples, tuple)
                             if result.status == ExecStatus.TUPLES_OK else [])
@@ -133,7 +133,8 @@ def _check_ready(conn: psycopg.Connection, pgconn: pq.abc.PGconn) -> None:
 
 @dataclass(frozen=True, slots=True)
 class _Message:
-    """One protocol message to queue: a prepare (``params`` None) or an execution."""
+    """One message to queue, yielding one result: a transaction command, a prepare (``text``
+    set) or the execution of a prepared statement (``params`` set)."""
 
     name: bytes
     text: bytes | None = None  # the statement to prepare
@@ -163,22 +164,16 @@ def _messages(transformer: Transformer, steps: Sequence[Step], prepared: set[byt
     return messages
 
 
-def _send(pgconn: pq.abc.PGconn, messages: Sequence[_Message]) -> list[bytes | None]:
-    """Queue every message. Returns one entry per expected result: the statement name for a
-    prepare, None for an execution."""
-    sent: list[bytes | None] = []
+def _send(pgconn: pq.abc.PGconn, messages: Sequence[_Message]) -> None:
+    """Queue every message; each yields one result, in order."""
     for message in messages:
         if message.command:
             pgconn.send_query_params(message.name, None)
-            sent.append(None)
         elif message.text is not None:
             pgconn.send_prepare(message.name, message.text)
-            sent.append(message.name)
         else:
             pgconn.send_query_prepared(message.name, message.params,
                                        result_format=message.result_format)
-            sent.append(None)
-    return sent
 
 
 def _wait(pgconn: pq.abc.PGconn, events: int) -> None:
@@ -225,13 +220,13 @@ def _dispatch_notifications(pgconn: pq.abc.PGconn) -> None:
             pgconn.notify_handler(notification)
 
 
-def _first_error(conn: psycopg.Connection, sent: Sequence[bytes | None],
+def _first_error(conn: psycopg.Connection, messages: Sequence[_Message],
                  results: Sequence[pq.abc.PGresult],
                  prepared: set[bytes]) -> psycopg.Error | None:
     first: psycopg.Error | None = None
-    for preparing, result in zip(sent, results, strict=True):
-        if preparing is not None and result.status == ExecStatus.COMMAND_OK:
-            prepared.add(preparing)
+    for message, result in zip(messages, results, strict=True):
+        if message.text is not None and result.status == ExecStatus.COMMAND_OK:
+            prepared.add(message.name)
         if result.status == ExecStatus.FATAL_ERROR and first is None:
             first = errors.error_from_result(result, encoding=conn.info.encoding)
     if isinstance(first, errors.InvalidSqlStatementName):

@@ -375,19 +375,14 @@ def claim(
     now: datetime | None = None,
 ) -> list[Job]:
     """Claim up to ``limit`` due jobs of ``lane`` for ``worker`` in one statement."""
-    request = ClaimRequest(lane, worker, limit, visibility_timeout)
-    return _jobs(_execute_claim(conn, request, now).fetchall())
+    params = _claim_params(ClaimRequest(lane, worker, limit, visibility_timeout), now)
+    with conn.cursor(binary=True) as cursor:  # binary: see _BINARY_RESULTS
+        return _jobs(cursor.execute(query("claim_jobs"), params).fetchall())
 
 
 # Claimed rows come back in binary: their three timestamps are cheaper to send and to parse as
 # 8-byte integers than as text, on both sides of the connection.
 _BINARY_RESULTS = frozenset({"claim_jobs"})
-
-
-def _execute_claim(
-    conn: psycopg.Connection, request: ClaimRequest, now: datetime | None
-) -> psycopg.Cursor[Any]:
-    return conn.cursor(binary=True).execute(query("claim_jobs"), _claim_params(request, now))
 
 
 def heartbeat(
