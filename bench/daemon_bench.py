@@ -48,12 +48,10 @@ import json
 import math
 import os
 import re
-import shutil
 import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -69,7 +67,7 @@ from psycopg.conninfo import make_conninfo
 
 import jobd
 from jobd.db import connect
-from jobd.localpg import LocalCluster, find_bindir, free_port
+from jobd.localpg import find_bindir, throwaway_cluster
 from jobd.migrate import migrate
 
 SCHEMA = "jobd"
@@ -239,17 +237,10 @@ class Env:
 
 @contextmanager
 def environment(statements: bool, keep: bool) -> Iterator[Env]:
-    root = Path(tempfile.mkdtemp(prefix="jobd-daemon-bench-"))
-    # PostgreSQL refuses root: the cluster belongs to the postgres user, which must be able
-    # to reach its data directory inside this one.
-    root.chmod(0o755)
-    cluster = LocalCluster(root / "pg", free_port())
-    started = False
-    try:
-        log(f"starting a private cluster in {cluster.datadir} on port {cluster.port}")
-        admin_url = cluster.start()
-        started = True
-        with psycopg.connect(admin_url, autocommit=True) as conn:
+    with throwaway_cluster("jobd-daemon-bench-", keep=keep, log=log) as cluster:
+        log(f"started a private cluster in {cluster.datadir} on port {cluster.port}")
+        root = cluster.datadir.parent
+        with psycopg.connect(cluster.url, autocommit=True) as conn:
             conn.execute("ALTER SYSTEM SET synchronous_commit = 'on'")
             if statements:
                 conn.execute("ALTER SYSTEM SET shared_preload_libraries = 'pg_stat_statements'")
@@ -257,7 +248,7 @@ def environment(statements: bool, keep: bool) -> Iterator[Env]:
         if statements:  # shared_preload_libraries needs a restart
             cluster.stop()
             cluster.start()
-        admin_url = make_conninfo(admin_url, options="-c synchronous_commit=on")
+        admin_url = make_conninfo(cluster.url, options="-c synchronous_commit=on")
         with psycopg.connect(admin_url, autocommit=True) as conn:
             conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(DBNAME)))
         url = make_conninfo(admin_url, dbname=DBNAME)
@@ -280,19 +271,6 @@ def environment(statements: bool, keep: bool) -> Iterator[Env]:
         if env.settings["synchronous_commit"] != "on":
             raise SystemExit(f"synchronous_commit is {env.settings['synchronous_commit']}")
         yield env
-    finally:
-        if started:
-            try:
-                cluster.stop()
-                log("cluster stopped")
-            except Exception as exc:  # keep the original error, if any, in front
-                log(f"stopping the cluster failed: {exc}")
-            with suppress(OSError):
-                cluster.socket_dir.rmdir()  # empty once the server is down
-        if keep:
-            log(f"kept {root}")
-        else:
-            shutil.rmtree(root, ignore_errors=True)
 
 
 def write_config(env: Env, name: str, lanes: dict[str, tuple[int, int]]) -> Path:

@@ -22,12 +22,10 @@ import math
 import os
 import platform
 import re
-import shutil
 import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -45,7 +43,7 @@ from bench.daemon_bench import descendants, rss_kb
 from bench.peers.install import Peers, install
 from jobd.archive import drop_before
 from jobd.db import connect
-from jobd.localpg import LocalCluster, find_bindir, free_port
+from jobd.localpg import find_bindir, throwaway_cluster
 from jobd.migrate import migrate
 from jobd.queue import claim, complete
 
@@ -677,18 +675,13 @@ def measure_growth_drain(env: Env, size: int, round_no: int) -> dict:
 
 @contextmanager
 def environment(systems: list[str], peers: Peers, keep: bool) -> Iterator[Env]:
-    root = Path(tempfile.mkdtemp(prefix="jobd-suite-"))
-    root.chmod(0o755)  # as root the cluster belongs to postgres, which must reach its datadir
-    cluster = LocalCluster(root / "pg", free_port())
-    started = False
-    try:
-        log(f"starting a private cluster in {cluster.datadir} on port {cluster.port}")
-        admin_url = cluster.start()
-        started = True
-        with psycopg.connect(admin_url, autocommit=True) as conn:
+    with throwaway_cluster("jobd-suite-", keep=keep, log=log) as cluster:
+        log(f"started a private cluster in {cluster.datadir} on port {cluster.port}")
+        root = cluster.datadir.parent
+        with psycopg.connect(cluster.url, autocommit=True) as conn:
             conn.execute("ALTER SYSTEM SET synchronous_commit = 'on'")
             conn.execute("SELECT pg_reload_conf()")
-        admin_url = make_conninfo(admin_url, options="-c synchronous_commit=on")
+        admin_url = make_conninfo(cluster.url, options="-c synchronous_commit=on")
         urls = {}
         for system in systems:
             with psycopg.connect(admin_url, autocommit=True) as conn:
@@ -712,15 +705,6 @@ def environment(systems: list[str], peers: Peers, keep: bool) -> Iterator[Env]:
         if env.settings["synchronous_commit"] != "on":
             raise SystemExit(f"synchronous_commit is {env.settings['synchronous_commit']}")
         yield env
-    finally:
-        if started:
-            with suppress(Exception):
-                cluster.stop()
-                log("cluster stopped")
-        if keep:
-            log(f"kept {root}")
-        else:
-            shutil.rmtree(root, ignore_errors=True)
 
 
 def rotated(items: list[str], round_no: int) -> list[str]:

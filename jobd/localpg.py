@@ -11,6 +11,7 @@ cluster (creating it first if needed); ``python -m jobd.localpg stop DATADIR`` s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import os
 import pwd
@@ -19,6 +20,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,6 +129,36 @@ class LocalCluster:
             return
         bindir = find_bindir()
         self._run([str(bindir / "pg_ctl"), "-D", str(self.datadir), "-m", "fast", "-w", "stop"])
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def throwaway_cluster(prefix: str, *, start: bool = True, keep: bool = False,
+                      log: Callable[[str], None] = _stderr) -> Iterator[LocalCluster]:
+    """A cluster in a fresh temp directory on a free port, started unless ``start`` is
+    false; stopped and removed at the end, also on an error. ``keep`` leaves the directory
+    (data, server log) behind."""
+    root = Path(tempfile.mkdtemp(prefix=prefix))
+    # As root the cluster belongs to postgres, which must be able to reach its data directory.
+    root.chmod(0o755)
+    cluster = LocalCluster(root / "pg", free_port())
+    try:
+        if start:
+            cluster.start()
+        yield cluster
+    finally:
+        try:
+            cluster.stop()
+        except LocalPgError as exc:  # the error that ended the run, if any, stays in front
+            log(f"stopping the throwaway cluster failed: {exc}")
+        shutil.rmtree(cluster.socket_dir, ignore_errors=True)
+        if keep:
+            log(f"kept {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
 
 
 def _main(argv: list[str] | None = None) -> int:

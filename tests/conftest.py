@@ -16,19 +16,16 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-import shutil
-import tempfile
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import psycopg
 import pytest
 from psycopg import sql
 
 from jobd.db import connect
-from jobd.localpg import LocalCluster, LocalPgError, free_port
+from jobd.localpg import LocalPgError, throwaway_cluster
 from jobd.migrate import migrate
 
 LOCAL_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -59,16 +56,8 @@ def _answers(url: str) -> str | None:
 
 @contextlib.contextmanager
 def _throwaway_cluster() -> Iterator[str]:
-    root = Path(tempfile.mkdtemp(prefix="jobd-test-pg-"))
-    root.chmod(0o755)
-    cluster = LocalCluster(root / "data", free_port())
-    try:
-        yield cluster.start()
-    finally:
-        with contextlib.suppress(LocalPgError):
-            cluster.stop()
-        shutil.rmtree(root, ignore_errors=True)
-        shutil.rmtree(cluster.socket_dir, ignore_errors=True)
+    with throwaway_cluster("jobd-test-pg-") as cluster:
+        yield cluster.url
 
 
 @contextlib.contextmanager

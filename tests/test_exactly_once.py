@@ -17,12 +17,12 @@ import multiprocessing
 import os
 import signal
 import threading
-import time
 from collections.abc import Callable
 from datetime import datetime, timedelta
 
 import psycopg
 import pytest
+from daemon_support import wait_until
 
 import jobd
 from jobd import queue
@@ -141,14 +141,6 @@ def backend_waits_on_lock(conn: psycopg.Connection, application_name: str) -> bo
     return row is not None and row[0] == "Lock"
 
 
-def wait_until(condition: Callable[[], object], timeout: float, message: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {message}")
-        time.sleep(0.02)
-
-
 # --- (a) the same job through two workers --------------------------------------------------
 
 
@@ -249,7 +241,7 @@ def test_concurrent_runs_of_one_key_serialize_on_the_key(
         assert entered.wait(10), "the first handler never started"
         second_thread.start()
         # The second run is stuck on the first one's uncommitted key, before its handler.
-        wait_until(lambda: backend_waits_on_lock(conn, f"test {second_worker}"), 10,
+        wait_until(lambda: backend_waits_on_lock(conn, f"test {second_worker}"), 10, 0.02,
                    f"{second_worker}'s key insert to wait on a lock")
         assert calls == [first_worker]
         assert effect_rows(conn) == []  # nothing committed yet
@@ -305,7 +297,7 @@ def test_a_crash_between_effect_and_commit_leaves_no_trace_and_the_retry_runs_on
     # The server notices the dead client and aborts its transaction.
     wait_until(lambda: conn.execute(
         "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'test crasher'"
-    ).fetchone() == (0,), 30, "the dead child's backend to go away")
+    ).fetchone() == (0,), 30, 0.02, "the dead child's backend to go away")
 
     assert execution_count(conn) == 1  # the handler did run
     assert effect_rows(conn) == []

@@ -3,40 +3,32 @@ database `make run` keeps under .jobd/."""
 
 from __future__ import annotations
 
-import contextlib
-import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 
 import psycopg
 import pytest
 
 import jobd
 from jobd.db import connect
-from jobd.localpg import LocalCluster, LocalPgError, find_bindir, free_port
+from jobd.localpg import LocalCluster, LocalPgError, find_bindir, free_port, throwaway_cluster
 from jobd.migrate import migrate
 
 
-@pytest.fixture
-def cluster() -> Iterator[LocalCluster]:
+def need_server_binaries() -> None:
     try:
         find_bindir()
     except LocalPgError as exc:
         pytest.skip(f"no PostgreSQL server binaries to start a cluster with: {exc}")
-    root = Path(tempfile.mkdtemp(prefix="jobd-localpg-"))
-    root.chmod(0o755)  # as root, the cluster runs as postgres, which must reach the datadir
-    local = LocalCluster(root / "data", free_port())
-    try:
+
+
+@pytest.fixture
+def cluster() -> Iterator[LocalCluster]:
+    need_server_binaries()
+    with throwaway_cluster("jobd-localpg-", start=False) as local:
         yield local
-    finally:
-        with contextlib.suppress(LocalPgError):
-            local.stop()
-        shutil.rmtree(root, ignore_errors=True)
-        shutil.rmtree(local.socket_dir, ignore_errors=True)
 
 
 def test_find_bindir_finds_initdb_and_pg_ctl() -> None:
@@ -92,3 +84,13 @@ def test_jobd_runs_on_it_and_its_data_survives_a_restart(cluster: LocalCluster) 
                              capture_output=True, text=True, timeout=120)
     assert stopped.returncode == 0, stopped.stderr
     assert not cluster.running()
+
+
+def test_a_throwaway_cluster_leaves_nothing_behind() -> None:
+    need_server_binaries()
+    with throwaway_cluster("jobd-localpg-tc-") as local:
+        root, socket_dir = local.datadir.parent, local.socket_dir
+        with psycopg.connect(local.url, connect_timeout=5) as conn:
+            assert conn.execute("SELECT 1").fetchone() == (1,)
+    assert not local.running()
+    assert not root.exists() and not socket_dir.exists()
