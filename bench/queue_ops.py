@@ -325,37 +325,39 @@ def copy_rows(conn: psycopg.Connection, rows: Sequence[tuple[str, Any]]) -> None
             copy.write_row((handler, Jsonb(payload)))
 
 
-def single_enqueue_contenders(bench: Bench, count: int) -> list[Contender]:
+def enqueue_contenders(
+    bench: Bench,
+    jobd_work: Callable[[psycopg.Connection], object],
+    bare_name: str,
+    bare_work: Callable[[psycopg.Connection], object],
+) -> list[Contender]:
+    """jobd's enqueue on a jobd connection against the bare statement on a plain one, each
+    from empty tables, counted by the rows they inserted."""
+
     def run_jobd() -> Sample:
         with connect(bench.dsn, SCHEMA, application_name="jobd-bench") as conn:
-            return timed_insert_count(bench.conn, lambda: enqueue_one_by_one(conn, count))
+            return timed_insert_count(bench.conn, lambda: jobd_work(conn))
 
     def run_bare() -> Sample:
         with psycopg.connect(bench.dsn, autocommit=True) as conn:
-            return timed_insert_count(bench.conn, lambda: insert_one_by_one(conn, count))
+            return timed_insert_count(bench.conn, lambda: bare_work(conn))
 
     def prepare() -> None:
         reset_tables(bench.conn)
 
-    return [Contender("jobd", prepare, run_jobd), Contender("bare INSERT", prepare, run_bare)]
+    return [Contender("jobd", prepare, run_jobd), Contender(bare_name, prepare, run_bare)]
+
+
+def single_enqueue_contenders(bench: Bench, count: int) -> list[Contender]:
+    return enqueue_contenders(bench, lambda conn: enqueue_one_by_one(conn, count),
+                              "bare INSERT", lambda conn: insert_one_by_one(conn, count))
 
 
 def bulk_enqueue_contenders(bench: Bench, count: int) -> list[Contender]:
     specs = [JobSpec(HANDLER, {"i": i}) for i in range(count)]
     rows = [(HANDLER, {"i": i}) for i in range(count)]
-
-    def run_jobd() -> Sample:
-        with connect(bench.dsn, SCHEMA, application_name="jobd-bench") as conn:
-            return timed_insert_count(bench.conn, lambda: enqueue_many(conn, specs))
-
-    def run_bare() -> Sample:
-        with psycopg.connect(bench.dsn, autocommit=True) as conn:
-            return timed_insert_count(bench.conn, lambda: copy_rows(conn, rows))
-
-    def prepare() -> None:
-        reset_tables(bench.conn)
-
-    return [Contender("jobd", prepare, run_jobd), Contender("bare COPY", prepare, run_bare)]
+    return enqueue_contenders(bench, lambda conn: enqueue_many(conn, specs),
+                              "bare COPY", lambda conn: copy_rows(conn, rows))
 
 
 # --- claim + complete --------------------------------------------------------------------------
