@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
+from importlib import metadata
 from typing import Any
 
 import psycopg
 
+import jobd
 from jobd import dlq, inspect, logs, queue, schedules
 from jobd.config import Config, load, parse_duration
 from jobd.cron import CronError, CronSchedule
@@ -28,6 +31,10 @@ EPILOG = """\
 connection: --database-url, else $JOBD_DATABASE_URL, else database.url in the config file
 (-c FILE or $JOBD_CONFIG), else postgresql://postgres@127.0.0.1:5432/postgres.
 exit codes: 0 ok, 1 runtime failure, 2 usage or input error."""
+
+BIGINT_MAX = 2**63 - 1
+# jobs show prints a payload up to this many characters of JSON; longer ones need --payload.
+PAYLOAD_PREVIEW_CHARS = 2000
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,12 +54,15 @@ class Context:
 
 
 def _positive_int(text: str) -> int:
+    """1 up to the largest bigint: ids and limits go to PostgreSQL as bigint."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        raise argparse.ArgumentTypeError(f"not an integer: {text[:40]!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1: {value}")
+    if value > BIGINT_MAX:
+        raise argparse.ArgumentTypeError(f"too large: at most {BIGINT_MAX}")
     return value
 
 
@@ -64,6 +74,60 @@ def _int32(text: str) -> int:
     if not -(2**31) <= value < 2**31:
         raise argparse.ArgumentTypeError(f"out of range for a 32-bit integer: {value}")
     return value
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON (PostgreSQL refuses it)")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:40]} is too large for a JSON number (PostgreSQL refuses it)")
+    return value
+
+
+def _contains_nul(value: Any) -> bool:
+    """Whether any string (key or value) holds NUL; iterative, so depth cannot overflow."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if "\x00" in item:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
+
+
+def _payload(text: str) -> str:
+    """JSON that Python can decode and PostgreSQL can store; returned as the text given.
+
+    json.loads accepts NaN and Infinity and turns 1e999 into infinity, none of which jsonb
+    holds; it fails with RecursionError on deep nesting and ValueError on integers of more
+    than 4300 digits. All of these are the user's input, so they are refused here, at
+    argument parsing, with a message instead of a traceback.
+    """
+    try:
+        value = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"payload is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise argparse.ArgumentTypeError(
+            "payload is nested too deeply to be decoded") from None
+    except ValueError as exc:
+        message = str(exc)
+        if "integer string conversion" in message:
+            message = ("an integer has more than 4300 digits, which a handler could not "
+                       "decode")
+        raise argparse.ArgumentTypeError(f"payload refused: {message}") from None
+    if _contains_nul(value):
+        raise argparse.ArgumentTypeError(
+            "payload refused: a string contains NUL (\\u0000), which PostgreSQL cannot store")
+    return text
 
 
 def _timestamp(text: str) -> datetime:
@@ -108,12 +172,15 @@ def _common_options(default: Any) -> argparse.ArgumentParser:
     common.add_argument("-c", "--config", metavar="FILE", default=default,
                         help="configuration file (default: $JOBD_CONFIG if set)")
     common.add_argument("--database-url", metavar="URL", default=default,
-                        help="PostgreSQL connection URL")
+                        help="PostgreSQL connection URL (default: $JOBD_DATABASE_URL, else "
+                             "database.url in the config, else "
+                             "postgresql://postgres@127.0.0.1:5432/postgres)")
     common.add_argument("--schema", metavar="NAME", default=default,
-                        help=f"schema holding jobd's tables (default: {DEFAULT_SCHEMA})")
+                        help=f"schema holding jobd's tables (default: database.schema in the "
+                             f"config, else {DEFAULT_SCHEMA})")
     common.add_argument("--json", action="store_true",
                         default=False if default is None else default,
-                        help="print data as JSON")
+                        help="print data as JSON (default: text for people)")
     return common
 
 
@@ -126,8 +193,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="jobd", description="A durable job scheduler whose queue is a PostgreSQL table.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
         parents=[_common_options(None)])
+    parser.add_argument("--version", action="version", version=f"jobd {version()}",
+                        help="print jobd's version and exit")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True,
-                                     parser_class=_Parser)
+                                     parser_class=_Parser, help="what to do")
 
     def add(name: str, help_text: str, **kwargs: Any) -> argparse.ArgumentParser:
         return commands.add_parser(name, parents=[common], help=help_text,
@@ -147,60 +216,86 @@ def build_parser() -> argparse.ArgumentParser:
 
     enqueue_cmd = add("enqueue", "Enqueue one job and print its id.")
     enqueue_cmd.add_argument("handler", help="handler name (from the config's handlers)")
-    enqueue_cmd.add_argument("--payload", default="{}", metavar="JSON",
+    enqueue_cmd.add_argument("--payload", type=_payload, default="{}", metavar="JSON",
                              help="JSON payload (default: {})")
     enqueue_cmd.add_argument("--lane", default="default", help="lane (default: default)")
     enqueue_cmd.add_argument("--priority", type=_int32, default=0,
                              help="higher runs first (default: 0)")
     when = enqueue_cmd.add_mutually_exclusive_group()
     when.add_argument("--run-at", type=_timestamp, metavar="ISO8601",
-                      help="when the job becomes due, with a UTC offset")
+                      help="when the job becomes due, with a UTC offset (default: now)")
     when.add_argument("--delay", type=_duration, metavar="DURATION",
-                      help="due after this long by the database clock (e.g. 30s, 5m)")
+                      help="due after this long by the database clock, e.g. 30s, 5m "
+                           "(default: due now)")
     enqueue_cmd.add_argument("--idempotency-key", metavar="KEY",
-                             help="enqueue at most once per key; repeats print the first id")
+                             help="enqueue at most once per key; repeats print the first id "
+                                  "(default: no key)")
     enqueue_cmd.add_argument("--max-attempts", type=_positive_int, metavar="N",
                              help="attempt budget (default: the lane's max_attempts)")
     enqueue_cmd.set_defaults(func=cmd_enqueue)
 
-    status_cmd = add("status", "Per lane: jobs by state, oldest unclaimed age, DLQ depth.")
+    status_cmd = add("status", "Per lane: jobs by state, oldest unclaimed age, DLQ depth, "
+                               "rates and live workers (lanes no live worker serves are "
+                               "marked); live nodes.")
     status_cmd.set_defaults(func=cmd_status)
 
     jobs_cmd = add("jobs", "Inspect jobs, live or finished.")
     jobs_sub = jobs_cmd.add_subparsers(dest="jobs_command", metavar="ACTION", required=True,
-                                       parser_class=_Parser)
+                                       parser_class=_Parser, help="what to do with jobs")
     show = jobs_sub.add_parser("show", parents=[common], help="show one job with its history")
-    show.add_argument("id", type=_positive_int)
+    show.add_argument("id", type=_positive_int, help="the job's id")
+    show.add_argument("--payload", action="store_true",
+                      help=f"print the payload however long (default: only payloads of at "
+                           f"most {PAYLOAD_PREVIEW_CHARS} characters, else their size)")
+    show.add_argument("--full-errors", action="store_true",
+                      help="print each attempt's whole error text, traceback included "
+                           "(default: its first line)")
     show.set_defaults(func=cmd_jobs_show)
     listing = jobs_sub.add_parser("list", parents=[common], help="list jobs, newest first")
-    listing.add_argument("--state", choices=inspect.JOB_STATES)
-    listing.add_argument("--lane")
-    listing.add_argument("--limit", type=_positive_int, default=50)
+    listing.add_argument("--state", choices=inspect.JOB_STATES,
+                         help="only jobs in this state (default: any)")
+    listing.add_argument("--lane", help="only jobs of this lane (default: any)")
+    listing.add_argument("--limit", type=_positive_int, default=50,
+                         help="at most this many (default: 50)")
     listing.set_defaults(func=cmd_jobs_list)
 
     dlq_cmd = add("dlq", "Operate the dead-letter queue.")
     dlq_sub = dlq_cmd.add_subparsers(dest="dlq_command", metavar="ACTION", required=True,
-                                     parser_class=_Parser)
+                                     parser_class=_Parser, help="what to do with dead jobs")
     dlq_list = dlq_sub.add_parser("list", parents=[common], help="list dead jobs, newest first")
-    dlq_list.add_argument("--lane")
-    dlq_list.add_argument("--limit", type=_positive_int, default=50)
+    dlq_list.add_argument("--lane", help="only dead jobs of this lane (default: any)")
+    dlq_list.add_argument("--limit", type=_positive_int, default=50,
+                          help="at most this many (default: 50)")
     dlq_list.set_defaults(func=cmd_dlq_list)
     replay = dlq_sub.add_parser("replay", parents=[common],
                                 help="requeue dead jobs with a fresh attempt budget")
-    replay.add_argument("ids", type=_positive_int, nargs="+", metavar="ID")
+    replay.add_argument("ids", type=_positive_int, nargs="+", metavar="ID",
+                        help="ids of dead jobs; all are replayed or none")
     replay.set_defaults(func=cmd_dlq_replay)
     purge = dlq_sub.add_parser("purge", parents=[common],
                                help="delete dead jobs that died before a time")
     purge.add_argument("--before", type=_timestamp_or_age, required=True,
                        metavar="ISO8601|AGE", help="an instant, or an age such as 30d")
     purge.set_defaults(func=cmd_dlq_purge)
-    schedules_cmd = add("schedules", "Recurring schedules: list them, or preview a cron "
-                                     "expression's occurrences (DST included).")
+    schedules_cmd = add("schedules", "Recurring schedules: list them, disable or enable one, "
+                                     "or preview a cron expression's occurrences (DST "
+                                     "included).")
     schedules_sub = schedules_cmd.add_subparsers(dest="schedules_command", metavar="ACTION",
                                                  required=True, parser_class=_Parser)
     schedules_list = schedules_sub.add_parser(
-        "list", parents=[common], help="the schedules in the database with their next fire")
+        "list", parents=[common],
+        help="the schedules in the database with their next fire, the live nodes declaring "
+             "them and their state (enabled, conflict, undeclared, disabled)")
     schedules_list.set_defaults(func=cmd_schedules_list)
+    for action, summary in (
+            ("disable", "retire a schedule: no node fires it, whatever the configs declare, "
+                        "until it is enabled again"),
+            ("enable", "let a disabled schedule fire again while a live node declares it; "
+                       "occurrences due while it was disabled are skipped")):
+        toggle = schedules_sub.add_parser(action, parents=[common], help=summary,
+                                          description=summary)
+        toggle.add_argument("id", metavar="ID", help="the schedule's id (see schedules list)")
+        toggle.set_defaults(func=cmd_schedules_toggle, enabled=action == "enable")
     preview = schedules_sub.add_parser(
         "next", parents=[common],
         help="occurrences of an expression strictly after --from, with the materializer's "
@@ -233,7 +328,7 @@ def cmd_run(ctx: Context, _args: argparse.Namespace) -> int:
 
 def cmd_migrate(ctx: Context, _args: argparse.Namespace) -> int:
     with ctx.connect() as conn:
-        applied = migrate(conn, ctx.schema)
+        applied = migrate(conn, ctx.schema, max_payload_bytes=ctx.config.max_payload_bytes)
     names = [f"{m.version:04d}_{m.name}" for m in applied]
     if ctx.as_json:
         _print_json({"schema": ctx.schema, "applied": names})
@@ -252,10 +347,8 @@ def cmd_enqueue(ctx: Context, args: argparse.Namespace) -> int:
     if config.lanes and args.lane not in config.lanes:
         raise UsageError(f"unknown lane {args.lane!r}; the config has: "
                          + ", ".join(sorted(config.lanes)))
-    size = len(args.payload.encode("utf-8"))
-    if size > config.max_payload_bytes:
-        raise UsageError(f"payload is {size} bytes, over the limit of "
-                         f"{config.max_payload_bytes} (limits.max_payload_bytes)")
+    # The payload size limit is the database's (jobd.settings), checked there for every
+    # entry point alike: a larger payload comes back as an input error (exit 2).
     try:
         payload = queue.decode_payload(args.payload)
         spec = queue.JobSpec(args.handler, payload, args.lane, args.run_at, args.priority,
@@ -278,9 +371,10 @@ def cmd_status(ctx: Context, _args: argparse.Namespace) -> int:
     with ctx.connect() as conn:
         lanes = inspect.lane_status(conn)
         nodes = inspect.node_status(conn)
+        conflicts = schedules.conflicts(conn)
     # Lanes with no jobs still show when the config or a live node names them.
-    served = {lane for node in nodes for lane in node.workers}
-    missing = (set(ctx.config.lanes) | served) - {s.lane for s in lanes}
+    workers = inspect.live_workers(nodes)
+    missing = (set(ctx.config.lanes) | set(workers)) - {s.lane for s in lanes}
     lanes += [inspect.LaneStatus(name, 0, 0, 0, 0, 0.0) for name in missing]
     lanes.sort(key=lambda s: s.lane)
     rates = inspect.lane_rates(nodes)
@@ -291,15 +385,21 @@ def cmd_status(ctx: Context, _args: argparse.Namespace) -> int:
     if ctx.as_json:
         _print_json({
             "lanes": [{**s.as_dict(), "claim_rate": rate(s.lane, "claimed"),
-                       "failure_rate": rate(s.lane, "failed", "dead")} for s in lanes],
+                       "failure_rate": rate(s.lane, "failed", "dead"),
+                       "live_workers": workers.get(s.lane, 0),
+                       "served": workers.get(s.lane, 0) > 0} for s in lanes],
             "nodes": [n.as_dict() for n in nodes],
+            "schedule_conflicts": [
+                {"schedule": c.schedule_id, "stored_by": list(c.stored_by),
+                 "differing": list(c.differing)} for c in conflicts],
         })
         return 0
     _print_table(
         ["lane", "pending", "claimed", "failed", "dead (DLQ)", "oldest unclaimed",
-         "claims/s", "failures/s"],
+         "claims/s", "failures/s", "live workers"],
         [[s.lane, s.pending, s.claimed, s.failed, s.dead, f"{s.oldest_unclaimed_age:.1f}s",
-          f"{rate(s.lane, 'claimed'):.1f}", f"{rate(s.lane, 'failed', 'dead'):.1f}"]
+          f"{rate(s.lane, 'claimed'):.1f}", f"{rate(s.lane, 'failed', 'dead'):.1f}",
+          _served(workers.get(s.lane, 0))]
          for s in lanes],
         empty="no jobs and no lanes configured",
     )
@@ -310,24 +410,121 @@ def cmd_status(ctx: Context, _args: argparse.Namespace) -> int:
           n.seen_at] for n in nodes],
         empty="no live nodes (no daemon has reported in the last minute)",
     )
+    _print_schedule_conflicts(conflicts)
     return 0
+
+
+def _print_schedule_conflicts(found: list[schedules.Conflict]) -> None:
+    if not found:
+        return
+    print()
+    print("schedules with conflicting definitions on live nodes (the stored one is kept):")
+    for conflict in found:
+        print(f"  {conflict.schedule_id}: stored by {', '.join(conflict.stored_by) or '-'}; "
+              f"differing: {', '.join(conflict.differing)}")
+
+
+def _served(count: int) -> str:
+    return str(count) if count else "0 (no live worker)"
 
 
 def cmd_jobs_show(ctx: Context, args: argparse.Namespace) -> int:
     with ctx.connect() as conn:
         job = inspect.get_job(conn, args.id)
     if job is None:
-        raise JobdError(f"no job {args.id}")
+        # A wrong id is the user's input, as in `dlq replay`: exit 2.
+        raise UsageError(f"no job {args.id} (live, finished or dead)")
+    limit, source = _effective_max_attempts(ctx.config, job)
     if ctx.as_json:
-        _print_json(job)
+        _print_json({**_job_json(job), "effective_max_attempts": limit,
+                     "max_attempts_source": source})
         return 0
-    history = job.pop("errors")
+    history = job["errors"]
     for key, value in job.items():
-        rendered = json.dumps(value) if key == "payload" else _cell(value)
-        print(f"{key:>16}: {rendered}")
-    for entry in history:
-        print(f"{'':>16}  {json.dumps(entry, default=str)}")
+        if key in ("payload", "payload_text", "payload_problem", "errors"):
+            continue
+        if key == "max_attempts":
+            value = _max_attempts_text(ctx.config, job, limit, source)
+        print(f"{key:>16}: {_field(value)}")
+    print(f"{'payload':>16}: {_payload_text(job, args.payload)}")
+    for line in _history_lines(history, args.full_errors):
+        print(line)
     return 0
+
+
+def _job_json(job: dict[str, Any]) -> dict[str, Any]:
+    """The job for --json: the payload decoded; its stored text and the reason only when it
+    cannot be decoded here."""
+    data = dict(job)
+    if data["payload_problem"] is None:
+        del data["payload_problem"], data["payload_text"]
+    return data
+
+
+def _effective_max_attempts(config: Config, job: dict[str, Any]) -> tuple[int | None, str]:
+    """The attempt budget the job runs with and where it comes from: the job's own, else its
+    lane's in the config given, else unknown here (the daemons' config decides)."""
+    if job["max_attempts"] is not None:
+        return job["max_attempts"], "job"
+    lane = config.lanes.get(job["lane"])
+    if lane is not None:
+        return lane.max_attempts, "lane"
+    return None, "daemon"
+
+
+def _max_attempts_text(config: Config, job: dict[str, Any], limit: int | None,
+                       source: str) -> str:
+    if source == "job":
+        return str(limit)
+    if source == "lane":
+        return f"{limit} (lane default)"
+    if config.path is not None:
+        return (f"lane default (lane {job['lane']!r} is not in {config.path}; the config of "
+                "the daemons that run it decides)")
+    return "lane default (from the daemons' config; pass -c FILE to see it)"
+
+
+def _payload_text(job: dict[str, Any], whole: bool) -> str:
+    text = job["payload_text"]
+    note = f" ({job['payload_problem']})" if job["payload_problem"] else ""
+    if whole or len(text) <= PAYLOAD_PREVIEW_CHARS:
+        return text + note
+    return f"{len(text.encode())} bytes of JSON{note}; use --payload to show it"
+
+
+def _history_lines(history: list[Any], full: bool) -> list[str]:
+    """The error history: one labelled line per failed attempt (the error's first line, or
+    its whole text with ``full``), and a line per replay."""
+    if not history:
+        return ["errors: none"]
+    attempts = sum(1 for entry in history if isinstance(entry, dict) and "error" in entry)
+    lines = [f"errors ({attempts} attempt{'' if attempts == 1 else 's'}):"]
+    for entry in history:
+        if isinstance(entry, dict) and "error" in entry:
+            error = str(entry["error"] or "")
+            head = (f"  attempt {entry.get('attempt', '?')} at {_when(entry.get('at'))} "
+                    f"on worker {entry.get('worker') or '-'}")
+            if full:
+                lines.append(head + ":")
+                lines.extend("    " + line for line in error.splitlines() or [""])
+            else:
+                lines.append(f"{head}: {_first_line(error)}")
+        elif isinstance(entry, dict) and "replayed_at" in entry:
+            lines.append(f"  replayed at {_when(entry['replayed_at'])} "
+                         "with a fresh attempt budget")
+        else:
+            lines.append(f"  {_first_line(json.dumps(entry, default=str))}")
+    return lines
+
+
+def _when(value: object) -> str:
+    """A timestamp from the error history (ISO text in jsonb) in the CLI's format."""
+    if isinstance(value, str):
+        try:
+            return _cell(datetime.fromisoformat(value))
+        except ValueError:
+            return value
+    return _field(value)
 
 
 def cmd_jobs_list(ctx: Context, args: argparse.Namespace) -> int:
@@ -387,28 +584,68 @@ def cmd_schedules_list(ctx: Context, _args: argparse.Namespace) -> int:
     now = row[0]
     listing = []
     for entry in rows:
-        cursor = entry["materialized_until"]
-        assert isinstance(cursor, datetime)
+        state = _schedule_state(entry)
         local = utc = None
-        try:
-            cron = CronSchedule.parse(str(entry["cron"]), str(entry["timezone"]))
-        except CronError:
-            cron = None  # written by another jobd version; list it without a next fire
-        if cron is not None and entry["enabled"]:
-            following = cron.next_after(max(now, cursor))
-            if following:
-                local, utc = following[0].local(cron.zone), following[0].fire_at
-        listing.append({**entry, "state": "enabled" if entry["enabled"] else "disabled",
-                        "next_fire_local": local, "next_fire_utc": utc})
+        if state in ("enabled", "conflict"):
+            local, utc = _next_fire(entry, now)
+        listing.append({**entry, "state": state, "next_fire_local": local,
+                        "next_fire_utc": utc})
     if ctx.as_json:
         _print_json(listing)
         return 0
-    columns = ["id", "cron", "timezone", "next_fire_local", "next_fire_utc", "last_fire_at",
-               "state"]
     _print_table(["id", "cron", "zone", "next fire (local)", "next fire (UTC)", "last fire",
-                  "state"],
-                 [[_local(item[c]) if c == "next_fire_local" else item[c] for c in columns]
-                  for item in listing], empty="no schedules")
+                  "nodes", "state"],
+                 [[item["id"], item["cron"], item["timezone"], _local(item["next_fire_local"]),
+                   item["next_fire_utc"], item["last_fire_at"], len(item["declared_by"]),
+                   item["state"]] for item in listing], empty="no schedules")
+    return 0
+
+
+def _schedule_state(entry: dict[str, Any]) -> str:
+    """disabled (by an operator), undeclared (no live node declares it: not firing),
+    conflict (live nodes declare differing definitions; the stored one fires) or enabled."""
+    if not entry["enabled"]:
+        return "disabled"
+    if not entry["declared_by"]:
+        return "undeclared"
+    return "conflict" if entry["differing"] else "enabled"
+
+
+def _next_fire(entry: dict[str, Any], now: datetime) -> tuple[datetime | None, datetime | None]:
+    cursor = entry["materialized_until"]
+    assert isinstance(cursor, datetime)
+    try:
+        cron = CronSchedule.parse(str(entry["cron"]), str(entry["timezone"]))
+    except CronError:
+        return None, None  # written by another jobd version; list it without a next fire
+    following = cron.next_after(max(now, cursor))
+    if not following:
+        return None, None
+    return following[0].local(cron.zone), following[0].fire_at
+
+
+def cmd_schedules_toggle(ctx: Context, args: argparse.Namespace) -> int:
+    with ctx.connect() as conn:
+        try:
+            changed, declared = schedules.set_enabled(conn, args.id, args.enabled)
+        except schedules.UnknownSchedule:
+            known = schedules.schedule_ids(conn)
+            raise UsageError(f"no schedule {args.id!r}; known: "
+                             + (", ".join(known) if known else "none")) from None
+    if ctx.as_json:
+        _print_json({"id": args.id, "enabled": args.enabled, "changed": changed,
+                     "declared": declared})
+        return 0
+    word = "enabled" if args.enabled else "disabled"
+    if not changed:
+        print(f"schedule {args.id} was already {word}")
+    elif not args.enabled:
+        print(f"schedule {args.id} disabled: no node fires it until "
+              f"`jobd schedules enable {args.id}`")
+    else:
+        print(f"schedule {args.id} enabled; occurrences due while it was disabled are skipped")
+    if args.enabled and not declared:
+        print(f"(no live node declares {args.id}: it fires once a running node's config has it)")
     return 0
 
 
@@ -445,12 +682,27 @@ def _print_json(data: object) -> None:
     print(json.dumps(data, default=_json_default, indent=2))
 
 
-def _cell(value: object) -> str:
+def _first_line(text: str) -> str:
+    """The first line of a text; "..." marks that more lines follow (tracebacks)."""
+    lines = text.strip().splitlines()
+    if not lines:
+        return ""
+    return lines[0] + (" ..." if len(lines) > 1 else "")
+
+
+def _field(value: object) -> str:
+    """A value on one line: jobs show's fields."""
     if value is None:
         return "-"
     if isinstance(value, datetime):
         return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + "Z"
-    text = str(value)
+    return _first_line(str(value))
+
+
+def _cell(value: object) -> str:
+    """A value in a table cell: one line (a traceback must not break the rows), at most 60
+    characters."""
+    text = _field(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
@@ -483,11 +735,45 @@ def _context(args: argparse.Namespace) -> Context:
     return Context(config=config, url=url, schema=schema, as_json=args.json)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def version() -> str:
+    """The installed distribution's version, else the package's own (a source checkout)."""
+    try:
+        return metadata.version("jobd")
+    except metadata.PackageNotFoundError:
+        return str(getattr(jobd, "__version__", "unknown"))
+
+
+def _refuse_nul(args: argparse.Namespace) -> None:
+    """PostgreSQL text cannot hold NUL; psycopg would refuse it with a DataError mid-command,
+    so it is refused before anything runs, naming the argument."""
+    for dest, value in vars(args).items():
+        values = value if isinstance(value, list) else [value]
+        if any(isinstance(v, str) and "\x00" in v for v in values):
+            raise UsageError(f"{dest.replace('_', '-')}: NUL characters are not allowed")
+
+
+# SQLSTATEs that mean the database refused the user's input rather than failed: class 22
+# (data exception: a value out of range, invalid text, a check in jobd.enqueue), a CHECK
+# constraint (23514) and a value over a limit such as an index entry's size (54000).
+_INPUT_SQLSTATES = ("23514", "54000")
+
+
+def _is_input_error(exc: psycopg.Error) -> bool:
+    state = exc.sqlstate or ""
+    return (isinstance(exc, psycopg.DataError) or state.startswith("22")
+            or state in _INPUT_SQLSTATES)
+
+
+def _server_message(exc: psycopg.Error) -> str:
+    return exc.diag.message_primary or first_line(exc)
+
+
+def _dispatch(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     func: Callable[[Context, argparse.Namespace], int] = args.func
     try:
+        _refuse_nul(args)
         return func(_context(args), args)
     except JobdError as exc:
         print(f"jobd: {exc}", file=sys.stderr)
@@ -501,10 +787,29 @@ def main(argv: Sequence[str] | None = None) -> int:
               "`jobd migrate` first", file=sys.stderr)
         return 1
     except psycopg.Error as exc:
+        if _is_input_error(exc):
+            print(f"jobd: {_server_message(exc)}", file=sys.stderr)
+            return 2
         print(f"jobd: database error: {first_line(exc)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        try:
+            return _dispatch(argv)
+        finally:
+            # Flushed here, not at interpreter exit, so a closed pipe is caught below.
+            sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader went away (`jobd jobs list | head`): that is not an error worth a
+        # traceback. As the Python docs recommend, point stdout at devnull so the final
+        # flush at exit cannot fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

@@ -93,7 +93,9 @@ class Config:
     handlers: dict[str, str] = field(default_factory=dict)
     lanes: dict[str, LaneConfig] = field(default_factory=dict)
     schedules: tuple[ScheduleConfig, ...] = ()
-    max_payload_bytes: int = 1024 * 1024
+    # The database holds the limit every entry point enforces; `jobd migrate` writes this
+    # there when the file sets it (None: leave the database's as it is).
+    max_payload_bytes: int | None = None
     worker_timeout: float = 30.0
     shutdown_timeout: float = 30.0
     duty_interval: float = 10.0
@@ -379,7 +381,7 @@ def _build(root: _Located, path: str | None) -> Config:
         lanes=lanes,
         schedules=tuple(schedules),
         max_payload_bytes=limits.take(
-            "max_payload_bytes", _int_between(1, 256 * 1024 * 1024), 1024 * 1024),
+            "max_payload_bytes", _int_between(1, 256 * 1024 * 1024), None),
         worker_timeout=supervisor.take("worker_timeout", _positive_duration, 30.0),
         shutdown_timeout=supervisor.take("shutdown_timeout", _positive_duration, 30.0),
         duty_interval=supervisor.take("duty_interval", _positive_duration, 10.0),
@@ -449,9 +451,26 @@ def parse(text: str, source: str = "<config>") -> Config:
 
 
 def load(path: str | Path) -> Config:
-    """Read and validate the configuration file at ``path``."""
+    """Read and validate the configuration file at ``path``.
+
+    Whatever is wrong with the file, missing, a directory, not UTF-8, nested beyond what the
+    parser can follow, is a :class:`ConfigError` naming it: the CLI exits 2 on it and a
+    daemon's reload refuses the file and keeps its running config.
+    """
     try:
-        text = Path(path).read_text("utf-8")
+        data = Path(path).read_bytes()
     except OSError as exc:
-        raise ConfigError(f"{path}: cannot read the configuration: {exc.strerror}") from None
-    return parse(text, str(path))
+        raise ConfigError(f"{path}: cannot read the configuration: "
+                          f"{exc.strerror or exc}") from None
+    except ValueError as exc:  # a path with a NUL character
+        raise ConfigError(f"{path!r}: cannot read the configuration: {exc}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise ConfigError(f"{path}:{line}: the configuration is not UTF-8 text (byte "
+                          f"0x{data[exc.start]:02x} at offset {exc.start})") from None
+    try:
+        return parse(text, str(path))
+    except RecursionError:
+        raise ConfigError(f"{path}: the configuration is nested too deeply") from None

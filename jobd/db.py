@@ -17,6 +17,8 @@ from jobd.errors import DatabaseUnavailable, UsageError
 DEFAULT_SCHEMA = "jobd"
 DEFAULT_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
 CONNECT_TIMEOUT_SECONDS = 5
+KEEPALIVE = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5,
+             "keepalives_count": 3, "tcp_user_timeout": 30_000}
 
 _SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 
@@ -35,17 +37,31 @@ def resolve_url(cli_url: str | None, config_url: str | None) -> str:
     return cli_url or os.environ.get("JOBD_DATABASE_URL") or config_url or DEFAULT_URL
 
 
-def conninfo(url: str, schema: str, application_name: str = "jobd") -> str:
+def conninfo(url: str, schema: str | None, application_name: str = "jobd") -> str:
+    """Connection parameters for ``url``. With a ``schema``, the connection's search_path is
+    that schema alone (jobd's own connections: they see only jobd's objects and pg_catalog);
+    with None it is left to the server, database and role defaults (handlers' connections)."""
     try:
         params = conninfo_to_dict(url)
     except psycopg.ProgrammingError as exc:
         raise UsageError(f"invalid database URL: {first_line(exc)}") from None
     params.setdefault("application_name", application_name)
     params.setdefault("connect_timeout", CONNECT_TIMEOUT_SECONDS)
-    # search_path without public: a jobd connection sees only jobd's objects and pg_catalog.
-    options = params.get("options", "")
-    params["options"] = f"{options} -c search_path={validate_schema(schema)}".strip()
+    # A peer that vanished without closing (a partition, a frozen host) must not hold a
+    # blocking call for the kernel's default of hours: keepalives notice it in about 25 s,
+    # and unacknowledged writes give up after 30 s.
+    for key, value in KEEPALIVE.items():
+        params.setdefault(key, value)
+    if schema is not None:
+        options = params.get("options", "")
+        params["options"] = f"{options} -c search_path={validate_schema(schema)}".strip()
     return make_conninfo(**params)
+
+
+def connection_lost(conn: psycopg.Connection) -> bool:
+    """Whether a failed statement took ``conn`` with it. A deadlock, a serialization
+    failure or a timeout is an OperationalError too, but leaves the connection usable."""
+    return conn.closed or conn.broken
 
 
 def connect(

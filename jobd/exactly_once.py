@@ -21,8 +21,9 @@ from typing import Any, Literal
 
 import psycopg
 
-from jobd.queries import query
-from jobd.queue import Job, complete
+from jobd.db import DEFAULT_SCHEMA
+from jobd.queries import qualified
+from jobd.queue import Job, complete, handler_application_name
 
 
 class LeaseLost(Exception):
@@ -30,15 +31,26 @@ class LeaseLost(Exception):
 
 
 def run_transactional(
-    conn: psycopg.Connection, job: Job, handler: Callable[[Job, psycopg.Connection], Any]
+    conn: psycopg.Connection, job: Job, handler: Callable[[Job, psycopg.Connection], Any],
+    schema: str = DEFAULT_SCHEMA, timeout: float | None = None,
 ) -> Literal["done", "replayed"]:
     """Run ``handler(job, conn)`` exactly-once-in-effect; raises LeaseLost or the handler's
-    exception (after rolling back)."""
+    exception (after rolling back).
+
+    ``conn`` keeps the search_path of its role and database, so the handler's statements
+    resolve as the user writes them; jobd's own statements here name ``schema`` themselves.
+    The transaction carries the job's lease in its ``application_name`` (a lease sweep that
+    finds the lease expired terminates it) and, with a ``timeout``, is bounded by the server
+    too: no statement and no idle spell inside it may last longer.
+    """
     with conn.transaction():
-        first = conn.execute(query("record_effect_key"),
-                             {"key": job.effect_key, "job_id": job.id}).fetchone()
+        first = conn.execute(qualified("record_effect_key", schema), {
+            "key": job.effect_key, "job_id": job.id,
+            "application_name": handler_application_name(job.lease),
+            "timeout_ms": str(round(timeout * 1000)) if timeout else "0",
+        }).fetchone()
         if first is not None:
             handler(job, conn)
-        if not complete(conn, [job.lease]).applied:
+        if not complete(conn, [job.lease], schema=schema).applied:
             raise LeaseLost(f"job {job.id}: lease lost before commit; effect rolled back")
     return "done" if first is not None else "replayed"

@@ -37,10 +37,10 @@ def record_order(job: Job, conn: psycopg.Connection) -> None:
     Payload: {"order": 123, "email": "a@example.com"}.
     """
     conn.execute(
-        "CREATE TABLE IF NOT EXISTS public.jobd_example_orders "
+        "CREATE TABLE IF NOT EXISTS jobd_example_orders "
         "(effect_key text, order_id bigint, recorded_at timestamptz DEFAULT now())")
     payload = job.payload or {}
-    conn.execute("INSERT INTO public.jobd_example_orders (effect_key, order_id) VALUES (%s, %s)",
+    conn.execute("INSERT INTO jobd_example_orders (effect_key, order_id) VALUES (%s, %s)",
                  (job.effect_key, payload.get("order")))
     outbox.add(conn, job, "mail", {"to": payload.get("email"), "order": payload.get("order")})
 

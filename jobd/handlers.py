@@ -13,6 +13,8 @@ import inspect
 import json
 import subprocess
 import sys
+import tempfile
+import time
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -64,26 +66,78 @@ def resolve_all(paths: Mapping[str, str]) -> dict[str, ResolvedHandler]:
     return {name: resolve(name, path) for name, path in paths.items()}
 
 
+class HandlerCheck:
+    """``python -m jobd.handlers`` importing ``paths`` in a fresh interpreter, in the
+    background: the supervisor's loop polls it instead of waiting, so a slow import never
+    holds up the running lanes. Output goes to temporary files, not pipes, so user code that
+    prints a lot at import cannot block on a full pipe."""
+
+    def __init__(self, paths: Mapping[str, str], timeout: float = 60.0) -> None:
+        self.timeout = timeout
+        self.deadline = time.monotonic() + timeout
+        # Closed by _close() once the verdict is read; the check outlives this call.
+        self._stdout = tempfile.TemporaryFile("w+")  # noqa: SIM115
+        self._stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115
+        with tempfile.TemporaryFile("w+") as stdin:
+            stdin.write(json.dumps(dict(paths)))
+            stdin.seek(0)
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "jobd.handlers"], stdin=stdin, stdout=self._stdout,
+                stderr=self._stderr, text=True)
+        self.problems: list[str] | None = None
+
+    def poll(self) -> list[str] | None:
+        """None while it runs; then one message per handler that cannot be imported."""
+        if self.problems is not None:
+            return self.problems
+        if self.process.poll() is None:
+            if time.monotonic() < self.deadline:
+                return None
+            self.cancel()
+            self.problems = [f"importing the handlers took longer than {self.timeout:g}s"]
+            return self.problems
+        self.problems = self._verdict()
+        self._close()
+        return self.problems
+
+    def wait(self) -> list[str]:
+        try:
+            self.process.wait(max(0.0, self.deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        problems = self.poll()
+        return problems if problems is not None else self.cancel()
+
+    def cancel(self) -> list[str]:
+        self.process.kill()
+        self.process.wait()
+        self._close()
+        self.problems = self.problems or ["the handler check was cancelled"]
+        return self.problems
+
+    def _verdict(self) -> list[str]:
+        self._stdout.seek(0)
+        self._stderr.seek(0)
+        lines = self._stdout.read().strip().splitlines()
+        try:
+            problems = json.loads(lines[-1]) if lines else None
+            if not isinstance(problems, list):
+                raise ValueError
+        except ValueError:
+            tail = (self._stderr.read().strip().splitlines() or ["no output"])[-1]
+            return [f"the handler check failed (exit code {self.process.returncode}): {tail}"]
+        return [str(problem) for problem in problems]
+
+    def _close(self) -> None:
+        self._stdout.close()
+        self._stderr.close()
+
+
 def check_in_subprocess(paths: Mapping[str, str], timeout: float = 60.0) -> list[str]:
-    """Import every handler in a fresh interpreter; returns one message per failure."""
+    """Import every handler in a fresh interpreter and wait; one message per failure."""
     if not paths:
         return []
-    try:
-        result = subprocess.run(
-            [sys.executable, "-m", "jobd.handlers"], input=json.dumps(dict(paths)),
-            capture_output=True, text=True, timeout=timeout,
-        )
-    except subprocess.TimeoutExpired:
-        return [f"importing the handlers took longer than {timeout:g}s"]
-    lines = result.stdout.strip().splitlines()
-    try:
-        problems = json.loads(lines[-1]) if lines else None
-        if not isinstance(problems, list):
-            raise ValueError
-    except ValueError:
-        tail = (result.stderr.strip().splitlines() or ["no output"])[-1]
-        return [f"the handler check failed (exit code {result.returncode}): {tail}"]
-    return [str(problem) for problem in problems]
+    return HandlerCheck(paths, timeout).wait()
 
 
 def _check_main() -> int:

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any
 
 import psycopg
 from psycopg.rows import dict_row
+from psycopg.types.string import TextLoader
 
 from jobd.queries import query
 
-JOB_STATES = ("pending", "claimed", "done", "failed", "dead")
+JOB_STATES = ("pending", "claimed", "done", "failed", "dead", "cancelled")
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,9 +84,41 @@ def lane_rates(nodes: list[NodeStatus]) -> dict[str, dict[str, float]]:
     return total
 
 
+def live_workers(nodes: list[NodeStatus]) -> dict[str, int]:
+    """Workers per lane summed over the live nodes; a lane missing here has none."""
+    total: dict[str, int] = {}
+    for node in nodes:
+        for lane, count in node.workers.items():
+            if count > 0:
+                total[lane] = total.get(lane, 0) + count
+    return total
+
+
 def get_job(conn: psycopg.Connection, job_id: int) -> dict[str, Any] | None:
+    """One job, live, finished or dead, with its error history.
+
+    ``payload`` is the decoded payload and ``payload_text`` its JSON text as stored. A
+    payload that PostgreSQL accepted but Python cannot decode (nested too deeply, an integer
+    of more than 4300 digits) must still be shown: then ``payload`` is None and
+    ``payload_problem`` says why (it is None otherwise).
+    """
     with conn.cursor(row_factory=dict_row) as cur:
-        return cur.execute(query("get_job"), {"id": job_id}).fetchone()
+        # The JSON columns come back as text, decoded below where a failure can be handled.
+        cur.adapters.register_loader("jsonb", TextLoader)
+        cur.adapters.register_loader("json", TextLoader)
+        job = cur.execute(query("get_job"), {"id": job_id}).fetchone()
+    if job is None:
+        return None
+    job["errors"] = json.loads(job["errors"])
+    text = job["payload"]
+    job["payload_text"], job["payload_problem"] = text, None
+    try:
+        job["payload"] = json.loads(text)
+    except RecursionError:
+        job["payload"], job["payload_problem"] = None, "nested too deeply to decode"
+    except ValueError as exc:
+        job["payload"], job["payload_problem"] = None, f"cannot be decoded: {exc}"
+    return job
 
 
 def list_jobs(

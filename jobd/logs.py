@@ -1,9 +1,16 @@
-"""Structured logging: JSON lines when stderr is not a terminal, readable text when it is."""
+"""Structured logging: JSON lines when stderr is not a terminal, readable text when it is.
+
+In a worker, what handlers print and what they log through the standard ``logging`` module
+becomes records of the same stream (:func:`capture_handler_output`), so an operator reading
+the JSON lines never meets raw text between them, and each record names its job.
+"""
 
 from __future__ import annotations
 
+import io
 import logging
 import sys
+import threading
 from collections.abc import MutableMapping
 from typing import Any
 
@@ -43,3 +50,64 @@ def configure(level: str = "info", **static: object) -> None:
         logger_factory=structlog.WriteLoggerFactory(sys.stderr),
         cache_logger_on_first_use=True,
     )
+
+
+_STDLIB_LEVELS = {logging.DEBUG: "debug", logging.INFO: "info", logging.WARNING: "warning",
+                  logging.ERROR: "error", logging.CRITICAL: "critical"}
+
+
+class _ToStructlog(logging.Handler):
+    """Standard-library log records, re-emitted as structlog events."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            message = record.getMessage()
+            fields: dict[str, Any] = {"logger": record.name}
+            if record.exc_info:
+                fields["exception"] = "".join(
+                    logging.Formatter().formatException(record.exc_info))
+            level = _STDLIB_LEVELS.get(record.levelno, "info")
+            getattr(structlog.get_logger(record.name), level)(message, **fields)
+        except Exception:
+            self.handleError(record)
+
+
+class _LineWriter(io.TextIOBase):
+    """A text stream whose complete lines become log records (``stream``: stdout/stderr).
+
+    Each thread keeps its own partial line, so two handlers printing at once do not mix.
+    """
+
+    def __init__(self, stream: str) -> None:
+        self.stream = stream
+        self._partial = threading.local()
+        self._log = structlog.get_logger("jobd.handler_output")
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        pending = getattr(self._partial, "text", "") + text
+        *lines, self._partial.text = pending.split("\n")
+        for line in lines:
+            self._log.info(line, stream=self.stream)
+        return len(text)
+
+    def flush(self) -> None:
+        pending = getattr(self._partial, "text", "")
+        if pending:
+            self._partial.text = ""
+            self._log.info(pending, stream=self.stream)
+
+
+def capture_handler_output(level: str) -> None:
+    """Route print() and standard logging of user code into this process's structured log.
+
+    Call after :func:`configure`: structlog writes to the stderr it was configured with,
+    which stays the real one.
+    """
+    root = logging.getLogger()
+    root.handlers = [_ToStructlog()]
+    root.setLevel(logging.getLevelName(level.upper()))
+    sys.stdout = _LineWriter("stdout")
+    sys.stderr = _LineWriter("stderr")

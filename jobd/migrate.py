@@ -56,14 +56,21 @@ CREATE TABLE IF NOT EXISTS schema_migrations (
 _APPLIED = "SELECT version, name, checksum FROM schema_migrations ORDER BY version"
 _RECORD = "INSERT INTO schema_migrations (version, name, checksum) VALUES (%s, %s, %s)"
 _PARTITIONS = "SELECT ensure_archive_partitions()"
+_SET_PAYLOAD_LIMIT = ("UPDATE settings SET value = to_jsonb(%s::bigint)"
+                      " WHERE name = 'max_payload_bytes'")
 
 
 class MigrationMismatch(RuntimeError):
     """An applied migration differs from the file that ships now."""
 
 
-def migrate(conn: psycopg.Connection, schema: str) -> list[Migration]:
-    """Bring ``schema`` up to date; returns the migrations this call applied."""
+def migrate(conn: psycopg.Connection, schema: str, *,
+            max_payload_bytes: int | None = None) -> list[Migration]:
+    """Bring ``schema`` up to date; returns the migrations this call applied.
+
+    ``max_payload_bytes`` (the config's ``limits.max_payload_bytes``), when given, becomes the
+    database's payload limit, which every entry point enforces.
+    """
     validate_schema(schema)
     applied_now: list[Migration] = []
     with conn.transaction():
@@ -85,4 +92,6 @@ def migrate(conn: psycopg.Connection, schema: str) -> list[Migration]:
             applied_now.append(migration)
         # Archive partitions are dated; every migrate run tops them up.
         conn.execute(_PARTITIONS)
+        if max_payload_bytes is not None:
+            conn.execute(_SET_PAYLOAD_LIMIT, (max_payload_bytes,))
     return applied_now

@@ -19,8 +19,9 @@ from typing import Any
 import psycopg
 from psycopg.types.json import Jsonb
 
+from jobd.db import DEFAULT_SCHEMA
 from jobd.handlers import transactional
-from jobd.queries import query
+from jobd.queries import qualified
 from jobd.queue import Job
 
 DELIVERY_HANDLER = "jobd.outbox"
@@ -44,14 +45,16 @@ class _Settings:
 
     senders: dict[str, Sender]
     lane: str
+    schema: str  # handlers' connections keep the user's search_path: statements name it
 
 
-_settings = _Settings({}, "outbox")
+_settings = _Settings({}, "outbox", DEFAULT_SCHEMA)
 
 
-def install(senders: Mapping[str, Sender], lane: str) -> None:
+def install(senders: Mapping[str, Sender], lane: str, schema: str = DEFAULT_SCHEMA) -> None:
     _settings.senders = dict(senders)
     _settings.lane = lane
+    _settings.schema = schema
 
 
 def add(conn: psycopg.Connection, job: Job, sender: str, payload: Any, *,
@@ -63,7 +66,7 @@ def add(conn: psycopg.Connection, job: Job, sender: str, payload: Any, *,
     The delivery job goes to the configured ``outbox.lane``.
     """
     entry_key = key if key is not None else f"{job.effect_key}:{sender}"
-    row = conn.execute(query("outbox_add"), {
+    row = conn.execute(qualified("outbox_add", _settings.schema), {
         "key": entry_key, "sender": sender, "payload": Jsonb(payload), "lane": _settings.lane,
         "source_job_id": job.id,
     }).fetchone()
@@ -74,7 +77,7 @@ def add(conn: psycopg.Connection, job: Job, sender: str, payload: Any, *,
 @transactional
 def deliver(job: Job, conn: psycopg.Connection) -> None:
     """The delivery job: hand the entry to its sender, then mark it delivered."""
-    row = conn.execute(query("outbox_entry_for_delivery"),
+    row = conn.execute(qualified("outbox_entry_for_delivery", _settings.schema),
                        {"id": job.payload["outbox_id"]}).fetchone()
     if row is None:
         raise LookupError(f"outbox entry {job.payload['outbox_id']} does not exist")
@@ -86,4 +89,4 @@ def deliver(job: Job, conn: psycopg.Connection) -> None:
         raise LookupError(f"no outbox sender named {sender_name!r} on this worker "
                           "(config outbox.senders)")
     sender(OutboxEntry(entry_id, key, sender_name, payload, job.attempt))
-    conn.execute(query("outbox_delivered"), {"id": entry_id})
+    conn.execute(qualified("outbox_delivered", _settings.schema), {"id": entry_id})

@@ -1,8 +1,11 @@
 """Named SQL statements, loaded once from ``jobd/sql/queries.sql``.
 
-Each block starts with ``-- name: <name>``. Queries whose name ends in ``_qualified`` run on
-connections jobd does not own (a caller's transaction) and carry a ``{schema}`` placeholder that
-is filled with :class:`psycopg.sql.Identifier`; all others rely on the connection's search_path.
+Each block starts with ``-- name: <name>``. Most rely on the connection's search_path (jobd's
+own connections set it to the jobd schema). Statements that also run on connections jobd does
+not own (a caller's transaction, a transactional handler's) name jobd's objects as
+``{schema}.name``: :func:`qualified` fills the placeholder with a
+:class:`psycopg.sql.Identifier`, and :func:`query` drops it for jobd's own connections, so one
+text serves both. Blocks whose name ends in ``_qualified`` run only qualified.
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ def _parse(text: str) -> dict[str, str]:
     return queries
 
 
+_SCHEMA_PREFIX = "{schema}."
+
+
 @functools.cache
 def _all() -> dict[str, str]:
     return _parse(resources.files("jobd.sql").joinpath("queries.sql").read_text("utf-8"))
@@ -36,9 +42,12 @@ def names() -> list[str]:
     return sorted(_all())
 
 
+@functools.cache
 def query(name: str) -> str:
     """The text of a named query for a connection whose search_path is the jobd schema."""
-    return _all()[name]
+    if name.endswith("_qualified"):
+        raise KeyError(f"{name!r} runs only schema-qualified; use qualified()")
+    return _all()[name].replace(_SCHEMA_PREFIX, "")
 
 
 @functools.cache
@@ -46,8 +55,8 @@ def qualified(name: str, schema: str) -> sql.Composed:
     """A named query with ``{schema}`` bound to ``schema`` as an identifier and
     ``{job_id_seq}`` to the regclass literal of its job id sequence (a constant, so the
     planner resolves it once rather than per row)."""
-    if not name.endswith("_qualified"):
-        raise KeyError(f"{name!r} is not a schema-qualified query")
+    if "{schema}" not in _all()[name]:
+        raise KeyError(f"{name!r} has no {{schema}} placeholder to qualify")
     sequence = sql.SQL("{}::regclass").format(
         sql.Literal(sql.Identifier(schema, "job_id_seq").as_string()))
     return sql.SQL(_all()[name]).format(schema=sql.Identifier(schema), job_id_seq=sequence)

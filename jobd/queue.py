@@ -11,7 +11,6 @@ the clock without sleeping; production code passes nothing.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -20,30 +19,19 @@ from typing import Any, NamedTuple
 import psycopg
 from psycopg.types.json import Jsonb
 
-from jobd import fastpath
+from jobd import fastpath, validation
 from jobd.backoff import RetryPolicy
 from jobd.db import DEFAULT_SCHEMA
 from jobd.queries import qualified, query
 
-# Keys of jobd's own making (schedule occurrences, outbox deliveries, keys derived from job
-# ids) start with this; callers' keys may not, so the two can never collide.
-RESERVED_KEY_PREFIX = "jobd:"
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
-
-
-def validate_name(kind: str, value: object) -> str:
-    """Lane and handler names: 1-128 of letters, digits and ``_ . : -``."""
-    if not isinstance(value, str) or not _NAME.match(value):
-        raise ValueError(
-            f"invalid {kind} name {value!r}: use 1-128 letters, digits and _ . : - "
-            "(starting with a letter or digit)"
-        )
-    return value
-
 
 @dataclass(frozen=True, slots=True)
 class JobSpec:
-    """One job to enqueue; the arguments of :func:`enqueue` as a value."""
+    """One job to enqueue; the arguments of :func:`enqueue` as a value.
+
+    ``payload`` is any JSON value and reaches the handler exactly as given (``None`` is a
+    JSON null); leaving it out gives ``{}``.
+    """
 
     handler: str
     payload: Any = field(default_factory=dict)
@@ -54,25 +42,30 @@ class JobSpec:
     max_attempts: int | None = None
 
     def validated(self) -> JobSpec:
-        validate_name("handler", self.handler)
-        validate_name("lane", self.lane)
-        if self.run_at is not None and self.run_at.utcoffset() is None:
-            raise ValueError("run_at must be timezone-aware (a naive datetime is ambiguous)")
+        """This spec, or ValueError naming the first rule it breaks (jobd.validation)."""
+        self.encoded_payload()
+        return self
+
+    def encoded_payload(self) -> str:
+        """Check every rule; return the payload as the JSON text to store."""
+        validation.name("handler", self.handler)
+        validation.name("lane", self.lane)
+        if self.run_at is not None:
+            validation.run_at(self.run_at)
         if not isinstance(self.priority, int) or not -(2**31) <= self.priority < 2**31:
             raise ValueError(f"priority must be a 32-bit integer, not {self.priority!r}")
         if self.max_attempts is not None and (
             not isinstance(self.max_attempts, int) or not 1 <= self.max_attempts < 2**31
         ):
             raise ValueError(f"max_attempts must be a positive integer, not {self.max_attempts!r}")
-        if self.idempotency_key is not None and (
-            not isinstance(self.idempotency_key, str) or not self.idempotency_key
-        ):
-            raise ValueError("idempotency_key must be a non-empty string")
-        key = self.idempotency_key
-        if key is not None and key.startswith(RESERVED_KEY_PREFIX):
-            raise ValueError(f"idempotency keys starting with {RESERVED_KEY_PREFIX!r} are "
-                             "reserved for jobd's own jobs")
-        return self
+        if self.idempotency_key is not None:
+            validation.idempotency_key(self.idempotency_key)
+        return validation.encode_payload(self.payload)
+
+
+def _stored_json(text: str) -> Jsonb:
+    """Already-encoded JSON text as a jsonb parameter (it is not encoded a second time)."""
+    return Jsonb(text, dumps=str)
 
 
 class Lease(NamedTuple):
@@ -137,7 +130,7 @@ class Job:
         """The decoded payload. Decoded on first use, in the handler's thread, so the worker
         loop that claims batches does not spend its time parsing JSON."""
         if self._payload is _UNDECODED:
-            self._payload = json.loads(self._row[4])
+            self._payload = decode_stored_payload(self._row[4])
         return self._payload
 
     @property
@@ -152,7 +145,7 @@ class Job:
         it in the dedup store.
         """
         key = self._row[9]
-        return key if key is not None else f"{RESERVED_KEY_PREFIX}job:{self._row[0]}"
+        return key if key is not None else f"{validation.RESERVED_KEY_PREFIX}job:{self._row[0]}"
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Job) and self._row == other._row
@@ -183,6 +176,7 @@ class Failure:
     error: str
     retry_delay: float
     default_max_attempts: int
+    final: bool = False  # dead at once: retrying cannot help
 
 
 @dataclass(slots=True)
@@ -219,6 +213,11 @@ def _bigint_array(values: Iterable[int]) -> str:
     return "{" + ",".join(map("%d".__mod__, values)) + "}"
 
 
+def _bool_array(values: Iterable[bool]) -> str:
+    """A ``bool[]`` parameter as its text literal (see _bigint_array)."""
+    return "{" + ",".join("t" if value else "f" for value in values) + "}"
+
+
 def _lease_arrays(leases: Sequence[Lease]) -> dict[str, str]:
     return {"ids": _bigint_array(lease.id for lease in leases),
             "tokens": _bigint_array(lease.token for lease in leases)}
@@ -227,10 +226,13 @@ def _lease_arrays(leases: Sequence[Lease]) -> dict[str, str]:
 # --- enqueue -------------------------------------------------------------------------------
 
 
+_NO_PAYLOAD: Any = object()
+
+
 def enqueue(
     conn: psycopg.Connection,
     handler: str,
-    payload: Any = None,
+    payload: Any = _NO_PAYLOAD,
     *,
     lane: str = "default",
     run_at: datetime | None = None,
@@ -246,20 +248,26 @@ def enqueue(
     It is durable when the caller's transaction commits (at once on an autocommit
     connection). With an ``idempotency_key`` already used, the first job's id is returned and
     nothing is inserted.
+
+    ``payload`` is any JSON value (``None`` is a JSON null); left out, it is ``{}``. A job
+    that breaks one of jobd's rules (jobd.validation) raises ValueError before anything is
+    sent; the payload size limit is the database's, and a larger payload is refused by the
+    server (psycopg.errors.InvalidParameterValue).
     """
     if run_at is not None and delay is not None:
         raise ValueError("give run_at or delay, not both")
     if delay is not None and not 0 <= delay < 10**9:
         raise ValueError(f"delay must be a non-negative number of seconds, not {delay!r}")
     spec = JobSpec(
-        handler, {} if payload is None else payload, lane, run_at, priority,
+        handler, {} if payload is _NO_PAYLOAD else payload, lane, run_at, priority,
         idempotency_key, max_attempts,
-    ).validated()
+    )
+    encoded = spec.encoded_payload()
     row = conn.execute(
         qualified("enqueue_qualified", schema),
         {
             "handler": spec.handler,
-            "payload": Jsonb(spec.payload),
+            "payload": _stored_json(encoded),
             "lane": spec.lane,
             "run_at": spec.run_at,
             "delay": float(delay or 0),
@@ -284,32 +292,36 @@ def enqueue_many(
     thousands costs a few round trips. Jobs with an idempotency key go through the key ledger
     first; a key already taken (or repeated within the batch) yields the existing job's id.
     """
-    specs = [spec.validated() for spec in specs]
+    encoded = [spec.encoded_payload() for spec in specs]
     if not specs:
         return []
+    largest = max(len(text.encode("utf-8", "surrogatepass")) for text in encoded)
     ids: list[int | None] = [None] * len(specs)
-    to_insert: list[tuple[int, JobSpec]] = []
+    to_insert: list[tuple[int, int]] = []  # (job id, position in specs)
     with conn.transaction():
         keyed = [i for i, spec in enumerate(specs) if spec.idempotency_key is not None]
         unkeyed = [i for i, spec in enumerate(specs) if spec.idempotency_key is None]
         # COPY cannot evaluate now(), so the database clock is read here: within a
         # transaction now() is fixed, the same value the column default would give.
         row = conn.execute(
-            qualified("reserve_ids_qualified", schema), {"count": len(unkeyed)}
+            qualified("reserve_ids_qualified", schema),
+            {"count": len(unkeyed), "largest_payload": largest},
         ).fetchone()
         assert row is not None
-        db_now, fresh = row
+        db_now, fresh, _checked = row
         for position, job_id in zip(unkeyed, fresh, strict=True):
             ids[position] = job_id
-            to_insert.append((job_id, specs[position]))
+            to_insert.append((job_id, position))
         if keyed:
             _resolve_keys(conn, schema, specs, keyed, ids, to_insert)
         with conn.cursor().copy(qualified("copy_jobs_qualified", schema)) as copy:
             copy.set_types(_COPY_TYPES)
-            for job_id, spec in to_insert:
+            for job_id, position in to_insert:
+                spec = specs[position]
                 copy.write_row((
-                    job_id, spec.lane, spec.handler, Jsonb(spec.payload), spec.priority,
-                    spec.run_at or db_now, spec.idempotency_key, spec.max_attempts,
+                    job_id, spec.lane, spec.handler, _stored_json(encoded[position]),
+                    spec.priority, spec.run_at or db_now, spec.idempotency_key,
+                    spec.max_attempts,
                 ))
     return [int(job_id) for job_id in ids if job_id is not None]
 
@@ -320,7 +332,7 @@ def _resolve_keys(
     specs: Sequence[JobSpec],
     keyed: Sequence[int],
     ids: list[int | None],
-    to_insert: list[tuple[int, JobSpec]],
+    to_insert: list[tuple[int, int]],
 ) -> None:
     keys = list(dict.fromkeys(specs[i].idempotency_key for i in keyed))
     reserved = dict(
@@ -339,7 +351,7 @@ def _resolve_keys(
         if key in reserved:
             ids[position] = reserved.pop(key)
             existing[key] = ids[position]
-            to_insert.append((ids[position], specs[position]))
+            to_insert.append((ids[position], position))
         else:
             ids[position] = existing[key]
 
@@ -355,6 +367,17 @@ class ClaimRequest:
     worker: str
     limit: int
     visibility_timeout: float
+    # The worker holds nothing: try the lane's oldest due suspect first (claim_suspect);
+    # with one claimed, the claim of other jobs in the same transaction takes none.
+    suspect_first: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    """What one claim took: jobs to run side by side, or a suspect to run alone."""
+
+    jobs: list[Job]
+    suspect: Job | None = None
 
 
 def _claim_params(request: ClaimRequest, now: datetime | None) -> dict[str, Any]:
@@ -382,7 +405,7 @@ def claim(
 
 # Claimed rows come back in binary: their three timestamps are cheaper to send and to parse as
 # 8-byte integers than as text, on both sides of the connection.
-_BINARY_RESULTS = frozenset({"claim_jobs"})
+_BINARY_RESULTS = frozenset({"claim_jobs", "claim_suspect"})
 
 
 def heartbeat(
@@ -402,12 +425,15 @@ def heartbeat(
 
 
 def complete(
-    conn: psycopg.Connection, leases: Sequence[Lease], now: datetime | None = None
+    conn: psycopg.Connection, leases: Sequence[Lease], now: datetime | None = None,
+    *, schema: str | None = None,
 ) -> WriteOutcome:
-    """Mark a batch done: the rows move to the archive in one statement."""
+    """Mark a batch done: the rows move to the archive in one statement. With ``schema``,
+    the statement names jobd's tables itself (a connection with the user's search_path)."""
     if not leases:
         return WriteOutcome([], [])
-    rows = conn.execute(query("complete_jobs"), {**_lease_arrays(leases), "now": now}).fetchall()
+    statement = query("complete_jobs") if schema is None else qualified("complete_jobs", schema)
+    rows = conn.execute(statement, {**_lease_arrays(leases), "now": now}).fetchall()
     return _fenced_outcome(leases, (row[0] for row in rows))
 
 
@@ -418,6 +444,7 @@ def _fail_params(failures: Sequence[Failure], now: datetime | None,
         "errors": [f.error for f in failures],
         "delays": [float(f.retry_delay) for f in failures],
         "default_max_attempts": [f.default_max_attempts for f in failures],
+        "final": _bool_array(f.final for f in failures),
         "expired_only": expired_only,
         "now": now,
     }
@@ -461,7 +488,7 @@ def settle_and_claim(
     failures: Sequence[Failure],
     request: ClaimRequest | None,
     now: datetime | None = None,
-) -> tuple[WriteOutcome, FailOutcome, list[Job]]:
+) -> tuple[WriteOutcome, FailOutcome, Claimed]:
     """:func:`complete`, :func:`fail` and :func:`claim` in one network round trip.
 
     This is the worker's hot path: the results of finished jobs go out with the request for
@@ -479,9 +506,11 @@ def settle_and_claim(
             steps.append(("fail_jobs", _fail_params(failures, now, False)))
         steps.append((fastpath.COMMIT, None))
     if request is not None:
+        if request.suspect_first:
+            steps.append(("claim_suspect", _claim_params(request, now)))
         steps.append(("claim_jobs", _claim_params(request, now)))
     if not steps:
-        return WriteOutcome([], []), FailOutcome(), []
+        return WriteOutcome([], []), FailOutcome(), Claimed([])
     results = iter(fastpath.run(conn, steps, binary=_BINARY_RESULTS))
     if completions or failures:
         next(results)  # BEGIN
@@ -490,7 +519,10 @@ def settle_and_claim(
     failed = _fail_outcome(failures, next(results)) if failures else FailOutcome()
     if completions or failures:
         next(results)  # COMMIT
-    return completed, failed, _jobs(next(results)) if request is not None else []
+    if request is None:
+        return completed, failed, Claimed([])
+    suspects = _jobs(next(results)) if request.suspect_first else []
+    return completed, failed, Claimed(_jobs(next(results)), suspects[0] if suspects else None)
 
 
 def release(
@@ -547,21 +579,59 @@ def expire_leases(
     that renews its lease between the scan and the write keeps its job.
     """
     rows = conn.execute(query("expired_leases"), {"now": now, "limit": limit}).fetchall()
-    return _fail_rows(
+    outcome = _fail_rows(
         conn, rows, lambda worker: f"lease expired (held by {worker})", policy_for, now, True
     )
+    swept = set(outcome.retried) | set(outcome.dead)
+    stale = [Lease(row[0], row[1]) for row in rows if row[0] in swept]
+    if stale:
+        # The holder of an expired lease is stale by definition. If it is a transactional
+        # handler frozen with its transaction open, it still holds the locks the job's next
+        # run needs (its effect key, its writes): end that transaction now.
+        conn.execute(query("terminate_stale_handlers"),
+                     {"names": [handler_application_name(lease) for lease in stale]})
+    return outcome
 
 
-def fail_jobs_held_by(
+def handler_application_name(lease: Lease) -> str:
+    """What a transactional handler's backend is called while it runs the leased job."""
+    return f"jobd job {lease.id}:{lease.token}"
+
+
+@dataclass(slots=True)
+class CrashOutcome:
+    """What crash attribution did with a dead worker's jobs."""
+
+    failed: FailOutcome  # the job that killed its worker alone: an attempt spent
+    suspects: list[int]  # several jobs held: each gets its attempt back and runs alone
+
+
+def settle_crashed_worker(
     conn: psycopg.Connection,
     worker: str,
     error: str,
     policy_for: PolicyLookup,
     now: datetime | None = None,
-) -> FailOutcome:
-    """Fail every job ``worker`` holds at once, e.g. when its process was seen to die."""
-    rows = conn.execute(query("jobs_held_by"), {"worker": worker}).fetchall()
-    return _fail_rows(conn, rows, lambda _worker: error, policy_for, now, False)
+) -> CrashOutcome:
+    """Crash attribution for a worker process that died, in one transaction.
+
+    Alone, the job it held killed it: that job spends an attempt (retried after its backoff,
+    dead when its budget is spent) and stays a suspect, so its retries run alone. Holding
+    several, nothing says which one killed it: all of them get their attempt back and
+    become suspects, each run alone by an idle worker (claim_suspect) until the one that
+    kills its worker is found. So only the poison spends its budget, never its neighbours.
+    """
+    with conn.transaction():
+        rows = conn.execute(query("jobs_held_by"), {"worker": worker}).fetchall()
+        if len(rows) > 1:
+            leases = [Lease(row[0], row[1]) for row in rows]
+            released = conn.execute(query("release_as_suspects"),
+                                    _lease_arrays(leases)).fetchall()
+            return CrashOutcome(FailOutcome(), sorted(row[0] for row in released))
+        failed = _fail_rows(conn, rows, lambda _worker: error, policy_for, now, False)
+        if failed.retried:
+            conn.execute(query("mark_suspect"), {"ids": _bigint_array(failed.retried)})
+        return CrashOutcome(failed, [])
 
 
 def fail_claims_not_held(conn: psycopg.Connection, worker: str, held: Iterable[Lease],
@@ -580,9 +650,31 @@ def fail_claims_not_held(conn: psycopg.Connection, worker: str, held: Iterable[L
     return _fail_rows(conn, orphans, lambda _worker: error, policy_for, now, False)
 
 
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
 def decode_payload(text: str) -> Any:
     """Parse a JSON payload given as text (CLI input); ValueError names the problem."""
     try:
-        return json.loads(text)
+        return json.loads(text, parse_constant=_refuse_constant)
     except json.JSONDecodeError as exc:
         raise ValueError(f"payload is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ValueError("payload is not usable JSON: it is nested too deeply "
+                         f"(at most {validation.MAX_PAYLOAD_DEPTH} levels)") from None
+    except ValueError as exc:  # NaN/Infinity, or an integer too long to convert
+        raise ValueError(f"payload is not usable JSON: {exc}") from None
+
+
+class UndecodablePayload(ValueError):
+    """A stored payload the worker cannot decode (written past jobd's entry rules)."""
+
+
+def decode_stored_payload(text: str) -> Any:
+    """A claimed job's payload from its JSON text, or UndecodablePayload."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise UndecodablePayload(
+            f"the payload cannot be decoded ({type(exc).__name__}: {exc})") from None

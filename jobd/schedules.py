@@ -8,6 +8,12 @@ but how long to sleep.
 Catch-up after downtime, per schedule: ``latest`` fires the newest missed occurrence once,
 ``all`` fires every missed occurrence (at most :data:`CATCHUP_ALL_LIMIT`, the newest),
 ``none`` fires only occurrences less than :data:`NONE_GRACE` late.
+
+Ownership: each supervisor instance declares the schedules of its config (:func:`sync`) and
+keeps the declarations live from its duty pass (:func:`refresh`); a leaving instance withdraws
+them (:func:`withdraw`). A schedule fires while it is enabled (the operator's flag,
+:func:`set_enabled`) and any live instance declares it. Differing definitions of one id are
+reported as conflicts; the stored one changes only once no live instance declares it.
 """
 
 from __future__ import annotations
@@ -29,6 +35,13 @@ NONE_GRACE = timedelta(seconds=60)
 # The ledger must outlive any occurrence a late node could still compute; the cursor
 # already stops recomputation, so this is a second line of defence with a wide margin.
 LEDGER_RETENTION = timedelta(days=90)
+# A declaration outlives a few missed duty passes, and at least a floor that covers a
+# supervisor loop held up by a reload's import check or a slow statement: expiring early
+# would let another node adopt its definition while this one still runs.
+DECLARATION_TTL_DUTY_PASSES = 3
+DECLARATION_TTL_FLOOR = 15.0
+# Expired declarations (of instances that died without leaving) are deleted this long after.
+DECLARATION_PRUNE_AFTER = timedelta(hours=1)
 
 log = structlog.get_logger("jobd.schedules")
 
@@ -62,21 +75,139 @@ class TickResult:
     next_fire_at: datetime | None = None
 
 
-def sync(conn: psycopg.Connection, schedules: Sequence[ScheduleConfig],
-         now: datetime | None = None) -> list[str]:
-    """Write the configured schedules; disable the ones no longer configured (returned)."""
+@dataclass(frozen=True, slots=True)
+class Conflict:
+    """Live instances disagree on a schedule's definition; the stored one is kept."""
+
+    schedule_id: str
+    stored_by: tuple[str, ...]  # live instances declaring the stored definition
+    differing: tuple[str, ...]  # live instances declaring another one
+
+
+@dataclass(slots=True)
+class SyncResult:
+    created: list[str] = field(default_factory=list)
+    changed: list[str] = field(default_factory=list)  # stored definition replaced
+    withdrawn: list[str] = field(default_factory=list)  # no longer declared by this instance
+    conflicts: list[Conflict] = field(default_factory=list)
+
+
+def declaration_ttl(duty_interval: float) -> float:
+    """Seconds a declaration stays live without a refresh, for a given duty interval."""
+    return max(DECLARATION_TTL_DUTY_PASSES * duty_interval, DECLARATION_TTL_FLOOR)
+
+
+def definition(schedule: ScheduleConfig) -> dict[str, object]:
+    """A configured schedule as declarations carry it (the SQL ``schedule_definition``)."""
+    return {"cron": schedule.cron, "timezone": schedule.timezone, "handler": schedule.handler,
+            "lane": schedule.lane, "payload": schedule.payload, "priority": schedule.priority,
+            "catchup": schedule.catchup, "overlap": schedule.overlap}
+
+
+def sync(conn: psycopg.Connection, schedules: Sequence[ScheduleConfig], instance: str,
+         ttl: float, now: datetime | None = None) -> SyncResult:
+    """Declare ``instance``'s configured schedules and withdraw its other declarations.
+
+    Creates new schedules; a stored definition changes only when no other live instance
+    still declares it (otherwise the difference is reported in ``conflicts``). Never
+    enables or disables a schedule: that flag is the operator's.
+    """
+    result = SyncResult()
+    ordered = sorted(schedules, key=lambda schedule: schedule.id)
     with conn.transaction():
         # In id order, the order tick() locks them in, so a sync and another node's tick
         # cannot deadlock.
-        for s in sorted(schedules, key=lambda schedule: schedule.id):
-            conn.execute(query("sync_schedule"), {
-                "id": s.id, "cron": s.cron, "timezone": s.timezone, "handler": s.handler,
-                "lane": s.lane, "payload": Jsonb(s.payload), "priority": s.priority,
-                "catchup": s.catchup, "overlap": s.overlap, "now": now,
-            })
-        rows = conn.execute(query("disable_schedules_except"),
-                            {"ids": [s.id for s in schedules]}).fetchall()
-    return [row[0] for row in rows]
+        for s in ordered:
+            row = conn.execute(query("declare_schedule"), {
+                "id": s.id, "instance": instance, "definition": Jsonb(definition(s)),
+                "ttl": ttl, "now": now}).fetchone()
+            assert row is not None
+            if row[0] == "created":
+                result.created.append(s.id)
+            elif row[0] == "changed":
+                result.changed.append(s.id)
+        rows = conn.execute(query("withdraw_schedule_declarations_except"),
+                            {"instance": instance, "ids": [s.id for s in ordered]}).fetchall()
+        result.withdrawn = sorted(row[0] for row in rows)
+        result.conflicts = conflicts(conn, [s.id for s in ordered], now)
+        # Last: it may wait for another instance's refresh of a row it deletes, and a
+        # statement that waits while holding schedule locks must be the final one.
+        conn.execute(query("prune_schedule_declarations"),
+                     {"after": DECLARATION_PRUNE_AFTER.total_seconds(), "now": now})
+    return result
+
+
+def refresh(conn: psycopg.Connection, instance: str, schedules: Sequence[ScheduleConfig],
+            ttl: float, now: datetime | None = None) -> list[str]:
+    """Keep ``instance``'s declarations live; adopt its definitions that no longer conflict.
+
+    Runs in the duty transaction after the tick: it takes no schedule lock that it would
+    have to wait for, so it cannot close a lock cycle with another node's tick or sync.
+    Returns the schedules whose stored definition it replaced.
+    """
+    if not schedules:
+        return []
+    conn.execute(query("refresh_schedule_declarations"), {
+        "instance": instance, "ids": [s.id for s in schedules],
+        "definitions": [Jsonb(definition(s)) for s in schedules], "ttl": ttl, "now": now})
+    changed = []
+    for (schedule_id,) in conn.execute(query("undecided_schedule_declarations"),
+                                       {"instance": instance}).fetchall():
+        row = conn.execute(query("reconcile_schedule"),
+                           {"schedule_id": schedule_id, "now": now, "wait": False}).fetchone()
+        if row is not None and row[0] == "changed":
+            changed.append(schedule_id)
+            log.info("schedule definition changed: no live node declares the previous one",
+                     schedule=schedule_id, instance=instance)
+    return changed
+
+
+def withdraw(conn: psycopg.Connection, instance: str) -> None:
+    """A leaving instance: its schedules no longer count as declared by it."""
+    conn.execute(query("withdraw_schedule_declarations"), {"instance": instance})
+
+
+def conflicts(conn: psycopg.Connection, ids: Sequence[str] | None = None,
+              now: datetime | None = None) -> list[Conflict]:
+    """Schedules (of ``ids``, or all) whose live declarations disagree with the stored one."""
+    rows = conn.execute(query("schedule_conflicts"),
+                        {"ids": None if ids is None else list(ids), "now": now}).fetchall()
+    return [Conflict(schedule_id, tuple(stored_by), tuple(differing))
+            for schedule_id, stored_by, differing in rows]
+
+
+def report_sync(result: SyncResult) -> None:
+    """Log what a sync did; a conflict names the schedule and the instances on each side."""
+    if result.created:
+        log.info("schedules created", schedules=result.created)
+    if result.changed:
+        log.info("schedule definitions changed", schedules=result.changed)
+    if result.withdrawn:
+        log.info("schedules no longer declared by this node", schedules=result.withdrawn)
+    for conflict in result.conflicts:
+        log.warning("schedule definitions differ between live nodes; the stored one is kept "
+                    "until no live node declares it", schedule=conflict.schedule_id,
+                    stored_by=list(conflict.stored_by), differing=list(conflict.differing))
+
+
+class UnknownSchedule(LookupError):
+    """No schedule has this id."""
+
+
+def set_enabled(conn: psycopg.Connection, schedule_id: str, enabled: bool
+                ) -> tuple[bool, bool]:
+    """Set the operator's flag; returns (whether it changed, whether a live node declares
+    the schedule). Raises :class:`UnknownSchedule`."""
+    row = conn.execute(query("set_schedule_enabled"),
+                       {"id": schedule_id, "enabled": enabled}).fetchone()
+    if row is None:
+        raise UnknownSchedule(schedule_id)
+    was_enabled, declared = row
+    return was_enabled != enabled, bool(declared)
+
+
+def schedule_ids(conn: psycopg.Connection) -> list[str]:
+    return [row[0] for row in conn.execute(query("schedule_ids")).fetchall()]
 
 
 def tick(conn: psycopg.Connection, now: datetime | None = None) -> TickResult:
@@ -128,6 +259,9 @@ def prune_ledger(conn: psycopg.Connection) -> None:
                  {"older_than": LEDGER_RETENTION.total_seconds()})
 
 
-def list_schedules(conn: psycopg.Connection) -> list[dict[str, object]]:
+def list_schedules(conn: psycopg.Connection, now: datetime | None = None
+                   ) -> list[dict[str, object]]:
+    """Every schedule with ``declared_by`` (live instances) and ``differing`` (those of them
+    whose definition is not the stored one)."""
     with conn.cursor(row_factory=psycopg.rows.dict_row) as cur:
-        return cur.execute(query("list_schedules")).fetchall()
+        return cur.execute(query("list_schedules"), {"now": now}).fetchall()

@@ -43,9 +43,9 @@ from psycopg.types.json import Jsonb
 
 from jobd import archive, pipes, queue, schedules
 from jobd.config import Config, LaneConfig, load
-from jobd.db import connect, first_line
+from jobd.db import connect, connection_lost, first_line
 from jobd.errors import ConfigError, DatabaseUnavailable
-from jobd.handlers import check_in_subprocess
+from jobd.handlers import HandlerCheck, check_in_subprocess
 from jobd.migrate import available
 from jobd.queries import query
 from jobd.restarts import SlotBackoff
@@ -60,6 +60,8 @@ ABORT_GRACE = 5.0  # after SIGABRT, how long a hung worker gets before SIGKILL
 KILL_GRACE = 5.0  # after the drain timeout, how long before stragglers are SIGKILLed
 BOOT_FAILURES_BEFORE_FATAL = 3
 MAINTENANCE_INTERVAL = 3600.0
+SUPERVISOR_STATEMENT_TIMEOUT = 10.0  # seconds; no duty statement may hold the loop longer
+SUPERVISOR_LOCK_TIMEOUT = 2.0
 LISTENER_PROBE_INTERVAL = 60.0
 NODE_STALE_AFTER = 3600.0
 WAKE_MARGIN = 0.01  # seconds
@@ -151,6 +153,8 @@ class Supervisor:
         self.next_watchdog = 0.0
         self.stopping = False
         self.stop_deadline: float | None = None
+        # A reload whose handlers are being import-checked in the background.
+        self.pending_reload: tuple[Config, HandlerCheck] | None = None
         self.last_status = ""
 
     # --- signals ---------------------------------------------------------------------------
@@ -205,6 +209,7 @@ class Supervisor:
             for key, _events in self.selector.select(self._select_timeout()):
                 key.data(key.fd)
             self._handle_signals()
+            self._finish_reload()
             self._reap()
             self._enforce_kills()
             if self.stopping:
@@ -221,6 +226,7 @@ class Supervisor:
             self._wake_lanes()
             self._run_duties()
             self._update_status()
+            self.notifier.flush()
         self._finish()
         return EXIT_OK
 
@@ -241,6 +247,11 @@ class Supervisor:
         moments += [p.kill_at for p in self._all_processes() if p.kill_at is not None]
         if self.notifier.watchdog_interval:
             moments.append(self.next_watchdog)
+        if self.pending_reload is not None:
+            moments.append(self.pending_reload[1].deadline)
+        notify_retry = self.notifier.retry_at(now)
+        if notify_retry is not None:
+            moments.append(notify_retry)
         return max(0.0, min(moments) - now)
 
     def _all_processes(self) -> list[WorkerProcess]:
@@ -256,6 +267,10 @@ class Supervisor:
             return
         try:
             self.conn = connect(self.url, self.schema, application_name="jobd supervisor")
+            # The loop must not hang on the database: every duty statement is bounded.
+            self.conn.execute(query("supervisor_session"), {
+                "statement_timeout": f"{SUPERVISOR_STATEMENT_TIMEOUT * 1000:.0f}",
+                "lock_timeout": f"{SUPERVISOR_LOCK_TIMEOUT * 1000:.0f}"})
         except DatabaseUnavailable as exc:
             log.warning("database unavailable", error=str(exc))
             self.conn = None
@@ -267,13 +282,16 @@ class Supervisor:
             return None
         try:
             return operation(self.conn)
-        except psycopg.OperationalError as exc:
+        except psycopg.Error as exc:
+            if not connection_lost(self.conn):
+                # A deadlock, a serialization failure or a timeout: the statement failed,
+                # the connection did not. The duty runs again on its next turn.
+                log.error("database statement failed", during=what, error=first_line(exc))
+                return None
             log.warning("database connection lost", during=what, error=first_line(exc))
             self.conn.close()
             self.conn = None
             self.conn_retry_at = time.monotonic() + 1.0
-        except psycopg.Error as exc:
-            log.error("database error", during=what, error=first_line(exc))
         return None
 
     def _ensure_listener(self) -> None:
@@ -348,8 +366,10 @@ class Supervisor:
                 del self.lane_wake_at[lane]
                 self._request_wake(lane)
         for lane, due in self.lanes_to_wake.items():
-            for process in self._workers_to_wake(lane, due):
+            woken = self._workers_to_wake(lane, due)
+            for process in woken:
                 pipes.poke(process.wake_w)
+            log.debug("waking workers", lane=lane, due=due, pids=[p.pid for p in woken])
         self.lanes_to_wake.clear()
 
     def _workers_to_wake(self, lane: str, due: int | None) -> list[WorkerProcess]:
@@ -507,29 +527,37 @@ class Supervisor:
         remaining = []
         for worker_id, reason, release in self.pending_attribution:
             def settle(conn: psycopg.Connection, worker_id: str = worker_id,
-                       reason: str = reason, release: bool = release) -> tuple[int, int]:
+                       reason: str = reason, release: bool = release) -> bool:
                 if release:
-                    rows = conn.execute(query("jobs_held_by"), {"worker": worker_id}).fetchall()
-                    released = queue.release(conn, [queue.Lease(r[0], r[1]) for r in rows])
-                    return len(released.applied), 0
-                outcome = queue.fail_jobs_held_by(conn, worker_id, reason,
-                                                  self.config.retry_policy)
-                self._wake_for_retries(outcome)
-                return len(outcome.retried), len(outcome.dead)
+                    self._release_jobs_of(conn, worker_id)
+                else:
+                    self._settle_crash(conn, worker_id, reason)
+                return True
 
-            settled = self._db("crash attribution", settle)
-            if settled is None:
+            if self._db("crash attribution", settle) is None:
                 remaining.append((worker_id, reason, release))
-                continue
-            first, second = settled
-            if release and first:
-                log.info("released the jobs of a stopped worker", worker=worker_id,
-                         released=first)
-            elif not release and (first or second):
-                log.warning("failed the jobs of a dead worker", worker=worker_id,
-                            retried=first, dead=second, reason=reason)
-                self._wake_all(self.config.lanes)
         self.pending_attribution = remaining
+
+    def _release_jobs_of(self, conn: psycopg.Connection, worker_id: str) -> None:
+        rows = conn.execute(query("jobs_held_by"), {"worker": worker_id}).fetchall()
+        released = queue.release(conn, [queue.Lease(r[0], r[1]) for r in rows])
+        if released.applied:
+            log.info("released the jobs of a stopped worker", worker=worker_id,
+                     job_ids=released.applied)
+            self._wake_all(self.config.lanes)
+
+    def _settle_crash(self, conn: psycopg.Connection, worker_id: str, reason: str) -> None:
+        outcome = queue.settle_crashed_worker(conn, worker_id, reason, self.config.retry_policy)
+        self._wake_for_retries(outcome.failed)
+        if outcome.suspects:
+            log.warning("a worker died running several jobs; each runs alone next, to find "
+                        "the one that killed it (their attempts are given back)",
+                        worker=worker_id, reason=reason, suspect_job_ids=outcome.suspects)
+            self._wake_all(self.config.lanes)
+        elif outcome.failed.retried or outcome.failed.dead:
+            log.warning("failed the job that killed its worker", worker=worker_id,
+                        reason=reason, retried_job_ids=outcome.failed.retried,
+                        dead_job_ids=outcome.failed.dead)
 
     def _enforce_kills(self) -> None:
         """SIGKILL the workers whose grace after SIGABRT has run out."""
@@ -588,6 +616,10 @@ class Supervisor:
             outcome = queue.expire_leases(conn, self.config.retry_policy)
             row = conn.execute(query("node_heartbeat"), self._node_row()).fetchone()
             self._materialize(conn)
+            # After the tick: the refresh never waits for a schedule lock, so it cannot
+            # close a lock cycle with the locks the tick took.
+            schedules.refresh(conn, self.instance, self.config.schedules,
+                              schedules.declaration_ttl(self.config.duty_interval))
         if row is not None:
             self.db_clock_offset = float(row[0]) - time.time()
         self._wake_for_retries(outcome)
@@ -602,9 +634,9 @@ class Supervisor:
             self._wake_lane_at(lane, run_at.timestamp())
 
     def _sync_schedules(self, conn: psycopg.Connection) -> bool:
-        disabled = schedules.sync(conn, self.config.schedules)
-        if disabled:
-            log.info("schedules disabled (no longer configured)", schedules=disabled)
+        result = schedules.sync(conn, self.config.schedules, self.instance,
+                                schedules.declaration_ttl(self.config.duty_interval))
+        schedules.report_sync(result)
         self._materialize(conn)
         return True
 
@@ -641,6 +673,9 @@ class Supervisor:
     # --- reload ----------------------------------------------------------------------------
 
     def reload(self) -> None:
+        """SIGHUP: read the file now; import-check its handlers in the background
+        (:meth:`_finish_reload` applies it when the check is done). A newer SIGHUP replaces
+        a check still running."""
         if self.stopping:
             return
         self.notifier.reloading()
@@ -649,12 +684,28 @@ class Supervisor:
             if path is None:
                 raise ConfigError("the daemon was started without a config file")
             new = load(path)
-            problems = check_in_subprocess({**new.worker_handlers(), **new.outbox_senders})
-            if problems:
-                raise ConfigError("; ".join(problems))
-        except ConfigError as exc:
-            log.error("reload refused; still running the previous config", error=str(exc))
-            self.notifier.ready(self._status_text())
+        except Exception as exc:
+            # ConfigError for every mistake in the file; anything else (an unforeseen read
+            # or parse failure) is refused the same way: a reload must never stop a running
+            # supervisor, whose workers would then run on without it.
+            error = str(exc) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
+            self._refuse_reload(error)
+            return
+        if self.pending_reload is not None:
+            self.pending_reload[1].cancel()
+        paths = {**new.worker_handlers(), **new.outbox_senders}
+        self.pending_reload = (new, HandlerCheck(paths))
+
+    def _finish_reload(self) -> None:
+        if self.pending_reload is None:
+            return
+        new, check = self.pending_reload
+        problems = check.poll()
+        if problems is None:
+            return  # still importing; SIGCHLD wakes the loop when it is done
+        self.pending_reload = None
+        if problems:
+            self._refuse_reload("; ".join(problems))
             return
         if (new.database_url, new.schema) != (self.config.database_url, self.config.schema):
             log.warning("database.url and database.schema changes take effect on restart")
@@ -663,6 +714,15 @@ class Supervisor:
         log.info("config reloaded", lanes={n: lane.workers for n, lane in new.lanes.items()},
                  generation=self.generation)
         self.notifier.ready(self._status_text())
+
+    def _refuse_reload(self, error: str) -> None:
+        log.error("reload refused; still running the previous config", error=error)
+        self.notifier.ready(self._status_text())
+
+    def _cancel_reload(self) -> None:
+        if self.pending_reload is not None:
+            self.pending_reload[1].cancel()
+            self.pending_reload = None
 
     def _apply(self, new: Config) -> None:
         old = self.config
@@ -702,6 +762,7 @@ class Supervisor:
             self.stop_deadline = time.monotonic() + KILL_GRACE
             return
         self.stopping = True
+        self._cancel_reload()
         self.stop_deadline = time.monotonic() + self.config.shutdown_timeout + KILL_GRACE
         self.notifier.stopping("draining")
         log.info("draining", signal=signal_name, shutdown_timeout=self.config.shutdown_timeout,
@@ -724,7 +785,11 @@ class Supervisor:
         self._attribute_pending()
         self._db("leave", lambda conn: conn.execute(query("node_leave"),
                                                     {"instance": self.instance}))
+        # Its schedules stop counting as declared by it at once, not after the expiry.
+        self._db("withdraw schedules", lambda conn: schedules.withdraw(conn, self.instance))
         self.listener.close()
+        self.notifier.flush()  # a last try for STOPPING=1; never waits
+        self.notifier.close()
         if self.conn is not None:
             self.conn.close()
         log.info("stopped")

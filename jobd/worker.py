@@ -43,7 +43,7 @@ from jobd import exactly_once, logs, outbox, pipes, queue
 from jobd import handlers as handler_registry
 from jobd.backoff import Backoff
 from jobd.config import LaneConfig
-from jobd.db import connect, conninfo, first_line
+from jobd.db import connect, connection_lost, conninfo, first_line
 from jobd.errors import DatabaseUnavailable
 
 EXIT_OK = 0
@@ -112,6 +112,7 @@ class Outcome:
     error: str | None  # None: success
     committed: bool = False  # a transactional handler already completed the job
     stale: bool = False  # the lease was lost; nothing was written
+    final: bool = False  # the failure cannot be retried away (an undecodable payload)
 
 
 @dataclass(slots=True)
@@ -148,6 +149,11 @@ def format_error(exc: BaseException) -> str:
     return f"{headline}\n{text}" if text.strip() != headline else headline
 
 
+def first_line_of(text: str) -> str:
+    """The headline of an error text (format_error puts it first)."""
+    return text.split("\n", 1)[0]
+
+
 def _storable(text: str) -> str:
     return (text.replace("\x00", "\\x00")
             .encode("utf-8", "backslashreplace").decode("utf-8"))
@@ -164,6 +170,9 @@ class Worker:
         # broke, or the rows could not be loaded): the loop then checks the jobs claimed in
         # our name against the ones it holds.
         self.claims_unknown = False
+        # The suspect this worker runs alone (see queue.settle_crashed_worker): while it runs,
+        # nothing else is claimed.
+        self.isolating: int | None = None
         self.outcomes: stdlib_queue.SimpleQueue[Outcome] = stdlib_queue.SimpleQueue()
         self.pending_outcomes: list[Outcome] = []
         self.counters = Counters()
@@ -180,8 +189,10 @@ class Worker:
         self.tx_pool: ConnectionPool | None = None
         if any(h.is_transactional for h in resolved.values()):
             # Handler connections: one per concurrent transactional job, opened on demand.
+            # The user's search_path, not jobd's: a handler's statements resolve as on any
+            # other connection of its role; jobd's own statements there are qualified.
             self.tx_pool = ConnectionPool(
-                conninfo(spec.database_url, spec.schema,
+                conninfo(spec.database_url, None,
                          f"jobd handler {spec.lane.name}#{spec.slot}"),
                 min_size=0, max_size=spec.lane.concurrency, open=True,
                 kwargs={"autocommit": True}, name=f"jobd-{spec.lane.name}-handlers")
@@ -297,11 +308,17 @@ class Worker:
             data = os.read(fd, 4096)
         except BlockingIOError:
             return
-        if not data:  # the supervisor is gone: drain like SIGTERM
+        if not data:
+            # The supervisor is gone (even kill -9 closes its end): stop claiming and drain
+            # like SIGTERM, whatever the mode. A retiring worker would otherwise finish
+            # every job however long it takes, with no supervisor to account for it.
             self.selector.unregister(fd)
-            if self.mode == "running":
+            log.warning("supervisor gone; draining", mode=self.mode,
+                        in_flight=len(self.inflight))
+            if self.mode != "draining":
                 self.signals.append(signal.SIGTERM)
             return
+        log.debug("woken", lane=self.lane.name)
         self.maybe_more = True
 
     # --- database --------------------------------------------------------------------------
@@ -327,7 +344,7 @@ class Worker:
         try:
             return operation(self.conn)
         except psycopg.Error as exc:
-            if self.conn.closed or self.conn.broken:
+            if connection_lost(self.conn):
                 self._connection_lost(exc)
                 return None
             # A statement failed (a deadlock with a sweep, say); the connection is fine. The
@@ -384,15 +401,26 @@ class Worker:
             self.timers.wake_at = [t for t in self.timers.wake_at if t > now]
             self.maybe_more = True
         free = self.lane.concurrency - len(self.inflight)
-        if not self.maybe_more or free <= 0:
+        if not self.maybe_more or free <= 0 or self.isolating is not None:
             return None
+        # Only a worker that holds nothing may take a suspect, which must run alone.
         return queue.ClaimRequest(self.lane.name, self.spec.worker_id, free,
-                                  self.lane.visibility_timeout)
+                                  self.lane.visibility_timeout,
+                                  suspect_first=not self.inflight)
 
-    def _started(self, jobs: list[queue.Job], request: queue.ClaimRequest) -> None:
-        self.maybe_more = len(jobs) == request.limit
+    def _started(self, claimed: queue.Claimed, request: queue.ClaimRequest) -> None:
+        jobs = claimed.jobs
+        # A suspect runs alone; once it is done the worker is idle and asks for the next.
+        self.maybe_more = len(jobs) == request.limit or claimed.suspect is not None
         self.timers.next_poll = time.monotonic() + self._poll_delay()
+        if claimed.suspect is not None:
+            self.isolating = claimed.suspect.id
+            jobs = [claimed.suspect, *jobs]
+            log.info("running a suspect alone", job_id=claimed.suspect.id,
+                     handler=claimed.suspect.handler)
         self.counters.claimed += len(jobs)
+        if jobs:
+            log.debug("claimed", lane=self.lane.name, job_ids=[job.id for job in jobs])
         for job in jobs:
             self._start(job)
 
@@ -424,7 +452,9 @@ class Worker:
     def _handler_thread(self) -> None:
         while True:
             resolved, job = self.handler_queue.get()
+            structlog.contextvars.bind_contextvars(job_id=job.id, handler=job.handler)
             try:
+                _ = job.payload  # decoded before the handler runs: see UndecodablePayload
                 if resolved.is_transactional:
                     self._run_transactional(resolved, job)
                     outcome = Outcome(job, None, committed=True)
@@ -433,18 +463,25 @@ class Worker:
                     outcome = Outcome(job, None)
             except exactly_once.LeaseLost:
                 outcome = Outcome(job, None, stale=True)
+            except queue.UndecodablePayload as exc:
+                # Every attempt would fail the same way: to the dead-letter queue at once.
+                outcome = Outcome(job, f"{type(exc).__name__}: {exc}", final=True)
             except BaseException as exc:  # a handler's sys.exit() fails its job, no more
                 outcome = Outcome(job, format_error(exc))
+            finally:
+                structlog.contextvars.clear_contextvars()
             self._deliver(outcome)
 
     def _run_transactional(self, resolved: handler_registry.ResolvedHandler,
                            job: queue.Job) -> str:
         assert self.tx_pool is not None
         with self.tx_pool.connection() as conn:
-            return exactly_once.run_transactional(conn, job, resolved.func)
+            return exactly_once.run_transactional(conn, job, resolved.func, self.spec.schema,
+                                                  self.lane.timeout)
 
     async def _run_async(self, resolved: handler_registry.ResolvedHandler,
                          job: queue.Job) -> Any:
+        _ = job.payload  # decoded before the handler runs: see UndecodablePayload
         if not self.lane.timeout:
             return await resolved.func(job)
         scope = asyncio.timeout(self.lane.timeout)
@@ -463,6 +500,8 @@ class Worker:
             exc = cancelled
         if isinstance(exc, JobTimedOut):
             self._deliver(Outcome(job, str(exc)))
+        elif isinstance(exc, queue.UndecodablePayload):
+            self._deliver(Outcome(job, f"{type(exc).__name__}: {exc}", final=True))
         else:
             self._deliver(Outcome(job, format_error(exc) if exc is not None else None))
 
@@ -490,6 +529,8 @@ class Worker:
                 # elsewhere): the late result changes nothing, and the new run stays held.
                 continue
             del self.inflight[outcome.job.id]
+            if self.isolating == outcome.job.id:
+                self.isolating = None
             if running.abandoned:
                 continue  # already failed for its timeout; the late result changes nothing
             self.pending_outcomes.append(outcome)
@@ -519,10 +560,11 @@ class Worker:
         lost = [o.job.id for o in batch if o.stale]
         successes = [o.job.lease for o in batch if o.error is None and not o.committed
                      and not o.stale]
+        failed_jobs = {o.job.id: o for o in batch if o.error is not None}
         failures = [
             queue.Failure(o.job.lease, o.error, self.lane.backoff.delay(o.job.attempt),
-                          self.lane.max_attempts)
-            for o in batch if o.error is not None
+                          self.lane.max_attempts, final=o.final)
+            for o in failed_jobs.values()
         ]
         written = self._db(lambda conn: queue.settle_and_claim(conn, successes, failures,
                                                               request))
@@ -532,7 +574,7 @@ class Worker:
                 self.claims_unknown = True
             return  # kept for the next connection: the leases still decide what applies
         self.pending_outcomes = []
-        completed, failed, jobs = written
+        completed, failed, claimed = written
         self.counters.completed += len(completed.applied) + len(committed)
         self.counters.failed += len(failed.retried)
         self.counters.dead += len(failed.dead)
@@ -540,8 +582,7 @@ class Worker:
         self.counters.stale += len(stale)
         if stale:
             log.warning("lost the lease before finishing; result discarded", job_ids=stale)
-        for job_id in failed.dead:
-            log.warning("job moved to the dead-letter queue", job_id=job_id)
+        self._log_failures(failures, failed, failed_jobs)
         now = time.monotonic()
         retried = set(failed.retried)
         self.timers.wake_at.extend(
@@ -549,7 +590,25 @@ class Worker:
         # Freed capacity alone is no reason to claim: only a claim that came back full, a
         # wake-up, a timer or a poll says there may be more work (maybe_more).
         if request is not None:
-            self._started(jobs, request)
+            self._started(claimed, request)
+
+    def _log_failures(self, failures: list[queue.Failure], failed: queue.FailOutcome,
+                      outcomes: dict[int, Outcome]) -> None:
+        """One line per failed attempt and per dead job: what an operator needs without a
+        query (never the payload)."""
+        retried, dead = set(failed.retried), set(failed.dead)
+        for failure in failures:
+            job = outcomes[failure.lease.id].job
+            budget = job.max_attempts or self.lane.max_attempts
+            fields = {"job_id": job.id, "handler": job.handler, "lane": job.lane,
+                      "attempt": f"{job.attempt}/{budget}", "error": first_line_of(failure.error)}
+            if failure.lease.id in retried:
+                log.warning("job failed; will retry", **fields,
+                            retry_in=f"{failure.retry_delay:.1f}s")
+            elif failure.lease.id in dead:
+                log.error("job dead-lettered", **fields,
+                          reason="payload cannot be decoded" if failure.final
+                          else "attempts spent")
 
     def _renew_leases(self) -> None:
         now = time.monotonic()
@@ -620,11 +679,12 @@ def main() -> int:
                    worker=spec.worker_id, pid=os.getpid())
     setproctitle.setproctitle(f"jobd: worker {spec.lane.name}#{spec.slot} starting")
     faulthandler.enable()  # SIGABRT from the supervisor dumps every thread's stack
+    logs.capture_handler_output(spec.log_level)
     try:
         resolved = handler_registry.resolve_all(spec.handlers)
         outbox.install(
             {name: r.func for name, r in handler_registry.resolve_all(spec.senders).items()},
-            spec.outbox_lane)
+            spec.outbox_lane, spec.schema)
     except handler_registry.HandlerImportError as exc:
         log.error("boot failure", error=str(exc))
         return EXIT_BOOT_FAILURE

@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from datetime import datetime, timedelta
+from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import psycopg
 import pytest
 from cli_support import TIMEOUT, UNREACHABLE, assert_one_line_error, clean_env, cli, ok
+from psycopg.types.json import Jsonb
 
 import jobd
 from jobd import queue
+from jobd.cli import build_parser
+from jobd.queries import query
 from jobd.queue import Failure
 
 if TYPE_CHECKING:
@@ -138,6 +144,8 @@ def test_payload_over_the_configured_limit(
 ) -> None:
     config = tmp_path / "small.yaml"
     config.write_text("limits:\n  max_payload_bytes: 32\n", "utf-8")
+    # The limit is the database's: `jobd migrate -c` writes it there for every entry point.
+    ok("migrate", "-c", str(config), "--database-url", db_url)
     exact = json.dumps({"to": "x" * 22})
     assert len(exact.encode()) == 32
     too_big = json.dumps({"to": "x" * 23})
@@ -219,6 +227,30 @@ def test_status_of_an_empty_queue(db_url: str) -> None:
     assert "no jobs" in ok("status", "--database-url", db_url)
 
 
+def report_node(conn: psycopg.Connection, instance: str, workers: dict[str, int]) -> None:
+    """A live node's heartbeat, as a running supervisor writes it."""
+    conn.execute(query("node_heartbeat"), {"instance": instance, "node": "web-1", "pid": 4242,
+                                           "workers": Jsonb(workers), "counters": Jsonb({})})
+
+
+def test_status_marks_lanes_no_live_worker_serves(db_url: str, conn: psycopg.Connection
+                                                  ) -> None:
+    jobd.enqueue(conn, "h", lane="mail")
+    report_node(conn, "web-1:1", {"default": 2, "outbox": 0})
+    report_node(conn, "web-2:1", {"default": 1})
+    lanes = {s["lane"]: s for s in ok_json("status", "-c", EXAMPLE,
+                                           "--database-url", db_url)["lanes"]}
+    served = {lane: (s["served"], s["live_workers"]) for lane, s in lanes.items()}
+    assert served == {"default": (True, 3), "critical": (False, 0), "outbox": (False, 0),
+                      "mail": (False, 0)}
+    text = ok("status", "-c", EXAMPLE, "--database-url", db_url).splitlines()
+    assert text[0].endswith("live workers")
+    rows = {line.split()[0]: line for line in text[1:text.index("")]}
+    assert rows["default"].endswith("  3")
+    for lane in ("critical", "outbox", "mail"):
+        assert rows[lane].endswith("0 (no live worker)"), rows[lane]
+
+
 # --- jobs ----------------------------------------------------------------------------------
 
 
@@ -245,8 +277,108 @@ def test_jobs_show_live_archived_and_dead(db_url: str, conn: psycopg.Connection)
 
 
 def test_jobs_show_unknown_id(db_url: str) -> None:
-    line = assert_one_line_error(cli("jobs", "show", "424242", "--database-url", db_url), 1)
+    # A wrong id is an input error (exit 2), as for dlq replay.
+    line = assert_one_line_error(cli("jobs", "show", "424242", "--database-url", db_url), 2)
     assert "424242" in line
+
+
+TRACEBACK = ('RuntimeError: smtp refused\nTraceback (most recent call last):\n'
+             '  File "app.py", line 3, in send\nRuntimeError: smtp refused')
+
+
+def fail_attempts(conn: psycopg.Connection, job_id: int, errors: list[str]) -> None:
+    """Claim and fail ``job_id`` once per error (due again at once: retry delay 0)."""
+    for error in errors:
+        [job] = queue.claim(conn, "default", "node-1:1", 1, 30)
+        assert job.id == job_id
+        queue.fail(conn, [Failure(job.lease, error, 0, 8)])
+
+
+def show_fields(out: str) -> dict[str, str]:
+    return {m[1]: m[2] for m in re.finditer(r"^\s*(\w+): (.*)$", out, re.MULTILINE)}
+
+
+def test_jobs_show_labels_the_error_history(db_url: str, conn: psycopg.Connection) -> None:
+    job_id = jobd.enqueue(conn, "send_email", priority=TOP, max_attempts=2)
+    fail_attempts(conn, job_id, [TRACEBACK, "TimeoutError: no answer"])
+    out = ok("jobs", "show", str(job_id), "--database-url", db_url)
+    lines = out.splitlines()
+    history = lines[lines.index("errors (2 attempts):") + 1:]
+    assert len(history) == 2
+    assert re.fullmatch(r"  attempt 1 at \S+ \S+Z on worker node-1:1: "
+                        r"RuntimeError: smtp refused \.\.\.", history[0]), history[0]
+    assert history[1].endswith("on worker node-1:1: TimeoutError: no answer")
+    assert "Traceback" not in out
+    assert show_fields(out)["last_error"] == "TimeoutError: no answer"
+    full = ok("jobs", "show", str(job_id), "--full-errors", "--database-url", db_url)
+    assert '    Traceback (most recent call last):' in full.splitlines()
+    shown = ok_json("jobs", "show", str(job_id), "--database-url", db_url)
+    assert [e["error"] for e in shown["errors"]] == [TRACEBACK, "TimeoutError: no answer"]
+
+    ok("dlq", "replay", str(job_id), "--database-url", db_url)
+    replayed = ok("jobs", "show", str(job_id), "--database-url", db_url).splitlines()
+    assert "errors (2 attempts):" in replayed
+    assert re.fullmatch(r"  replayed at \S+ \S+Z with a fresh attempt budget", replayed[-1])
+
+
+def test_jobs_show_without_errors(db_url: str, conn: psycopg.Connection) -> None:
+    job_id = jobd.enqueue(conn, "h")
+    assert ok("jobs", "show", str(job_id), "--database-url", db_url).splitlines()[-1] == (
+        "errors: none")
+
+
+@pytest.mark.parametrize(
+    ("lane", "own", "config", "shown", "effective", "source"),
+    [
+        ("default", 3, [], "3", 3, "job"),
+        ("default", None, ["-c", EXAMPLE], "8 (lane default)", 8, "lane"),
+        ("critical", None, ["-c", EXAMPLE], "5 (lane default)", 5, "lane"),
+        ("critical", 2, ["-c", EXAMPLE], "2", 2, "job"),
+        ("mail", None, ["-c", EXAMPLE], "lane default (lane 'mail' is not in", None, "daemon"),
+        ("default", None, [], "lane default (from the daemons' config", None, "daemon"),
+    ],
+)
+def test_jobs_show_gives_the_effective_max_attempts(
+    db_url: str, conn: psycopg.Connection, lane: str, own: int | None, config: list[str],
+    shown: str, effective: int | None, source: str
+) -> None:
+    job_id = jobd.enqueue(conn, "echo", lane=lane, max_attempts=own)
+    out = ok("jobs", "show", str(job_id), *config, "--database-url", db_url)
+    assert show_fields(out)["max_attempts"].startswith(shown)
+    data = ok_json("jobs", "show", str(job_id), *config, "--database-url", db_url)
+    assert (data["max_attempts"], data["effective_max_attempts"],
+            data["max_attempts_source"]) == (own, effective, source)
+
+
+def test_jobs_show_prints_a_long_payload_only_when_asked(
+    db_url: str, conn: psycopg.Connection
+) -> None:
+    short = jobd.enqueue(conn, "h", {"to": "a@example.com"})
+    assert show_fields(ok("jobs", "show", str(short), "--database-url", db_url))[
+        "payload"] == '{"to": "a@example.com"}'
+    big = {"blob": "x" * 900_000}
+    long = jobd.enqueue(conn, "h", big)
+    out = ok("jobs", "show", str(long), "--database-url", db_url)
+    assert len(out) < 2000
+    assert show_fields(out)["payload"] == (
+        f"{len(json.dumps(big))} bytes of JSON; use --payload to show it")
+    whole = show_fields(ok("jobs", "show", str(long), "--payload", "--database-url", db_url))
+    assert json.loads(whole["payload"]) == big
+    assert ok_json("jobs", "show", str(long), "--database-url", db_url)["payload"] == big
+
+
+def test_jobs_show_a_payload_python_cannot_decode(db_url: str, conn: psycopg.Connection
+                                                  ) -> None:
+    # Written before the entry points refused such payloads: it must still be shown.
+    row = conn.execute("INSERT INTO jobs (handler, payload) VALUES ('h', %s::jsonb) "
+                       "RETURNING id", ('{"n": ' + "7" * 5000 + "}",)).fetchone()
+    assert row is not None
+    out = ok("jobs", "show", str(row[0]), "--payload", "--database-url", db_url)
+    assert show_fields(out)["payload"].startswith('{"n": 777')
+    assert "cannot be decoded" in show_fields(out)["payload"]
+    data = ok_json("jobs", "show", str(row[0]), "--database-url", db_url)
+    assert data["payload"] is None and "cannot be decoded" in data["payload_problem"]
+    assert data["payload_text"].startswith('{"n": 777')
 
 
 def test_jobs_list_filters_by_state_and_lane(db_url: str, conn: psycopg.Connection) -> None:
@@ -264,6 +396,20 @@ def test_jobs_list_filters_by_state_and_lane(db_url: str, conn: psycopg.Connecti
     text = ok("jobs", "list", "--state", "done", "--database-url", db_url)
     assert {int(line.split()[0]) for line in text.splitlines()[1:]} == set(done)
     assert_one_line_error(cli("jobs", "list", "--state", "finished", "--database-url", db_url), 2)
+
+
+def test_listings_keep_one_row_per_line(db_url: str, conn: psycopg.Connection) -> None:
+    dead = jobd.enqueue(conn, "send_email", priority=TOP, max_attempts=1)
+    fail_attempts(conn, dead, [TRACEBACK])
+    failing = jobd.enqueue(conn, "send_email", priority=TOP)
+    fail_attempts(conn, failing, [TRACEBACK])
+    jobs_text = ok("jobs", "list", "--database-url", db_url).splitlines()
+    dlq_text = ok("dlq", "list", "--database-url", db_url).splitlines()
+    assert len(jobs_text) == 3 and len(dlq_text) == 2
+    for row in [*jobs_text[1:], *dlq_text[1:]]:
+        assert row.endswith("RuntimeError: smtp refused ..."), row
+    assert {int(row.split()[0]) for row in jobs_text[1:]} == {failing, dead}
+    assert ok_json("dlq", "list", "--database-url", db_url)[0]["last_error"] == TRACEBACK
 
 
 # --- dead-letter queue ---------------------------------------------------------------------
@@ -307,6 +453,39 @@ def test_dlq_purge_removes_dead_jobs_and_frees_their_keys(
 
 
 # --- options and help ----------------------------------------------------------------------
+
+
+def test_version() -> None:
+    assert ok("--version") == f"jobd {metadata.version('jobd')}\n"
+
+
+def _parsers(parser: argparse.ArgumentParser, path: str = "jobd"
+             ) -> Iterator[tuple[str, argparse.ArgumentParser]]:
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _parsers(sub, f"{path} {name}")
+
+
+def test_every_option_has_help_that_states_its_default() -> None:
+    problems = []
+    for path, parser in _parsers(build_parser()):
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            name = f"{path} {action.dest}"
+            if isinstance(action, argparse._SubParsersAction):
+                # Its choices are listed with their own help.
+                problems += [f"{path} {choice.dest}" for choice in action._choices_actions
+                             if not choice.help]
+                continue
+            if not action.help:
+                problems.append(f"{name}: no help")
+            elif action.default not in (None, False, argparse.SUPPRESS) and (
+                    "default" not in action.help):
+                problems.append(f"{name}: the help does not state the default")
+    assert problems == []
 
 HELP_COMMANDS = [
     [], ["migrate"], ["enqueue"], ["status"], ["jobs"], ["jobs", "show"], ["jobs", "list"],

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from jobd.backoff import Backoff
-from jobd.config import Config, load, parse, parse_duration
+from jobd.config import load, parse, parse_duration
 from jobd.errors import ConfigError, UsageError
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "config" / "jobd.example.yaml"
@@ -71,7 +71,7 @@ def test_an_empty_file_gives_the_defaults() -> None:
     config = parse("", "empty.yaml")
     assert config.lanes == {} and config.handlers == {} and config.schedules == ()
     assert config.schema == "jobd"
-    assert config.max_payload_bytes == Config().max_payload_bytes
+    assert config.max_payload_bytes is None  # the database's limit stays as it is
 
 
 # --- durations -----------------------------------------------------------------------------
@@ -242,6 +242,32 @@ def test_unreadable_file_names_the_file(tmp_path: Path) -> None:
     missing = tmp_path / "nope.yaml"
     with pytest.raises(ConfigError, match=re.escape(str(missing))):
         load(missing)
+
+
+def test_a_file_that_is_not_utf8_names_the_file_and_line(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("lanes:\n  default: {}\nnode:\n  name: café\n".encode("latin-1"))
+    with pytest.raises(ConfigError) as caught:
+        load(path)
+    assert str(caught.value).startswith(f"{path}:4: the configuration is not UTF-8")
+    assert "0xe9" in str(caught.value)
+
+
+def test_a_directory_names_the_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=re.escape(f"{tmp_path}: cannot read")):
+        load(tmp_path)
+
+
+def test_a_path_with_nul_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load("jobd\x00.yaml")
+
+
+def test_yaml_nested_beyond_the_parser_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "deep.yaml"
+    path.write_text("lanes: " + "[" * 20_000 + "]" * 20_000 + "\n", "utf-8")
+    with pytest.raises(ConfigError, match=re.escape(f"{path}: ") + ".*nested too deeply"):
+        load(path)
 
 
 def test_config_errors_are_usage_errors() -> None:

@@ -241,7 +241,9 @@ def test_concurrent_runs_of_one_key_serialize_on_the_key(
         assert entered.wait(10), "the first handler never started"
         second_thread.start()
         # The second run is stuck on the first one's uncommitted key, before its handler.
-        wait_until(lambda: backend_waits_on_lock(conn, f"test {second_worker}"), 10, 0.02,
+        # While in the transaction, the backend carries the lease in its application_name.
+        wait_until(lambda: backend_waits_on_lock(
+                       conn, queue.handler_application_name(jobs[second][0].lease)), 10, 0.02,
                    f"{second_worker}'s key insert to wait on a lock")
         assert calls == [first_worker]
         assert effect_rows(conn) == []  # nothing committed yet

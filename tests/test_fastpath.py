@@ -44,8 +44,8 @@ def test_claimed_jobs_carry_the_rows_values(conn: psycopg.Connection) -> None:
     key = "order-17"
     job_id = jobd.enqueue(conn, "h", {"n": 1, "s": "é"}, priority=3, idempotency_key=key,
                           max_attempts=4)
-    _, _, jobs = queue.settle_and_claim(conn, [], [], request())
-    (job,) = jobs
+    _, _, claimed = queue.settle_and_claim(conn, [], [], request())
+    (job,) = claimed.jobs
     row = conn.execute(
         "SELECT id, lease_token, lane, handler, payload::text, priority, run_at, attempts,"
         " max_attempts, idempotency_key, created_at, lease_until FROM jobs WHERE id = %s",
@@ -67,14 +67,14 @@ def test_settles_and_claims_in_one_call(conn: psycopg.Connection) -> None:
         conn, [done.lease, stale], [Failure(failing.lease, "boom", 60.0, 8)], request(limit=2))
     assert completed.applied == [done.id] and completed.stale == [lost.id]
     assert failed.retried == [failing.id] and failing.id in failed.retry_at
-    assert [job.id for job in claimed] == ids[3:5]
+    assert [job.id for job in claimed.jobs] == ids[3:5]
     assert states(conn) == {done.id: "done", failing.id: "failed", lost.id: "claimed",
                             ids[3]: "claimed", ids[4]: "claimed", ids[5]: "pending"}
 
 
 def test_nothing_to_do_sends_nothing(conn: psycopg.Connection) -> None:
     assert queue.settle_and_claim(conn, [], [], None) == (
-        queue.WriteOutcome([], []), queue.FailOutcome(), [])
+        queue.WriteOutcome([], []), queue.FailOutcome(), queue.Claimed([]))
 
 
 def test_a_failing_outcome_skips_the_claim_and_leaves_the_connection_idle(
@@ -92,7 +92,7 @@ def test_a_failing_outcome_skips_the_claim_and_leaves_the_connection_idle(
     conn.execute("DROP TRIGGER explode ON jobs_archive")
     completed, _, claimed = queue.settle_and_claim(conn, [job.lease], [], request())
     assert completed.applied == [bad]
-    assert sorted(j.id for j in claimed) == [good, other]
+    assert sorted(j.id for j in claimed.jobs) == [good, other]
 
 
 def test_a_failing_claim_does_not_undo_the_outcomes(conn: psycopg.Connection) -> None:
@@ -107,11 +107,13 @@ def test_a_failing_claim_does_not_undo_the_outcomes(conn: psycopg.Connection) ->
 
 def test_statements_lost_by_the_session_are_prepared_again(conn: psycopg.Connection) -> None:
     first, second = jobd.enqueue(conn, "h"), jobd.enqueue(conn, "h")
-    assert [j.id for j in queue.settle_and_claim(conn, [], [], request(limit=1))[2]] == [first]
+    claimed = queue.settle_and_claim(conn, [], [], request(limit=1))[2]
+    assert [j.id for j in claimed.jobs] == [first]
     conn.execute("DEALLOCATE ALL")
     with pytest.raises(errors.InvalidSqlStatementName):
         queue.settle_and_claim(conn, [], [], request(limit=1))
-    assert [j.id for j in queue.settle_and_claim(conn, [], [], request(limit=1))[2]] == [second]
+    claimed = queue.settle_and_claim(conn, [], [], request(limit=1))[2]
+    assert [j.id for j in claimed.jobs] == [second]
 
 
 def test_needs_an_idle_autocommit_connection(db_url: str) -> None:
@@ -171,7 +173,7 @@ def test_notifications_that_arrive_with_the_results_reach_psycopg(
 
 def test_a_claimed_job_pickles_and_copies_with_its_payload(conn: psycopg.Connection) -> None:
     jobd.enqueue(conn, "h", {"n": 1})
-    _, _, (job,) = queue.settle_and_claim(conn, [], [], request())
+    (job,) = queue.settle_and_claim(conn, [], [], request())[2].jobs
     for copy in (pickle.loads(pickle.dumps(job)), copy_module.deepcopy(job)):
         assert copy == job and hash(copy) == hash(job) and repr(copy) == repr(job)
         assert copy.payload == {"n": 1}

@@ -318,16 +318,49 @@ def test_expired_lease_with_spent_budget_goes_to_the_dead_letter_queue(
     assert row == ("lease expired (held by crashed-worker)",)
 
 
-def test_fail_jobs_held_by_a_dead_worker(conn: psycopg.Connection) -> None:
+def test_a_worker_that_died_holding_several_jobs_makes_them_suspects(
+    conn: psycopg.Connection,
+) -> None:
     ids = jobd.enqueue_many(conn, [JobSpec("h") for _ in range(3)])
     queue.claim(conn, "default", "w-dead", 2, 30)
-    queue.claim(conn, "default", "w-alive", 1, 30)
-    outcome = queue.fail_jobs_held_by(conn, "w-dead", "worker killed by SIGKILL", policy())
-    assert len(outcome.retried) == 2
-    rows = conn.execute("SELECT state, last_error FROM jobs ORDER BY id").fetchall()
-    assert sorted(rows, key=str) == sorted(
-        [("failed", "worker killed by SIGKILL")] * 2 + [("claimed", None)], key=str)
-    assert set(outcome.retried) < set(ids)
+    [alive] = queue.claim(conn, "default", "w-alive", 1, 30)
+    outcome = queue.settle_crashed_worker(conn, "w-dead", "worker killed by SIGKILL", policy())
+    assert len(outcome.suspects) == 2 and set(outcome.suspects) < set(ids)
+    assert outcome.failed.retried == outcome.failed.dead == []
+    rows = conn.execute("SELECT id, state, attempts, suspect, claimed_by FROM jobs ORDER BY id"
+                        ).fetchall()
+    # Their attempts are given back: nothing says which of them killed the worker.
+    assert sorted(rows) == sorted(
+        [(job_id, "pending", 0, True, None) for job_id in outcome.suspects]
+        + [(alive.id, "claimed", 1, False, "w-alive")])
+
+
+def test_a_worker_that_died_holding_one_job_spends_that_jobs_attempt(
+    conn: psycopg.Connection,
+) -> None:
+    job_id = jobd.enqueue(conn, "h")
+    queue.claim(conn, "default", "w-dead", 5, 30)
+    outcome = queue.settle_crashed_worker(conn, "w-dead", "worker killed by SIGKILL", policy())
+    assert outcome.suspects == [] and outcome.failed.retried == [job_id]
+    row = conn.execute("SELECT state, attempts, suspect, last_error FROM jobs").fetchone()
+    assert row == ("failed", 1, True, "worker killed by SIGKILL")
+
+
+def test_suspects_are_claimed_one_at_a_time_and_alone(conn: psycopg.Connection) -> None:
+    jobd.enqueue_many(conn, [JobSpec("h") for _ in range(4)])
+    queue.claim(conn, "default", "w-dead", 2, 30)
+    suspects = queue.settle_crashed_worker(conn, "w-dead", "killed", policy()).suspects
+    # An ordinary claim leaves suspects alone.
+    normal = queue.claim(conn, "default", "w1", 10, 30)
+    assert len(normal) == 2 and not {job.id for job in normal} & set(suspects)
+    # An idle worker takes one suspect, and the claim beside it then takes nothing.
+    request = queue.ClaimRequest("default", "w2", 10, 30, suspect_first=True)
+    jobd.enqueue(conn, "h")
+    _done, _failed, claimed = queue.settle_and_claim(conn, [], [], request)
+    assert claimed.suspect is not None and claimed.suspect.id == min(suspects)
+    assert claimed.jobs == []
+    assert queue.claim(conn, "default", "w2", 10, 30) == []  # still holding its suspect
+    assert len(queue.claim(conn, "default", "w3", 10, 30)) == 1  # others are not held up
 
 
 def test_replay_makes_a_dead_job_pending_with_a_fresh_budget(conn: psycopg.Connection) -> None:

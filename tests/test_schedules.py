@@ -24,7 +24,18 @@ from jobd import archive, queue
 from jobd.config import ScheduleConfig
 from jobd.cron import CronSchedule
 from jobd.db import connect
-from jobd.schedules import CATCHUP_ALL_LIMIT, NONE_GRACE, sync, tick
+from jobd.schedules import CATCHUP_ALL_LIMIT, NONE_GRACE, SyncResult, tick
+
+NODE = "test-node:1:aaaaaa"
+# Longer than any span of injected clocks below (they run from 2026-10 to 2027-03 and the
+# real clock): one node's declarations stay live for the whole test.
+LONG_TTL = 3 * 365 * 86400.0
+
+
+def sync(conn: psycopg.Connection, configs: list[ScheduleConfig],
+         now: datetime | None = None, instance: str = NODE) -> SyncResult:
+    """One node declaring ``configs``, with declarations that outlive the test."""
+    return jobd.schedules.sync(conn, configs, instance, LONG_TTL, now)
 
 
 def db_now(conn: psycopg.Connection) -> datetime:
@@ -423,29 +434,32 @@ def schedules_table(conn: psycopg.Connection) -> dict[str, tuple[Any, ...]]:
     return {row[0]: row[1:] for row in rows}
 
 
-def test_sync_disables_removed_schedules_and_keeps_their_ledger(
+def test_a_schedule_no_node_declares_stops_firing_and_keeps_its_ledger(
     conn: psycopg.Connection,
 ) -> None:
     t0 = utc(2026, 10, 20, 12, 0, 30)
     a, b = schedule("a", "*/5 * * * *"), schedule("b", "*/10 * * * *")
-    assert sync(conn, [a, b], now=t0) == []
+    assert sync(conn, [a, b], now=t0) == SyncResult(created=["a", "b"])
     assert {k: v[:3] for k, v in schedules_table(conn).items()} == {
         "a": ("*/5 * * * *", True, t0), "b": ("*/10 * * * *", True, t0)}
     tick(conn, now=utc(2026, 10, 20, 12, 10, 1))
     assert len(ledger(conn, "b")) == 1
 
-    assert sync(conn, [a]) == ["b"]
-    assert schedules_table(conn)["b"][1] is False
-    assert len(ledger(conn, "b")) == 1 and cursor_of(conn, "b") == utc(2026, 10, 20, 12, 10)
-    disabled = tick(conn, now=utc(2026, 10, 20, 12, 20, 1))
-    assert [sid for sid, _, _ in disabled.enqueued] == ["a"]
-    assert conn.execute("SELECT * FROM fire_schedule('b', 'x', now() - interval '1 minute')"
-                        ).fetchone() == ("disabled", None)
-    assert sync(conn, [a]) == []  # already disabled: not reported again
-
-    assert sync(conn, [a, b]) == []
+    # The only node declaring b drops it from its config: b stops firing but is not
+    # disabled, and keeps its ledger and cursor.
+    assert sync(conn, [a]).withdrawn == ["b"]
     assert schedules_table(conn)["b"][1] is True
-    assert len(ledger(conn, "b")) == 1
+    assert len(ledger(conn, "b")) == 1 and cursor_of(conn, "b") == utc(2026, 10, 20, 12, 10)
+    undeclared = tick(conn, now=utc(2026, 10, 20, 12, 20, 1))
+    assert [sid for sid, _, _ in undeclared.enqueued] == ["a"]
+    assert sync(conn, [a]).withdrawn == []  # already withdrawn: not reported again
+
+    # Declared again, it resumes from its cursor under its catch-up policy (latest).
+    assert sync(conn, [a, b]) == SyncResult()
+    resumed = tick(conn, now=utc(2026, 10, 20, 12, 30, 1))
+    assert [(sid, key) for sid, key, _ in resumed.enqueued if sid == "b"] == [
+        ("b", "2026-10-20T12:30Z")]
+    assert len(ledger(conn, "b")) == 2
 
 
 def test_sync_of_a_changed_expression_keeps_the_cursor(conn: psycopg.Connection) -> None:

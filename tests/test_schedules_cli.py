@@ -1,4 +1,5 @@
-"""`jobd schedules next` and `jobd schedules list`, run as subprocesses."""
+"""`jobd schedules next`, `list`, `disable` and `enable`, and the conflict line of `jobd status`,
+run as subprocesses."""
 
 from __future__ import annotations
 
@@ -10,9 +11,17 @@ import psycopg
 import pytest
 from cli_support import UNREACHABLE, assert_one_line_error, cli, ok
 
+import jobd.schedules
 from jobd.config import ScheduleConfig
 from jobd.cron import CronSchedule
-from jobd.schedules import sync, tick
+from jobd.schedules import tick
+
+NODE = "web-1:100:aaaaaa"
+
+
+def sync(conn: psycopg.Connection, configs: list[ScheduleConfig], instance: str = NODE) -> None:
+    """A node declaring ``configs`` on the database clock, live for the whole test."""
+    jobd.schedules.sync(conn, configs, instance, ttl=3600)
 
 
 def next_json(*args: str) -> list[str]:
@@ -103,14 +112,17 @@ def db_now(conn: psycopg.Connection) -> datetime:
 
 
 def synced(conn: psycopg.Connection) -> None:
-    """nightly (fixed time, Berlin), quarter (fired once) and gone (disabled)."""
+    """nightly (fixed time, Berlin), quarter (fired once), gone (no node declares it any
+    more) and off (disabled by an operator)."""
     configs = [
         ScheduleConfig("nightly", "30 2 * * *", "send_report", timezone="Europe/Berlin"),
         ScheduleConfig("quarter", "*/15 * * * *", "h", timezone="UTC"),
+        ScheduleConfig("off", "0 8 * * *", "h", timezone="UTC"),
         ScheduleConfig("gone", "0 9 * * 1-5", "h", timezone="America/New_York"),
     ]
     sync(conn, configs)
-    sync(conn, configs[:2])
+    sync(conn, configs[:3])
+    jobd.schedules.set_enabled(conn, "off", False)
     conn.execute("UPDATE schedules SET materialized_until = now() - interval '20 minutes'"
                  " WHERE id = 'quarter'")
     assert [sid for sid, _, _ in tick(conn).enqueued] == ["quarter"]
@@ -130,11 +142,16 @@ def test_list_json_shows_expression_zone_next_fire_last_fire_and_state(
     data = json.loads(ok("schedules", "list", "--json", "--database-url", db_url))
     after = db_now(conn)
     rows: dict[str, dict[str, Any]] = {row["id"]: row for row in data}
-    assert sorted(rows) == ["gone", "nightly", "quarter"]
-    assert {k: rows["nightly"][k] for k in ("cron", "timezone", "state", "enabled")} == {
-        "cron": "30 2 * * *", "timezone": "Europe/Berlin", "state": "enabled", "enabled": True}
-    assert rows["gone"]["state"] == "disabled" and rows["gone"]["enabled"] is False
-    assert rows["gone"]["next_fire_local"] is None and rows["gone"]["next_fire_utc"] is None
+    assert sorted(rows) == ["gone", "nightly", "off", "quarter"]
+    assert {k: rows["nightly"][k] for k in ("cron", "timezone", "state", "enabled",
+                                            "declared_by", "differing")} == {
+        "cron": "30 2 * * *", "timezone": "Europe/Berlin", "state": "enabled", "enabled": True,
+        "declared_by": [NODE], "differing": []}
+    assert rows["off"]["state"] == "disabled" and rows["off"]["enabled"] is False
+    assert rows["gone"]["state"] == "undeclared" and rows["gone"]["enabled"] is True
+    assert rows["gone"]["declared_by"] == []
+    for sid in ("gone", "off"):
+        assert rows[sid]["next_fire_local"] is None and rows[sid]["next_fire_utc"] is None
 
     for sid, expression, zone in (("nightly", "30 2 * * *", "Europe/Berlin"),
                                   ("quarter", "*/15 * * * *", "UTC")):
@@ -152,18 +169,113 @@ def test_list_table_has_one_row_per_schedule(conn: psycopg.Connection, db_url: s
     synced(conn)
     lines = ok("schedules", "list", "--database-url", db_url).splitlines()
     assert lines[0].split() == ["id", "cron", "zone", "next", "fire", "(local)", "next", "fire",
-                                "(UTC)", "last", "fire", "state"]
+                                "(UTC)", "last", "fire", "nodes", "state"]
     by_id = {line.split()[0]: line for line in lines[1:]}
-    assert sorted(by_id) == ["gone", "nightly", "quarter"]
+    assert sorted(by_id) == ["gone", "nightly", "off", "quarter"]
     assert "30 2 * * *" in by_id["nightly"] and "Europe/Berlin" in by_id["nightly"]
-    assert by_id["nightly"].split()[-1] == "enabled" and by_id["gone"].split()[-1] == "disabled"
+    assert by_id["nightly"].split()[-2:] == ["1", "enabled"]
+    assert by_id["off"].split()[-2:] == ["1", "disabled"]
     # Local next fire with its offset, e.g. "2026-11-30 02:30:00 +01:00", then UTC.
     nightly = by_id["nightly"].split()
     assert nightly[8] == "02:30:00" and nightly[9] in ("+01:00", "+02:00")
     assert nightly[11].endswith("Z") and nightly[12] == "-"  # never fired
-    assert by_id["gone"].split()[-4:] == ["-", "-", "-", "disabled"]  # no next fire, none yet
+    # No next fire, none yet, declared by no live node.
+    assert by_id["gone"].split()[-5:] == ["-", "-", "-", "0", "undeclared"]
 
 
 def test_list_with_no_schedules(db_url: str) -> None:
     assert ok("schedules", "list", "--database-url", db_url).strip() == "(no schedules)"
     assert json.loads(ok("schedules", "list", "--json", "--database-url", db_url)) == []
+
+
+# --- schedules disable / enable, and conflicts -----------------------------------------------
+
+
+def state_of(db_url: str, schedule_id: str) -> dict[str, Any]:
+    rows = json.loads(ok("schedules", "list", "--json", "--database-url", db_url))
+    [row] = [row for row in rows if row["id"] == schedule_id]
+    return row
+
+
+def test_disable_and_enable_set_the_operators_flag_that_no_sync_overrides(
+    conn: psycopg.Connection, db_url: str
+) -> None:
+    config = ScheduleConfig("nightly", "30 2 * * *", "send_report", timezone="Europe/Berlin")
+    sync(conn, [config])
+    out = ok("schedules", "disable", "nightly", "--database-url", db_url)
+    assert out.strip() == ("schedule nightly disabled: no node fires it until "
+                           "`jobd schedules enable nightly`")
+    assert ok("schedules", "disable", "nightly", "--database-url", db_url).strip() == (
+        "schedule nightly was already disabled")
+    # Nodes starting with the schedule in their config leave the flag alone.
+    sync(conn, [config])
+    sync(conn, [config], instance="web-2:200:bbbbbb")
+    row = state_of(db_url, "nightly")
+    assert (row["state"], row["enabled"], row["next_fire_utc"]) == ("disabled", False, None)
+    assert row["declared_by"] == [NODE, "web-2:200:bbbbbb"]
+
+    data = json.loads(ok("schedules", "enable", "nightly", "--json", "--database-url", db_url))
+    assert data == {"id": "nightly", "enabled": True, "changed": True, "declared": True}
+    assert state_of(db_url, "nightly")["state"] == "enabled"
+    assert ok("schedules", "enable", "nightly", "--database-url", db_url).strip() == (
+        "schedule nightly was already enabled")
+
+
+def test_enabling_a_schedule_no_node_declares_says_so(
+    conn: psycopg.Connection, db_url: str
+) -> None:
+    sync(conn, [ScheduleConfig("s", "* * * * *", "h")])
+    ok("schedules", "disable", "s", "--database-url", db_url)
+    sync(conn, [])
+    lines = ok("schedules", "enable", "s", "--database-url", db_url).splitlines()
+    assert lines == ["schedule s enabled; occurrences due while it was disabled are skipped",
+                     "(no live node declares s: it fires once a running node's config has it)"]
+    assert state_of(db_url, "s")["state"] == "undeclared"
+
+
+@pytest.mark.parametrize("action", ["disable", "enable"])
+def test_an_unknown_schedule_is_a_usage_error(
+    conn: psycopg.Connection, db_url: str, action: str
+) -> None:
+    sync(conn, [ScheduleConfig("a", "* * * * *", "h"), ScheduleConfig("b", "@daily", "h")])
+    line = assert_one_line_error(cli("schedules", action, "nope", "--database-url", db_url))
+    assert "no schedule 'nope'; known: a, b" in line
+
+
+def test_disable_and_enable_have_help(db_url: str) -> None:
+    for action, words in (("disable", "no node fires it"), ("enable", "skipped")):
+        text = ok("schedules", action, "--help")
+        assert words in " ".join(text.split()) and "ID" in text
+
+
+def test_a_conflict_shows_in_schedules_list_and_in_status(
+    conn: psycopg.Connection, db_url: str
+) -> None:
+    sync(conn, [ScheduleConfig("report", "30 2 * * *", "h")])
+    sync(conn, [ScheduleConfig("report", "45 3 * * *", "h"), ScheduleConfig("calm", "@daily", "h")],
+         instance="web-2:200:bbbbbb")
+    sync(conn, [ScheduleConfig("report", "30 2 * * *", "h"),
+                ScheduleConfig("calm", "@daily", "h")])
+    row = state_of(db_url, "report")
+    assert (row["state"], row["cron"]) == ("conflict", "30 2 * * *")  # the first one is kept
+    assert row["declared_by"] == [NODE, "web-2:200:bbbbbb"]
+    assert row["differing"] == ["web-2:200:bbbbbb"]
+    assert row["next_fire_utc"] is not None  # it keeps firing, with the stored definition
+    assert state_of(db_url, "calm")["state"] == "enabled"
+
+    out = ok("status", "--database-url", db_url)
+    tail = out.rstrip().splitlines()[-2:]
+    assert tail[0] == ("schedules with conflicting definitions on live nodes (the stored one "
+                       "is kept):")
+    assert tail[1].split() == ["report:", "stored", "by", f"{NODE};", "differing:",
+                               "web-2:200:bbbbbb"]
+    status = json.loads(ok("status", "--json", "--database-url", db_url))
+    assert status["schedule_conflicts"] == [
+        {"schedule": "report", "stored_by": [NODE], "differing": ["web-2:200:bbbbbb"]}]
+
+
+def test_status_has_no_conflict_line_without_conflicts(
+    conn: psycopg.Connection, db_url: str
+) -> None:
+    sync(conn, [ScheduleConfig("report", "30 2 * * *", "h")])
+    assert "conflicting" not in ok("status", "--database-url", db_url)

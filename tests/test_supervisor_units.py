@@ -7,10 +7,12 @@ import os
 import secrets
 import signal
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psycopg
 import pytest
 
 from jobd.restarts import SlotBackoff
@@ -123,15 +125,15 @@ def assert_nothing_more(sock: socket.socket) -> None:
 
 def test_ready_status_stopping_and_watchdog(notify_socket: tuple[str, socket.socket]) -> None:
     address, sock = notify_socket
-    notifier = Notifier(address)
-    notifier.ready("default 2/2 workers busy 0")
-    assert receive(sock) == {"READY": "1", "STATUS": "default 2/2 workers busy 0"}
-    notifier.status("default 2/2 workers busy 1")
-    assert receive(sock) == {"STATUS": "default 2/2 workers busy 1"}
-    notifier.stopping("draining")
-    assert receive(sock) == {"STOPPING": "1", "STATUS": "draining"}
-    notifier.watchdog()
-    assert receive(sock) == {"WATCHDOG": "1"}
+    with Notifier(address) as notifier:
+        notifier.ready("default 2/2 workers busy 0")
+        assert receive(sock) == {"READY": "1", "STATUS": "default 2/2 workers busy 0"}
+        notifier.status("default 2/2 workers busy 1")
+        assert receive(sock) == {"STATUS": "default 2/2 workers busy 1"}
+        notifier.stopping("draining")
+        assert receive(sock) == {"STOPPING": "1", "STATUS": "draining"}
+        notifier.watchdog()
+        assert receive(sock) == {"WATCHDOG": "1"}
     assert_nothing_more(sock)
 
 
@@ -140,7 +142,8 @@ def test_reloading_carries_the_monotonic_clock_in_microseconds(
 ) -> None:
     address, sock = notify_socket
     before = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
-    Notifier(address).reloading()
+    with Notifier(address) as notifier:
+        notifier.reloading()
     after = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
     message = receive(sock)
     assert set(message) == {"RELOADING", "MONOTONIC_USEC"}
@@ -153,7 +156,8 @@ def test_the_address_comes_from_notify_socket(
 ) -> None:
     address, sock = notify_socket
     monkeypatch.setenv("NOTIFY_SOCKET", address)
-    Notifier().ready("up")
+    with Notifier() as notifier:
+        notifier.ready("up")
     assert receive(sock) == {"READY": "1", "STATUS": "up"}
 
 
@@ -162,10 +166,10 @@ def test_an_address_with_at_is_in_the_abstract_namespace() -> None:
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
         sock.bind("\0" + name)
         sock.settimeout(2.0)
-        notifier = Notifier("@" + name)
-        assert notifier.address == "\0" + name
-        notifier.status("abstract")
-        assert receive(sock) == {"STATUS": "abstract"}
+        with Notifier("@" + name) as notifier:
+            assert notifier.address == "\0" + name
+            notifier.status("abstract")
+            assert receive(sock) == {"STATUS": "abstract"}
 
 
 def test_without_notify_socket_every_call_is_a_no_op(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -182,9 +186,46 @@ def test_without_notify_socket_every_call_is_a_no_op(monkeypatch: pytest.MonkeyP
 
 
 def test_a_vanished_socket_does_not_raise(tmp_path: Path) -> None:
-    notifier = Notifier(str(tmp_path / "gone.sock"))
-    notifier.ready("nobody listens")
-    notifier.status("still fine")
+    with Notifier(str(tmp_path / "gone.sock")) as notifier:
+        notifier.ready("nobody listens")
+        notifier.status("still fine")
+        # Nobody to retry for: the loop is not woken again and again for it.
+        assert notifier.retry_at(time.monotonic()) is None
+
+
+def test_a_full_notify_queue_never_blocks_and_state_changes_arrive_later(
+    notify_socket: tuple[str, socket.socket],
+) -> None:
+    """A reader that stops reading (systemd busy, a datagram queue of 10) must not stall the
+    supervisor inside sendto: STATUS updates that do not fit are dropped, READY=1 and
+    STOPPING=1 wait and arrive, in order, once the reader takes messages again."""
+    address, sock = notify_socket
+    with Notifier(address) as notifier:
+        finished = threading.Event()
+
+        def flood() -> None:
+            for n in range(2000):  # far more than any datagram queue holds
+                notifier.status(f"update {n}")
+            notifier.ready("up")
+            notifier.stopping("draining")
+            finished.set()
+
+        threading.Thread(target=flood, daemon=True).start()
+        assert finished.wait(10), "sending to a full notify socket blocked"
+        assert notifier.retry_at(time.monotonic()) is not None
+        received = []
+        sock.settimeout(0.05)
+        while True:  # the reader catches up
+            try:
+                received.append(sock.recv(65536))
+            except TimeoutError:
+                break
+        notifier.flush()
+        assert notifier.pending == []
+        sock.settimeout(2.0)
+        assert receive(sock) == {"READY": "1", "STATUS": "up"}
+        assert receive(sock) == {"STOPPING": "1", "STATUS": "draining"}
+        assert all(message.startswith(b"STATUS=update") for message in received)
 
 
 @pytest.mark.parametrize(("usec", "pid", "interval"), [
@@ -203,3 +244,34 @@ def test_watchdog_interval_is_half_the_timeout_for_this_process(
     else:
         monkeypatch.setenv("WATCHDOG_PID", str(os.getpid() if pid == "self" else 1))
     assert Notifier("").watchdog_interval == interval
+
+
+# --- the supervisor's database helper ------------------------------------------------------
+
+
+def test_a_deadlock_fails_the_duty_but_keeps_the_supervisors_connection(db_url: str) -> None:
+    """A deadlock or serialization failure is an OperationalError like a dropped connection,
+    but the connection survives it: the supervisor must not throw it away (and with it the
+    node's view of the database for a reconnect delay)."""
+    from jobd.config import Config
+    from jobd.supervisor import Supervisor
+
+    supervisor = Supervisor(Config(), db_url)
+    supervisor._ensure_connection()
+    conn = supervisor.conn
+    assert conn is not None
+    for sqlstate in ("40P01", "40001", "57014"):  # deadlock, serialization, statement timeout
+        failed = supervisor._db("duty", lambda c, s=sqlstate: c.execute(
+            f"DO $$ BEGIN RAISE EXCEPTION 'injected' USING ERRCODE = '{s}'; END $$"))
+        assert failed is None
+        assert supervisor.conn is conn and not conn.closed
+    assert supervisor._db("duty", lambda c: c.execute("SELECT 1").fetchone()) == (1,)
+    # A connection that really broke is dropped and retried later.
+    killer = supervisor._db("pid", lambda c: c.execute("SELECT pg_backend_pid()").fetchone())
+    assert killer is not None
+    with psycopg.connect(db_url, autocommit=True) as other:
+        other.execute("SELECT pg_terminate_backend(%s)", killer)
+    assert supervisor._db("duty", lambda c: c.execute("SELECT 1")) is None
+    assert supervisor.conn is None
+    supervisor.listener.close()
+    conn.close()

@@ -1,4 +1,5 @@
-"""The systemd unit: it verifies, and its hardening scores as low exposure."""
+"""The systemd unit: it verifies, its hardening scores as low exposure, and what it points
+at exists after the README's install steps."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from readme_support import ROOT, commands, localize, section, shell_blocks
 
-UNIT = Path(__file__).resolve().parent.parent / "systemd" / "jobd.service"
+UNIT = ROOT / "systemd" / "jobd.service"
 
-pytestmark = pytest.mark.skipif(shutil.which("systemd-analyze") is None,
-                                reason="systemd-analyze is not installed")
+needs_systemd_analyze = pytest.mark.skipif(shutil.which("systemd-analyze") is None,
+                                           reason="systemd-analyze is not installed")
 
 
 def _installed_copy(tmp_path: Path) -> Path:
@@ -25,6 +27,7 @@ def _installed_copy(tmp_path: Path) -> Path:
     return copy
 
 
+@needs_systemd_analyze
 def test_unit_verifies(tmp_path: Path) -> None:
     result = subprocess.run(["systemd-analyze", "verify", str(_installed_copy(tmp_path))],
                             capture_output=True, text=True, cwd=tmp_path)
@@ -32,6 +35,7 @@ def test_unit_verifies(tmp_path: Path) -> None:
     assert "jobd.service" not in result.stderr, result.stderr
 
 
+@needs_systemd_analyze
 def test_unit_is_low_exposure(tmp_path: Path) -> None:
     result = subprocess.run(
         ["systemd-analyze", "security", "--offline=true", str(_installed_copy(tmp_path))],
@@ -49,3 +53,21 @@ def test_unit_declares_what_the_daemon_relies_on() -> None:
         assert setting in text, setting
     stop = int(re.search(r"TimeoutStopSec=(\d+)", text)[1])  # type: ignore[index]
     assert stop > 30 + 5, "TimeoutStopSec must exceed the default shutdown_timeout + kill grace"
+
+
+def test_documentation_exists_after_the_install_steps(tmp_path: Path) -> None:
+    [line] = re.findall(r"^Documentation=(.*)$", UNIT.read_text(), re.MULTILINE)
+    uris = line.split()
+    assert uris and all(uri.startswith("file:///opt/jobd/") for uri in uris), uris
+    steps = commands(shell_blocks(section("Run as a systemd service"))[0])
+    # The steps that put files under /opt/jobd, apart from the venv and pip (run as written,
+    # from the checkout, into a stand-in for /opt/jobd).
+    copies = [localize(step, tmp_path) for step in steps
+              if "/opt/jobd" in step and "venv" not in step and "useradd" not in step]
+    assert copies, "the install steps copy nothing to /opt/jobd"
+    (tmp_path / "opt" / "jobd").mkdir(parents=True)  # made by `python3 -m venv /opt/jobd/venv`
+    result = subprocess.run(["bash", "-e", "-c", "\n".join(copies)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    for uri in uris:
+        assert (tmp_path / uri.removeprefix("file:///")).is_file(), uri

@@ -103,7 +103,7 @@ def test_after_a_lost_connection_claims_it_never_received_fail_as_an_attempt(
 def test_claimed_rows_that_cannot_be_loaded_end_in_the_dead_letter_queue(
         loop: worker.Worker, conn: psycopg.Connection) -> None:
     # A row from before the run_at CHECK existed: no client can load '-infinity'.
-    conn.execute("ALTER TABLE jobs DROP CONSTRAINT jobs_run_at_finite")
+    conn.execute("ALTER TABLE jobs DROP CONSTRAINT jobs_run_at_range")
     poison = jobd.enqueue(conn, "h", max_attempts=2)
     for attempt in (1, 2):
         # Due at once, and unloadable: the claim commits, its rows fail to load.

@@ -23,8 +23,10 @@ SELECT {schema}.enqueue(%(handler)s, %(payload)s, %(lane)s,
                         %(priority)s, %(idempotency_key)s, %(max_attempts)s)
 
 -- name: reserve_ids_qualified
--- Job ids for a bulk enqueue, and the transaction's now() for rows that give no run_at.
-SELECT now(), ARRAY(SELECT nextval({job_id_seq}) FROM generate_series(1, %(count)s))
+-- Job ids for a bulk enqueue, and the transaction's now() for rows that give no run_at; the
+-- size of the batch's largest payload is checked against the database's limit on the way.
+SELECT now(), ARRAY(SELECT nextval({job_id_seq}) FROM generate_series(1, %(count)s)),
+       {schema}.check_payload_size(%(largest_payload)s)
 
 -- name: reserve_keys_qualified
 -- Claims idempotency keys for a bulk enqueue: the returned keys are new and their jobs must be
@@ -48,6 +50,7 @@ FROM STDIN (FORMAT BINARY)
 -- scan), so within each priority run_at bounds the range scan: future-scheduled jobs are never
 -- visited, however many there are. SKIP LOCKED lets concurrent claimers pass each other.
 -- The attempt is counted here, so a job that kills its worker still spends its budget.
+-- Suspects (see claim_suspect) are left out.
 WITH RECURSIVE priorities AS (
     (SELECT priority FROM jobs
       WHERE lane = %(lane)s AND state IN ('pending', 'failed')
@@ -68,10 +71,16 @@ due AS (
             WHERE lane = %(lane)s AND state IN ('pending', 'failed')
               AND priority = p.priority
               AND run_at <= coalesce(%(now)s::timestamptz, now())
+              AND NOT suspect
             ORDER BY run_at
             LIMIT %(limit)s
               FOR UPDATE SKIP LOCKED) AS d
      WHERE p.priority IS NOT NULL
+       -- A worker that holds a suspect runs it alone (claim_suspect); a one-time probe of
+       -- the suspect index, empty but for the rare crash.
+       AND NOT EXISTS (SELECT 1 FROM jobs AS s
+                        WHERE s.lane = %(lane)s AND s.suspect AND s.state = 'claimed'
+                          AND s.claimed_by = %(worker)s)
      LIMIT %(limit)s
 )
 UPDATE jobs
@@ -82,6 +91,29 @@ UPDATE jobs
                      + make_interval(secs => %(visibility_timeout)s),
        lease_token = (SELECT nextval('lease_token_seq'))
  WHERE jobs.id = ANY(ARRAY(SELECT id FROM due))
+RETURNING jobs.id, jobs.lease_token, jobs.lane, jobs.handler, jobs.payload::text, jobs.priority,
+          jobs.run_at, jobs.attempts, jobs.max_attempts, jobs.idempotency_key,
+          jobs.created_at, jobs.lease_until
+
+-- name: claim_suspect
+-- Claims the lane's oldest due suspect, one job, for a worker that holds nothing: the jobs of
+-- a worker that died while running several of them, each run alone until the one that kills
+-- its worker is found (it then spends an attempt; the others keep theirs). A worker idle
+-- enough to ask sends this before claim_jobs in the same transaction, and claim_jobs then
+-- takes nothing while the suspect is held.
+UPDATE jobs
+   SET state = 'claimed',
+       attempts = jobs.attempts + 1,
+       claimed_by = %(worker)s,
+       lease_until = coalesce(%(now)s::timestamptz, now())
+                     + make_interval(secs => %(visibility_timeout)s),
+       lease_token = (SELECT nextval('lease_token_seq'))
+ WHERE jobs.id = (SELECT id FROM jobs
+                   WHERE lane = %(lane)s AND suspect AND state IN ('pending', 'failed')
+                     AND run_at <= coalesce(%(now)s::timestamptz, now())
+                   ORDER BY run_at
+                   LIMIT 1
+                     FOR UPDATE SKIP LOCKED)
 RETURNING jobs.id, jobs.lease_token, jobs.lane, jobs.handler, jobs.payload::text, jobs.priority,
           jobs.run_at, jobs.attempts, jobs.max_attempts, jobs.idempotency_key,
           jobs.created_at, jobs.lease_until
@@ -98,13 +130,15 @@ RETURNING jobs.id
 
 -- name: complete_jobs
 -- Finishes a batch: the rows leave the hot table and enter the archive in one statement.
+-- It also runs inside transactional handlers' transactions, on connections whose search_path
+-- is the user's: hence {schema}. (see jobd/queries.py).
 WITH finished AS (
-    DELETE FROM jobs
+    DELETE FROM {schema}.jobs
      WHERE jobs.id = ANY(%(ids)s::bigint[])
        AND jobs.lease_token = (%(tokens)s::bigint[])[array_position(%(ids)s::bigint[], jobs.id)]
     RETURNING jobs.*
 )
-INSERT INTO jobs_archive (id, lane, handler, payload, state, priority, run_at, attempts,
+INSERT INTO {schema}.jobs_archive (id, lane, handler, payload, state, priority, run_at, attempts,
                           max_attempts, claimed_by, idempotency_key, created_at, last_error,
                           errors, finished_at)
 SELECT id, lane, handler, payload, 'done', priority, run_at, attempts, max_attempts,
@@ -115,14 +149,16 @@ RETURNING id
 
 -- name: fail_jobs
 -- Records a failed attempt for a batch. Each row carries its retry delay (computed by
--- jobd.backoff) and the lane's default attempt budget, at the same position as its id. A job
+-- jobd.backoff), the lane's default attempt budget and whether the failure is final (a
+-- payload that cannot be decoded: retrying cannot help), at the same position as its id. A job
 -- with budget left waits as 'failed' until run_at; a job without is moved to the dead-letter
 -- queue in the same statement. With %(expired_only)s, only rows whose lease has run out are
 -- touched (the sweep must not fail a job whose worker renewed its lease in the meantime).
 WITH failure AS (
     SELECT jobs.id,
            array_position(%(ids)s::bigint[], jobs.id) AS position,
-           jobs.attempts >= coalesce(
+           (%(final)s::bool[])[array_position(%(ids)s::bigint[], jobs.id)]
+           OR jobs.attempts >= coalesce(
                jobs.max_attempts,
                (%(default_max_attempts)s::int[])[array_position(%(ids)s::bigint[], jobs.id)])
                AS spent
@@ -183,6 +219,34 @@ UPDATE jobs
  WHERE jobs.id = ANY(%(ids)s::bigint[])
    AND jobs.lease_token = (%(tokens)s::bigint[])[array_position(%(ids)s::bigint[], jobs.id)]
 RETURNING jobs.id
+
+-- name: release_as_suspects
+-- Crash attribution for a worker that died holding several jobs: each gets its attempt back
+-- and becomes a suspect, to be run alone (claim_suspect).
+UPDATE jobs
+   SET state = 'pending',
+       attempts = greatest(jobs.attempts - 1, 0),
+       lease_until = NULL,
+       lease_token = NULL,
+       claimed_by = NULL,
+       suspect = true
+ WHERE jobs.id = ANY(%(ids)s::bigint[])
+   AND jobs.lease_token = (%(tokens)s::bigint[])[array_position(%(ids)s::bigint[], jobs.id)]
+RETURNING jobs.id
+
+-- name: mark_suspect
+-- A job that killed its worker alone keeps running alone on its retries.
+UPDATE jobs SET suspect = true WHERE id = ANY(%(ids)s::bigint[])
+
+-- name: terminate_stale_handlers
+-- The lease sweep's second half: a transactional handler of an expired lease may still hold
+-- its transaction open (a frozen process or node), and with it the locks its next run needs.
+-- Its backend carries the lease in application_name (set in record_effect_key).
+SELECT count(*) FILTER (WHERE pg_terminate_backend(pid))
+  FROM pg_stat_activity
+ WHERE datname = current_database()
+   AND application_name = ANY(%(names)s::text[])
+   AND pid <> pg_backend_pid()
 
 -- name: expired_leases
 -- Candidates for the lease-expiry sweep; rides jobs_lease_idx.
@@ -287,6 +351,12 @@ SELECT lane, extract(epoch FROM lane_head(lane))::float8,
        extract(epoch FROM coalesce(%(now)s::timestamptz, now()))::float8
   FROM unnest(%(lanes)s::text[]) AS lane
 
+-- name: supervisor_session
+-- Bounds every statement of the supervisor's connection, so a slow or blocked statement
+-- cannot hold up its loop (and with it every lane of the node) for longer than this.
+SELECT set_config('statement_timeout', %(statement_timeout)s, false),
+       set_config('lock_timeout', %(lock_timeout)s, false)
+
 -- name: node_heartbeat
 INSERT INTO nodes AS n (instance, node, pid, workers, counters)
 VALUES (%(instance)s, %(node)s, %(pid)s, %(workers)s, %(counters)s)
@@ -312,35 +382,97 @@ SELECT instance, node, pid, started_at, seen_at, workers, counters, prev_counter
  WHERE seen_at >= now() - make_interval(secs => %(within)s)
  ORDER BY node, instance
 
--- name: sync_schedule
--- Upserts one schedule from the config. A new schedule starts materializing from now (no
--- backfill); a changed one keeps its cursor, so occurrences after it follow the new rules.
-INSERT INTO schedules AS s (id, cron, timezone, handler, lane, payload, priority, catchup,
-                            overlap, enabled, materialized_until)
-VALUES (%(id)s, %(cron)s, %(timezone)s, %(handler)s, %(lane)s, %(payload)s, %(priority)s,
-        %(catchup)s, %(overlap)s, true, coalesce(%(now)s::timestamptz, now()))
-ON CONFLICT (id) DO UPDATE
-   SET cron = excluded.cron, timezone = excluded.timezone, handler = excluded.handler,
-       lane = excluded.lane, payload = excluded.payload, priority = excluded.priority,
-       catchup = excluded.catchup, overlap = excluded.overlap, enabled = true,
-       updated_at = now()
- WHERE (s.cron, s.timezone, s.handler, s.lane, s.payload, s.priority, s.catchup, s.overlap,
-        s.enabled)
-       IS DISTINCT FROM
-       (excluded.cron, excluded.timezone, excluded.handler, excluded.lane, excluded.payload,
-        excluded.priority, excluded.catchup, excluded.overlap, true)
+-- name: declare_schedule
+-- One instance declares one schedule of its config (see migrations/0007): creates it if new,
+-- refreshes the declaration's expiry, and adopts the definition only if no live declaration
+-- carries the stored one. Never changes `enabled`, the operator's flag.
+SELECT declare_schedule(%(id)s, %(instance)s, %(definition)s, %(ttl)s,
+                        %(now)s::timestamptz)
 
--- name: disable_schedules_except
-UPDATE schedules SET enabled = false, updated_at = now()
- WHERE enabled AND NOT (id = ANY(%(ids)s::text[]))
-RETURNING id
+-- name: withdraw_schedule_declarations_except
+-- An instance stops declaring the schedules its config no longer has. The schedules stay
+-- (ledger, cursor, flag); they go on firing while another live instance declares them.
+DELETE FROM schedule_declarations
+ WHERE instance = %(instance)s AND NOT (schedule_id = ANY(%(ids)s::text[]))
+RETURNING schedule_id
+
+-- name: withdraw_schedule_declarations
+-- A leaving instance: none of its schedules count as declared by it any more.
+DELETE FROM schedule_declarations WHERE instance = %(instance)s
+
+-- name: prune_schedule_declarations
+-- Declarations of instances that died without leaving; long expired, they only take space.
+DELETE FROM schedule_declarations
+ WHERE expires_at < coalesce(%(now)s::timestamptz, now()) - make_interval(secs => %(after)s)
+
+-- name: refresh_schedule_declarations
+-- The duty pass keeps an instance's declarations live; it re-creates any that were pruned
+-- while the instance was away. Touches no schedule row, so it takes no schedule lock.
+INSERT INTO schedule_declarations AS d (schedule_id, instance, definition, declared_at,
+                                        expires_at)
+SELECT c.id, %(instance)s, c.definition, clock.at,
+       clock.at + make_interval(secs => %(ttl)s)
+  FROM unnest(%(ids)s::text[], %(definitions)s::jsonb[]) AS c(id, definition),
+       (SELECT coalesce(%(now)s::timestamptz, now()) AS at) AS clock
+ON CONFLICT ON CONSTRAINT schedule_declarations_pkey DO UPDATE
+   SET expires_at = excluded.expires_at,
+       definition = excluded.definition,
+       declared_at = CASE WHEN d.definition = excluded.definition THEN d.declared_at
+                          ELSE excluded.declared_at END
+
+-- name: undecided_schedule_declarations
+-- An instance's declarations that differ from the stored definition: a conflict, or a
+-- change waiting for the last live declaration of the old definition to go.
+SELECT d.schedule_id
+  FROM schedule_declarations AS d JOIN schedules AS s ON s.id = d.schedule_id
+ WHERE d.instance = %(instance)s AND d.definition <> schedule_definition(s)
+ ORDER BY d.schedule_id
+
+-- name: reconcile_schedule
+SELECT reconcile_schedule(%(schedule_id)s, %(now)s::timestamptz, %(wait)s)
+
+-- name: schedule_conflicts
+-- Schedules whose live declarations differ from the stored definition, with the instances
+-- on each side (all schedules when ids is NULL).
+SELECT s.id,
+       coalesce(array_agg(d.instance ORDER BY d.instance)
+                    FILTER (WHERE d.definition = schedule_definition(s)), '{}') AS stored_by,
+       coalesce(array_agg(d.instance ORDER BY d.instance)
+                    FILTER (WHERE d.definition <> schedule_definition(s)), '{}') AS differing
+  FROM schedules AS s JOIN schedule_declarations AS d ON d.schedule_id = s.id
+ WHERE d.expires_at > coalesce(%(now)s::timestamptz, now())
+   AND (%(ids)s::text[] IS NULL OR s.id = ANY(%(ids)s::text[]))
+ GROUP BY s.id
+HAVING bool_or(d.definition <> schedule_definition(s))
+ ORDER BY s.id
+
+-- name: set_schedule_enabled
+-- The operator's flag. Enabling moves the cursor to now: what fell due while an operator had
+-- the schedule switched off is not caught up. Returns the previous flag; no row: unknown id.
+UPDATE schedules AS s
+   SET enabled = %(enabled)s,
+       updated_at = CASE WHEN s.enabled = %(enabled)s THEN s.updated_at ELSE now() END,
+       materialized_until = CASE WHEN %(enabled)s AND NOT s.enabled
+                                 THEN greatest(s.materialized_until, now())
+                                 ELSE s.materialized_until END
+  FROM (SELECT id, enabled FROM schedules WHERE id = %(id)s FOR UPDATE) AS before
+ WHERE s.id = before.id
+RETURNING before.enabled,
+          EXISTS (SELECT 1 FROM schedule_declarations AS d
+                   WHERE d.schedule_id = s.id AND d.expires_at > now()) AS declared
+
+-- name: schedule_ids
+SELECT id FROM schedules ORDER BY id
 
 -- name: due_schedules
--- The enabled schedules with their cursors, and the database clock to judge "due" by.
-SELECT id, cron, timezone, catchup, materialized_until, coalesce(%(now)s::timestamptz, now())
-  FROM schedules
- WHERE enabled
- ORDER BY id
+-- The schedules to materialize: enabled by the operator and declared by at least one live
+-- instance, with their cursors and the database clock to judge "due" and "live" by.
+SELECT s.id, s.cron, s.timezone, s.catchup, s.materialized_until, clock.at
+  FROM schedules AS s, (SELECT coalesce(%(now)s::timestamptz, now()) AS at) AS clock
+ WHERE s.enabled
+   AND EXISTS (SELECT 1 FROM schedule_declarations AS d
+                WHERE d.schedule_id = s.id AND d.expires_at > clock.at)
+ ORDER BY s.id
 
 -- name: fire_schedule
 SELECT outcome, job_id FROM fire_schedule(%(schedule_id)s, %(occurrence)s, %(fire_at)s,
@@ -353,10 +485,21 @@ UPDATE schedules SET materialized_until = greatest(materialized_until, %(until)s
  WHERE id = %(schedule_id)s
 
 -- name: list_schedules
-SELECT id, cron, timezone, handler, lane, catchup, overlap, enabled, materialized_until,
-       last_fire_at, last_job_id
-  FROM schedules
- ORDER BY id
+-- Every schedule with the live instances that declare it, and those of them whose
+-- definition differs from the stored one (a conflict).
+SELECT s.id, s.cron, s.timezone, s.handler, s.lane, s.catchup, s.overlap, s.enabled,
+       s.materialized_until, s.last_fire_at, s.last_job_id,
+       coalesce(live.declared_by, '{}') AS declared_by,
+       coalesce(live.differing, '{}') AS differing
+  FROM schedules AS s
+  LEFT JOIN LATERAL (
+        SELECT array_agg(d.instance ORDER BY d.instance) AS declared_by,
+               array_agg(d.instance ORDER BY d.instance)
+                   FILTER (WHERE d.definition <> schedule_definition(s)) AS differing
+          FROM schedule_declarations AS d
+         WHERE d.schedule_id = s.id AND d.expires_at > coalesce(%(now)s::timestamptz, now())
+       ) AS live ON true
+ ORDER BY s.id
 
 -- name: prune_schedule_fires
 DELETE FROM schedule_fires WHERE fire_at < now() - make_interval(secs => %(older_than)s)
@@ -365,8 +508,15 @@ DELETE FROM schedule_fires WHERE fire_at < now() - make_interval(secs => %(older
 -- Inside a transactional handler's transaction: claims the job's idempotency key. No row
 -- back means the key's effect already committed (a replay): the handler must not run again.
 -- A concurrent transaction holding the same key makes this wait for its outcome.
-INSERT INTO processed_keys (idempotency_key, job_id)
-VALUES (%(key)s, %(job_id)s)
+-- The same statement names the backend after the lease for the rest of the transaction, so a
+-- lease sweep that finds the lease expired can end the transaction (terminate_stale_handlers),
+-- and bounds the transaction on the server (the lane's timeout, 0 for none) in case the
+-- worker is frozen where no sweep sees it.
+INSERT INTO {schema}.processed_keys (idempotency_key, job_id)
+SELECT %(key)s, %(job_id)s
+  FROM (SELECT set_config('application_name', %(application_name)s, true),
+               set_config('idle_in_transaction_session_timeout', %(timeout_ms)s, true),
+               set_config('statement_timeout', %(timeout_ms)s, true)) AS session
 ON CONFLICT DO NOTHING
 RETURNING job_id
 
@@ -382,11 +532,12 @@ DELETE FROM outbox
    AND delivered_at < %(cutoff)s::timestamptz
 
 -- name: outbox_add
-SELECT outbox_add(%(key)s, %(sender)s, %(payload)s, %(lane)s, %(source_job_id)s)
+-- The outbox statements run in transactional handlers' transactions: {schema}. qualified.
+SELECT {schema}.outbox_add(%(key)s, %(sender)s, %(payload)s, %(lane)s, %(source_job_id)s)
 
 -- name: outbox_entry_for_delivery
-SELECT id, key, sender, payload, state FROM outbox WHERE id = %(id)s FOR UPDATE
+SELECT id, key, sender, payload, state FROM {schema}.outbox WHERE id = %(id)s FOR UPDATE
 
 -- name: outbox_delivered
-UPDATE outbox SET state = 'delivered', delivered_at = now(), last_error = NULL
+UPDATE {schema}.outbox SET state = 'delivered', delivered_at = now(), last_error = NULL
  WHERE id = %(id)s

@@ -1,0 +1,101 @@
+"""The rules every job must meet, whichever way it is enqueued. Pure: no I/O.
+
+The same rules are enforced three times, by the Python API (here, before anything is sent),
+by the SQL function ``jobd.enqueue`` (``migrations/0006_entry_rules.sql``) and, through
+those two, by the CLI, so a job that one entry point accepts is never refused, or worse
+accepted and then undeliverable, through another:
+
+- handler and lane names: 1-128 of letters, digits and ``_ . : -``, starting with a letter or
+  digit;
+- idempotency keys: non-empty, at most :data:`MAX_KEY_BYTES` bytes of UTF-8, no NUL, not in
+  jobd's reserved ``jobd:`` namespace (they are indexed, and a btree entry has a size limit);
+- ``run_at`` from :data:`EARLIEST_RUN_AT` to before :data:`LATEST_RUN_AT`, so every reader
+  (Python's datetime ends at year 9999) can load it;
+- the payload: any JSON value (object, array, string, number, boolean or null: the handler
+  gets exactly that value), nested at most :data:`MAX_PAYLOAD_DEPTH` levels deep, integers
+  below 10^4300 in magnitude (Python's decoder refuses longer digit strings), no ``\\u0000``
+  (PostgreSQL's jsonb cannot hold it), no NaN or Infinity (not JSON), and at most the
+  database's ``max_payload_bytes`` as JSON text (checked by the database, which holds the
+  limit).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import UTC, datetime
+from typing import Any
+
+# Keys of jobd's own making (schedule occurrences, outbox deliveries, keys derived from job
+# ids) start with this; callers' keys may not, so the two can never collide.
+RESERVED_KEY_PREFIX = "jobd:"
+MAX_KEY_BYTES = 512
+MAX_PAYLOAD_DEPTH = 256
+EARLIEST_RUN_AT = datetime(1970, 1, 1, tzinfo=UTC)
+LATEST_RUN_AT = datetime(9999, 1, 1, tzinfo=UTC)
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
+# A JSON \u0000 escape that is not itself an escaped backslash followed by "u0000".
+_NUL_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
+
+
+def name(kind: str, value: object) -> str:
+    """A lane, handler or schedule name, or ValueError."""
+    if not isinstance(value, str) or not _NAME.match(value):
+        raise ValueError(
+            f"invalid {kind} name {value!r}: use 1-128 letters, digits and _ . : - "
+            "(starting with a letter or digit)"
+        )
+    return value
+
+
+def idempotency_key(value: object) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError("idempotency_key must be a non-empty string")
+    if "\x00" in value:
+        raise ValueError("idempotency_key must not contain NUL characters")
+    size = len(value.encode("utf-8", "surrogatepass"))
+    if size > MAX_KEY_BYTES:
+        raise ValueError(f"idempotency_key is {size} bytes; at most {MAX_KEY_BYTES} are allowed")
+    if value.startswith(RESERVED_KEY_PREFIX):
+        raise ValueError(f"idempotency keys starting with {RESERVED_KEY_PREFIX!r} are "
+                         "reserved for jobd's own jobs")
+    return value
+
+
+def run_at(value: datetime) -> datetime:
+    if value.utcoffset() is None:
+        raise ValueError("run_at must be timezone-aware (a naive datetime is ambiguous)")
+    if not EARLIEST_RUN_AT <= value < LATEST_RUN_AT:
+        raise ValueError(f"run_at {value.isoformat()} is out of range: it must be from "
+                         f"{EARLIEST_RUN_AT:%Y-%m-%d} to before {LATEST_RUN_AT:%Y-%m-%d} (UTC)")
+    return value
+
+
+def encode_payload(payload: Any) -> str:
+    """The payload as JSON text, or ValueError saying why it cannot be a payload."""
+    _check_depth(payload)
+    try:
+        text = json.dumps(payload, allow_nan=False, ensure_ascii=False)
+    except ValueError as exc:  # NaN/Infinity, or an integer too long for a string
+        raise ValueError(f"payload cannot be stored as JSON: {exc}") from None
+    except (TypeError, RecursionError) as exc:
+        raise ValueError(f"payload cannot be stored as JSON: {exc}") from None
+    if _NUL_ESCAPE.search(text):
+        raise ValueError("payload strings must not contain NUL characters (\\u0000)")
+    return text
+
+
+def _check_depth(payload: Any) -> None:
+    """Refuse values nested deeper than MAX_PAYLOAD_DEPTH (the root is level 0), the rule
+    the SQL function checks with the JSON path ``strict $.**{257}``. Iterative, so a deep
+    payload is refused with a message rather than a RecursionError."""
+    stack: list[tuple[Any, int]] = [(payload, 0)]
+    while stack:
+        value, level = stack.pop()
+        if level > MAX_PAYLOAD_DEPTH:
+            raise ValueError(f"payload is nested more than {MAX_PAYLOAD_DEPTH} levels deep")
+        if isinstance(value, dict):
+            stack.extend((child, level + 1) for child in value.values())
+        elif isinstance(value, list | tuple):
+            stack.extend((child, level + 1) for child in value)

@@ -1,0 +1,201 @@
+"""The CLI never prints a traceback for a user's mistake: input errors exit 2 with one line on
+stderr, runtime failures exit 1. Run against a real database."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import psycopg
+import pytest
+from cli_support import TIMEOUT, assert_one_line_error, clean_env, cli
+
+import jobd
+from jobd import cli as jobd_cli
+
+DEEP = "[" * 5000 + "]" * 5000
+LONG_INTEGER = "1" * 5000
+TOO_BIG_ID = "99999999999999999999"  # > 2**63 - 1
+
+
+def count_jobs(conn: psycopg.Connection) -> int:
+    row = conn.execute("SELECT count(*) FROM all_jobs").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+# --- payloads json.loads cannot decode, or PostgreSQL cannot store -------------------------
+
+
+@pytest.mark.parametrize(
+    ("payload", "fragment"),
+    [
+        (DEEP, "nested too deeply"),
+        ('{"a": ' + DEEP + "}", "nested too deeply"),
+        (LONG_INTEGER, "more than 4300 digits"),
+        ('{"n": -' + LONG_INTEGER + "}", "more than 4300 digits"),
+        ('{"x": NaN}', "NaN is not JSON"),
+        ("[Infinity]", "Infinity is not JSON"),
+        ("-Infinity", "Infinity is not JSON"),
+        ('{"x": 1e999}', "too large for a JSON number"),
+        ('{"x": "a\\u0000b"}', "NUL"),
+        ('{"a\\u0000": 1}', "NUL"),
+        ('["ok", ["\\u0000"]]', "NUL"),
+    ],
+)
+def test_undecodable_or_unstorable_payloads_exit_2(
+    db_url: str, conn: psycopg.Connection, payload: str, fragment: str
+) -> None:
+    result = cli("enqueue", "h", f"--payload={payload}", "--database-url", db_url)
+    line = assert_one_line_error(result, 2)
+    assert fragment in line and "--payload" in line
+    assert count_jobs(conn) == 0
+
+
+def test_an_escaped_backslash_before_u0000_is_not_a_nul(db_url: str,
+                                                         conn: psycopg.Connection) -> None:
+    # The JSON text \\u0000 is a backslash followed by "u0000", which jsonb stores fine.
+    result = cli("enqueue", "h", "--payload", '{"path": "C:\\\\u0000"}', "--database-url", db_url)
+    assert result.returncode == 0, result.stderr
+    row = conn.execute("SELECT payload FROM jobs").fetchone()
+    assert row == ({"path": "C:\\u0000"},)
+
+
+# --- NUL characters in any argument --------------------------------------------------------
+# A process's argv cannot hold NUL, so these go through main() in this process.
+
+
+@pytest.mark.parametrize(
+    ("args", "name"),
+    [
+        (["enqueue", "h", "--idempotency-key", "order\x007"], "idempotency-key"),
+        (["enqueue", "h\x00", "--lane", "default"], "handler"),
+        (["enqueue", "h", "--lane", "mail\x00"], "lane"),
+        (["jobs", "list", "--lane", "mail\x00"], "lane"),
+        (["dlq", "list", "--lane", "\x00"], "lane"),
+    ],
+)
+def test_nul_in_an_argument_exits_2(
+    db_url: str, conn: psycopg.Connection, capsys: pytest.CaptureFixture[str],
+    args: list[str], name: str
+) -> None:
+    assert jobd_cli.main([*args, "--database-url", db_url]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == f"jobd: {name}: NUL characters are not allowed\n"
+    assert count_jobs(conn) == 0
+
+
+# --- ids and limits beyond bigint ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["jobs", "show", TOO_BIG_ID], ["dlq", "replay", "1", TOO_BIG_ID],
+     ["jobs", "list", "--limit", TOO_BIG_ID], ["dlq", "list", "--limit", TOO_BIG_ID]],
+)
+def test_numbers_beyond_bigint_are_refused_at_parsing(db_url: str, args: list[str]) -> None:
+    line = assert_one_line_error(cli(*args, "--database-url", db_url), 2)
+    assert "too large" in line and str(2**63 - 1) in line
+
+
+def test_the_largest_bigint_is_a_valid_id(db_url: str) -> None:
+    line = assert_one_line_error(cli("jobs", "show", str(2**63 - 1), "--database-url", db_url))
+    assert f"no job {2**63 - 1}" in line
+
+
+# --- a missing job is the same input error everywhere --------------------------------------
+
+
+def test_show_and_replay_agree_on_a_missing_job(db_url: str) -> None:
+    show = assert_one_line_error(cli("jobs", "show", "999", "--database-url", db_url), 2)
+    replay = assert_one_line_error(cli("dlq", "replay", "999", "--database-url", db_url), 2)
+    assert "999" in show and "999" in replay
+
+
+# --- what the database refuses -------------------------------------------------------------
+
+
+def test_an_oversize_idempotency_key_exits_2(db_url: str, conn: psycopg.Connection) -> None:
+    result = cli("enqueue", "h", "--idempotency-key", "k" * 10_000, "--database-url", db_url)
+    assert_one_line_error(result, 2)
+    assert count_jobs(conn) == 0
+
+
+def _refuse_inserts(conn: psycopg.Connection, sqlstate: str, message: str) -> None:
+    """A trigger that makes the server refuse every new job with ``sqlstate``: the way a
+    check inside the database (jobd.enqueue's own, or the user's) answers."""
+    conn.execute(f"""
+        CREATE FUNCTION public.refuse_job() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            RAISE EXCEPTION '{message}' USING ERRCODE = '{sqlstate}',
+                  DETAIL = 'a second line that must not be printed';
+        END $$""")
+    conn.execute("CREATE TRIGGER refuse_job BEFORE INSERT ON jobs "
+                 "FOR EACH ROW EXECUTE FUNCTION public.refuse_job()")
+
+
+@pytest.mark.parametrize(
+    ("sqlstate", "code"),
+    [
+        ("22023", 2),  # invalid_parameter_value: what jobd.enqueue raises for bad input
+        ("22003", 2),  # numeric_value_out_of_range: any data exception
+        ("23514", 2),  # check_violation
+        ("P0001", 1),  # raise_exception: not about the input, a runtime failure
+        ("53100", 1),  # disk_full
+    ],
+)
+def test_database_refusals_map_to_exit_codes(
+    db_url: str, conn: psycopg.Connection, sqlstate: str, code: int
+) -> None:
+    _refuse_inserts(conn, sqlstate, "lane mail is over its quota")
+    line = assert_one_line_error(cli("enqueue", "h", "--database-url", db_url), code)
+    if code == 2:
+        assert line == "jobd: lane mail is over its quota"
+    else:
+        assert line == "jobd: database error: lane mail is over its quota"
+    assert count_jobs(conn) == 0
+
+
+# --- config files that cannot be read ------------------------------------------------------
+
+
+def test_a_config_that_is_not_utf8_exits_2(tmp_path: Path, db_url: str) -> None:
+    config = tmp_path / "latin1.yaml"
+    config.write_bytes("node:\n  name: café\n".encode("latin-1"))
+    line = assert_one_line_error(cli("status", "-c", str(config), "--database-url", db_url), 2)
+    assert f"{config}:2:" in line and "UTF-8" in line
+
+
+def test_a_config_that_is_a_directory_exits_2(tmp_path: Path, db_url: str) -> None:
+    line = assert_one_line_error(cli("status", "-c", str(tmp_path), "--database-url", db_url), 2)
+    assert str(tmp_path) in line
+
+
+def test_a_config_from_the_environment_that_is_not_utf8_exits_2(tmp_path: Path,
+                                                               db_url: str) -> None:
+    config = tmp_path / "binary.yaml"
+    config.write_bytes(b"\xff\xfe\x00lanes: {}\n")
+    result = cli("status", "--database-url", db_url, env=clean_env(JOBD_CONFIG=str(config)))
+    assert str(config) in assert_one_line_error(result, 2)
+
+
+# --- output into a closed pipe -------------------------------------------------------------
+
+
+def test_output_piped_into_head_ends_quietly(db_url: str, conn: psycopg.Connection) -> None:
+    # Far more output than a pipe buffers, so jobd is still writing when head exits.
+    jobd.enqueue_many(conn, [jobd.JobSpec("h", {"n": n}) for n in range(3000)])
+    jobs = subprocess.Popen(
+        [sys.executable, "-m", "jobd", "jobs", "list", "--limit", "3000",
+         "--database-url", db_url],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=clean_env())
+    assert jobs.stdout is not None
+    head = subprocess.Popen(["head", "-1"], stdin=jobs.stdout, stdout=subprocess.PIPE)
+    jobs.stdout.close()  # head alone holds the read end: its exit closes the pipe
+    first, _ = head.communicate(timeout=TIMEOUT)
+    _, err = jobs.communicate(timeout=TIMEOUT)
+    assert first.decode().split()[:2] == ["id", "lane"]
+    assert err.decode() == ""
+    assert jobs.returncode == 1

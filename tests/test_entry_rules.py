@@ -1,0 +1,180 @@
+"""Every entry point accepts and refuses the same jobs: the SQL function ``jobd.enqueue``, the
+Python API (``jobd.enqueue`` and ``jobd.enqueue_many``) and the CLI (see jobd/validation.py
+for the rules). A job one of them accepts is one every worker can load and decode."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import psycopg
+import pytest
+from cli_support import assert_one_line_error, cli
+
+import jobd
+from jobd import validation
+
+DEEP = 300  # levels: over the limit of 256
+HUGE = 10 ** 4300  # 4301 digits: Python's decoder refuses it
+
+
+def nested(levels: int) -> Any:
+    value: Any = 1
+    for _ in range(levels):
+        value = [value]
+    return value
+
+
+@dataclass(frozen=True)
+class Case:
+    """One job, as each entry point is given it."""
+
+    handler: str = "h"
+    payload: Any = field(default_factory=dict)  # a Python value
+    payload_sql: str | None = None  # the jsonb literal, when json.dumps cannot write it
+    lane: str = "default"
+    run_at: datetime | None = None
+    key: str | None = None
+    max_attempts: int | None = None
+
+    def sql_payload(self) -> str:
+        return self.payload_sql if self.payload_sql is not None else json.dumps(self.payload)
+
+    def cli_args(self, url: str) -> list[str]:
+        args = ["enqueue", self.handler, "--payload", self.sql_payload(), "--lane", self.lane,
+                "--database-url", url]
+        if self.run_at is not None:
+            args += ["--run-at", self.run_at.isoformat()]
+        if self.key is not None:
+            args += ["--idempotency-key", self.key]
+        if self.max_attempts is not None:
+            args += ["--max-attempts", str(self.max_attempts)]
+        return args
+
+
+REFUSED = {
+    "empty handler": Case(handler=""),
+    "handler with a space": Case(handler="send email"),
+    "129-character handler": Case(handler="h" * 129),
+    "empty lane": Case(lane=""),
+    "lane with a slash": Case(lane="a/b"),
+    "run_at in year 9999": Case(run_at=datetime(9999, 6, 1, tzinfo=UTC)),
+    "run_at before 1970": Case(run_at=datetime(1969, 12, 31, tzinfo=UTC)),
+    "10 KB idempotency key": Case(key="k" * 10_000),
+    "reserved idempotency key": Case(key="jobd:mine"),
+    "payload nested 300 levels": Case(payload=nested(DEEP)),
+    "payload with a 4301-digit number": Case(payload=[HUGE], payload_sql="[1" + "0" * 4300 + "]"),
+    "payload with a NUL character": Case(payload={"s": "a\x00b"}),
+}
+
+ACCEPTED = {
+    "128-character names": Case(handler="h" * 128, lane="l" * 128),
+    "a JSON null payload": Case(payload=None),
+    "an array payload": Case(payload=[1, "two", None]),
+    "a string payload": Case(payload="just text"),
+    "payload nested 256 levels": Case(payload=nested(256)),
+    "a 4300-digit number": Case(payload=[HUGE - 1]),
+    "a 512-byte key": Case(key="k" * 512),
+    "run_at on the last accepted day": Case(run_at=datetime(9998, 12, 31, tzinfo=UTC)),
+}
+
+
+def via_sql(conn: psycopg.Connection, case: Case) -> int:
+    row = conn.execute(
+        "SELECT jobd.enqueue(%s, %s::jsonb, lane => %s, run_at => coalesce(%s, now()),"
+        " idempotency_key => %s, max_attempts => %s)",
+        (case.handler, case.sql_payload(), case.lane, case.run_at, case.key,
+         case.max_attempts)).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def via_python(conn: psycopg.Connection, case: Case) -> int:
+    return jobd.enqueue(conn, case.handler, case.payload, lane=case.lane, run_at=case.run_at,
+                        idempotency_key=case.key, max_attempts=case.max_attempts)
+
+
+def via_bulk(conn: psycopg.Connection, case: Case) -> int:
+    [job_id] = jobd.enqueue_many(conn, [jobd.JobSpec(
+        case.handler, case.payload, case.lane, case.run_at, 0, case.key, case.max_attempts)])
+    return job_id
+
+
+def with_key(case: Case, tag: str) -> Case:
+    """The case with a key of its own for one entry point (same length, last byte differs)."""
+    return Case(**{**case.__dict__, "key": case.key[:-1] + tag}) if case.key else case
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_every_entry_point_refuses(name: str, conn: psycopg.Connection, db_url: str) -> None:
+    case = REFUSED[name]
+    # A data exception (SQLSTATE class 22): jobd.enqueue's invalid_parameter_value, or for
+    # \u0000 PostgreSQL's own jsonb parser, before jobd.enqueue is reached.
+    with pytest.raises(psycopg.DataError):
+        via_sql(conn, case)
+    for enqueue in (via_python, via_bulk):
+        with pytest.raises(ValueError):
+            enqueue(conn, case)
+    assert_one_line_error(cli(*case.cli_args(db_url)), 2)
+    assert conn.execute("SELECT count(*) FROM jobs").fetchone() == (0,)
+
+
+@pytest.mark.parametrize("name", sorted(ACCEPTED))
+def test_every_entry_point_accepts(name: str, conn: psycopg.Connection, db_url: str) -> None:
+    case = ACCEPTED[name]
+    ids = [via_sql(conn, with_key(case, "a")), via_python(conn, with_key(case, "b")),
+           via_bulk(conn, with_key(case, "c"))]
+    result = cli(*with_key(case, "d").cli_args(db_url))
+    assert result.returncode == 0, result.stderr
+    ids.append(int(result.stdout))
+    assert len(set(ids)) == 4
+    # Every entry point stored the same value, and a worker decodes exactly it.
+    rows = conn.execute("SELECT payload, payload::text FROM jobs WHERE id = ANY(%s)",
+                        (ids,)).fetchall()
+    assert len(rows) == 4
+    for stored, text in rows:
+        assert stored == case.payload
+        assert jobd.queue.decode_stored_payload(text) == case.payload
+
+
+def test_the_payload_size_limit_is_the_databases_for_every_entry_point(
+    conn: psycopg.Connection, db_url: str
+) -> None:
+    conn.execute("UPDATE settings SET value = '64' WHERE name = 'max_payload_bytes'")
+    fits, too_big = {"s": "x" * 55}, {"s": "x" * 56}
+    assert len(json.dumps(fits)) == 64
+    case = Case(payload=too_big)
+    with pytest.raises(psycopg.errors.InvalidParameterValue, match="65 bytes"):
+        via_sql(conn, case)
+    for enqueue in (via_python, via_bulk):
+        with pytest.raises(psycopg.errors.InvalidParameterValue, match="65 bytes"):
+            enqueue(conn, case)
+    line = assert_one_line_error(cli(*case.cli_args(db_url)), 2)
+    assert "65 bytes" in line
+    assert conn.execute("SELECT count(*) FROM jobs").fetchone() == (0,)
+    for enqueue in (via_sql, via_python, via_bulk):
+        enqueue(conn, Case(payload=fits))
+    assert conn.execute("SELECT count(*) FROM jobs").fetchone() == (3,)
+
+
+def test_a_sql_null_payload_is_refused_and_a_json_null_kept(conn: psycopg.Connection) -> None:
+    with pytest.raises(psycopg.errors.InvalidParameterValue, match="SQL NULL"):
+        conn.execute("SELECT jobd.enqueue('h', NULL)")
+    job_id = conn.execute("SELECT jobd.enqueue('h', 'null')").fetchone()
+    assert conn.execute("SELECT payload IS NULL, jsonb_typeof(payload) FROM jobs WHERE id = %s",
+                        job_id).fetchone() == (False, "null")
+    # Left out, the payload is {} in every entry point.
+    assert [jobd.enqueue(conn, "h")] and conn.execute(
+        "SELECT payload FROM jobs ORDER BY id DESC LIMIT 1").fetchone() == ({},)
+
+
+def test_the_python_rules_are_pure() -> None:
+    """validation.py needs no database: the rules, checked directly."""
+    assert validation.encode_payload({"é": [1, None]}) == '{"é": [1, null]}'
+    for bad in (float("nan"), float("inf"), nested(DEEP), {"k": "\x00"}, HUGE, object()):
+        with pytest.raises(ValueError):
+            validation.encode_payload(bad)
+    # A backslash followed by "u0000" is text, not a NUL.
+    assert validation.encode_payload("\\u0000") == '"\\\\u0000"'

@@ -1,0 +1,411 @@
+"""What a fault suite and a new user found, end to end against the real daemon.
+
+Transactional handlers see the user's search_path; a frozen worker cannot hold its job
+hostage; the supervisor survives unreadable reloads, a notify socket nobody reads, and its
+workers do not outlive it; a poison job does not take its neighbours' attempts; an
+undecodable payload goes to the dead-letter queue at once; the logs say what happened.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import daemon_support
+import psycopg
+import pytest
+from daemon_support import Daemon, alive, effects, job_row, job_state, make_config, wait_until
+from psycopg import sql
+
+import jobd
+
+daemons = daemon_support.daemons
+effects_db = daemon_support.effects_db
+
+pytestmark = pytest.mark.slow
+
+Daemons = Callable[..., Daemon]
+
+HANDLERS_MODULE = '''\
+"""Handlers written the way users write them: unqualified table names."""
+
+import logging
+import time
+
+from testhandlers import _record
+
+import jobd
+
+
+@jobd.transactional
+def order(job, conn):
+    conn.execute("INSERT INTO orders (job_id, attempt) VALUES (%s, %s)", (job.id, job.attempt))
+    hold = job.payload.get("hold_seconds", 0)
+    if hold and job.attempt == 1:
+        _record(job, "holding")  # the transaction is open, its row written, not committed
+        time.sleep(hold)
+
+
+def boom(job):
+    raise RuntimeError("first line of the error\\nsecond line of it")
+
+
+def chatty(job):
+    print("hello from print")
+    logging.getLogger("myapp").warning("hello from logging %s", 42)
+'''
+
+HANDLERS = {**daemon_support.HANDLERS, "order": "hardhandlers:order",
+            "boom": "hardhandlers:boom", "chatty": "hardhandlers:chatty"}
+
+
+def config(lanes: dict[str, dict[str, Any]], **kwargs: Any) -> dict[str, Any]:
+    return make_config(lanes, handlers=HANDLERS, **kwargs)
+
+
+def new_daemon(daemons: Daemons, name: str = "jobd", url: str | None = None) -> Daemon:
+    daemon = daemons(name=name)
+    if url is not None:
+        daemon.db_url = url
+    (daemon.dir / "hardhandlers.py").write_text(HANDLERS_MODULE)
+    return daemon
+
+
+def wait_state(conn: psycopg.Connection, job_id: int, state: str, timeout: float,
+               daemon: Daemon) -> None:
+    wait_until(lambda: job_state(conn, job_id) == state, timeout,
+               message=lambda: f"job {job_id} to be {state} (it is "
+                               f"{job_state(conn, job_id)})\n{daemon.tail()}")
+
+
+def orders(conn: psycopg.Connection, table: str = "public.orders") -> list[tuple[int, int]]:
+    return conn.execute(sql.SQL("SELECT job_id, attempt FROM {} ORDER BY job_id").format(
+        sql.SQL(table))).fetchall()
+
+
+@pytest.fixture
+def orders_table(effects_db: psycopg.Connection) -> psycopg.Connection:
+    effects_db.execute("CREATE TABLE public.orders (job_id bigint PRIMARY KEY, attempt int)")
+    return effects_db
+
+
+# --- transactional handlers see the user's tables ----------------------------------------
+
+
+def test_a_transactional_handler_writes_an_unqualified_table_in_public(
+    daemons: Daemons, orders_table: psycopg.Connection
+) -> None:
+    daemon = new_daemon(daemons).start(config({"default": {}}))
+    job_id = jobd.enqueue(orders_table, "order", {})
+    wait_state(orders_table, job_id, "done", 15, daemon)
+    assert orders(orders_table) == [(job_id, 1)]
+    assert job_row(orders_table, job_id)["attempts"] == 1
+
+
+@pytest.fixture
+def app_role(db_url: str, effects_db: psycopg.Connection) -> Iterator[str]:
+    """A role whose default search_path is the schema `shop`, where `orders` lives; yields a
+    URL that connects as it."""
+    role = f"jobd_app_{secrets.token_hex(4)}"
+    effects_db.execute("CREATE SCHEMA shop")
+    effects_db.execute("CREATE TABLE shop.orders (job_id bigint PRIMARY KEY, attempt int)")
+    effects_db.execute(sql.SQL("CREATE ROLE {} LOGIN SUPERUSER").format(sql.Identifier(role)))
+    database = effects_db.info.dbname
+    effects_db.execute(sql.SQL("ALTER ROLE {} IN DATABASE {} SET search_path = shop").format(
+        sql.Identifier(role), sql.Identifier(database)))
+    try:
+        yield psycopg.conninfo.make_conninfo(db_url, user=role)
+    finally:
+        effects_db.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+        with psycopg.connect(psycopg.conninfo.make_conninfo(db_url, dbname="postgres"),
+                             autocommit=True) as admin:
+            admin.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+def test_a_transactional_handler_follows_the_roles_default_search_path(
+    daemons: Daemons, effects_db: psycopg.Connection, app_role: str
+) -> None:
+    daemon = new_daemon(daemons, url=app_role).start(config({"default": {}}))
+    job_id = jobd.enqueue(effects_db, "order", {})
+    wait_state(effects_db, job_id, "done", 15, daemon)
+    assert orders(effects_db, "shop.orders") == [(job_id, 1)]
+
+
+# --- a frozen worker cannot hold a job hostage --------------------------------------------
+
+FAST_SWEEP = {"worker_timeout": "120s", "duty_interval": "300ms"}
+SHORT_LEASE = {"visibility_timeout": "2s", "heartbeat": "500ms", "concurrency": 1}
+
+
+def holding_pid(conn: psycopg.Connection, job_id: int) -> int:
+    [holding] = wait_until(lambda: effects(conn, job_id, "holding"), 15,
+                           message="the handler to hold its transaction open")
+    return int(holding["pid"])
+
+
+def test_a_frozen_worker_loses_its_transactional_job_to_another_worker(
+    daemons: Daemons, orders_table: psycopg.Connection
+) -> None:
+    daemon = new_daemon(daemons).start(config(
+        {"default": {**SHORT_LEASE, "workers": 2}}, supervisor=FAST_SWEEP))
+    daemon.wait_workers_started("default", 2)
+    job_id = jobd.enqueue(orders_table, "order", {"hold_seconds": 8})
+    frozen = holding_pid(orders_table, job_id)
+    os.kill(frozen, signal.SIGSTOP)
+    try:
+        frozen_at = time.monotonic()
+        # Two leases (the frozen one runs out, then the retry's backoff) plus one sweep.
+        wait_state(orders_table, job_id, "done", 15, daemon)
+        assert time.monotonic() - frozen_at < 2 * 2.0 + 0.3 + 3.0
+        assert orders(orders_table) == [(job_id, 2)]
+    finally:
+        mark = daemon.mark()
+        os.kill(frozen, signal.SIGCONT)
+    # The stale worker wakes up, finds its transaction gone, and changes nothing.
+    daemon.wait_for_log("lost the lease before finishing; result discarded", process=None,
+                        since=mark, pid=frozen, timeout=20)
+    assert orders(orders_table) == [(job_id, 2)]
+    row = job_row(orders_table, job_id)
+    assert (row["state"], row["attempts"]) == ("done", 2)
+    assert "lease expired" in row["errors"][0]["error"]
+
+
+def test_a_frozen_node_loses_its_transactional_job_to_another_node(
+    daemons: Daemons, orders_table: psycopg.Connection
+) -> None:
+    frozen_node = new_daemon(daemons, name="frozen").start(config(
+        {"default": SHORT_LEASE}, supervisor=FAST_SWEEP))
+    frozen_node.wait_workers_started("default", 1)
+    job_id = jobd.enqueue(orders_table, "order", {"hold_seconds": 8})
+    holding_pid(orders_table, job_id)
+    os.killpg(frozen_node.pid, signal.SIGSTOP)  # the whole node: supervisor and workers
+    try:
+        other = new_daemon(daemons, name="other")
+        other.start({**config({"default": SHORT_LEASE}, supervisor=FAST_SWEEP),
+                     "node": {"name": "othernode"}})
+        wait_state(orders_table, job_id, "done", 20, other)
+        assert orders(orders_table) == [(job_id, 2)]
+    finally:
+        mark = frozen_node.mark()
+        os.killpg(frozen_node.pid, signal.SIGCONT)
+    frozen_node.wait_for_log("lost the lease before finishing; result discarded",
+                             process=None, since=mark, timeout=20)
+    assert orders(orders_table) == [(job_id, 2)]
+    assert job_state(orders_table, job_id) == "done"
+
+
+def test_the_lane_timeout_bounds_a_frozen_handlers_transaction_on_the_server(
+    daemons: Daemons, orders_table: psycopg.Connection
+) -> None:
+    """No sweep can help a node frozen alone (its lease never expires elsewhere); the server
+    ends the idle transaction after the lane's timeout."""
+    new_daemon(daemons).start(config(
+        {"default": {"timeout": "2s", "visibility_timeout": "60s", "concurrency": 1}},
+        supervisor={"worker_timeout": "120s"}))
+    job_id = jobd.enqueue(orders_table, "order", {"hold_seconds": 30})
+    frozen = holding_pid(orders_table, job_id)
+    os.kill(frozen, signal.SIGSTOP)
+    try:
+        def handler_backends() -> list[tuple[str]]:
+            return orders_table.execute(
+                "SELECT application_name FROM pg_stat_activity WHERE datname ="
+                " current_database() AND application_name LIKE %s",
+                (f"jobd job {job_id}:%",)).fetchall()
+
+        assert handler_backends(), "the handler's backend is named after its lease"
+        wait_until(lambda: not handler_backends(), 10,
+                   message="the server to end the frozen handler's transaction")
+    finally:
+        os.kill(frozen, signal.SIGCONT)
+    assert orders(orders_table) == []
+
+
+# --- the supervisor survives, and its workers do not outlive it ---------------------------
+
+
+def test_a_reload_of_a_file_that_is_not_utf8_is_refused(
+    daemons: Daemons, effects_db: psycopg.Connection
+) -> None:
+    daemon = new_daemon(daemons).start(config({"default": {"workers": 2}}))
+    pids = daemon.wait_workers_started("default", 2)
+    mark = daemon.mark()
+    daemon.config_path.write_bytes(b"lanes:\n  default: {workers: \xff\xfe}\n")
+    daemon.signal(signal.SIGHUP)
+    refused = daemon.wait_for_log("reload refused; still running the previous config",
+                                  since=mark)
+    assert "UTF-8" in refused["error"] or "utf-8" in refused["error"]
+    assert daemon.running()
+    job_id = jobd.enqueue(effects_db, "ok", {})
+    wait_state(effects_db, job_id, "done", 15, daemon)
+    assert daemon.worker_pids("default") == pids
+
+
+def test_workers_drain_and_release_when_the_supervisor_is_killed(
+    daemons: Daemons, effects_db: psycopg.Connection
+) -> None:
+    """Even a retiring worker (replaced by a reload, finishing its job) stops and gives its
+    job back when the supervisor dies, instead of running on unaccounted for."""
+    lanes = {"default": {"workers": 1, "concurrency": 2}}
+    daemon = new_daemon(daemons).start(config(lanes, supervisor={"shutdown_timeout": "2s"}))
+    [old] = daemon.wait_workers_started("default", 1).values()
+    job_id = jobd.enqueue(effects_db, "slow", {"seconds": 120})
+    wait_until(lambda: effects(effects_db, job_id, "start"), 10, message="the job to start")
+    mark = daemon.mark()
+    daemon.reload(config({"default": {"workers": 1, "concurrency": 3}},
+                         supervisor={"shutdown_timeout": "2s"}))
+    daemon.wait_for_log("worker retiring", since=mark, pid=old)
+    [new] = daemon.wait_workers_started("default", 1, since=mark).values()
+    os.kill(daemon.pid, signal.SIGKILL)
+    wait_until(lambda: not alive(old) and not alive(new), 15,
+               message=lambda: f"workers {old}, {new} to exit\n{daemon.tail()}")
+    row = job_row(effects_db, job_id)
+    assert (row["state"], row["claimed_by"], row["attempts"]) == ("pending", None, 0)
+
+
+def test_a_notify_socket_nobody_reads_does_not_stall_the_supervisor(
+    daemons: Daemons, effects_db: psycopg.Connection, tmp_path: Path
+) -> None:
+    address = str(tmp_path / "notify.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as reader:
+        reader.bind(address)  # bound, never read: its queue fills after a few messages
+        daemon = new_daemon(daemons)
+        environment = daemon.env()
+        daemon.env = lambda: {**environment, "NOTIFY_SOCKET": address}  # type: ignore
+        daemon.start(config({"default": {"workers": 1}}))
+        daemon.wait_workers_started("default", 1)
+        # Every job changes the supervisor's status line: far more updates than fit.
+        for round_number in range(3):
+            ids = [jobd.enqueue(effects_db, "slow", {"seconds": 0.05}) for _ in range(20)]
+            for job_id in ids:
+                wait_state(effects_db, job_id, "done", 15, daemon)
+            mark = daemon.reload(config({"default": {"workers": 1 + round_number % 2}}))
+            daemon.wait_for_log("config reloaded", since=mark)
+        # Once systemd reads again, the state changes that were held back arrive.
+        reader.settimeout(0.5)
+        received = []
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not any(b"READY=1" in m for m in received):
+            try:
+                received.append(reader.recv(65536))
+            except TimeoutError:
+                continue
+        assert any(b"READY=1" in m for m in received)
+
+
+# --- a poison job does not take its neighbours down with it --------------------------------
+
+
+def test_a_poison_among_many_fast_jobs_is_the_only_one_to_spend_attempts(
+    daemons: Daemons, effects_db: psycopg.Connection
+) -> None:
+    daemon = new_daemon(daemons).start(config(
+        {"default": {"workers": 2, "concurrency": 4, "max_attempts": 3}},
+        supervisor={"restart_backoff": {"base": "100ms", "cap": "500ms"}}))
+    daemon.wait_workers_started("default", 2)
+    specs = [jobd.JobSpec("ok", {"n": n}) for n in range(300)]
+    specs.insert(150, jobd.JobSpec("suicide", {}))
+    ids = jobd.enqueue_many(effects_db, specs)
+    poison = ids[150]
+    wait_state(effects_db, poison, "dead", 30, daemon)
+    assert job_row(effects_db, poison)["attempts"] == 3
+    wait_until(lambda: effects_db.execute(
+        "SELECT count(*) FROM jobs").fetchone() == (0,), 30,
+        message=lambda: f"every other job to finish\n{daemon.tail()}")
+    dead = effects_db.execute("SELECT id FROM dead_letter").fetchall()
+    assert dead == [(poison,)]
+    attempts = effects_db.execute(
+        "SELECT attempts, count(*) FROM jobs_archive GROUP BY attempts").fetchall()
+    assert attempts == [(1, 300)]
+    suspects = daemon.events("a worker died running several jobs; each runs alone next, to "
+                             "find the one that killed it (their attempts are given back)")
+    assert suspects and all(poison in e["suspect_job_ids"] for e in suspects)
+
+
+# --- an accepted payload that cannot be decoded --------------------------------------------
+
+
+def test_an_undecodable_payload_is_dead_lettered_at_once(
+    daemons: Daemons, effects_db: psycopg.Connection
+) -> None:
+    daemon = new_daemon(daemons).start(config({"default": {"max_attempts": 8}}))
+    # Written by hand, past jobd.enqueue's rules: deeper than the worker's decoder goes.
+    deep = "[" * 2000 + "]" * 2000
+    [(job_id,)] = effects_db.execute(
+        "INSERT INTO jobd.jobs (handler, payload) VALUES ('ok', %s::jsonb) RETURNING id",
+        (deep,)).fetchall()
+    wait_state(effects_db, job_id, "dead", 15, daemon)
+    row = job_row(effects_db, job_id)
+    assert row["attempts"] == 1
+    assert "UndecodablePayload" in row["last_error"]
+    assert effects(effects_db, job_id) == []  # the handler never ran
+    entry = daemon.wait_for_log("job dead-lettered", process=None, job_id=job_id)
+    assert entry["reason"] == "payload cannot be decoded"
+
+
+# --- the logs tell an operator what happened ----------------------------------------------
+
+
+def test_logs_name_each_failed_attempt_and_each_dead_job(
+    daemons: Daemons, effects_db: psycopg.Connection
+) -> None:
+    daemon = new_daemon(daemons).start(config({"default": {"max_attempts": 2}}))
+    job_id = jobd.enqueue(effects_db, "boom", {"secret": "never logged"})
+    wait_state(effects_db, job_id, "dead", 15, daemon)
+    retry = daemon.wait_for_log("job failed; will retry", process=None, job_id=job_id)
+    assert (retry["handler"], retry["lane"], retry["attempt"]) == ("boom", "default", "1/2")
+    assert retry["error"] == "RuntimeError: first line of the error"
+    assert retry["retry_in"].endswith("s")
+    dead = daemon.wait_for_log("job dead-lettered", process=None, job_id=job_id)
+    assert (dead["handler"], dead["attempt"], dead["reason"]) == ("boom", "2/2",
+                                                                  "attempts spent")
+    assert "never logged" not in daemon.log_path.read_text()
+
+
+def test_handler_output_and_logging_become_structured_records(
+    daemons: Daemons, effects_db: psycopg.Connection
+) -> None:
+    daemon = new_daemon(daemons).start(config({"default": {}},
+                                              supervisor={"log_level": "debug"}))
+    job_id = jobd.enqueue(effects_db, "chatty", {})
+    wait_state(effects_db, job_id, "done", 15, daemon)
+    printed = daemon.wait_for_log("hello from print", process=None)
+    assert (printed["stream"], printed["job_id"], printed["handler"]) == ("stdout", job_id,
+                                                                          "chatty")
+    logged = daemon.wait_for_log("hello from logging 42", process=None)
+    assert (logged["logger"], logged["level"], logged["job_id"]) == ("myapp", "warning", job_id)
+    raw = [line for line in daemon.log_path.read_text().splitlines()
+           if "hello from" in line and not line.startswith("{")]
+    assert raw == []
+    # Debug shows claims and wake-ups.
+    claimed = daemon.wait_for_log("claimed", process=None)
+    assert job_id in claimed["job_ids"]
+    assert daemon.events("waking workers")
+
+
+def test_a_reload_whose_handlers_import_slowly_does_not_hold_up_the_lanes(
+    daemons: Daemons, effects_db: psycopg.Connection
+) -> None:
+    """The reload's import check runs beside the loop: work keeps being woken and done."""
+    daemon = new_daemon(daemons)
+    gate = daemon.dir / "gate"
+    (daemon.dir / "slowimport.py").write_text(
+        "import os, time\n"
+        f"while not os.path.exists({str(gate)!r}):\n"
+        "    time.sleep(0.05)\n"
+        "def run(job):\n"
+        "    pass\n")
+    daemon.start(config({"default": {}}))
+    daemon.wait_workers_started("default", 1)
+    mark = daemon.reload({**config({"default": {}}),
+                          "handlers": {**HANDLERS, "later": "slowimport:run"}})
+    job_id = jobd.enqueue(effects_db, "ok", {})
+    wait_state(effects_db, job_id, "done", 15, daemon)
+    assert not daemon.events("config reloaded", since=mark)  # still importing
+    gate.touch()
+    daemon.wait_for_log("config reloaded", since=mark)
