@@ -90,8 +90,8 @@ LATENCY_SETTLE_S = 2.0
 LATENCY_TARGETS_MS = {"p50": 3.0, "p99": 10.0}
 
 DRAIN_JOBS = 20_000
-DRAIN_WORKERS = (2, 4)
-DRAIN_CONCURRENCY = 100
+# (worker processes, concurrency) per drain contender; --drain-settings replaces them.
+DRAIN_SETTINGS = ((2, 100), (4, 100))
 DRAIN_SETTLE_S = 2.0
 DRAIN_TARGET_JOBS_PER_S = 10_000
 CEILING_CLIENTS = (4, 8)
@@ -349,8 +349,9 @@ def descendants(pid: int) -> list[int]:
     while todo:
         current = todo.pop()
         found.append(current)
-        for task in Path(f"/proc/{current}/task").glob("*/children"):
-            with suppress(OSError, ValueError):
+        # A process that exits meanwhile takes its /proc directory with it, even mid-glob.
+        with suppress(OSError, ValueError):
+            for task in Path(f"/proc/{current}/task").glob("*/children"):
                 todo += [int(child) for child in task.read_text().split()]
     return found
 
@@ -706,10 +707,15 @@ def measure_latency(env: Env, round_no: int) -> dict[str, Any]:
 # --- drain and its ceiling -----------------------------------------------------------------
 
 
-def measure_drain(env: Env, workers: int, round_no: int) -> dict[str, Any]:
+def drain_name(workers: int, concurrency: int) -> str:
+    return f"w{workers}" if concurrency == 100 else f"w{workers}c{concurrency}"
+
+
+def measure_drain(env: Env, workers: int, concurrency: int, round_no: int) -> dict[str, Any]:
     reset_queue(env)
-    stamps = env.scratch(f"drain-w{workers}-{round_no}")
-    config = write_config(env, f"drain-w{workers}", {LANE: (workers, DRAIN_CONCURRENCY)})
+    name = drain_name(workers, concurrency)
+    stamps = env.scratch(f"drain-{name}-{round_no}")
+    config = write_config(env, f"drain-{name}", {LANE: (workers, concurrency)})
     specs = [jobd.JobSpec("noop", {}, LANE) for _ in range(DRAIN_JOBS)]
     with Daemon(env, config, stamps, workers=workers) as daemon:
         time.sleep(DRAIN_SETTLE_S)
@@ -727,7 +733,7 @@ def measure_drain(env: Env, workers: int, round_no: int) -> dict[str, Any]:
         finally:
             sampler.finish()
         load = meter.stop()
-        statements = report_statements(env, f"drain workers={workers} round {round_no}")
+        statements = report_statements(env, f"drain {workers}x{concurrency} round {round_no}")
         problems = daemon.problems()
     _, firsts = read_stamps(stamps)
     with env.bench_conn() as conn:
@@ -738,7 +744,7 @@ def measure_drain(env: Env, workers: int, round_no: int) -> dict[str, Any]:
     first_start = min(firsts)
     seconds = last_finished - first_start
     result = {
-        "workers": workers, "concurrency": DRAIN_CONCURRENCY, "jobs": DRAIN_JOBS,
+        "workers": workers, "concurrency": concurrency, "jobs": DRAIN_JOBS,
         "seconds": round(seconds, 3), "jobs_per_s": DRAIN_JOBS / seconds,
         "workers_that_claimed": claimers,
         "peak_rss_mb": sampler.peak_kb / 1024.0,
@@ -748,7 +754,7 @@ def measure_drain(env: Env, workers: int, round_no: int) -> dict[str, Any]:
     }
     if statements:
         result["statements"] = statements
-    log(f"drain workers={workers} round {round_no}: {result['jobs_per_s']:,.0f} jobs/s "
+    log(f"drain {workers}x{concurrency} round {round_no}: {result['jobs_per_s']:,.0f} jobs/s "
         f"({seconds:.2f}s), peak RSS {result['peak_rss_mb']:.0f} MB "
         f"{result['peak_rss_parts_mb']}; other load {load['other_load_cores']:.2f} cores")
     return result
@@ -832,11 +838,12 @@ def run_latency(env: Env, report: Report, rounds: int) -> None:
                           other_load=[r["other_load_cores"] for r in results]))
 
 
-def run_drain(env: Env, report: Report, rounds: int) -> None:
+def run_drain(env: Env, report: Report, rounds: int,
+              settings: Sequence[tuple[int, int]] = DRAIN_SETTINGS) -> None:
     contenders: list[tuple[str, Callable[[int], dict[str, Any]]]] = []
-    for workers in DRAIN_WORKERS:
-        contenders.append((f"daemon-w{workers}",
-                           lambda r, w=workers: measure_drain(env, w, r)))
+    for workers, concurrency in settings:
+        contenders.append((f"daemon-{drain_name(workers, concurrency)}",
+                           lambda r, w=workers, c=concurrency: measure_drain(env, w, c, r)))
     for clients in CEILING_CLIENTS:
         contenders.append((f"pgbench-c{clients}",
                            lambda r, c=clients: measure_ceiling(env, c, r)))
@@ -846,11 +853,11 @@ def run_drain(env: Env, report: Report, rounds: int) -> None:
         shift = r % len(contenders)
         for name, run in contenders[shift:] + contenders[:shift]:
             results[name].append(run(r + 1))
-    for workers in DRAIN_WORKERS:
-        rs = results[f"daemon-w{workers}"]
+    for workers, concurrency in settings:
+        rs = results[f"daemon-{drain_name(workers, concurrency)}"]
         report.add(Metric(
-            f"drain.w{workers}.jobs_per_s",
-            f"drain: daemon jobs/s, {workers} workers x {DRAIN_CONCURRENCY}", "jobs/s",
+            f"drain.{drain_name(workers, concurrency)}.jobs_per_s",
+            f"drain: daemon jobs/s, {workers} workers x {concurrency}", "jobs/s",
             [r["jobs_per_s"] for r in rs], DRAIN_TARGET_JOBS_PER_S, higher_is_better=True,
             target_text=f">= {DRAIN_TARGET_JOBS_PER_S:,}",
             extra={"jobs": DRAIN_JOBS,
@@ -864,11 +871,11 @@ def run_drain(env: Env, report: Report, rounds: int) -> None:
             f"ceiling: claim+archive SQL jobs/s, pgbench {clients} clients", "jobs/s",
             [r["jobs_per_s"] for r in rs], extra={"jobs": rs[0]["jobs"], "batch": CEILING_BATCH},
             other_load=[r["other_load_cores"] for r in rs]))
-    for workers in DRAIN_WORKERS:
-        rs = results[f"daemon-w{workers}"]
+    for workers, concurrency in settings:
+        rs = results[f"daemon-{drain_name(workers, concurrency)}"]
         target = RSS_TARGET_MB if workers == 4 else None
         report.add(Metric(
-            f"rss.w{workers}.peak_mb",
+            f"rss.{drain_name(workers, concurrency)}.peak_mb",
             f"memory: peak RSS during drain, supervisor + {workers} workers", "MB",
             [r["peak_rss_mb"] for r in rs], target,
             target_text=f"< {RSS_TARGET_MB:g}" if target else "",
@@ -973,10 +980,25 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                              "each measurement on stderr (adds a little overhead)")
     parser.add_argument("--keep", action="store_true",
                         help="keep the temp directory (daemon logs, stamps, cluster)")
+    parser.add_argument("--drain-settings", type=_drain_settings, default=DRAIN_SETTINGS,
+                        metavar="WxC,...",
+                        help="drain contenders as worker processes x concurrency, e.g. "
+                             "1x10,2x10,4x100 (default: 2x100,4x100)")
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
     return args
+
+
+def _drain_settings(text: str) -> tuple[tuple[int, int], ...]:
+    try:
+        pairs = tuple(tuple(int(n) for n in item.split("x")) for item in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected WxC,... such as 1x10,4x100: {text!r}"
+                                         ) from None
+    if not pairs or any(len(p) != 2 or min(p) < 1 for p in pairs):
+        raise argparse.ArgumentTypeError(f"expected WxC,... such as 1x10,4x100: {text!r}")
+    return pairs  # type: ignore[return-value]
 
 
 def _terminate(signum: int, _frame: object) -> None:
@@ -996,7 +1018,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "latency" in parts:
             run_latency(env, report, args.rounds)
         if "drain" in parts:
-            run_drain(env, report, args.rounds)
+            run_drain(env, report, args.rounds, args.drain_settings)
     print_table(report)
     print_json(report, env)
     log(f"done in {time.monotonic() - started:.0f}s")

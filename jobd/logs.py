@@ -16,6 +16,28 @@ from typing import Any
 
 import structlog
 
+_job = threading.local()
+
+
+def bind_job(job_id: int, handler: str) -> None:
+    """Name the job this thread runs in every record it logs, until :func:`unbind_job`.
+    A thread-local rather than context variables: it costs next to nothing per job, and a
+    worker runs tens of thousands of jobs a second."""
+    _job.fields = {"job_id": job_id, "handler": handler}
+
+
+def unbind_job() -> None:
+    _job.fields = None
+
+
+def _add_job(_logger: Any, _method: str, event: MutableMapping[str, Any]
+             ) -> MutableMapping[str, Any]:
+    fields = getattr(_job, "fields", None)
+    if fields:
+        for key, value in fields.items():
+            event.setdefault(key, value)
+    return event
+
 
 def configure(level: str = "info", **static: object) -> None:
     """Configure structlog for this process; ``static`` fields go into every event.
@@ -38,6 +60,7 @@ def configure(level: str = "info", **static: object) -> None:
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            _add_job,
             add_static,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),

@@ -129,9 +129,22 @@ class Job:
     def payload(self) -> Any:
         """The decoded payload. Decoded on first use, in the handler's thread, so the worker
         loop that claims batches does not spend its time parsing JSON."""
-        if self._payload is _UNDECODED:
-            self._payload = decode_stored_payload(self._row[4])
-        return self._payload
+        payload = self._payload
+        if payload is _UNDECODED:
+            try:
+                payload = self._payload = decode_stored_payload(self._row[4])
+            except UndecodablePayload as exc:
+                self._payload = exc  # remembered: the worker dead-letters such a job
+                raise
+        if isinstance(payload, UndecodablePayload):
+            raise payload
+        return payload
+
+    @property
+    def undecodable(self) -> bool:
+        """Whether reading ``payload`` failed: retrying cannot help such a job (whatever
+        exception its handler turned the failure into)."""
+        return isinstance(self._payload, UndecodablePayload)
 
     @property
     def lease(self) -> Lease:

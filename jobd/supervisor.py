@@ -22,6 +22,7 @@ a second one stops fast.
 
 from __future__ import annotations
 
+import heapq
 import json
 import os
 import random
@@ -109,6 +110,16 @@ class WorkerProcess:
         return dict(counters) if isinstance(counters, dict) else {}
 
 
+@dataclass(frozen=True, slots=True)
+class Attribution:
+    """A worker that exited with jobs possibly still claimed in its name, to settle."""
+
+    worker_id: str
+    lane: str
+    reason: str
+    release: bool  # stopped by us: give its jobs back; else it crashed
+
+
 @dataclass
 class Slot:
     lane: LaneConfig
@@ -141,8 +152,11 @@ class Supervisor:
         self.lane_wake_at: dict[str, float] = {}  # monotonic instants of scheduled work
         # lane -> jobs due (None: wake every worker of the lane)
         self.lanes_to_wake: dict[str, int | None] = {}
+        self.lanes_with_suspects: set[str] = set()  # their workers are told to look
+        # (monotonic instant, lane) of suspects' retries: their workers are told to look then.
+        self.suspect_wake_at: list[tuple[float, str]] = []
         self.next_lane_poll = 0.0
-        self.pending_attribution: list[tuple[str, str, bool]] = []  # (worker, reason, release)
+        self.pending_attribution: list[Attribution] = []
         self.exited_counters: dict[str, dict[str, int]] = {}
         self.db_clock_offset = 0.0  # database epoch minus local epoch
         self.next_duty = 0.0
@@ -244,6 +258,7 @@ class Supervisor:
             moments += [slot.spawn_at for slot in self.slots.values()
                         if slot.process is None and slot.lane.name not in self.fatal_lanes]
         moments += self.lane_wake_at.values()
+        moments += [at for at, _lane in self.suspect_wake_at[:1]]
         moments += [p.kill_at for p in self._all_processes() if p.kill_at is not None]
         if self.notifier.watchdog_interval:
             moments.append(self.next_watchdog)
@@ -317,13 +332,17 @@ class Supervisor:
             self.listener.check()
 
     def _wake_lane_at(self, lane: str, at_epoch: float) -> None:
-        # The margin absorbs the error of the measured clock offset, so the claim that the
-        # wake-up triggers finds the job due by the database clock.
-        delay = at_epoch + WAKE_MARGIN - (time.time() + self.db_clock_offset)
-        at = time.monotonic() + max(0.0, delay)
+        at = self._monotonic_at(at_epoch)
         current = self.lane_wake_at.get(lane)
         if current is None or at < current:
             self.lane_wake_at[lane] = at
+
+    def _monotonic_at(self, at_epoch: float) -> float:
+        """The monotonic instant at which a database-clock epoch instant has passed. The
+        margin absorbs the error of the measured clock offset, so the claim that a wake-up
+        then triggers finds the job due by the database clock."""
+        delay = at_epoch + WAKE_MARGIN - (time.time() + self.db_clock_offset)
+        return time.monotonic() + max(0.0, delay)
 
     def _request_wake(self, lane: str, due: int | None = None) -> None:
         """Wake workers of ``lane``: enough for ``due`` jobs, or all of them (None)."""
@@ -351,7 +370,9 @@ class Supervisor:
         self.next_lane_poll = now + interval * random.uniform(0.8, 1.2)
         rows = self._db("lane poll", lambda conn: conn.execute(
             query("lane_heads"), {"lanes": list(self.config.lanes), "now": None}).fetchall())
-        for lane, head, db_now in rows or []:
+        for lane, head, db_now, suspects in rows or []:
+            if suspects:
+                self.lanes_with_suspects.add(lane)
             if head is None:
                 continue
             if head <= db_now:
@@ -365,6 +386,13 @@ class Supervisor:
             if at <= now:
                 del self.lane_wake_at[lane]
                 self._request_wake(lane)
+        while self.suspect_wake_at and self.suspect_wake_at[0][0] <= now:
+            _at, lane = heapq.heappop(self.suspect_wake_at)
+            self.lanes_with_suspects.add(lane)
+        for lane in self.lanes_with_suspects:
+            for process in self._workers_to_wake(lane, None):
+                pipes.poke(process.wake_w, pipes.SUSPECTS)
+        self.lanes_with_suspects.clear()
         for lane, due in self.lanes_to_wake.items():
             woken = self._workers_to_wake(lane, due)
             for process in woken:
@@ -488,10 +516,10 @@ class Supervisor:
                worker=process.spec.worker_id, cause=reason, uptime=round(uptime, 1))
         # A crashed worker's jobs fail now (their attempt counted, error named); a worker
         # we stopped gives its jobs back. Either way nobody waits for the lease to expire.
-        self.pending_attribution.append((
-            process.spec.worker_id,
+        self.pending_attribution.append(Attribution(
+            process.spec.worker_id, process.lane,
             f"worker {process.spec.worker_id} (pid {process.pid}) died: {reason}",
-            not crashed,
+            release=not crashed,
         ))
         if slot is None or self.stopping:
             return
@@ -525,17 +553,16 @@ class Supervisor:
         if not self.pending_attribution:
             return
         remaining = []
-        for worker_id, reason, release in self.pending_attribution:
-            def settle(conn: psycopg.Connection, worker_id: str = worker_id,
-                       reason: str = reason, release: bool = release) -> bool:
-                if release:
-                    self._release_jobs_of(conn, worker_id)
+        for attribution in self.pending_attribution:
+            def settle(conn: psycopg.Connection, attribution: Attribution = attribution) -> bool:
+                if attribution.release:
+                    self._release_jobs_of(conn, attribution.worker_id)
                 else:
-                    self._settle_crash(conn, worker_id, reason)
+                    self._settle_crash(conn, attribution)
                 return True
 
             if self._db("crash attribution", settle) is None:
-                remaining.append((worker_id, reason, release))
+                remaining.append(attribution)
         self.pending_attribution = remaining
 
     def _release_jobs_of(self, conn: psycopg.Connection, worker_id: str) -> None:
@@ -546,14 +573,21 @@ class Supervisor:
                      job_ids=released.applied)
             self._wake_all(self.config.lanes)
 
-    def _settle_crash(self, conn: psycopg.Connection, worker_id: str, reason: str) -> None:
+    def _settle_crash(self, conn: psycopg.Connection, attribution: Attribution) -> None:
+        worker_id, reason = attribution.worker_id, attribution.reason
         outcome = queue.settle_crashed_worker(conn, worker_id, reason, self.config.retry_policy)
         self._wake_for_retries(outcome.failed)
+        # A worker only claims from its own lane: that is where the suspects are. Suspects
+        # are claimed only by workers told to look: now, and when a suspect's retry is due.
+        if outcome.suspects:
+            self.lanes_with_suspects.add(attribution.lane)
+        for run_at in outcome.failed.retry_at.values():
+            heapq.heappush(self.suspect_wake_at,
+                           (self._monotonic_at(run_at.timestamp()), attribution.lane))
         if outcome.suspects:
             log.warning("a worker died running several jobs; each runs alone next, to find "
                         "the one that killed it (their attempts are given back)",
                         worker=worker_id, reason=reason, suspect_job_ids=outcome.suspects)
-            self._wake_all(self.config.lanes)
         elif outcome.failed.retried or outcome.failed.dead:
             log.warning("failed the job that killed its worker", worker=worker_id,
                         reason=reason, retried_job_ids=outcome.failed.retried,

@@ -173,6 +173,9 @@ class Worker:
         # The suspect this worker runs alone (see queue.settle_crashed_worker): while it runs,
         # nothing else is claimed.
         self.isolating: int | None = None
+        # Whether a suspect may be due in the lane: a new worker looks once; the supervisor
+        # says so again (a SUSPECTS byte) when it makes some or one falls due.
+        self.suspects_possible = True
         self.outcomes: stdlib_queue.SimpleQueue[Outcome] = stdlib_queue.SimpleQueue()
         self.pending_outcomes: list[Outcome] = []
         self.counters = Counters()
@@ -320,6 +323,8 @@ class Worker:
             return
         log.debug("woken", lane=self.lane.name)
         self.maybe_more = True
+        if pipes.SUSPECTS in data:
+            self.suspects_possible = True
 
     # --- database --------------------------------------------------------------------------
 
@@ -403,13 +408,19 @@ class Worker:
         free = self.lane.concurrency - len(self.inflight)
         if not self.maybe_more or free <= 0 or self.isolating is not None:
             return None
+        if self.suspects_possible and self.inflight:
+            # A suspect is due and runs only on a worker that holds nothing: claim nothing
+            # more until the jobs in flight are done, so it cannot wait behind a busy lane.
+            return None
         # Only a worker that holds nothing may take a suspect, which must run alone.
         return queue.ClaimRequest(self.lane.name, self.spec.worker_id, free,
                                   self.lane.visibility_timeout,
-                                  suspect_first=not self.inflight)
+                                  suspect_first=self.suspects_possible and not self.inflight)
 
     def _started(self, claimed: queue.Claimed, request: queue.ClaimRequest) -> None:
         jobs = claimed.jobs
+        if request.suspect_first and claimed.suspect is None:
+            self.suspects_possible = False  # none due now; the supervisor says when again
         # A suspect runs alone; once it is done the worker is idle and asks for the next.
         self.maybe_more = len(jobs) == request.limit or claimed.suspect is not None
         self.timers.next_poll = time.monotonic() + self._poll_delay()
@@ -452,9 +463,8 @@ class Worker:
     def _handler_thread(self) -> None:
         while True:
             resolved, job = self.handler_queue.get()
-            structlog.contextvars.bind_contextvars(job_id=job.id, handler=job.handler)
+            logs.bind_job(job.id, job.handler)
             try:
-                _ = job.payload  # decoded before the handler runs: see UndecodablePayload
                 if resolved.is_transactional:
                     self._run_transactional(resolved, job)
                     outcome = Outcome(job, None, committed=True)
@@ -463,13 +473,10 @@ class Worker:
                     outcome = Outcome(job, None)
             except exactly_once.LeaseLost:
                 outcome = Outcome(job, None, stale=True)
-            except queue.UndecodablePayload as exc:
-                # Every attempt would fail the same way: to the dead-letter queue at once.
-                outcome = Outcome(job, f"{type(exc).__name__}: {exc}", final=True)
             except BaseException as exc:  # a handler's sys.exit() fails its job, no more
-                outcome = Outcome(job, format_error(exc))
+                outcome = self._failure(job, exc)
             finally:
-                structlog.contextvars.clear_contextvars()
+                logs.unbind_job()
             self._deliver(outcome)
 
     def _run_transactional(self, resolved: handler_registry.ResolvedHandler,
@@ -481,7 +488,6 @@ class Worker:
 
     async def _run_async(self, resolved: handler_registry.ResolvedHandler,
                          job: queue.Job) -> Any:
-        _ = job.payload  # decoded before the handler runs: see UndecodablePayload
         if not self.lane.timeout:
             return await resolved.func(job)
         scope = asyncio.timeout(self.lane.timeout)
@@ -500,10 +506,17 @@ class Worker:
             exc = cancelled
         if isinstance(exc, JobTimedOut):
             self._deliver(Outcome(job, str(exc)))
-        elif isinstance(exc, queue.UndecodablePayload):
-            self._deliver(Outcome(job, f"{type(exc).__name__}: {exc}", final=True))
+        elif exc is not None:
+            self._deliver(self._failure(job, exc))
         else:
-            self._deliver(Outcome(job, format_error(exc) if exc is not None else None))
+            self._deliver(Outcome(job, None))
+
+    @staticmethod
+    def _failure(job: queue.Job, exc: BaseException) -> Outcome:
+        if job.undecodable:
+            # Every attempt would fail the same way: to the dead-letter queue at once.
+            return Outcome(job, format_error(exc), final=True)
+        return Outcome(job, format_error(exc))
 
     def _deliver(self, outcome: Outcome) -> None:
         """From any thread: hand an outcome to the loop, waking it if it may be asleep.
@@ -543,6 +556,10 @@ class Worker:
                 if self.handlers.get(job.handler) and self.handlers[job.handler].is_async:
                     continue  # asyncio.wait_for cancels it and reports the timeout itself
                 running.abandoned = True
+                if self.isolating == job.id:
+                    # Failed for its timeout, it spends its attempt like any hung job; the
+                    # thread it holds must not keep the whole worker from claiming.
+                    self.isolating = None
                 self.pending_outcomes.append(
                     Outcome(job, f"timed out after {self.lane.timeout:g}s"))
                 log.warning("job timed out", job_id=job.id, handler=job.handler,

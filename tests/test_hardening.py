@@ -56,13 +56,21 @@ def boom(job):
     raise RuntimeError("first line of the error\\nsecond line of it")
 
 
+def masking(job):
+    try:
+        return job.payload["n"]
+    except Exception as exc:
+        raise LookupError("no usable payload") from exc
+
+
 def chatty(job):
     print("hello from print")
     logging.getLogger("myapp").warning("hello from logging %s", 42)
 '''
 
 HANDLERS = {**daemon_support.HANDLERS, "order": "hardhandlers:order",
-            "boom": "hardhandlers:boom", "chatty": "hardhandlers:chatty"}
+            "boom": "hardhandlers:boom", "chatty": "hardhandlers:chatty",
+            "masking": "hardhandlers:masking"}
 
 
 def config(lanes: dict[str, dict[str, Any]], **kwargs: Any) -> dict[str, Any]:
@@ -327,23 +335,60 @@ def test_a_poison_among_many_fast_jobs_is_the_only_one_to_spend_attempts(
     assert suspects and all(poison in e["suspect_job_ids"] for e in suspects)
 
 
+def test_suspects_left_by_another_node_are_found_through_the_lane_poll(
+    daemons: Daemons, effects_db: psycopg.Connection
+) -> None:
+    """A worker looks for suspects when it starts and whenever its supervisor says some
+    wait; the supervisor's fallback poll notices those another node's crash attribution
+    made."""
+    daemon = new_daemon(daemons).start(config({"default": {"poll_interval": "500ms"}}))
+    daemon.wait_workers_started("default", 1)
+    warm_up = jobd.enqueue(effects_db, "ok", {})  # the worker has looked, found none
+    wait_state(effects_db, warm_up, "done", 15, daemon)
+    [(job_id,)] = effects_db.execute(
+        "INSERT INTO jobd.jobs (handler, suspect) VALUES ('ok', true) RETURNING id").fetchall()
+    wait_state(effects_db, job_id, "done", 15, daemon)
+
+
+def test_a_due_suspect_does_not_wait_for_a_busy_lane_to_empty(
+    daemons: Daemons, effects_db: psycopg.Connection
+) -> None:
+    """A worker told a suspect is due claims nothing more until it holds nothing, then runs
+    the suspect alone, however much other work the lane has."""
+    daemon = new_daemon(daemons).start(config({"default": {"poll_interval": "500ms"}}))
+    daemon.wait_workers_started("default", 1)
+    # Uneven durations, so the two slots rarely fall idle together by chance.
+    backlog = jobd.enqueue_many(effects_db, [
+        jobd.JobSpec("slow", {"seconds": 0.2 if n % 2 else 0.35}) for n in range(60)])
+    wait_until(lambda: effects(effects_db, backlog[3], "end"), 15, message="the backlog to run")
+    [(job_id,)] = effects_db.execute(
+        "INSERT INTO jobd.jobs (handler, suspect) VALUES ('ok', true) RETURNING id").fetchall()
+    wait_state(effects_db, job_id, "done", 15, daemon)
+    still_waiting = effects_db.execute(
+        "SELECT count(*) FROM jobd.jobs WHERE id = ANY(%s)", (backlog,)).fetchone()
+    assert still_waiting is not None and still_waiting[0] > 10
+
+
 # --- an accepted payload that cannot be decoded --------------------------------------------
 
 
+@pytest.mark.parametrize("handler", ["slow", "masking"])
 def test_an_undecodable_payload_is_dead_lettered_at_once(
-    daemons: Daemons, effects_db: psycopg.Connection
+    daemons: Daemons, effects_db: psycopg.Connection, handler: str
 ) -> None:
+    """The handler reads the payload, which cannot be decoded: retrying cannot help, whatever
+    exception the handler turns the failure into ("masking" raises one of its own)."""
     daemon = new_daemon(daemons).start(config({"default": {"max_attempts": 8}}))
     # Written by hand, past jobd.enqueue's rules: deeper than the worker's decoder goes.
     deep = "[" * 2000 + "]" * 2000
     [(job_id,)] = effects_db.execute(
-        "INSERT INTO jobd.jobs (handler, payload) VALUES ('ok', %s::jsonb) RETURNING id",
-        (deep,)).fetchall()
+        "INSERT INTO jobd.jobs (handler, payload) VALUES (%s, %s::jsonb) RETURNING id",
+        (handler, deep)).fetchall()
     wait_state(effects_db, job_id, "dead", 15, daemon)
     row = job_row(effects_db, job_id)
     assert row["attempts"] == 1
-    assert "UndecodablePayload" in row["last_error"]
-    assert effects(effects_db, job_id) == []  # the handler never ran
+    assert "payload cannot be decoded" in row["errors"][0]["error"]
+    assert effects(effects_db, job_id, "end") == []
     entry = daemon.wait_for_log("job dead-lettered", process=None, job_id=job_id)
     assert entry["reason"] == "payload cannot be decoded"
 

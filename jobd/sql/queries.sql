@@ -344,12 +344,16 @@ SELECT ensure_archive_partitions(%(days_ahead)s)
 SELECT drop_archive_partitions(%(cutoff)s::timestamptz)
 
 -- name: lane_heads
--- Per lane, the earliest run_at of its claimable jobs (epoch seconds, NULL when it has none)
--- and the database clock: the supervisor wakes lanes with due work and sets timers for the
--- rest.
-SELECT lane, extract(epoch FROM lane_head(lane))::float8,
-       extract(epoch FROM coalesce(%(now)s::timestamptz, now()))::float8
-  FROM unnest(%(lanes)s::text[]) AS lane
+-- Per lane, the earliest run_at of its claimable jobs (epoch seconds, NULL when it has none),
+-- the database clock, and whether suspects are due (made by any node's crash attribution): the
+-- supervisor wakes lanes with due work, sets timers for the rest, and tells the workers of a
+-- lane with suspects to look for them when idle.
+SELECT l.lane, extract(epoch FROM lane_head(l.lane))::float8,
+       extract(epoch FROM coalesce(%(now)s::timestamptz, now()))::float8,
+       EXISTS (SELECT 1 FROM jobs AS j
+                WHERE j.lane = l.lane AND j.suspect AND j.state IN ('pending', 'failed')
+                  AND j.run_at <= coalesce(%(now)s::timestamptz, now()))
+  FROM unnest(%(lanes)s::text[]) AS l(lane)
 
 -- name: supervisor_session
 -- Bounds every statement of the supervisor's connection, so a slow or blocked statement
