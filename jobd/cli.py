@@ -19,13 +19,13 @@ from typing import Any
 import psycopg
 
 import jobd
-from jobd import dlq, inspect, logs, queue, schedules
+from jobd import dlq, logs, queue, schedules, views
 from jobd.config import Config, load, parse_duration
 from jobd.cron import CronError, CronSchedule
 from jobd.db import DEFAULT_SCHEMA, connect, first_line, resolve_url, validate_schema
 from jobd.errors import JobdError, UsageError
-from jobd.migrate import MigrationMismatch, migrate
-from jobd.supervisor import Supervisor, schema_problem
+from jobd.migrate import MigrationMismatch, migrate, schema_problem
+from jobd.supervisor import Supervisor
 
 EPILOG = """\
 connection: --database-url, else $JOBD_DATABASE_URL, else database.url in the config file
@@ -103,8 +103,8 @@ def _contains_nul(value: Any) -> bool:
     return False
 
 
-def _payload(text: str) -> str:
-    """JSON that Python can decode and PostgreSQL can store; returned as the text given.
+def _payload(text: str) -> Any:
+    """The decoded payload: JSON that Python can decode and PostgreSQL can store.
 
     json.loads accepts NaN and Infinity and turns 1e999 into infinity, none of which jsonb
     holds; it fails with RecursionError on deep nesting and ValueError on integers of more
@@ -127,7 +127,7 @@ def _payload(text: str) -> str:
     if _contains_nul(value):
         raise argparse.ArgumentTypeError(
             "payload refused: a string contains NUL (\\u0000), which PostgreSQL cannot store")
-    return text
+    return value
 
 
 def _timestamp(text: str) -> datetime:
@@ -252,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "(default: its first line)")
     show.set_defaults(func=cmd_jobs_show)
     listing = jobs_sub.add_parser("list", parents=[common], help="list jobs, newest first")
-    listing.add_argument("--state", choices=inspect.JOB_STATES,
+    listing.add_argument("--state", choices=views.JOB_STATES,
                          help="only jobs in this state (default: any)")
     listing.add_argument("--lane", help="only jobs of this lane (default: any)")
     listing.add_argument("--limit", type=_positive_int, default=50,
@@ -350,8 +350,7 @@ def cmd_enqueue(ctx: Context, args: argparse.Namespace) -> int:
     # The payload size limit is the database's (jobd.settings), checked there for every
     # entry point alike: a larger payload comes back as an input error (exit 2).
     try:
-        payload = queue.decode_payload(args.payload)
-        spec = queue.JobSpec(args.handler, payload, args.lane, args.run_at, args.priority,
+        spec = queue.JobSpec(args.handler, args.payload, args.lane, args.run_at, args.priority,
                              args.idempotency_key, args.max_attempts).validated()
     except ValueError as exc:
         raise UsageError(str(exc)) from None
@@ -369,15 +368,15 @@ def cmd_enqueue(ctx: Context, args: argparse.Namespace) -> int:
 
 def cmd_status(ctx: Context, _args: argparse.Namespace) -> int:
     with ctx.connect() as conn:
-        lanes = inspect.lane_status(conn)
-        nodes = inspect.node_status(conn)
+        lanes = views.lane_status(conn)
+        nodes = views.node_status(conn)
         conflicts = schedules.conflicts(conn)
     # Lanes with no jobs still show when the config or a live node names them.
-    workers = inspect.live_workers(nodes)
+    workers = views.live_workers(nodes)
     missing = (set(ctx.config.lanes) | set(workers)) - {s.lane for s in lanes}
-    lanes += [inspect.LaneStatus(name, 0, 0, 0, 0, 0.0) for name in missing]
+    lanes += [views.LaneStatus(name, 0, 0, 0, 0, 0.0) for name in missing]
     lanes.sort(key=lambda s: s.lane)
-    rates = inspect.lane_rates(nodes)
+    rates = views.lane_rates(nodes)
 
     def rate(lane: str, *kinds: str) -> float:
         return sum(rates.get(lane, {}).get(kind, 0.0) for kind in kinds)
@@ -430,7 +429,7 @@ def _served(count: int) -> str:
 
 def cmd_jobs_show(ctx: Context, args: argparse.Namespace) -> int:
     with ctx.connect() as conn:
-        job = inspect.get_job(conn, args.id)
+        job = views.get_job(conn, args.id)
     if job is None:
         # A wrong id is the user's input, as in `dlq replay`: exit 2.
         raise UsageError(f"no job {args.id} (live, finished or dead)")
@@ -529,7 +528,7 @@ def _when(value: object) -> str:
 
 def cmd_jobs_list(ctx: Context, args: argparse.Namespace) -> int:
     with ctx.connect() as conn:
-        rows = inspect.list_jobs(conn, args.state, args.lane, args.limit)
+        rows = views.list_jobs(conn, args.state, args.lane, args.limit)
     if ctx.as_json:
         _print_json(rows)
         return 0
@@ -540,7 +539,7 @@ def cmd_jobs_list(ctx: Context, args: argparse.Namespace) -> int:
 
 def cmd_dlq_list(ctx: Context, args: argparse.Namespace) -> int:
     with ctx.connect() as conn:
-        rows = inspect.list_dead(conn, args.lane, args.limit)
+        rows = views.list_dead(conn, args.lane, args.limit)
     if ctx.as_json:
         _print_json(rows)
         return 0
@@ -578,18 +577,7 @@ def cmd_dlq_purge(ctx: Context, args: argparse.Namespace) -> int:
 
 def cmd_schedules_list(ctx: Context, _args: argparse.Namespace) -> int:
     with ctx.connect() as conn:
-        rows = schedules.list_schedules(conn)
-        row = conn.execute("SELECT now()").fetchone()
-    assert row is not None
-    now = row[0]
-    listing = []
-    for entry in rows:
-        state = _schedule_state(entry)
-        local = utc = None
-        if state in ("enabled", "conflict"):
-            local, utc = _next_fire(entry, now)
-        listing.append({**entry, "state": state, "next_fire_local": local,
-                        "next_fire_utc": utc})
+        listing = schedules.listing(conn)
     if ctx.as_json:
         _print_json(listing)
         return 0
@@ -599,29 +587,6 @@ def cmd_schedules_list(ctx: Context, _args: argparse.Namespace) -> int:
                    item["next_fire_utc"], item["last_fire_at"], len(item["declared_by"]),
                    item["state"]] for item in listing], empty="no schedules")
     return 0
-
-
-def _schedule_state(entry: dict[str, Any]) -> str:
-    """disabled (by an operator), undeclared (no live node declares it: not firing),
-    conflict (live nodes declare differing definitions; the stored one fires) or enabled."""
-    if not entry["enabled"]:
-        return "disabled"
-    if not entry["declared_by"]:
-        return "undeclared"
-    return "conflict" if entry["differing"] else "enabled"
-
-
-def _next_fire(entry: dict[str, Any], now: datetime) -> tuple[datetime | None, datetime | None]:
-    cursor = entry["materialized_until"]
-    assert isinstance(cursor, datetime)
-    try:
-        cron = CronSchedule.parse(str(entry["cron"]), str(entry["timezone"]))
-    except CronError:
-        return None, None  # written by another jobd version; list it without a next fire
-    following = cron.next_after(max(now, cursor))
-    if not following:
-        return None, None
-    return following[0].local(cron.zone), following[0].fire_at
 
 
 def cmd_schedules_toggle(ctx: Context, args: argparse.Namespace) -> int:

@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from jobd import validation
 from jobd.backoff import Backoff, RetryPolicy
 from jobd.cron import CronError, CronSchedule
 from jobd.db import DEFAULT_SCHEMA, validate_schema
@@ -25,10 +26,8 @@ from jobd.errors import ConfigError, UsageError
 MAX_DURATION_SECONDS = 3650 * 86400.0
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
-# The built-in outbox delivery handler (jobd.outbox.deliver); the name is reserved.
-OUTBOX_HANDLER = "jobd.outbox"
+# Where workers find the built-in handler of outbox delivery jobs (validation.OUTBOX_HANDLER).
 OUTBOX_HANDLER_PATH = "jobd.outbox:deliver"
 _LISTEN = re.compile(r"^(?P<host>[^\s:]+|\[[0-9a-fA-F:]+\]):(?P<port>\d{1,5})$")
 
@@ -110,7 +109,7 @@ class Config:
         """The handler map workers load: the allow-list plus the outbox delivery handler."""
         if not self.outbox_senders:
             return dict(self.handlers)
-        return {**self.handlers, OUTBOX_HANDLER: OUTBOX_HANDLER_PATH}
+        return {**self.handlers, validation.OUTBOX_HANDLER: OUTBOX_HANDLER_PATH}
 
     def retry_policy(self, lane: str) -> RetryPolicy:
         """The lane's retry policy; defaults for a lane this node does not configure."""
@@ -213,11 +212,7 @@ def _positive_duration(value: object) -> float:
 
 def _name(kind: str) -> Any:
     def convert(value: object) -> str:
-        if not isinstance(value, str) or not _NAME.match(value):
-            raise ValueError(
-                f"invalid {kind} name {value!r}: use 1-128 letters, digits and _ . : -"
-            )
-        return value
+        return validation.name(kind, value)
 
     return convert
 
@@ -341,9 +336,9 @@ def _build(root: _Located, path: str | None) -> Config:
     handler_section = top.section("handlers")
     for name in list(handler_section.items):
         line = handler_section.items[name].line
-        if not _NAME.match(name):
+        if not validation.is_name(name):
             _raise(line, f"handlers.{name}", "invalid handler name")
-        if name == OUTBOX_HANDLER:
+        if name == validation.OUTBOX_HANDLER:
             _raise(line, f"handlers.{name}", "this name is reserved for outbox delivery")
         target = handler_section.take(name, _string)
         if not _IMPORT_PATH.match(target):
@@ -354,7 +349,7 @@ def _build(root: _Located, path: str | None) -> Config:
     lanes: dict[str, LaneConfig] = {}
     lane_section = top.section("lanes")
     for name, located in lane_section.items.items():
-        if not _NAME.match(name):
+        if not validation.is_name(name):
             _raise(located.line, f"lanes.{name}", "invalid lane name")
         lanes[name] = _lane(name, located, f"lanes.{name}")
     lane_section.items.clear()
@@ -414,7 +409,7 @@ def _senders(section: _Section) -> dict[str, str]:
     for name in list(section.items):
         line = section.items[name].line
         target = section.take(name, _string)
-        if not _NAME.match(name) or not _IMPORT_PATH.match(target):
+        if not validation.is_name(name) or not _IMPORT_PATH.match(target):
             _raise(line, f"outbox.senders.{name}",
                    f"must be name: module:function, not {name}: {target!r}")
         senders[name] = target

@@ -95,3 +95,17 @@ def migrate(conn: psycopg.Connection, schema: str, *,
         if max_payload_bytes is not None:
             conn.execute(_SET_PAYLOAD_LIMIT, (max_payload_bytes,))
     return applied_now
+
+
+def schema_problem(conn: psycopg.Connection) -> str | None:
+    """Why the database is not ready for the daemon (its schema missing or older than this
+    jobd), or None."""
+    latest = max(m.version for m in available())
+    try:
+        row = conn.execute("SELECT max(version) FROM schema_migrations").fetchone()
+    except psycopg.errors.UndefinedTable:
+        return "jobd's tables are missing in this database; run `jobd migrate` first"
+    version = row[0] if row else None
+    if version is None or version < latest:
+        return f"the schema is at version {version}, this jobd needs {latest}; run `jobd migrate`"
+    return None

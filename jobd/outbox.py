@@ -2,12 +2,13 @@
 afterwards with a stable key.
 
 A transactional handler calls :func:`add`; the entry and a delivery job (handler
-``jobd.outbox``, on the configured outbox lane) commit with the handler's own writes. The
-delivery job calls the registered sender (config ``outbox.senders``) with the entry, whose
-``key`` the sender passes to the receiving API. Delivery is at-least-once with the lane's
-retries and backoff; a receiver that deduplicates by key sees each entry exactly once. An
-entry whose delivery job runs out of attempts is marked ``dead`` (the job is in the
-dead-letter queue, and replaying it retries the delivery).
+``jobd.outbox``, :data:`jobd.validation.OUTBOX_HANDLER`, on the configured outbox lane) commit
+with the handler's own writes. The config maps that handler to :func:`deliver`, which calls
+the registered sender (config ``outbox.senders``) with the entry, whose ``key`` the sender
+passes to the receiving API. Delivery is at-least-once with the lane's retries and backoff; a
+receiver that deduplicates by key sees each entry exactly once. An entry whose delivery job
+runs out of attempts is marked ``dead`` (the job is in the dead-letter queue, and replaying
+it retries the delivery).
 """
 
 from __future__ import annotations
@@ -23,9 +24,6 @@ from jobd.db import DEFAULT_SCHEMA
 from jobd.handlers import transactional
 from jobd.queries import qualified
 from jobd.queue import Job
-
-DELIVERY_HANDLER = "jobd.outbox"
-DELIVERY_PATH = "jobd.outbox:deliver"
 
 
 @dataclass(frozen=True, slots=True)

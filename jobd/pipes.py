@@ -14,13 +14,7 @@ def drain(fd: int) -> None:
         pass
 
 
-# What the supervisor writes to a worker's wake pipe: "your lane may have due work", and
-# "your lane has suspects waiting" (jobs to run alone; see queue.settle_crashed_worker).
-WAKE = b"!"
-SUSPECTS = b"S"
-
-
-def poke(fd: int, signal: bytes = WAKE) -> None:
+def poke(fd: int, signal: bytes = b"!") -> None:
     """Write one byte to a non-blocking pipe. A full pipe already holds a wake-up and a
     broken one belongs to a process that is being reaped, so neither is an error."""
     try:

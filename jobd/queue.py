@@ -2,7 +2,7 @@
 
 The supervisor, the workers and the CLI call these; none of them holds state. Functions that
 finish jobs take leases, the (id, lease_token) pairs handed out by :func:`claim`; a write whose
-lease is no longer current changes nothing and is reported back as stale.
+lease is no longer current changes nothing and is reported back as ``lease_lost``.
 
 Time: every comparison happens in the database with ``now()``. Tests may pass ``now`` to move
 the clock without sleeping; production code passes nothing.
@@ -196,7 +196,7 @@ class Failure:
 class FailOutcome:
     retried: list[int] = field(default_factory=list)
     dead: list[int] = field(default_factory=list)
-    stale: list[int] = field(default_factory=list)
+    lease_lost: list[int] = field(default_factory=list)
     # When each retried job becomes due again (database clock), so callers can wake for it.
     retry_at: dict[int, datetime] = field(default_factory=dict)
     # Filled by the sweeps that know the jobs' lanes: the earliest retry per lane.
@@ -205,17 +205,18 @@ class FailOutcome:
 
 @dataclass(slots=True)
 class WriteOutcome:
-    """Result of a fenced batch write: the jobs it applied to and the stale ones it skipped."""
+    """Result of a fenced batch write: the jobs it applied to, and those whose lease was
+    lost (expired and swept, or claimed again) that it skipped."""
 
     applied: list[int]
-    stale: list[int]
+    lease_lost: list[int]
 
 
 def _fenced_outcome(leases: Sequence[Lease], applied_ids: Iterable[int]) -> WriteOutcome:
     applied = set(applied_ids)
     return WriteOutcome(
         applied=[lease.id for lease in leases if lease.id in applied],
-        stale=[lease.id for lease in leases if lease.id not in applied],
+        lease_lost=[lease.id for lease in leases if lease.id not in applied],
     )
 
 
@@ -477,7 +478,7 @@ def _fail_outcome(failures: Sequence[Failure], rows: Iterable[tuple[Any, ...]]) 
         elif kind == "dead":
             outcome.dead.append(f.lease.id)
         else:
-            outcome.stale.append(f.lease.id)
+            outcome.lease_lost.append(f.lease.id)
     return outcome
 
 
@@ -661,23 +662,6 @@ def fail_claims_not_held(conn: psycopg.Connection, worker: str, held: Iterable[L
     if not orphans:
         return FailOutcome()
     return _fail_rows(conn, orphans, lambda _worker: error, policy_for, now, False)
-
-
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-def decode_payload(text: str) -> Any:
-    """Parse a JSON payload given as text (CLI input); ValueError names the problem."""
-    try:
-        return json.loads(text, parse_constant=_refuse_constant)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"payload is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise ValueError("payload is not usable JSON: it is nested too deeply "
-                         f"(at most {validation.MAX_PAYLOAD_DEPTH} levels)") from None
-    except ValueError as exc:  # NaN/Infinity, or an integer too long to convert
-        raise ValueError(f"payload is not usable JSON: {exc}") from None
 
 
 class UndecodablePayload(ValueError):

@@ -265,3 +265,51 @@ def list_schedules(conn: psycopg.Connection, now: datetime | None = None
     whose definition is not the stored one)."""
     with conn.cursor(row_factory=psycopg.rows.dict_row) as cur:
         return cur.execute(query("list_schedules"), {"now": now}).fetchall()
+
+
+def listing(conn: psycopg.Connection, now: datetime | None = None) -> list[dict[str, object]]:
+    """The rows of ``jobd schedules list``: every schedule (as :func:`list_schedules` gives
+    it) with its ``state`` and its next fire, ``next_fire_local`` and ``next_fire_utc``, by
+    the database clock unless ``now`` is given."""
+    rows = list_schedules(conn, now)
+    if now is None:
+        row = conn.execute("SELECT now()").fetchone()
+        assert row is not None
+        now = row[0]
+    assert now is not None
+    return [listing_row(entry, now) for entry in rows]
+
+
+def listing_row(entry: dict[str, object], now: datetime) -> dict[str, object]:
+    """One row of :func:`list_schedules` with its state and next fire at ``now``. Pure."""
+    state = listing_state(entry)
+    local = utc = None
+    # Only a schedule that fires has a next fire.
+    if state in ("enabled", "conflict"):
+        local, utc = next_fire(entry, now)
+    return {**entry, "state": state, "next_fire_local": local, "next_fire_utc": utc}
+
+
+def listing_state(entry: dict[str, object]) -> str:
+    """disabled (by an operator), undeclared (no live node declares it: not firing),
+    conflict (live nodes declare differing definitions; the stored one fires) or enabled."""
+    if not entry["enabled"]:
+        return "disabled"
+    if not entry["declared_by"]:
+        return "undeclared"
+    return "conflict" if entry["differing"] else "enabled"
+
+
+def next_fire(entry: dict[str, object], now: datetime
+              ) -> tuple[datetime | None, datetime | None]:
+    """The schedule's first occurrence after ``now`` and its cursor, as (local, UTC)."""
+    cursor = entry["materialized_until"]
+    assert isinstance(cursor, datetime)
+    try:
+        cron = CronSchedule.parse(str(entry["cron"]), str(entry["timezone"]))
+    except CronError:
+        return None, None  # written by another jobd version; list it without a next fire
+    following = cron.next_after(max(now, cursor))
+    if not following:
+        return None, None
+    return following[0].local(cron.zone), following[0].fire_at

@@ -1,7 +1,7 @@
 """The rules every job must meet, whichever way it is enqueued. Pure: no I/O.
 
 The same rules are enforced three times, by the Python API (here, before anything is sent),
-by the SQL function ``jobd.enqueue`` (``migrations/0006_entry_rules.sql``) and, through
+by the SQL function ``jobd.enqueue`` (``check_job`` in ``jobd/sql/schema.sql``) and, through
 those two, by the CLI, so a job that one entry point accepts is never refused, or worse
 accepted and then undeliverable, through another:
 
@@ -26,22 +26,36 @@ import re
 from datetime import UTC, datetime
 from typing import Any
 
+# Names that Python and SQL share. Python spells each of them here and nowhere else (this
+# module imports nothing of jobd's, so the config, the queue and the outbox all can import
+# it); SQL spells them in its functions (check_job, fire_schedule, outbox_add and
+# outbox_mark_dead in jobd/sql/schema.sql), and tests/test_schema_file.py checks that the
+# two agree.
+
+# Handler, lane, schedule, node and sender names.
+NAME_RULE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
 # Keys of jobd's own making (schedule occurrences, outbox deliveries, keys derived from job
 # ids) start with this; callers' keys may not, so the two can never collide.
 RESERVED_KEY_PREFIX = "jobd:"
+# The handler of outbox delivery jobs; a config may not name a handler of its own so.
+OUTBOX_HANDLER = "jobd.outbox"
 MAX_KEY_BYTES = 512
 MAX_PAYLOAD_DEPTH = 256
 EARLIEST_RUN_AT = datetime(1970, 1, 1, tzinfo=UTC)
 LATEST_RUN_AT = datetime(9999, 1, 1, tzinfo=UTC)
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
 # A JSON \u0000 escape that is not itself an escaped backslash followed by "u0000".
 _NUL_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 
 
+def is_name(value: object) -> bool:
+    """Whether ``value`` may name a lane, handler, schedule, node or sender."""
+    return isinstance(value, str) and NAME_RULE.match(value) is not None
+
+
 def name(kind: str, value: object) -> str:
     """A lane, handler or schedule name, or ValueError."""
-    if not isinstance(value, str) or not _NAME.match(value):
+    if not is_name(value):
         raise ValueError(
             f"invalid {kind} name {value!r}: use 1-128 letters, digits and _ . : - "
             "(starting with a letter or digit)"

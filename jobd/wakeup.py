@@ -8,18 +8,13 @@ scheduled for later), which the supervisor turns into a timer.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import psycopg
-import structlog
 from psycopg import sql
 
-from jobd.db import connect, first_line
-from jobd.errors import DatabaseUnavailable
-
-log = structlog.get_logger("jobd.wakeup")
+from jobd.db import ManagedConnection
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,37 +48,26 @@ def channel_name(schema: str) -> str:
 
 
 class Listener:
+    """The LISTEN connection (``jobd.db.ManagedConnection``: reconnects with backoff)."""
+
     def __init__(self, url: str, schema: str) -> None:
-        self.url = url
         self.schema = schema
-        self.conn: psycopg.Connection | None = None
-        self.retry_at = 0.0
-        self.retry_delay = 0.5
-        self.connected_once = False
+        self.link = ManagedConnection(url, schema, "jobd listener", on_connect=self._listen,
+                                      label="listen connection")
+
+    def _listen(self, conn: psycopg.Connection) -> None:
+        conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel_name(self.schema))))
+
+    @property
+    def conn(self) -> psycopg.Connection | None:
+        return self.link.conn
 
     def fileno(self) -> int | None:
         return self.conn.fileno() if self.conn is not None else None
 
     def ensure(self) -> bool:
         """Connect and LISTEN if not connected and the backoff allows; True on a new connection."""
-        if self.conn is not None or time.monotonic() < self.retry_at:
-            return False
-        try:
-            conn = connect(self.url, self.schema, application_name="jobd listener")
-            conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel_name(self.schema))))
-        except (DatabaseUnavailable, psycopg.Error) as exc:
-            message = str(exc) if isinstance(exc, DatabaseUnavailable) else first_line(exc)
-            log.warning("listen connection failed", error=message,
-                        retry_in=round(self.retry_delay, 1))
-            self.retry_at = time.monotonic() + self.retry_delay
-            self.retry_delay = min(self.retry_delay * 2, 30.0)
-            return False
-        self.conn = conn
-        self.retry_delay = 0.5
-        if self.connected_once:
-            log.info("listen connection restored")
-        self.connected_once = True
-        return True
+        return self.link.ensure()
 
     def receive(self) -> Iterator[Wakeup]:
         """The notifications that have arrived, without blocking."""
@@ -94,24 +78,12 @@ class Listener:
                 wakeup = parse_payload(notify.payload)
                 if wakeup is not None:
                     yield wakeup
-        except psycopg.OperationalError as exc:
-            log.warning("listen connection lost", error=first_line(exc))
-            self.close()
-            self.retry_at = time.monotonic() + self.retry_delay
+        except psycopg.Error as exc:
+            self.link.lost("listen", exc)
 
     def check(self) -> None:
         """Probe a quiet connection, so a dead one is noticed and replaced."""
-        if self.conn is None:
-            return
-        try:
-            self.conn.execute("SELECT 1")
-        except psycopg.OperationalError as exc:
-            log.warning("listen connection lost", error=first_line(exc))
-            self.close()
+        self.link.run("listen probe", lambda conn: conn.execute("SELECT 1"))
 
     def close(self) -> None:
-        if self.conn is not None:
-            try:
-                self.conn.close()
-            finally:
-                self.conn = None
+        self.link.close()

@@ -19,11 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import faulthandler
-import json
 import os
 import queue as stdlib_queue
 import random
-import selectors
 import signal
 import sys
 import threading
@@ -39,50 +37,24 @@ import setproctitle
 import structlog
 from psycopg_pool import ConnectionPool
 
-from jobd import exactly_once, logs, outbox, pipes, queue
+from jobd import exactly_once, logs, outbox, pipes, protocol, queue
 from jobd import handlers as handler_registry
-from jobd.backoff import Backoff
-from jobd.config import LaneConfig
-from jobd.db import connect, connection_lost, conninfo, first_line
-from jobd.errors import DatabaseUnavailable
-
-EXIT_OK = 0
-EXIT_BOOT_FAILURE = 3  # a handler could not be imported: restarting will not help
-EXIT_WEDGED = 4  # every slot is held by a handler that ignored its timeout
+from jobd.db import ManagedConnection, conninfo
+from jobd.eventloop import SelectLoop
+from jobd.protocol import (
+    EXIT_BOOT_FAILURE,
+    EXIT_OK,
+    EXIT_WEDGED,
+    StatusReport,
+    WorkerMode,
+    WorkerSpec,
+)
 
 REPORT_INTERVAL = 1.0  # seconds between liveness reports to the supervisor
 SAFETY_POLL_FACTOR = 12  # a worker's own fallback poll, in lane poll_intervals
 MAX_ERROR_CHARS = 4000
-_OPEN_TRANSACTION = (psycopg.pq.TransactionStatus.INTRANS, psycopg.pq.TransactionStatus.INERROR)
 
 log = structlog.get_logger("jobd.worker")
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerSpec:
-    worker_id: str
-    lane: LaneConfig
-    handlers: dict[str, str]
-    database_url: str
-    schema: str
-    slot: int
-    generation: int
-    status_fd: int
-    wake_fd: int
-    shutdown_timeout: float
-    senders: dict[str, str] = field(default_factory=dict)
-    outbox_lane: str = "outbox"
-    log_level: str = "info"
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> WorkerSpec:
-        data = json.loads(text)
-        lane = dict(data.pop("lane"))
-        lane["backoff"] = Backoff(**lane["backoff"])
-        return cls(lane=LaneConfig(**lane), **data)
 
 
 @dataclass(slots=True)
@@ -91,7 +63,7 @@ class Running:
     started: float
     deadline: float | None
     abandoned: bool = False  # failed for its timeout; the thread has not returned yet
-    lease_lost: bool = False
+    lease_lost: bool = False  # a heartbeat found it expired and swept, or claimed again
 
 
 @dataclass(slots=True)
@@ -100,7 +72,7 @@ class Counters:
     completed: int = 0
     failed: int = 0
     dead: int = 0
-    stale: int = 0
+    lease_lost: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -111,7 +83,7 @@ class Outcome:
     job: queue.Job
     error: str | None  # None: success
     committed: bool = False  # a transactional handler already completed the job
-    stale: bool = False  # the lease was lost; nothing was written
+    lease_lost: bool = False  # the lease was lost before the commit; nothing was written
     final: bool = False  # the failure cannot be retried away (an undecodable payload)
 
 
@@ -121,9 +93,6 @@ class _Timers:
     next_heartbeat: float = 0.0
     next_report: float = 0.0
     wake_at: list[float] = field(default_factory=list)  # retries of our own failed jobs
-    reconnect_at: float = 0.0
-    reconnect_delay: float = 0.5
-    db_retry_at: float = 0.0  # after a failed statement, wait before the next one
 
 
 class JobTimedOut(Exception):
@@ -164,7 +133,13 @@ class Worker:
         self.spec = spec
         self.lane = spec.lane
         self.handlers = resolved
-        self.conn: psycopg.Connection | None = None
+        self.link = ManagedConnection(
+            spec.database_url, spec.schema, f"jobd worker {spec.lane.name}#{spec.slot}",
+            # The server may have run a claim whose result we never read.
+            on_lost=self._claims_now_unknown,
+            # A failed statement is retried with the same leases, which decide what still
+            # applies (in a pipelined settle, statements before it may have committed).
+            pause_after_failure=1.0)
         self.inflight: dict[int, Running] = {}
         # Set when a claim may have taken jobs whose rows never reached us (the connection
         # broke, or the rows could not be loaded): the loop then checks the jobs claimed in
@@ -181,10 +156,9 @@ class Worker:
         self.counters = Counters()
         self.timers = _Timers()
         self.maybe_more = True  # there may be due work: claim when capacity allows
-        self.mode = "running"  # running | draining | retiring
+        self.mode = WorkerMode.RUNNING
         self.drain_deadline: float | None = None
         self.stop_now = False
-        self.signals: list[int] = []
         self.handler_queue: stdlib_queue.SimpleQueue[
             tuple[handler_registry.ResolvedHandler, queue.Job]] = stdlib_queue.SimpleQueue()
         self.handler_threads: list[threading.Thread] = []
@@ -199,46 +173,46 @@ class Worker:
                          f"jobd handler {spec.lane.name}#{spec.slot}"),
                 min_size=0, max_size=spec.lane.concurrency, open=True,
                 kwargs={"autocommit": True}, name=f"jobd-{spec.lane.name}-handlers")
-        self.loop: asyncio.AbstractEventLoop | None = None
+        self.asyncio_loop: asyncio.AbstractEventLoop | None = None
         if any(h.is_async for h in resolved.values()):
-            self.loop = asyncio.new_event_loop()
-            threading.Thread(target=self.loop.run_forever, name="jobd-async", daemon=True).start()
-        self.selector = selectors.DefaultSelector()
+            self.asyncio_loop = asyncio.new_event_loop()
+            threading.Thread(target=self.asyncio_loop.run_forever, name="jobd-async",
+                             daemon=True).start()
+        self.loop = SelectLoop()
         self._results_r, self._results_w = os.pipe()
-        self._signals_r, self._signals_w = os.pipe()
-        for fd in (self._results_r, self._results_w, self._signals_r, self._signals_w,
-                   spec.wake_fd, spec.status_fd):
+        for fd in (self._results_r, self._results_w, spec.wake_fd, spec.status_fd):
             os.set_blocking(fd, False)
-        self.selector.register(spec.wake_fd, selectors.EVENT_READ, self._on_wake)
-        self.selector.register(self._results_r, selectors.EVENT_READ, pipes.drain)
-        self.selector.register(self._signals_r, selectors.EVENT_READ, pipes.drain)
+        self.loop.register(spec.wake_fd, self._on_wake)
+        self.loop.register(self._results_r, pipes.drain)
+
+    @property
+    def conn(self) -> psycopg.Connection | None:
+        return self.link.conn
 
     # --- signals ---------------------------------------------------------------------------
 
     def install_signal_handlers(self) -> None:
-        signal.set_wakeup_fd(self._signals_w)
-        for signum in (signal.SIGTERM, signal.SIGUSR2, signal.SIGQUIT):
-            signal.signal(signum, self._record_signal)
         # Ctrl-C in a terminal reaches the whole process group; the supervisor decides.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-    def _record_signal(self, signum: int, _frame: object) -> None:
-        self.signals.append(signum)
+        self.loop.install_signals((signal.SIGTERM, signal.SIGUSR2, signal.SIGQUIT),
+                                  ignored=(signal.SIGINT,))
 
     def _handle_signals(self) -> None:
-        while self.signals:
-            signum = self.signals.pop(0)
-            if signum == signal.SIGQUIT or (signum == signal.SIGTERM and self.mode == "draining"):
-                log.info("stopping at once", signal=signal.Signals(signum).name)
-                self.stop_now = True
-            elif signum == signal.SIGTERM:
-                self.mode = "draining"
-                self.drain_deadline = time.monotonic() + self.spec.shutdown_timeout
-                log.info("draining", in_flight=len(self.inflight),
-                         shutdown_timeout=self.spec.shutdown_timeout)
-            elif signum == signal.SIGUSR2 and self.mode == "running":
-                self.mode = "retiring"
-                log.info("retiring", in_flight=len(self.inflight))
+        for signum in self.loop.take_signals():
+            self._on_signal(signum)
+
+    def _on_signal(self, signum: int) -> None:
+        if signum == signal.SIGQUIT or (signum == signal.SIGTERM
+                                        and self.mode == WorkerMode.DRAINING):
+            log.info("stopping at once", signal=signal.Signals(signum).name)
+            self.stop_now = True
+        elif signum == signal.SIGTERM:
+            self.mode = WorkerMode.DRAINING
+            self.drain_deadline = time.monotonic() + self.spec.shutdown_timeout
+            log.info("draining", in_flight=len(self.inflight),
+                     shutdown_timeout=self.spec.shutdown_timeout)
+        elif signum == signal.SIGUSR2 and self.mode == WorkerMode.RUNNING:
+            self.mode = WorkerMode.RETIRING
+            log.info("retiring", in_flight=len(self.inflight))
 
     # --- the loop --------------------------------------------------------------------------
 
@@ -248,8 +222,7 @@ class Worker:
         self.timers.next_heartbeat = now + self.lane.heartbeat
         self._report(force=True)
         while True:
-            for key, _events in self.selector.select(self._select_timeout()):
-                key.data(key.fd)
+            self.loop.wait(self._select_timeout())
             self._handle_signals()
             if self.stop_now:
                 break
@@ -272,12 +245,12 @@ class Worker:
         return EXIT_OK
 
     def _finished(self) -> bool:
-        if self.mode == "running":
+        if self.mode == WorkerMode.RUNNING:
             return False
         working = [r for r in self.inflight.values() if not r.abandoned]
         if not working and not self.pending_outcomes:
             return True
-        return (self.mode == "draining" and self.drain_deadline is not None
+        return (self.mode == WorkerMode.DRAINING and self.drain_deadline is not None
                 and time.monotonic() >= self.drain_deadline)
 
     def _select_timeout(self) -> float:
@@ -285,15 +258,12 @@ class Worker:
         moments = [self.timers.next_heartbeat, self.timers.next_report]
         # Moments that need the database are no sooner than it can be used again: a poll that
         # is overdue because the database is down must not turn the loop into a spin.
-        database_ready = (self.timers.reconnect_at if self.conn is None
-                          else self.timers.db_retry_at)
-        if self.mode == "running":
+        database_ready = self.link.ready_at()
+        if self.mode == WorkerMode.RUNNING:
             moments += [max(moment, database_ready)
                         for moment in (self.timers.next_poll, *self.timers.wake_at)]
-        if self.conn is None:
-            moments.append(self.timers.reconnect_at)
-        if self.timers.db_retry_at > now:
-            moments.append(self.timers.db_retry_at)
+        if self.conn is None or database_ready > now:
+            moments.append(database_ready)
         if self.drain_deadline is not None:
             moments.append(self.drain_deadline)
         moments.extend(r.deadline for r in self.inflight.values()
@@ -315,63 +285,28 @@ class Worker:
             # The supervisor is gone (even kill -9 closes its end): stop claiming and drain
             # like SIGTERM, whatever the mode. A retiring worker would otherwise finish
             # every job however long it takes, with no supervisor to account for it.
-            self.selector.unregister(fd)
-            log.warning("supervisor gone; draining", mode=self.mode,
+            self.loop.unregister(fd)
+            log.warning("supervisor gone; draining", mode=str(self.mode),
                         in_flight=len(self.inflight))
-            if self.mode != "draining":
-                self.signals.append(signal.SIGTERM)
+            if self.mode != WorkerMode.DRAINING:
+                self._on_signal(signal.SIGTERM)
             return
         log.debug("woken", lane=self.lane.name)
         self.maybe_more = True
-        if pipes.SUSPECTS in data:
+        if protocol.SUSPECTS in data:
             self.suspects_possible = True
 
     # --- database --------------------------------------------------------------------------
 
     def _ensure_connection(self) -> None:
-        if self.conn is not None or time.monotonic() < self.timers.reconnect_at:
-            return
-        try:
-            self.conn = connect(self.spec.database_url, self.spec.schema,
-                                application_name=f"jobd worker {self.lane.name}#{self.spec.slot}")
-            self.timers.reconnect_delay = 0.5
+        if self.link.ensure():
             self.maybe_more = True
-        except DatabaseUnavailable as exc:
-            self.timers.reconnect_at = time.monotonic() + self.timers.reconnect_delay
-            log.warning("database unavailable", error=str(exc),
-                        retry_in=round(self.timers.reconnect_delay, 1))
-            self.timers.reconnect_delay = min(self.timers.reconnect_delay * 2, 30.0)
 
-    def _db(self, operation: Callable[[psycopg.Connection], Any]) -> Any:
-        """Run ``operation`` on the connection; on a connection failure drop it and say None."""
-        if self.conn is None or time.monotonic() < self.timers.db_retry_at:
-            return None
-        try:
-            return operation(self.conn)
-        except psycopg.Error as exc:
-            if connection_lost(self.conn):
-                self._connection_lost(exc)
-                return None
-            # A statement failed (a deadlock with a sweep, say); the connection is fine. The
-            # loop tries again in a second with the same leases, which decide what still
-            # applies: in a pipelined settle, statements before the failed one may have
-            # committed, and their jobs then come back as stale.
-            log.error("database statement failed; retrying", error=first_line(exc))
-            self.timers.db_retry_at = time.monotonic() + 1.0
-            if self.conn.info.transaction_status in _OPEN_TRANSACTION:
-                try:
-                    self.conn.rollback()
-                except psycopg.Error as rollback_failed:
-                    self._connection_lost(rollback_failed)
-            return None
+    def _db(self, operation: Callable[[psycopg.Connection], Any], what: str = "queue") -> Any:
+        """Run ``operation`` on the connection; None when there is none or it failed."""
+        return self.link.run(what, operation)
 
-    def _connection_lost(self, exc: psycopg.Error) -> None:
-        log.warning("database connection lost", error=first_line(exc))
-        if self.conn is not None:
-            self.conn.close()
-        self.conn = None
-        self.timers.reconnect_at = time.monotonic()
-        # The server may have run a claim whose result we never read.
+    def _claims_now_unknown(self) -> None:
         self.claims_unknown = True
 
     def _fail_claims_not_held(self) -> None:
@@ -400,7 +335,7 @@ class Worker:
     def _claim_request(self) -> queue.ClaimRequest | None:
         """What to claim now, or None: only when running, with capacity, and maybe work."""
         now = time.monotonic()
-        if self.mode != "running":
+        if self.mode != WorkerMode.RUNNING:
             return None
         if any(t <= now for t in self.timers.wake_at) or now >= self.timers.next_poll:
             self.timers.wake_at = [t for t in self.timers.wake_at if t > now]
@@ -444,8 +379,9 @@ class Worker:
             self._deliver(Outcome(job, f"LookupError: no handler named {job.handler!r} on this "
                                        f"worker (lane {job.lane!r})"))
         elif resolved.is_async:
-            assert self.loop is not None
-            future = asyncio.run_coroutine_threadsafe(self._run_async(resolved, job), self.loop)
+            assert self.asyncio_loop is not None
+            future = asyncio.run_coroutine_threadsafe(self._run_async(resolved, job),
+                                                      self.asyncio_loop)
             future.add_done_callback(lambda done, job=job: self._finish_async(job, done))
         else:
             self._ensure_handler_threads()
@@ -472,7 +408,7 @@ class Worker:
                     resolved.func(job)
                     outcome = Outcome(job, None)
             except exactly_once.LeaseLost:
-                outcome = Outcome(job, None, stale=True)
+                outcome = Outcome(job, None, lease_lost=True)
             except BaseException as exc:  # a handler's sys.exit() fails its job, no more
                 outcome = self._failure(job, exc)
             finally:
@@ -574,9 +510,9 @@ class Worker:
         if not batch and request is None:
             return
         committed = [o.job.id for o in batch if o.committed]
-        lost = [o.job.id for o in batch if o.stale]
+        lost = [o.job.id for o in batch if o.lease_lost]
         successes = [o.job.lease for o in batch if o.error is None and not o.committed
-                     and not o.stale]
+                     and not o.lease_lost]
         failed_jobs = {o.job.id: o for o in batch if o.error is not None}
         failures = [
             queue.Failure(o.job.lease, o.error, self.lane.backoff.delay(o.job.attempt),
@@ -595,10 +531,10 @@ class Worker:
         self.counters.completed += len(completed.applied) + len(committed)
         self.counters.failed += len(failed.retried)
         self.counters.dead += len(failed.dead)
-        stale = completed.stale + failed.stale + lost
-        self.counters.stale += len(stale)
-        if stale:
-            log.warning("lost the lease before finishing; result discarded", job_ids=stale)
+        lease_lost = completed.lease_lost + failed.lease_lost + lost
+        self.counters.lease_lost += len(lease_lost)
+        if lease_lost:
+            log.warning("lost the lease before finishing; result discarded", job_ids=lease_lost)
         self._log_failures(failures, failed, failed_jobs)
         now = time.monotonic()
         retried = set(failed.retried)
@@ -639,7 +575,7 @@ class Worker:
         if renewed is None:
             return
         lost = []
-        for job_id in renewed.stale:
+        for job_id in renewed.lease_lost:
             running = self.inflight.get(job_id)
             if running is None:
                 continue
@@ -662,20 +598,20 @@ class Worker:
         busy = len(self.inflight)
         title = (f"jobd: worker {self.lane.name}#{self.spec.slot} "
                  f"busy {busy}/{self.lane.concurrency}")
-        if self.mode != "running":
+        if self.mode != WorkerMode.RUNNING:
             title += f" {self.mode}"
         setproctitle.setproctitle(title)
-        message = {"busy": busy, "capacity": self.lane.concurrency, "mode": self.mode,
-                   "connected": self.conn is not None, "counters": self.counters.as_dict()}
+        report = StatusReport(busy, self.lane.concurrency, self.mode, self.conn is not None,
+                              self.counters.as_dict())
         try:
-            os.write(self.spec.status_fd, (json.dumps(message) + "\n").encode())
+            os.write(self.spec.status_fd, report.to_line())
         except (BlockingIOError, BrokenPipeError):
             pass  # the supervisor reads when it can; a missed report only delays its view
 
     def _shutdown(self) -> None:
         self._collect_outcomes()
         if self.conn is None:
-            self.timers.reconnect_at = 0.0
+            self.link.retry_at = 0.0  # one more try, whatever the backoff said
             self._ensure_connection()
         self._settle_and_claim(claim=False)
         unfinished = [r.job.lease for r in self.inflight.values() if not r.abandoned]
@@ -684,8 +620,7 @@ class Worker:
             log.info("released unfinished jobs", job_ids=[lease.id for lease in unfinished],
                      released=len(released.applied) if released else 0)
         self._report(force=True)
-        if self.conn is not None:
-            self.conn.close()
+        self.link.close()
         if self.tx_pool is not None:
             self.tx_pool.close(timeout=1.0)
 

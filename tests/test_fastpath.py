@@ -65,7 +65,7 @@ def test_settles_and_claims_in_one_call(conn: psycopg.Connection) -> None:
     stale = queue.Lease(lost.id, lost.lease_token + 1000)
     completed, failed, claimed = queue.settle_and_claim(
         conn, [done.lease, stale], [Failure(failing.lease, "boom", 60.0, 8)], request(limit=2))
-    assert completed.applied == [done.id] and completed.stale == [lost.id]
+    assert completed.applied == [done.id] and completed.lease_lost == [lost.id]
     assert failed.retried == [failing.id] and failing.id in failed.retry_at
     assert [job.id for job in claimed.jobs] == ids[3:5]
     assert states(conn) == {done.id: "done", failing.id: "failed", lost.id: "claimed",

@@ -226,11 +226,11 @@ def test_a_worker_whose_lease_was_lost_cannot_touch_the_job(conn: psycopg.Connec
     assert fresh.id == job_id and fresh.attempt == 2
 
     later = start + timedelta(seconds=33)
-    assert queue.heartbeat(conn, [stale.lease], 30, now=later).stale == [job_id]
-    assert queue.complete(conn, [stale.lease], now=later).stale == [job_id]
+    assert queue.heartbeat(conn, [stale.lease], 30, now=later).lease_lost == [job_id]
+    assert queue.complete(conn, [stale.lease], now=later).lease_lost == [job_id]
     failed = queue.fail(conn, [Failure(stale.lease, "late", 0, 8)], now=later)
-    assert failed.stale == [job_id]
-    assert queue.release(conn, [stale.lease]).stale == [job_id]
+    assert failed.lease_lost == [job_id]
+    assert queue.release(conn, [stale.lease]).lease_lost == [job_id]
 
     row = conn.execute(
         "SELECT state, claimed_by, attempts, lease_token FROM jobs WHERE id = %s", (job_id,)
@@ -257,7 +257,7 @@ def test_expired_only_fail_does_not_touch_a_live_lease(conn: psycopg.Connection)
     [job] = queue.claim(conn, "default", "w1", 1, 30, now=start)
     outcome = queue.fail(conn, [Failure(job.lease, "x", 0, 8)],
                          now=start + timedelta(seconds=10), expired_only=True)
-    assert outcome.stale == [job_id]
+    assert outcome.lease_lost == [job_id]
     assert state_of(conn, job_id) == "claimed"
 
 
@@ -374,7 +374,7 @@ def test_replay_makes_a_dead_job_pending_with_a_fresh_budget(conn: psycopg.Conne
     assert row == ("pending", 0, 2)
     [again] = queue.claim(conn, "default", "w", 1, 30)
     assert again.id == job_id and again.lease_token != job.lease_token
-    assert queue.complete(conn, [job.lease]).stale == [job_id]
+    assert queue.complete(conn, [job.lease]).lease_lost == [job_id]
 
 
 def test_release_returns_jobs_without_spending_an_attempt(conn: psycopg.Connection) -> None:

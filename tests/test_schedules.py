@@ -534,3 +534,52 @@ def test_a_sync_and_a_tick_on_another_node_do_not_deadlock(
             finally:
                 error = done.exception(timeout=30)
     assert error is None, repr(error)
+
+
+# --- the listing of `jobd schedules list` ---------------------------------------------------
+
+
+def listed_entry(**fields: Any) -> dict[str, object]:
+    """A row as list_schedules returns it: declared by one node, agreeing."""
+    return {"id": "s", "cron": "30 2 * * *", "timezone": "Europe/Berlin", "enabled": True,
+            "declared_by": [NODE], "differing": [],
+            "materialized_until": utc(2027, 3, 27), **fields}
+
+
+def test_the_listing_state_of_a_schedule() -> None:
+    state = jobd.schedules.listing_state
+    assert state(listed_entry()) == "enabled"
+    assert state(listed_entry(differing=[NODE])) == "conflict"
+    assert state(listed_entry(declared_by=[])) == "undeclared"
+    # The operator's flag wins over what nodes declare.
+    assert state(listed_entry(enabled=False, differing=[NODE])) == "disabled"
+
+
+def test_the_next_fire_follows_the_cursor_or_the_clock_whichever_is_later() -> None:
+    # 02:30 does not exist in Berlin on 2027-03-28: Debian cron fires at 03:00 CEST (01:00Z).
+    row = jobd.schedules.listing_row(listed_entry(), utc(2027, 3, 27, 12))
+    assert (row["state"], row["next_fire_utc"]) == ("enabled", utc(2027, 3, 28, 1))
+    local = row["next_fire_local"]
+    assert isinstance(local, datetime) and (local.hour, local.minute) == (3, 0)
+    ahead = jobd.schedules.listing_row(
+        listed_entry(materialized_until=utc(2027, 3, 29, 12)), utc(2027, 3, 27, 12))
+    assert ahead["next_fire_utc"] == utc(2027, 3, 30, 0, 30)
+
+
+def test_only_a_schedule_that_fires_has_a_next_fire() -> None:
+    for entry in (listed_entry(enabled=False), listed_entry(declared_by=[]),
+                  listed_entry(cron="not a cron expression")):
+        row = jobd.schedules.listing_row(entry, utc(2027, 3, 27, 12))
+        assert (row["next_fire_local"], row["next_fire_utc"]) == (None, None)
+
+
+def test_the_listing_judges_by_the_clock_it_is_given(conn: psycopg.Connection) -> None:
+    sync(conn, [schedule("q", "*/15 * * * *")], now=utc(2026, 10, 20, 12))
+    [row] = jobd.schedules.listing(conn, now=utc(2026, 10, 20, 12, 5))
+    assert (row["id"], row["state"], row["next_fire_utc"]) == (
+        "q", "enabled", utc(2026, 10, 20, 12, 15))
+    [later] = jobd.schedules.listing(conn, now=utc(2026, 10, 20, 13, 1))
+    assert later["next_fire_utc"] == utc(2026, 10, 20, 13, 15)
+    # The declaration outlives the test's clocks; by the database clock it is listed too.
+    [by_database] = jobd.schedules.listing(conn)
+    assert by_database["state"] == "enabled"

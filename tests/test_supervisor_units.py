@@ -15,9 +15,9 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from jobd.protocol import describe_exit
 from jobd.restarts import SlotBackoff
 from jobd.sdnotify import Notifier
-from jobd.supervisor import describe_exit
 from jobd.wakeup import Wakeup, parse_payload
 
 # --- SlotBackoff ---------------------------------------------------------------------------
@@ -257,21 +257,24 @@ def test_a_deadlock_fails_the_duty_but_keeps_the_supervisors_connection(db_url: 
     from jobd.supervisor import Supervisor
 
     supervisor = Supervisor(Config(), db_url)
-    supervisor._ensure_connection()
-    conn = supervisor.conn
+    link = supervisor.link
+    link.ensure()
+    conn = link.conn
     assert conn is not None
     for sqlstate in ("40P01", "40001", "57014"):  # deadlock, serialization, statement timeout
-        failed = supervisor._db("duty", lambda c, s=sqlstate: c.execute(
+        failed = link.run("duty", lambda c, s=sqlstate: c.execute(
             f"DO $$ BEGIN RAISE EXCEPTION 'injected' USING ERRCODE = '{s}'; END $$"))
         assert failed is None
-        assert supervisor.conn is conn and not conn.closed
-    assert supervisor._db("duty", lambda c: c.execute("SELECT 1").fetchone()) == (1,)
+        assert link.conn is conn and not conn.closed
+    assert link.run("duty", lambda c: c.execute("SELECT 1").fetchone()) == (1,)
+    # The supervisor's statements are bounded.
+    assert link.run("duty", lambda c: c.execute("SHOW statement_timeout").fetchone()) == ("10s",)
     # A connection that really broke is dropped and retried later.
-    killer = supervisor._db("pid", lambda c: c.execute("SELECT pg_backend_pid()").fetchone())
+    killer = link.run("pid", lambda c: c.execute("SELECT pg_backend_pid()").fetchone())
     assert killer is not None
     with psycopg.connect(db_url, autocommit=True) as other:
         other.execute("SELECT pg_terminate_backend(%s)", killer)
-    assert supervisor._db("duty", lambda c: c.execute("SELECT 1")) is None
-    assert supervisor.conn is None
+    assert link.run("duty", lambda c: c.execute("SELECT 1")) is None
+    assert link.conn is None
     supervisor.listener.close()
     conn.close()

@@ -10,7 +10,7 @@ import psycopg
 import pytest
 
 import jobd
-from jobd import queue, worker
+from jobd import protocol, queue, worker
 from jobd.config import LaneConfig
 from jobd.db import DEFAULT_SCHEMA
 
@@ -23,7 +23,7 @@ def loop(db_url: str) -> Iterator[worker.Worker]:
     """A worker with no handlers (no threads, no pools), connected, not started."""
     status_r, status_w = os.pipe()
     wake_r, wake_w = os.pipe()
-    spec = worker.WorkerSpec(
+    spec = protocol.WorkerSpec(
         worker_id=WORKER_ID, lane=LaneConfig(LANE), handlers={}, database_url=db_url,
         schema=DEFAULT_SCHEMA, slot=0, generation=1, status_fd=status_w, wake_fd=wake_r,
         shutdown_timeout=1.0)
@@ -87,7 +87,7 @@ def test_after_a_lost_connection_claims_it_never_received_fail_as_an_attempt(
     # A claim whose result was lost with the connection, next to a job the worker did get.
     held, *orphans = queue.claim(conn, LANE, WORKER_ID, 3, 30.0)
     loop.pending_outcomes = [worker.Outcome(held, None)]
-    loop._connection_lost(psycopg.OperationalError("server closed the connection"))
+    loop.link.lost("test", psycopg.OperationalError("server closed the connection"))
     loop._ensure_connection()
     loop._fail_claims_not_held()
     assert not loop.claims_unknown
@@ -108,11 +108,11 @@ def test_claimed_rows_that_cannot_be_loaded_end_in_the_dead_letter_queue(
     for attempt in (1, 2):
         # Due at once, and unloadable: the claim commits, its rows fail to load.
         conn.execute("UPDATE jobs SET run_at = '-infinity' WHERE id = %s", (poison,))
-        loop.timers.db_retry_at = 0.0
+        loop.link.usable_at = 0.0
         loop.maybe_more = True
         loop._settle_and_claim()
         assert loop.claims_unknown and loop.inflight == {}
-        loop.timers.db_retry_at = 0.0
+        loop.link.usable_at = 0.0
         loop._fail_claims_not_held()
         assert not loop.claims_unknown
         if attempt == 1:

@@ -1,4 +1,8 @@
-"""Read-only views of the queue for operators: per-lane status, single jobs, listings."""
+"""Read-only views of the queue for operators: per-lane status, single jobs, listings.
+
+What ``jobd status``, ``jobd jobs`` and ``jobd dlq list`` show. (Named ``views``, not
+``inspect``, which is a standard-library module that jobd itself imports.)
+"""
 
 from __future__ import annotations
 

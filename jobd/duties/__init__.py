@@ -1,0 +1,66 @@
+"""The supervisor's background duties, one service a module, each with its own timer.
+
+- :mod:`~jobd.duties.lease_sweep`: jobs whose lease expired (any node's) are failed, and the
+  transactions their stale holders may still keep open are ended;
+- :mod:`~jobd.duties.crash_attribution`: the jobs of a worker process that died are
+  settled at once (failed, or made suspects, or released if we stopped it);
+- :mod:`~jobd.duties.node_heartbeat`: this node's row in ``jobd.nodes`` (live workers,
+  counters) and the database clock's offset;
+- :mod:`~jobd.duties.materializer`: recurring schedules declared, due occurrences enqueued;
+- :mod:`~jobd.duties.lane_poll`: the fallback poll for work that no notification announced;
+- :mod:`~jobd.duties.retention`: archive partitions, retention, pruning.
+
+A duty says when it next wants to run (:attr:`Duty.next_at`, monotonic) and does its work
+in :meth:`Duty.run` with a connection; the :class:`~jobd.duties.runner.DutyRunner` runs the
+due ones on the supervisor's loop. Duties that run every ``duty_interval`` share one
+transaction, so an idle node costs the database one transaction per interval; the others
+(``alone``) run in their own, so a slow one cannot roll back the rest. Each duty is
+testable with a connection and an injected clock (``now``), without processes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import ClassVar
+
+import psycopg
+
+
+class Duty:
+    name: ClassVar[str]
+    alone: ClassVar[bool] = False  # True: its own transaction (or none), not the shared one
+
+    def __init__(self) -> None:
+        self.next_at = 0.0  # monotonic; math.inf: nothing to do until told
+
+    def due(self, now: float) -> bool:
+        return now >= self.next_at
+
+    def run(self, conn: psycopg.Connection, now: float) -> None:
+        raise NotImplementedError
+
+    def rolled_back(self) -> None:
+        """The shared transaction this duty ran in did not commit: forget what it did."""
+
+    def stop(self, conn: psycopg.Connection) -> None:
+        """The supervisor is leaving: undo what would otherwise wait for an expiry."""
+
+
+class Periodic(Duty):
+    """A duty that runs every ``interval()`` seconds (read each turn: a reload may change it)."""
+
+    def __init__(self, interval: Callable[[], float]) -> None:
+        super().__init__()
+        self.interval = interval
+
+    def run(self, conn: psycopg.Connection, now: float) -> None:
+        # Scheduled before the work: a failure waits for the next turn, not a spin.
+        self.next_at = now + self.interval()
+        self.work(conn)
+
+    def work(self, conn: psycopg.Connection) -> None:
+        raise NotImplementedError
+
+
+NEVER = math.inf

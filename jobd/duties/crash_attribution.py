@@ -1,0 +1,90 @@
+"""Crash attribution: the jobs of a worker process that exited are settled at once, so
+nobody waits for a lease to expire.
+
+A worker that crashed: the job it held alone killed it and spends an attempt; several held
+together become suspects, run alone one at a time (``queue.settle_crashed_worker``). A
+worker we stopped (killed at the drain deadline): its jobs are given back unharmed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import psycopg
+import structlog
+
+from jobd import queue
+from jobd.duties import NEVER, Duty
+from jobd.queries import query
+from jobd.wake_routing import WakeRouter
+
+log = structlog.get_logger("jobd.duties.crash_attribution")
+
+RETRY_AFTER = 1.0  # seconds before a failed settlement is tried again
+
+
+@dataclass(frozen=True, slots=True)
+class Attribution:
+    """A worker that exited with jobs possibly still claimed in its name, to settle."""
+
+    worker_id: str
+    lane: str
+    reason: str
+    release: bool  # stopped by us: give its jobs back; else it crashed
+
+
+class CrashAttribution(Duty):
+    name = "crash attribution"
+    alone = True
+
+    def __init__(self, policy_for: queue.PolicyLookup, router: WakeRouter,
+                 lanes: Callable[[], Iterable[str]]) -> None:
+        super().__init__()
+        self.policy_for = policy_for
+        self.router = router
+        self.lanes = lanes
+        self.pending: list[Attribution] = []
+        self.next_at = NEVER
+
+    def add(self, attribution: Attribution) -> None:
+        self.pending.append(attribution)
+        self.next_at = 0.0
+
+    def run(self, conn: psycopg.Connection, now: float) -> None:
+        self.next_at = now + RETRY_AFTER  # kept if a settlement fails
+        while self.pending:
+            attribution = self.pending[0]
+            if attribution.release:
+                self._release(conn, attribution.worker_id)
+            else:
+                self._settle_crash(conn, attribution)
+            self.pending.pop(0)
+        self.next_at = NEVER
+
+    def _release(self, conn: psycopg.Connection, worker_id: str) -> None:
+        rows = conn.execute(query("jobs_held_by"), {"worker": worker_id}).fetchall()
+        released = queue.release(conn, [queue.Lease(r[0], r[1]) for r in rows])
+        if released.applied:
+            log.info("released the jobs of a stopped worker", worker=worker_id,
+                     job_ids=released.applied)
+            self.router.due_everywhere(self.lanes())
+
+    def _settle_crash(self, conn: psycopg.Connection, attribution: Attribution) -> None:
+        worker_id, reason = attribution.worker_id, attribution.reason
+        outcome = queue.settle_crashed_worker(conn, worker_id, reason, self.policy_for)
+        self.router.retries_due(outcome.failed.next_retry_by_lane)
+        # A worker only claims from its own lane: that is where the suspects are. Suspects
+        # are claimed only by workers told to look: now, and when a suspect's retry is due.
+        if outcome.suspects:
+            self.router.suspects_due(attribution.lane)
+        for run_at in outcome.failed.retry_at.values():
+            self.router.suspects_due(attribution.lane, run_at.timestamp())
+        if outcome.suspects:
+            log.warning("a worker died running several jobs; each runs alone next, to find "
+                        "the one that killed it (their attempts are given back)",
+                        worker=worker_id, reason=reason, suspect_job_ids=outcome.suspects)
+        elif outcome.failed.retried or outcome.failed.dead:
+            log.warning("failed the job that killed its worker", worker=worker_id,
+                        reason=reason, retried_job_ids=outcome.failed.retried,
+                        dead_job_ids=outcome.failed.dead)

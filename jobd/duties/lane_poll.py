@@ -1,0 +1,47 @@
+"""The fallback poll: one statement tells, per lane, whether work is due or when, and
+whether a suspect is due. Notifications are the fast path; this catches what they miss (the
+LISTEN connection was down, another node retried a job, a timer was lost in a reload)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import psycopg
+
+from jobd.config import Config
+from jobd.duties import NEVER, Duty
+from jobd.queries import query
+from jobd.wake_routing import WakeRouter
+
+
+class LanePoll(Duty):
+    name = "lane poll"
+    alone = True
+
+    def __init__(self, config: Callable[[], Config], router: WakeRouter) -> None:
+        super().__init__()
+        self.config = config
+        self.router = router
+
+    def poll_now(self) -> None:
+        self.next_at = 0.0
+
+    def run(self, conn: psycopg.Connection, now: float) -> None:
+        lanes = self.config().lanes
+        if not lanes:
+            self.next_at = NEVER  # a reload that adds lanes polls at once
+            return
+        interval = min(lane.poll_interval for lane in lanes.values())
+        # Jitter keeps the supervisors of a fleet from polling in lockstep.
+        self.next_at = now + interval * random.uniform(0.8, 1.2)
+        rows = conn.execute(query("lane_heads"), {"lanes": list(lanes), "now": None}).fetchall()
+        for lane, head, db_now, suspects in rows:
+            if suspects:
+                self.router.suspects_due(lane)
+            if head is None:
+                continue
+            if head <= db_now:
+                self.router.due_now(lane)
+            else:
+                self.router.due_at(lane, head)

@@ -1,0 +1,73 @@
+"""The cron materializer as a duty: declares this node's schedules (at start and after a
+reload), refreshes the declarations every ``duty_interval``, and enqueues due occurrences
+when they fall due (``jobd.schedules``). Every node runs it; the fire ledger makes that
+harmless."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import psycopg
+
+from jobd import schedules
+from jobd.config import Config
+from jobd.duties import NEVER, Duty
+from jobd.wake_routing import WakeRouter
+
+TIMER_FLOOR = 0.05  # seconds: a slightly early timer (clock offset error) must not spin
+RETRY_AFTER = 1.0  # seconds before a failed turn is tried again
+
+
+class Materializer(Duty):
+    name = "schedules"
+
+    def __init__(self, instance: str, config: Callable[[], Config], router: WakeRouter) -> None:
+        super().__init__()
+        self.instance = instance
+        self.config = config
+        self.router = router
+        self.synced = False
+        self.next_refresh = 0.0
+        self.next_tick = NEVER
+
+    def resync(self) -> None:
+        """The config changed: declare its schedules on the next turn."""
+        self.synced = False
+        self.next_at = 0.0
+
+    def run(self, conn: psycopg.Connection, now: float) -> None:
+        config = self.config()
+        ttl = schedules.declaration_ttl(config.duty_interval)
+        if not self.synced:
+            schedules.report_sync(schedules.sync(conn, config.schedules, self.instance, ttl))
+            self.synced = True
+            self._tick(conn)
+        if now >= self.next_refresh:
+            self.next_refresh = now + config.duty_interval
+            self._tick(conn)
+            # After the tick: the refresh never waits for a schedule lock, so it cannot
+            # close a lock cycle with the locks the tick took.
+            schedules.refresh(conn, self.instance, config.schedules, ttl)
+        elif now >= self.next_tick:
+            self._tick(conn)
+        self.next_at = min(self.next_refresh, self.next_tick)
+
+    def _tick(self, conn: psycopg.Connection) -> None:
+        result = schedules.tick(conn)
+        if result.enqueued:
+            self.router.due_everywhere(self.config().lanes)
+        if result.next_fire_at is None:
+            self.next_tick = NEVER
+            return
+        delay = result.next_fire_at.timestamp() - (time.time() + self.router.db_clock_offset)
+        self.next_tick = time.monotonic() + max(TIMER_FLOOR, delay)
+
+    def rolled_back(self) -> None:
+        # A sync in the transaction that failed did not happen; try again shortly.
+        self.synced = False
+        self.next_at = time.monotonic() + RETRY_AFTER
+
+    def stop(self, conn: psycopg.Connection) -> None:
+        # Its schedules stop counting as declared by it at once, not after the expiry.
+        schedules.withdraw(conn, self.instance)

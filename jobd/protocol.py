@@ -1,0 +1,114 @@
+"""What the supervisor and its workers say to each other, and nothing else.
+
+A worker is started as ``python -m jobd.worker`` with a :class:`WorkerSpec` as JSON on
+stdin, and inherits two pipes:
+
+- **status** (worker → supervisor): a :class:`StatusReport` JSON line about every second.
+  Its arrival is the worker's liveness signal; its content is the worker's own view (the
+  supervisor keeps its estimates elsewhere).
+- **wake** (supervisor → worker): single bytes, :data:`WAKE` ("your lane may have due work")
+  or :data:`SUSPECTS` ("a suspect may be due in your lane": a job to run alone, see
+  ``queue.settle_crashed_worker``). End of file means the supervisor is gone.
+
+The worker's exit code says how it ended (:data:`EXIT_OK`, :data:`EXIT_BOOT_FAILURE`,
+:data:`EXIT_WEDGED`); :func:`describe_exit` turns one into words for logs and job errors.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import signal
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from jobd.backoff import Backoff
+from jobd.config import LaneConfig
+
+EXIT_OK = 0
+EXIT_BOOT_FAILURE = 3  # a handler could not be imported: restarting will not help
+EXIT_WEDGED = 4  # every slot is held by a handler that ignored its timeout
+
+WAKE = b"!"
+SUSPECTS = b"S"
+
+
+class WorkerMode(enum.StrEnum):
+    RUNNING = "running"
+    DRAINING = "draining"  # SIGTERM: no new claims, finish until shutdown_timeout, release
+    RETIRING = "retiring"  # SIGUSR2 (a reload replaced it): no new claims, finish everything
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    """Everything a worker process needs, handed over on its stdin."""
+
+    worker_id: str
+    lane: LaneConfig
+    handlers: dict[str, str]
+    database_url: str
+    schema: str
+    slot: int
+    generation: int
+    status_fd: int
+    wake_fd: int
+    shutdown_timeout: float
+    senders: dict[str, str] = field(default_factory=dict)
+    outbox_lane: str = "outbox"
+    log_level: str = "info"
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkerSpec:
+        data = json.loads(text)
+        lane = dict(data.pop("lane"))
+        lane["backoff"] = Backoff(**lane["backoff"])
+        return cls(lane=LaneConfig(**lane), **data)
+
+
+@dataclass(frozen=True, slots=True)
+class StatusReport:
+    """A worker's report of itself. ``counters`` are totals since it started (claimed,
+    completed, failed, dead, stale)."""
+
+    busy: int = 0
+    capacity: int = 0
+    mode: WorkerMode = WorkerMode.RUNNING
+    connected: bool = False
+    counters: dict[str, int] = field(default_factory=dict)
+
+    def to_line(self) -> bytes:
+        return (json.dumps(asdict(self)) + "\n").encode()
+
+    @classmethod
+    def parse(cls, line: bytes) -> StatusReport:
+        """ValueError for anything that is not a report."""
+        data: Any = json.loads(line)
+        if not isinstance(data, dict):
+            raise ValueError("a status report is a JSON object")
+        counters = data.get("counters", {})
+        if not isinstance(counters, dict):
+            raise ValueError("counters must be an object")
+        return cls(busy=_int(data.get("busy")), capacity=_int(data.get("capacity")),
+                   mode=WorkerMode(data.get("mode", WorkerMode.RUNNING)),
+                   connected=bool(data.get("connected")),
+                   counters={str(k): _int(v) for k, v in counters.items()})
+
+
+def _int(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"expected an integer, not {value!r}")
+    return value
+
+
+def describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"killed by {name}"
+    meaning = {EXIT_BOOT_FAILURE: " (boot failure)", EXIT_WEDGED: " (wedged by timed-out jobs)"}
+    return f"exit code {returncode}{meaning.get(returncode, '')}"

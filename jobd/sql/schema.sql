@@ -1,0 +1,773 @@
+-- The whole current schema of jobd, as the migrations leave it, in one file for reading.
+--
+-- The migrations (migrations/NNNN_*.sql) are deltas: each changes what the ones before it
+-- built, and an applied one is never edited (`jobd migrate` refuses a changed checksum). So
+-- the current body of a function or the current set of a table's constraints can be spread
+-- over several files. This file states the result once: the tables with every column and
+-- constraint, the indexes, the view, the sequences, the triggers, the current body of every
+-- function, and the rows a migration writes. `jobd migrate` builds databases from the
+-- migrations, never from this file; tests/test_schema_file.py applies both to fresh schemas
+-- and requires them identical, so a migration that changes the schema changes this file too.
+--
+-- Names are unqualified, as in the migrations: whoever applies the file sets search_path to
+-- the target schema (jobd unless overridden), and functions capture that schema with
+-- SET search_path FROM CURRENT. Statements are in dependency order, grouped by subject.
+
+
+-- ===========================================================================================
+-- Live jobs
+-- ===========================================================================================
+
+-- Job ids. A job keeps its id when it moves on to jobs_archive or dead_letter, and an
+-- idempotency key (job_keys), an outbox entry or a schedule's fire reserves the id before the
+-- job's row exists: so a sequence of its own rather than an identity column.
+CREATE SEQUENCE job_id_seq AS bigint;
+
+-- Every claim draws one value; a worker must present it for every later write to the job
+-- (heartbeat, complete, fail), so a worker whose lease was lost cannot touch the job again.
+CREATE SEQUENCE lease_token_seq AS bigint;
+
+-- Live jobs only: pending, claimed, or failed and waiting for a retry. Finished jobs leave this
+-- table in the statement that finishes them, so it stays as small as the backlog.
+CREATE TABLE jobs (
+    id              bigint      PRIMARY KEY DEFAULT nextval('job_id_seq'),
+    lane            text        NOT NULL DEFAULT 'default',
+    handler         text        NOT NULL,
+    payload         jsonb       NOT NULL DEFAULT '{}',
+    state           text        NOT NULL DEFAULT 'pending'
+                                CHECK (state IN ('pending', 'claimed', 'failed')),
+    priority        integer     NOT NULL DEFAULT 0,
+    -- A real moment every reader can load (Python's datetime ends at year 9999); see
+    -- jobs_run_at_range below.
+    run_at          timestamptz NOT NULL DEFAULT now(),
+    attempts        integer     NOT NULL DEFAULT 0 CHECK (attempts >= 0),
+    -- NULL: the lane's configured max_attempts applies.
+    max_attempts    integer     CHECK (max_attempts > 0),
+    lease_until     timestamptz,
+    claimed_by      text,
+    lease_token     bigint,
+    idempotency_key text,
+    created_at      timestamptz NOT NULL DEFAULT now(),
+    last_error      text,
+    -- One object per failed attempt: {"attempt", "at", "error", "worker"}.
+    errors          jsonb       NOT NULL DEFAULT '[]',
+    -- Poison isolation. When a worker process dies while it runs several jobs, nothing says
+    -- which one killed it. Its jobs become suspects: their attempt is given back, and each
+    -- runs alone on a worker that holds nothing else. A worker that dies holding a single job
+    -- has found the poison: that job alone spends an attempt (and stays a suspect, so its
+    -- retries run alone). Last because it was added last: column order is part of the
+    -- schema (SELECT * and RETURNING * depend on it).
+    suspect         boolean     NOT NULL DEFAULT false,
+    -- A claimed job has a lease and a token; no other state has either.
+    CHECK ((state = 'claimed') = (lease_until IS NOT NULL AND lease_token IS NOT NULL)),
+    -- 'infinity' and '-infinity' are valid timestamptz values that no client can load into a
+    -- date-time type, so such a job would be claimed and then never reach a handler; a year
+    -- past 9999 broke every listing. jobd.enqueue refuses these with a message (check_job);
+    -- this keeps hand-written SQL from storing them.
+    CONSTRAINT jobs_run_at_range
+        CHECK (run_at >= '1970-01-01 00:00:00+00' AND run_at < '9999-01-01 00:00:00+00')
+);
+ALTER SEQUENCE job_id_seq OWNED BY jobs.id;
+
+-- The hottest query: due jobs of one lane by priority, then run_at. Only claimable rows are
+-- indexed, so the index is as small as the backlog however much history exists.
+CREATE INDEX jobs_claimable_idx ON jobs (lane, priority DESC, run_at)
+    WHERE state IN ('pending', 'failed');
+
+-- The lease-expiry sweep and crash attribution read only claimed rows.
+CREATE INDEX jobs_lease_idx ON jobs (lease_until) WHERE state = 'claimed';
+
+-- Suspects are rare; a lane's suspects, due or claimed, are found without touching the claim
+-- index.
+CREATE INDEX jobs_suspect_idx ON jobs (lane, run_at) WHERE suspect;
+
+-- A queue table churns: every job is inserted, updated and deleted within seconds. Vacuum it
+-- early and without throttling so dead index entries don't slow the claim scan.
+ALTER TABLE jobs SET (
+    autovacuum_vacuum_scale_factor = 0.01,
+    autovacuum_vacuum_threshold = 1000,
+    autovacuum_vacuum_insert_scale_factor = 0.05,
+    autovacuum_analyze_scale_factor = 0.02,
+    autovacuum_vacuum_cost_delay = 0
+);
+
+
+-- ===========================================================================================
+-- Finished jobs: the archive, the dead-letter queue, idempotency keys
+-- ===========================================================================================
+
+-- Finished jobs, partitioned by day of finished_at: retention drops a partition.
+-- ensure_archive_partitions() creates the daily partitions; `jobd migrate` calls it on every
+-- run, so they are not part of the schema itself.
+CREATE TABLE jobs_archive (
+    id              bigint      NOT NULL,
+    lane            text        NOT NULL,
+    handler         text        NOT NULL,
+    payload         jsonb       NOT NULL,
+    state           text        NOT NULL CHECK (state = 'done'),
+    priority        integer     NOT NULL,
+    run_at          timestamptz NOT NULL,
+    attempts        integer     NOT NULL,
+    max_attempts    integer,
+    claimed_by      text,
+    idempotency_key text,
+    created_at      timestamptz NOT NULL,
+    last_error      text,
+    errors          jsonb       NOT NULL,
+    finished_at     timestamptz NOT NULL
+) PARTITION BY RANGE (finished_at);
+
+CREATE INDEX jobs_archive_id_idx ON jobs_archive (id);
+
+-- Catches rows whose day has no partition yet, so finishing a job can never fail for lack of
+-- one. ensure_archive_partitions() moves such rows into the real partition when it creates it.
+CREATE TABLE jobs_archive_default PARTITION OF jobs_archive DEFAULT;
+
+-- The dead-letter queue: one row per job whose attempt budget is spent, with its full history.
+CREATE TABLE dead_letter (
+    id              bigint      PRIMARY KEY,
+    lane            text        NOT NULL,
+    handler         text        NOT NULL,
+    payload         jsonb       NOT NULL,
+    priority        integer     NOT NULL,
+    run_at          timestamptz NOT NULL,
+    attempts        integer     NOT NULL,
+    max_attempts    integer,
+    claimed_by      text,
+    idempotency_key text,
+    created_at      timestamptz NOT NULL,
+    last_error      text,
+    errors          jsonb       NOT NULL,
+    died_at         timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX dead_letter_died_at_idx ON dead_letter (died_at);
+CREATE INDEX dead_letter_lane_idx ON dead_letter (lane);
+
+-- Idempotency keys outlive the job's row in jobs: a key maps to its job wherever the job is
+-- now (live, archived or dead), so enqueueing the same key again returns the first job.
+CREATE TABLE job_keys (
+    idempotency_key text        PRIMARY KEY,
+    job_id          bigint      NOT NULL,
+    created_at      timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX job_keys_created_at_idx ON job_keys (created_at);
+
+-- Every job, live or finished, with its state.
+CREATE VIEW all_jobs AS
+    SELECT id, lane, handler, payload, state, priority, run_at, attempts, max_attempts,
+           lease_until, claimed_by, idempotency_key, created_at, last_error, errors,
+           NULL::timestamptz AS finished_at
+      FROM jobs
+    UNION ALL
+    SELECT id, lane, handler, payload, state, priority, run_at, attempts, max_attempts,
+           NULL::timestamptz, claimed_by, idempotency_key, created_at, last_error, errors,
+           finished_at
+      FROM jobs_archive
+    UNION ALL
+    SELECT id, lane, handler, payload, 'dead', priority, run_at, attempts, max_attempts,
+           NULL::timestamptz, claimed_by, idempotency_key, created_at, last_error, errors,
+           died_at
+      FROM dead_letter;
+
+
+-- ===========================================================================================
+-- Enqueueing: the entry rules, the enqueue function, the wake-up notification
+-- ===========================================================================================
+
+-- Database-wide settings. max_payload_bytes: the largest payload, measured as JSON text.
+-- `jobd migrate -c FILE` writes the config's limits.max_payload_bytes here; the row below is
+-- the default (1 MiB) until it does.
+CREATE TABLE settings (
+    name  text  PRIMARY KEY,
+    value jsonb NOT NULL
+);
+INSERT INTO settings (name, value) VALUES ('max_payload_bytes', '1048576');
+
+-- The rules every job meets, whichever way it is enqueued (jobd/validation.py states the same
+-- set for the Python API), so that a job one entry point accepts is never refused by another,
+-- nor accepted and then undeliverable. Raises invalid_parameter_value (22023) naming the first
+-- rule a job breaks. Shared by jobd.enqueue and by the bulk path's size check. name_rule and
+-- the 'jobd:' prefix are validation.NAME_RULE and RESERVED_KEY_PREFIX in Python; a test checks
+-- that the two agree.
+CREATE FUNCTION check_job(
+    handler text, lane text, payload jsonb, run_at timestamptz, idempotency_key text,
+    max_attempts integer
+) RETURNS void
+LANGUAGE plpgsql STABLE
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    name_rule constant text := '^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$';
+BEGIN
+    IF check_job.handler IS NULL OR check_job.handler !~ name_rule THEN
+        RAISE EXCEPTION 'jobd.enqueue: invalid handler name %: use 1-128 letters, digits and _ . : - (starting with a letter or digit)',
+            coalesce(quote_literal(check_job.handler), 'NULL')
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF check_job.lane IS NULL OR check_job.lane !~ name_rule THEN
+        RAISE EXCEPTION 'jobd.enqueue: invalid lane name %: use 1-128 letters, digits and _ . : - (starting with a letter or digit)',
+            coalesce(quote_literal(check_job.lane), 'NULL')
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF check_job.idempotency_key IS NOT NULL THEN
+        IF check_job.idempotency_key = '' THEN
+            RAISE EXCEPTION 'jobd.enqueue: idempotency_key must be a non-empty string'
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        IF octet_length(check_job.idempotency_key) > 512 THEN
+            RAISE EXCEPTION 'jobd.enqueue: idempotency_key is % bytes; at most 512 are allowed',
+                octet_length(check_job.idempotency_key)
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        -- Keys starting with 'jobd:' name jobd's own jobs (schedule occurrences, outbox
+        -- deliveries, keys derived from job ids); a caller's key must not collide with them.
+        IF starts_with(check_job.idempotency_key, 'jobd:') THEN
+            RAISE EXCEPTION 'jobd.enqueue: idempotency keys starting with ''jobd:'' are reserved for jobd''s own jobs'
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+    END IF;
+    IF check_job.max_attempts IS NOT NULL AND check_job.max_attempts < 1 THEN
+        RAISE EXCEPTION 'jobd.enqueue: max_attempts must be a positive integer, not %',
+            check_job.max_attempts USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF check_job.run_at IS NOT NULL AND NOT (check_job.run_at >= '1970-01-01 00:00:00+00'
+                                             AND check_job.run_at < '9999-01-01 00:00:00+00') THEN
+        RAISE EXCEPTION 'jobd.enqueue: run_at % is out of range: it must be from 1970-01-01 to before 9999-01-01 (UTC)',
+            check_job.run_at USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF check_job.payload IS NULL THEN
+        RAISE EXCEPTION 'jobd.enqueue: payload must not be SQL NULL (a JSON null is ''null''::jsonb; leave it out for {})'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    PERFORM check_payload_size(octet_length(check_job.payload::text));
+    -- Both limits are what the workers' decoder (Python's json) can read back: nesting
+    -- below its recursion limit, integers below its 4300-digit limit.
+    IF jsonb_path_exists(check_job.payload, 'strict $.**{257}') THEN
+        RAISE EXCEPTION 'jobd.enqueue: payload is nested more than 256 levels deep'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF jsonb_path_exists(check_job.payload,
+                         'strict $.** ? (@.type() == "number" && (@ >= 1e4300 || @ <= -1e4300))') THEN
+        RAISE EXCEPTION 'jobd.enqueue: payload holds a number of 4300 digits or more'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+END
+$$;
+
+-- The payload size limit alone, for the bulk path: the client measures its largest payload and
+-- asks in the statement that reserves the batch's ids.
+CREATE FUNCTION check_payload_size(size bigint) RETURNS void
+LANGUAGE plpgsql STABLE
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    limit_bytes bigint := (SELECT value::bigint FROM settings WHERE name = 'max_payload_bytes');
+BEGIN
+    IF check_payload_size.size > limit_bytes THEN
+        RAISE EXCEPTION 'jobd.enqueue: payload is % bytes, over the limit of % (max_payload_bytes)',
+            check_payload_size.size, limit_bytes USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+END
+$$;
+
+-- One committed INSERT enqueues a job. With an idempotency key, the key ledger decides: the
+-- first caller inserts the job, every later caller gets the first job's id back, even after
+-- that job finished and was archived.
+CREATE FUNCTION enqueue(
+    handler         text,
+    payload         jsonb       DEFAULT '{}',
+    lane            text        DEFAULT 'default',
+    run_at          timestamptz DEFAULT now(),
+    priority        integer     DEFAULT 0,
+    idempotency_key text        DEFAULT NULL,
+    max_attempts    integer     DEFAULT NULL
+) RETURNS bigint
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    new_id bigint;
+BEGIN
+    PERFORM check_job(enqueue.handler, enqueue.lane, enqueue.payload, enqueue.run_at,
+                      enqueue.idempotency_key, enqueue.max_attempts);
+    IF enqueue.idempotency_key IS NOT NULL THEN
+        INSERT INTO job_keys AS k (idempotency_key, job_id)
+             VALUES (enqueue.idempotency_key, nextval('job_id_seq'))
+        ON CONFLICT DO NOTHING
+        RETURNING k.job_id INTO new_id;
+        IF new_id IS NULL THEN
+            -- A new statement takes a new snapshot, so a key committed by a concurrent
+            -- enqueue (which ON CONFLICT waited for) is visible here.
+            SELECT k.job_id INTO new_id FROM job_keys AS k
+             WHERE k.idempotency_key = enqueue.idempotency_key;
+            RETURN new_id;
+        END IF;
+    ELSE
+        new_id := nextval('job_id_seq');
+    END IF;
+    INSERT INTO jobs (id, lane, handler, payload, priority, run_at, idempotency_key, max_attempts)
+         VALUES (new_id, enqueue.lane, enqueue.handler, enqueue.payload,
+                 coalesce(enqueue.priority, 0), coalesce(enqueue.run_at, now()),
+                 enqueue.idempotency_key, enqueue.max_attempts);
+    RETURN new_id;
+END
+$$;
+
+-- Wake the lanes that received work, once per lane and statement (a bulk insert of 20,000
+-- rows sends one notification per lane, not 20,000). The payload is 'lane#<n>' when n of the
+-- new jobs are due now (so the listener wakes as many workers as that needs), else
+-- 'lane@<epoch seconds>' of the earliest one, so it can wake the lane at that instant instead
+-- of polling for it. The channel carries the schema name so several jobd schemas can share
+-- a database.
+CREATE FUNCTION notify_new_jobs() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_notify(TG_TABLE_SCHEMA || '_wakeup',
+                      CASE WHEN due > 0 THEN lane || '#' || due
+                           ELSE lane || '@' || extract(epoch FROM first_run_at)::text END)
+       FROM (SELECT lane, min(run_at) AS first_run_at,
+                    count(*) FILTER (WHERE run_at <= now()) AS due
+               FROM new_jobs GROUP BY lane) AS lanes;
+    RETURN NULL;
+END
+$$;
+
+CREATE TRIGGER jobs_notify_insert AFTER INSERT ON jobs
+    REFERENCING NEW TABLE AS new_jobs
+    FOR EACH STATEMENT EXECUTE FUNCTION notify_new_jobs();
+
+
+-- ===========================================================================================
+-- Archive maintenance
+-- ===========================================================================================
+
+-- Daily archive partitions from yesterday to days_ahead days from now. Rows that landed in the
+-- default partition for such a day move into the new partition in the same transaction.
+CREATE FUNCTION ensure_archive_partitions(days_ahead integer DEFAULT 7) RETURNS integer
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    day        date;
+    part       text;
+    created    integer := 0;
+BEGIN
+    -- Every supervisor tops up partitions; take turns so two never create the same one.
+    PERFORM pg_advisory_xact_lock(hashtext('jobd.archive_partitions'), hashtext(current_schema()));
+    FOR day IN SELECT generate_series((now() AT TIME ZONE 'UTC')::date - 1,
+                                      (now() AT TIME ZONE 'UTC')::date + days_ahead,
+                                      interval '1 day')::date
+    LOOP
+        part := 'jobs_archive_' || to_char(day, 'YYYYMMDD');
+        CONTINUE WHEN to_regclass(quote_ident(part)) IS NOT NULL;
+        EXECUTE format('CREATE TABLE %I (LIKE jobs_archive INCLUDING DEFAULTS INCLUDING CONSTRAINTS)', part);
+        EXECUTE format(
+            'WITH moved AS (DELETE FROM jobs_archive_default
+                             WHERE finished_at >= %L AND finished_at < %L RETURNING *)
+             INSERT INTO %I SELECT * FROM moved',
+            (day::timestamp AT TIME ZONE 'UTC'), ((day + 1)::timestamp AT TIME ZONE 'UTC'), part);
+        EXECUTE format('ALTER TABLE jobs_archive ATTACH PARTITION %I FOR VALUES FROM (%L) TO (%L)',
+            part, (day::timestamp AT TIME ZONE 'UTC'), ((day + 1)::timestamp AT TIME ZONE 'UTC'));
+        created := created + 1;
+    END LOOP;
+    RETURN created;
+END
+$$;
+
+-- Retention: drop whole archive partitions that end at or before the cutoff, and forget the
+-- idempotency keys of jobs created before it. Returns the number of partitions dropped.
+CREATE FUNCTION drop_archive_partitions(cutoff timestamptz) RETURNS integer
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    part    record;
+    dropped integer := 0;
+    saved_lock_timeout text := current_setting('lock_timeout');
+BEGIN
+    FOR part IN
+        SELECT c.relname,
+               (regexp_match(pg_get_expr(c.relpartbound, c.oid), 'TO \(''([^'']+)''\)'))[1]::timestamptz
+                   AS upper_bound
+          FROM pg_inherits i
+          JOIN pg_class c ON c.oid = i.inhrelid
+         WHERE i.inhparent = 'jobs_archive'::regclass
+           AND c.relname <> 'jobs_archive_default'
+    LOOP
+        CONTINUE WHEN part.upper_bound > cutoff;
+        -- Dropping a partition needs ACCESS EXCLUSIVE on jobs_archive. Queued behind a long
+        -- reader, that request would block every completion; give up after a second instead
+        -- and let the next maintenance run try again.
+        BEGIN
+            PERFORM set_config('lock_timeout', '1s', true);
+            EXECUTE format('DROP TABLE %I', part.relname);
+            dropped := dropped + 1;
+        EXCEPTION WHEN lock_not_available THEN
+            RAISE NOTICE 'jobd: archive partition % is in use; retention will retry', part.relname;
+        END;
+    END LOOP;
+    PERFORM set_config('lock_timeout', saved_lock_timeout, true);
+    DELETE FROM jobs_archive_default WHERE finished_at < cutoff;
+    DELETE FROM job_keys k
+     WHERE k.created_at < cutoff
+       AND NOT EXISTS (SELECT 1 FROM jobs j WHERE j.id = k.job_id)
+       AND NOT EXISTS (SELECT 1 FROM dead_letter d WHERE d.id = k.job_id);
+    RETURN dropped;
+END
+$$;
+
+
+-- ===========================================================================================
+-- Nodes and the fallback poll
+-- ===========================================================================================
+
+-- Live supervisors: each writes its row every duty tick, so `jobd status` can show live
+-- workers per node and claim/failure rates without asking the nodes themselves.
+CREATE TABLE nodes (
+    instance        text        PRIMARY KEY,      -- node name, pid and a random suffix
+    node            text        NOT NULL,
+    pid             integer     NOT NULL,
+    started_at      timestamptz NOT NULL DEFAULT now(),
+    seen_at         timestamptz NOT NULL DEFAULT now(),
+    -- {"lane": number of live workers}
+    workers         jsonb       NOT NULL DEFAULT '{}',
+    -- {"lane": {"claimed": n, "completed": n, "failed": n, "dead": n}}, totals since start;
+    -- the previous sample is kept so rates need only this row.
+    counters        jsonb       NOT NULL DEFAULT '{}',
+    prev_counters   jsonb       NOT NULL DEFAULT '{}',
+    prev_seen_at    timestamptz
+);
+
+-- The earliest run_at of a lane's claimable jobs, due or not: one index probe per distinct
+-- priority (a loose scan of jobs_claimable_idx, like the claim), so it stays cheap however
+-- many jobs wait. The supervisor's fallback poll asks it for every lane in one statement.
+CREATE FUNCTION lane_head(lane text) RETURNS timestamptz
+LANGUAGE plpgsql STABLE
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    level     integer;
+    first_due timestamptz;
+    earliest  timestamptz;
+BEGIN
+    SELECT j.priority INTO level FROM jobs AS j
+     WHERE j.lane = lane_head.lane AND j.state IN ('pending', 'failed')
+     ORDER BY j.priority DESC LIMIT 1;
+    WHILE level IS NOT NULL LOOP
+        SELECT j.run_at INTO first_due FROM jobs AS j
+         WHERE j.lane = lane_head.lane AND j.state IN ('pending', 'failed')
+           AND j.priority = level
+         ORDER BY j.run_at LIMIT 1;
+        earliest := least(earliest, first_due);
+        -- SELECT INTO with no row sets level to NULL, which ends the loop.
+        SELECT j.priority INTO level FROM jobs AS j
+         WHERE j.lane = lane_head.lane AND j.state IN ('pending', 'failed')
+           AND j.priority < level
+         ORDER BY j.priority DESC LIMIT 1;
+    END LOOP;
+    RETURN earliest;
+END
+$$;
+
+
+-- ===========================================================================================
+-- Recurring schedules
+-- ===========================================================================================
+
+-- The stored definition of each schedule and its cursor. Which definition is stored is
+-- decided from the live declarations (schedule_declarations, reconcile_schedule); `enabled`
+-- is the operator's flag (`jobd schedules disable/enable`) and no sync writes it.
+CREATE TABLE schedules (
+    id                  text        PRIMARY KEY,
+    cron                text        NOT NULL,
+    timezone            text        NOT NULL DEFAULT 'UTC',
+    handler             text        NOT NULL,
+    lane                text        NOT NULL DEFAULT 'default',
+    payload             jsonb       NOT NULL DEFAULT '{}',
+    priority            integer     NOT NULL DEFAULT 0,
+    catchup             text        NOT NULL DEFAULT 'latest'
+                                    CHECK (catchup IN ('latest', 'all', 'none')),
+    overlap             text        NOT NULL DEFAULT 'allow'
+                                    CHECK (overlap IN ('allow', 'skip')),
+    enabled             boolean     NOT NULL DEFAULT true,
+    created_at          timestamptz NOT NULL DEFAULT now(),
+    updated_at          timestamptz NOT NULL DEFAULT now(),
+    -- Occurrences at or before this instant have been dealt with (fired or skipped).
+    materialized_until  timestamptz NOT NULL DEFAULT now(),
+    last_fire_at        timestamptz,
+    last_job_id         bigint
+);
+
+-- The fire ledger: one row per occurrence ever dealt with. The primary key is the
+-- deduplication: two nodes computing the same occurrence race on this insert, and the loser
+-- inserts no job.
+CREATE TABLE schedule_fires (
+    schedule_id text        NOT NULL,
+    occurrence  text        NOT NULL,
+    fire_at     timestamptz NOT NULL,
+    outcome     text        NOT NULL CHECK (outcome IN ('enqueued', 'skipped_overlap')),
+    job_id      bigint,
+    recorded_at timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (schedule_id, occurrence)
+);
+CREATE INDEX schedule_fires_fire_at_idx ON schedule_fires (fire_at);
+
+-- Schedule ownership. Each supervisor instance declares the schedules of its config, with the
+-- definition it would write and an expiry that its duty pass keeps moving forward. A schedule
+-- is materialized while it is enabled and at least one unexpired declaration names it, so one
+-- node's config can neither switch off nor rewrite what other live nodes still declare.
+CREATE TABLE schedule_declarations (
+    schedule_id text        NOT NULL,
+    instance    text        NOT NULL,  -- the supervisor instance (nodes.instance)
+    -- The schedule as this instance's config defines it (see schedule_definition).
+    definition  jsonb       NOT NULL,
+    -- When this instance first declared this definition: the newest wins when the stored
+    -- definition has no live declaration left.
+    declared_at timestamptz NOT NULL,
+    -- Not live from this instant on, unless refreshed. No foreign key to schedules: the
+    -- refresh in the duty transaction must take no lock on a schedule row.
+    expires_at  timestamptz NOT NULL,
+    PRIMARY KEY (schedule_id, instance)
+);
+-- A leaving instance withdraws its declarations; its duty pass refreshes them.
+CREATE INDEX schedule_declarations_instance_idx ON schedule_declarations (instance);
+
+-- Fires one occurrence: the ledger row, the job (with the idempotency key
+-- 'jobd:schedule:<id>:<occurrence>') and the schedule's cursor, in one transaction. Returns
+-- 'enqueued' with the job id, or why nothing was enqueued: 'not_due' (fire_at is in the
+-- future by the database clock), 'disabled', 'duplicate' (already in the ledger) or
+-- 'skipped_overlap'. The schedule row is locked, so materializers of one schedule take turns.
+CREATE FUNCTION fire_schedule(
+    schedule_id text, occurrence text, fire_at timestamptz, at timestamptz DEFAULT NULL
+) RETURNS TABLE (outcome text, job_id bigint)
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    clock  timestamptz := coalesce(fire_schedule.at, now());
+    s      schedules%ROWTYPE;
+    new_id bigint;
+    key    text := 'jobd:schedule:' || fire_schedule.schedule_id || ':' || fire_schedule.occurrence;
+BEGIN
+    IF fire_schedule.fire_at > clock THEN
+        RETURN QUERY SELECT 'not_due'::text, NULL::bigint;
+        RETURN;
+    END IF;
+    SELECT * INTO s FROM schedules AS sc WHERE sc.id = fire_schedule.schedule_id FOR UPDATE;
+    IF NOT FOUND OR NOT s.enabled THEN
+        RETURN QUERY SELECT 'disabled'::text, NULL::bigint;
+        RETURN;
+    END IF;
+    INSERT INTO schedule_fires AS f (schedule_id, occurrence, fire_at, outcome)
+    VALUES (s.id, fire_schedule.occurrence, fire_schedule.fire_at, 'enqueued')
+    ON CONFLICT DO NOTHING;
+    IF NOT FOUND THEN
+        UPDATE schedules AS sc SET materialized_until = greatest(sc.materialized_until,
+                                                                 fire_schedule.fire_at)
+         WHERE sc.id = s.id;
+        RETURN QUERY SELECT 'duplicate'::text, NULL::bigint;
+        RETURN;
+    END IF;
+    IF s.overlap = 'skip' AND s.last_job_id IS NOT NULL
+       AND EXISTS (SELECT 1 FROM jobs AS j WHERE j.id = s.last_job_id) THEN
+        UPDATE schedule_fires AS f SET outcome = 'skipped_overlap'
+         WHERE f.schedule_id = s.id AND f.occurrence = fire_schedule.occurrence;
+        UPDATE schedules AS sc SET materialized_until = greatest(sc.materialized_until,
+                                                                 fire_schedule.fire_at)
+         WHERE sc.id = s.id;
+        RETURN QUERY SELECT 'skipped_overlap'::text, NULL::bigint;
+        RETURN;
+    END IF;
+    new_id := nextval('job_id_seq');
+    INSERT INTO job_keys (idempotency_key, job_id) VALUES (key, new_id) ON CONFLICT DO NOTHING;
+    INSERT INTO jobs (id, lane, handler, payload, priority, run_at, idempotency_key)
+    VALUES (new_id, s.lane, s.handler, s.payload, s.priority, fire_schedule.fire_at, key);
+    UPDATE schedule_fires AS f SET job_id = new_id
+     WHERE f.schedule_id = s.id AND f.occurrence = fire_schedule.occurrence;
+    UPDATE schedules AS sc
+       SET materialized_until = greatest(sc.materialized_until, fire_schedule.fire_at),
+           last_fire_at = greatest(sc.last_fire_at, fire_schedule.fire_at),
+           last_job_id = CASE WHEN sc.last_fire_at IS NULL OR fire_schedule.fire_at >= sc.last_fire_at
+                              THEN new_id ELSE sc.last_job_id END
+     WHERE sc.id = s.id;
+    RETURN QUERY SELECT 'enqueued'::text, new_id;
+END
+$$;
+
+-- The stored definition of a schedule in the form declarations carry, so the two compare as
+-- jsonb values. No SET search_path, so the planner can inline it: it reads no table.
+CREATE FUNCTION schedule_definition(s schedules) RETURNS jsonb
+LANGUAGE sql IMMUTABLE
+AS $$
+    SELECT jsonb_build_object('cron', s.cron, 'timezone', s.timezone, 'handler', s.handler,
+                              'lane', s.lane, 'payload', s.payload, 'priority', s.priority,
+                              'catchup', s.catchup, 'overlap', s.overlap)
+$$;
+
+-- Decides a schedule's stored definition from the live declarations, with its row locked so
+-- that deciders take turns. The stored definition stays while any live declaration carries
+-- it: a conflicting declaration is reported, never written, so definitions do not flap. Only
+-- when no live declaration carries it any more is the newest live declaration adopted (the
+-- cursor is kept). With wait => false a locked row is left alone ('busy'): the duty pass
+-- calls it after its tick holds schedule locks and must not wait out of id order.
+-- Returns 'changed', 'unchanged', 'undeclared' (no live declaration) or 'busy' (locked, or
+-- no such schedule).
+CREATE FUNCTION reconcile_schedule(
+    schedule_id text, at timestamptz DEFAULT NULL, wait boolean DEFAULT true
+) RETURNS text
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    clock  timestamptz := coalesce(reconcile_schedule.at, now());
+    s      schedules%ROWTYPE;
+    chosen jsonb;
+BEGIN
+    IF reconcile_schedule.wait THEN
+        SELECT * INTO s FROM schedules AS sc WHERE sc.id = reconcile_schedule.schedule_id
+           FOR UPDATE;
+    ELSE
+        SELECT * INTO s FROM schedules AS sc WHERE sc.id = reconcile_schedule.schedule_id
+           FOR UPDATE SKIP LOCKED;
+    END IF;
+    IF NOT FOUND THEN
+        RETURN 'busy';
+    END IF;
+    IF EXISTS (SELECT 1 FROM schedule_declarations AS d
+                WHERE d.schedule_id = s.id AND d.expires_at > clock
+                  AND d.definition = schedule_definition(s)) THEN
+        RETURN 'unchanged';
+    END IF;
+    SELECT d.definition INTO chosen FROM schedule_declarations AS d
+     WHERE d.schedule_id = s.id AND d.expires_at > clock
+     ORDER BY d.declared_at DESC, d.instance DESC
+     LIMIT 1;
+    IF NOT FOUND THEN
+        RETURN 'undeclared';
+    END IF;
+    UPDATE schedules AS sc
+       SET cron = chosen->>'cron', timezone = chosen->>'timezone',
+           handler = chosen->>'handler', lane = chosen->>'lane', payload = chosen->'payload',
+           priority = (chosen->>'priority')::integer, catchup = chosen->>'catchup',
+           overlap = chosen->>'overlap', updated_at = now()
+     WHERE sc.id = s.id;
+    RETURN 'changed';
+END
+$$;
+
+-- Declares one schedule for one instance: creates the schedule if it is new (materializing
+-- from the clock on, no backfill), writes the declaration with its expiry, then reconciles
+-- the stored definition. Never touches `enabled`. Callers declare in id order, the order in
+-- which ticks lock schedules. Returns 'created' or what reconcile_schedule returned.
+CREATE FUNCTION declare_schedule(
+    schedule_id text, instance text, definition jsonb, ttl_seconds double precision,
+    at timestamptz DEFAULT NULL
+) RETURNS text
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    clock   timestamptz := coalesce(declare_schedule.at, now());
+    d       jsonb := declare_schedule.definition;
+    created boolean;
+    outcome text;
+BEGIN
+    INSERT INTO schedules AS sc (id, cron, timezone, handler, lane, payload, priority, catchup,
+                                 overlap, materialized_until)
+    VALUES (declare_schedule.schedule_id, d->>'cron', d->>'timezone', d->>'handler',
+            d->>'lane', d->'payload', (d->>'priority')::integer, d->>'catchup',
+            d->>'overlap', clock)
+    ON CONFLICT (id) DO NOTHING;
+    created := FOUND;
+    INSERT INTO schedule_declarations AS sd (schedule_id, instance, definition, declared_at,
+                                             expires_at)
+    VALUES (declare_schedule.schedule_id, declare_schedule.instance, d, clock,
+            clock + make_interval(secs => declare_schedule.ttl_seconds))
+    ON CONFLICT ON CONSTRAINT schedule_declarations_pkey DO UPDATE
+       SET definition = excluded.definition,
+           expires_at = excluded.expires_at,
+           declared_at = CASE WHEN sd.definition = excluded.definition THEN sd.declared_at
+                              ELSE excluded.declared_at END;
+    outcome := reconcile_schedule(declare_schedule.schedule_id, clock, true);
+    RETURN CASE WHEN created THEN 'created' ELSE outcome END;
+END
+$$;
+
+
+-- ===========================================================================================
+-- Exactly-once effect: the dedup store written by transactional handlers, and the outbox
+-- ===========================================================================================
+
+-- One row per idempotency key whose effect has committed. A transactional handler's writes,
+-- this row and the job's completion commit together, so a replay of the key finds it and
+-- does nothing.
+CREATE TABLE processed_keys (
+    idempotency_key text        PRIMARY KEY,
+    job_id          bigint      NOT NULL,
+    processed_at    timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX processed_keys_processed_at_idx ON processed_keys (processed_at);
+
+-- Intent to cause an effect outside PostgreSQL (an email, an API call), recorded in the
+-- handler's transaction and delivered afterwards by a delivery job (handler 'jobd.outbox',
+-- validation.OUTBOX_HANDLER in Python) that passes the entry's key to the sender, at least
+-- once.
+CREATE TABLE outbox (
+    id              bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    key             text        NOT NULL UNIQUE,
+    sender          text        NOT NULL,
+    payload         jsonb       NOT NULL DEFAULT '{}',
+    source_job_id   bigint,
+    delivery_job_id bigint      NOT NULL,
+    state           text        NOT NULL DEFAULT 'pending'
+                                CHECK (state IN ('pending', 'delivered', 'dead')),
+    last_error      text,
+    created_at      timestamptz NOT NULL DEFAULT now(),
+    delivered_at    timestamptz
+);
+CREATE INDEX outbox_delivery_job_idx ON outbox (delivery_job_id);
+CREATE INDEX outbox_created_at_idx ON outbox (created_at);
+
+-- Records an outbox entry and its delivery job in the caller's transaction. A key already
+-- recorded returns the existing entry's id and adds nothing.
+CREATE FUNCTION outbox_add(
+    key text, sender text, payload jsonb, lane text, source_job_id bigint DEFAULT NULL
+) RETURNS bigint
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    entry_id bigint;
+    job_id   bigint := nextval('job_id_seq');
+BEGIN
+    INSERT INTO outbox AS o (key, sender, payload, source_job_id, delivery_job_id)
+    VALUES (outbox_add.key, outbox_add.sender, coalesce(outbox_add.payload, '{}'),
+            outbox_add.source_job_id, job_id)
+    ON CONFLICT DO NOTHING
+    RETURNING o.id INTO entry_id;
+    IF entry_id IS NULL THEN
+        SELECT o.id INTO entry_id FROM outbox AS o WHERE o.key = outbox_add.key;
+        RETURN entry_id;
+    END IF;
+    INSERT INTO jobs (id, lane, handler, payload, idempotency_key)
+    VALUES (job_id, outbox_add.lane, 'jobd.outbox', jsonb_build_object('outbox_id', entry_id),
+            'jobd:outbox:' || outbox_add.key);
+    INSERT INTO job_keys (idempotency_key, job_id) VALUES ('jobd:outbox:' || outbox_add.key, job_id)
+    ON CONFLICT DO NOTHING;
+    RETURN entry_id;
+END
+$$;
+
+-- A delivery job that exhausted its attempts marks its entry dead (the job itself is in the
+-- dead-letter queue with its error history; replaying it retries the delivery).
+CREATE FUNCTION outbox_mark_dead() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    UPDATE outbox AS o SET state = 'dead', last_error = d.last_error
+      FROM new_dead AS d
+     WHERE d.handler = 'jobd.outbox' AND o.delivery_job_id = d.id AND o.state = 'pending';
+    RETURN NULL;
+END
+$$;
+
+CREATE TRIGGER dead_letter_outbox AFTER INSERT ON dead_letter
+    REFERENCING NEW TABLE AS new_dead
+    FOR EACH STATEMENT EXECUTE FUNCTION outbox_mark_dead();

@@ -1,0 +1,343 @@
+"""The supervisor's worker processes: slots, spawning, reaping, liveness and restarts.
+
+Each lane has ``workers`` slots; a slot holds at most one process at a time. A worker that
+exits is replaced after a per-slot delay that grows while it keeps dying young and resets
+after a healthy uptime (supervisord's model, :class:`jobd.restarts.SlotBackoff`); three
+boot failures in a row (exit code 3: a handler cannot be imported) halt the lane until a
+reload. A worker whose liveness reports stop for ``worker_timeout`` is hung: SIGABRT (its
+``faulthandler`` dumps every thread's stack), then SIGKILL. A reload that changes a lane
+replaces its workers by a new generation while the old ones retire.
+
+Workers are started as ``python -m jobd.worker``, fork *and* exec, with their spec on stdin
+(``jobd.protocol``): no connection, lock or thread of the supervisor's crosses over.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+
+import structlog
+
+from jobd.config import Config, LaneConfig
+from jobd.eventloop import SelectLoop
+from jobd.protocol import EXIT_BOOT_FAILURE, StatusReport, WorkerSpec, describe_exit
+from jobd.restarts import SlotBackoff
+
+ABORT_GRACE = 5.0  # after SIGABRT, how long a hung worker gets before SIGKILL
+BOOT_FAILURES_BEFORE_FATAL = 3
+
+log = structlog.get_logger("jobd.workerpool")
+
+
+@dataclass(eq=False)
+class WorkerProcess:
+    spec: WorkerSpec
+    popen: subprocess.Popen[bytes]
+    wake_w: int
+    status_r: int
+    started: float
+    last_seen: float
+    report: StatusReport = field(default_factory=StatusReport)
+    wake_load: int = 0  # work routed to it since its last report (jobd.wake_routing)
+    buffer: bytes = b""
+    kill_at: float | None = None  # SIGKILL due (after SIGABRT, or after the drain timeout)
+    kill_reason: str | None = None
+    release_on_exit: bool = False  # killed at the drain deadline: give its jobs back
+    retiring: bool = False
+
+    @property
+    def lane(self) -> str:
+        return self.spec.lane.name
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def busy(self) -> int:
+        return self.report.busy
+
+    @property
+    def capacity(self) -> int:
+        return self.spec.lane.concurrency
+
+    def signal(self, signum: int) -> None:
+        try:
+            os.kill(self.pid, signum)
+        except ProcessLookupError:
+            pass
+
+
+@dataclass
+class Slot:
+    lane: LaneConfig
+    index: int
+    generation: int
+    backoff: SlotBackoff = field(default_factory=SlotBackoff)
+    process: WorkerProcess | None = None
+    spawn_at: float = 0.0
+    boot_failures: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Exited:
+    """A worker that is gone, and what to do with the jobs it may still hold."""
+
+    worker_id: str
+    lane: str
+    pid: int
+    reason: str
+    crashed: bool  # else we stopped it (or it exited cleanly): its jobs are given back
+
+
+class WorkerPool:
+    def __init__(self, config: Config, database_url: str, loop: SelectLoop) -> None:
+        self.config = config
+        self.url = database_url
+        self.loop = loop
+        self.slots: dict[tuple[str, int], Slot] = {}
+        self.retiring: list[WorkerProcess] = []
+        self.fatal_lanes: dict[str, str] = {}
+        self.generation = 0
+        # Counters of workers that exited, so a node's totals never go backwards.
+        self.exited_counters: dict[str, dict[str, int]] = {}
+
+    def processes(self) -> list[WorkerProcess]:
+        live = [slot.process for slot in self.slots.values() if slot.process is not None]
+        return live + self.retiring
+
+    def serving(self, lane: str) -> list[WorkerProcess]:
+        return [p for p in self.processes() if p.lane == lane and not p.retiring]
+
+    def next_spawn_at(self) -> float | None:
+        moments = [slot.spawn_at for slot in self.slots.values()
+                   if slot.process is None and slot.lane.name not in self.fatal_lanes]
+        return min(moments, default=None)
+
+    def next_kill_at(self) -> float | None:
+        return min((p.kill_at for p in self.processes() if p.kill_at is not None),
+                   default=None)
+
+    # --- generations ----------------------------------------------------------------------
+
+    def build(self) -> None:
+        self.generation += 1
+        for lane in self.config.lanes.values():
+            for index in range(lane.workers):
+                self.slots[(lane.name, index)] = self._new_slot(lane, index)
+
+    def _new_slot(self, lane: LaneConfig, index: int) -> Slot:
+        restart = self.config.restart_backoff
+        backoff = SlotBackoff(restart.base, restart.cap, self.config.healthy_uptime)
+        return Slot(lane, index, self.generation, backoff)
+
+    def apply(self, new: Config) -> None:
+        """A reloaded config: lanes whose settings or handlers changed get a new generation
+        of workers while the old ones retire (finish what they hold); a change of
+        ``workers`` alone adds or retires slots."""
+        old = self.config
+        handlers_changed = (new.worker_handlers(), new.outbox_senders) != (
+            old.worker_handlers(), old.outbox_senders)
+        self.fatal_lanes.clear()
+        self.generation += 1
+        for (lane_name, index), slot in list(self.slots.items()):
+            lane = new.lanes.get(lane_name)
+            replaced = lane is None or handlers_changed or _settings_differ(lane, slot.lane)
+            if replaced or index >= (lane.workers if lane else 0):
+                del self.slots[(lane_name, index)]
+                if slot.process is not None:
+                    self._retire(slot.process)
+        self.config = new
+        for lane in new.lanes.values():
+            for index in range(lane.workers):
+                if (lane.name, index) not in self.slots:
+                    self.slots[(lane.name, index)] = self._new_slot(lane, index)
+
+    def _retire(self, process: WorkerProcess) -> None:
+        process.retiring = True
+        self.retiring.append(process)
+        process.signal(signal.SIGUSR2)
+        log.info("worker retiring", lane=process.lane, pid=process.pid,
+                 worker=process.spec.worker_id)
+
+    # --- spawning -------------------------------------------------------------------------
+
+    def spawn_due(self) -> None:
+        now = time.monotonic()
+        for slot in self.slots.values():
+            if (slot.process is None and slot.spawn_at <= now
+                    and slot.lane.name not in self.fatal_lanes):
+                slot.process = self._spawn(slot)
+
+    def _spawn(self, slot: Slot) -> WorkerProcess:
+        wake_r, wake_w = os.pipe()
+        status_r, status_w = os.pipe()
+        config = self.config
+        spec = WorkerSpec(
+            worker_id=f"{config.node_name}:{slot.lane.name}#{slot.index}:"
+                      f"{secrets.token_hex(4)}",
+            lane=slot.lane, handlers=config.worker_handlers(),
+            senders=dict(config.outbox_senders), outbox_lane=config.outbox_lane,
+            database_url=self.url, schema=config.schema, slot=slot.index,
+            generation=slot.generation, status_fd=status_w, wake_fd=wake_r,
+            shutdown_timeout=config.shutdown_timeout, log_level=config.log_level,
+        )
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "jobd.worker"], stdin=subprocess.PIPE,
+            pass_fds=(wake_r, status_w), close_fds=True,
+        )
+        assert popen.stdin is not None
+        popen.stdin.write(spec.to_json().encode())
+        popen.stdin.close()
+        os.close(wake_r)
+        os.close(status_w)
+        os.set_blocking(wake_w, False)
+        os.set_blocking(status_r, False)
+        now = time.monotonic()
+        process = WorkerProcess(spec, popen, wake_w, status_r, started=now, last_seen=now)
+        self.loop.register(status_r, lambda _fd, p=process: self._read_status(p))
+        log.info("worker spawned", lane=slot.lane.name, slot=slot.index, pid=popen.pid,
+                 worker=spec.worker_id, generation=slot.generation)
+        return process
+
+    def _read_status(self, process: WorkerProcess) -> None:
+        try:
+            data = os.read(process.status_r, 65536)
+        except BlockingIOError:
+            return
+        if not data:
+            self.loop.unregister(process.status_r)
+            return
+        process.last_seen = time.monotonic()
+        process.buffer += data
+        *lines, process.buffer = process.buffer.split(b"\n")
+        for line in lines[-1:]:  # only the newest report matters
+            try:
+                process.report = StatusReport.parse(line)
+                process.wake_load = 0  # the report counts what it was sent
+            except ValueError:
+                log.warning("unreadable worker report", pid=process.pid)
+
+    # --- exits and liveness ---------------------------------------------------------------
+
+    def reap(self, stopping: bool) -> Iterator[Exited]:
+        """The workers that exited since the last call; their slots respawn after their
+        restart delay (not while ``stopping``)."""
+        for slot in self.slots.values():
+            process = slot.process
+            if process is not None and process.popen.poll() is not None:
+                slot.process = None
+                yield self._exited(process, None if stopping else slot)
+        for process in list(self.retiring):
+            if process.popen.poll() is not None:
+                self.retiring.remove(process)
+                yield self._exited(process, None)
+
+    def _exited(self, process: WorkerProcess, slot: Slot | None) -> Exited:
+        returncode = process.popen.returncode
+        uptime = time.monotonic() - process.started
+        for fd in (process.status_r, process.wake_w):
+            self.loop.unregister(fd)
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        base = self.exited_counters.setdefault(process.lane, {})
+        for key, value in process.report.counters.items():
+            base[key] = base.get(key, 0) + value
+        crashed = returncode != 0 and not process.release_on_exit
+        reason = process.kill_reason or describe_exit(returncode)
+        (log.error if crashed else log.info)(
+            "worker exited", lane=process.lane, pid=process.pid,
+            worker=process.spec.worker_id, cause=reason, uptime=round(uptime, 1))
+        if slot is not None:
+            self._schedule_restart(slot, returncode, uptime)
+        return Exited(process.spec.worker_id, process.lane, process.pid, reason, crashed)
+
+    def _schedule_restart(self, slot: Slot, returncode: int, uptime: float) -> None:
+        if returncode == EXIT_BOOT_FAILURE:
+            slot.boot_failures += 1
+            if slot.boot_failures >= BOOT_FAILURES_BEFORE_FATAL:
+                self.fatal_lanes[slot.lane.name] = "workers cannot start (boot failure)"
+                log.error("lane halted: its workers fail to boot; fix the config and send "
+                          "SIGHUP", lane=slot.lane.name)
+                return
+        else:
+            slot.boot_failures = 0
+        delay = slot.backoff.record_exit(uptime) if returncode != 0 else 0.0
+        slot.spawn_at = time.monotonic() + delay
+        if delay:
+            log.warning("worker restart backing off", lane=slot.lane.name, slot=slot.index,
+                        delay=delay, failures=slot.backoff.failures)
+
+    def check_liveness(self) -> None:
+        now = time.monotonic()
+        timeout = self.config.worker_timeout
+        for process in self.processes():
+            if process.kill_at is not None or process.kill_reason is not None:
+                continue  # already being aborted
+            silent = now - process.last_seen
+            if silent > timeout:
+                process.kill_reason = (f"hung: no liveness report for {silent:.0f}s "
+                                       f"(worker_timeout {timeout:g}s)")
+                log.error("worker hung; aborting it", lane=process.lane, pid=process.pid,
+                          silent=round(silent, 1))
+                process.signal(signal.SIGABRT)
+                process.kill_at = now + ABORT_GRACE
+
+    def enforce_kills(self) -> None:
+        """SIGKILL the workers whose grace after SIGABRT has run out."""
+        now = time.monotonic()
+        for process in self.processes():
+            if process.kill_at is not None and now >= process.kill_at:
+                process.signal(signal.SIGKILL)
+                process.kill_at = None
+
+    def signal_all(self, signum: int) -> None:
+        for process in self.processes():
+            process.signal(signum)
+
+    def kill_stragglers(self) -> None:
+        """The drain deadline passed: SIGKILL what is left, and give its jobs back."""
+        for process in self.processes():
+            if process.popen.poll() is None:
+                log.warning("worker did not stop in time; killing it", pid=process.pid)
+                process.release_on_exit = True
+                process.signal(signal.SIGKILL)
+
+    # --- what it reports ------------------------------------------------------------------
+
+    def snapshot(self) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
+        """Live workers and counters (including those of exited workers) per lane."""
+        workers: dict[str, int] = {}
+        counters = {lane: dict(values) for lane, values in self.exited_counters.items()}
+        for process in self.processes():
+            workers[process.lane] = workers.get(process.lane, 0) + 1
+            lane_counters = counters.setdefault(process.lane, {})
+            for key, value in process.report.counters.items():
+                lane_counters[key] = lane_counters.get(key, 0) + value
+        return workers, counters
+
+    def status_parts(self) -> list[str]:
+        parts = []
+        for name in sorted(self.config.lanes):
+            processes = self.serving(name)
+            busy = sum(p.busy for p in processes)
+            state = f" HALTED: {self.fatal_lanes[name]}" if name in self.fatal_lanes else ""
+            parts.append(f"{name} {len(processes)}/{self.config.lanes[name].workers} workers "
+                         f"busy {busy}{state}")
+        if self.retiring:
+            parts.append(f"{len(self.retiring)} retiring")
+        return parts
+
+
+def _settings_differ(new: LaneConfig, old: LaneConfig) -> bool:
+    """Whether a lane's workers must be replaced (a change of worker count alone is not)."""
+    return replace(new, workers=0) != replace(old, workers=0)

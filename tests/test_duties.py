@@ -1,0 +1,198 @@
+"""Each background duty on its own: a real connection, an injected monotonic clock, no
+processes (jobd.duties)."""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime, timedelta
+
+import psycopg
+import pytest
+
+import jobd
+from jobd import queue
+from jobd.backoff import Backoff, RetryPolicy
+from jobd.config import Config, LaneConfig, ScheduleConfig
+from jobd.db import ManagedConnection
+from jobd.duties import Duty
+from jobd.duties.crash_attribution import Attribution, CrashAttribution
+from jobd.duties.lane_poll import LanePoll
+from jobd.duties.lease_sweep import LeaseSweep
+from jobd.duties.materializer import Materializer
+from jobd.duties.node_heartbeat import NodeHeartbeat
+from jobd.duties.retention import MAINTENANCE_INTERVAL, Retention
+from jobd.duties.runner import DutyRunner
+from jobd.wake_routing import WakeRouter
+
+NOW = 1000.0  # the injected monotonic clock
+INSTANCE = "node-1:100:abcdef"
+
+
+def policy(_lane: str) -> RetryPolicy:
+    return RetryPolicy(Backoff(1.0, 1.0), 8)
+
+
+def db_now(conn: psycopg.Connection) -> datetime:
+    row = conn.execute("SELECT now()").fetchone()
+    assert row is not None
+    return row[0]
+
+
+def wakes(router: WakeRouter) -> dict[str, int | None]:
+    return dict(router._now)
+
+
+def test_the_lease_sweep_fails_expired_leases_and_wakes_their_lanes(
+    conn: psycopg.Connection,
+) -> None:
+    then = db_now(conn) - timedelta(minutes=5)
+    job_id = jobd.enqueue(conn, "h", run_at=then)
+    queue.claim(conn, "default", "w-frozen", 1, 30, now=then)
+    router = WakeRouter()
+    sweep = LeaseSweep(lambda: 10.0, policy, router, lambda: ["default", "other"])
+    assert sweep.due(NOW)
+    sweep.run(conn, NOW)
+    assert sweep.next_at == NOW + 10.0 and not sweep.due(NOW + 9.9)
+    row = conn.execute("SELECT state, last_error FROM jobs WHERE id = %s", (job_id,)).fetchone()
+    assert row == ("failed", "lease expired (held by w-frozen)")
+    assert wakes(router) == {"default": None, "other": None}
+    assert router.next_moment() < math.inf  # and a timer for the retry
+
+
+def test_the_node_heartbeat_reports_the_node_and_measures_the_clock(
+    conn: psycopg.Connection,
+) -> None:
+    router = WakeRouter()
+    router.db_clock_offset = 1e6
+    heartbeat = NodeHeartbeat(lambda: 5.0, INSTANCE, lambda: "node-1",
+                              lambda: ({"default": 2}, {"default": {"claimed": 7}}), router)
+    heartbeat.run(conn, NOW)
+    assert heartbeat.next_at == NOW + 5.0
+    assert abs(router.db_clock_offset) < 5  # the same machine: about zero
+    row = conn.execute("SELECT node, workers, counters FROM nodes WHERE instance = %s",
+                       (INSTANCE,)).fetchone()
+    assert row == ("node-1", {"default": 2}, {"default": {"claimed": 7}})
+    heartbeat.stop(conn)
+    assert conn.execute("SELECT count(*) FROM nodes").fetchone() == (0,)
+
+
+def test_crash_attribution_settles_each_dead_worker_once(conn: psycopg.Connection) -> None:
+    jobd.enqueue_many(conn, [jobd.JobSpec("h") for _ in range(3)])
+    queue.claim(conn, "default", "w-crowded", 2, 30)
+    [alone] = queue.claim(conn, "default", "w-alone", 1, 30)
+    router = WakeRouter()
+    crashes = CrashAttribution(policy, router, lambda: ["default"])
+    assert not crashes.due(NOW)  # nothing to settle
+    crashes.add(Attribution("w-crowded", "default", "died: killed by SIGKILL", release=False))
+    crashes.add(Attribution("w-alone", "default", "died: killed by SIGSEGV", release=False))
+    assert crashes.due(NOW)
+    crashes.run(conn, NOW)
+    assert crashes.pending == [] and not crashes.due(NOW + 1e6)
+    rows = {row[0]: row[1:] for row in conn.execute(
+        "SELECT id, state, suspect, attempts FROM jobs").fetchall()}
+    assert rows.pop(alone.id) == ("failed", True, 1)  # it alone killed its worker
+    assert sorted(rows.values()) == [("pending", True, 0)] * 2  # suspects, attempt given back
+    assert router._suspects == {"default"}
+
+
+def test_crash_attribution_gives_back_the_jobs_of_a_worker_we_stopped(
+    conn: psycopg.Connection,
+) -> None:
+    jobd.enqueue(conn, "h")
+    queue.claim(conn, "default", "w-stopped", 1, 30)
+    router = WakeRouter()
+    crashes = CrashAttribution(policy, router, lambda: ["default"])
+    crashes.add(Attribution("w-stopped", "default", "killed at the drain deadline", True))
+    crashes.run(conn, NOW)
+    assert conn.execute("SELECT state, attempts, suspect FROM jobs").fetchone() == (
+        "pending", 0, False)
+    assert wakes(router) == {"default": None}
+
+
+def test_the_materializer_declares_fires_refreshes_and_withdraws(
+    conn: psycopg.Connection,
+) -> None:
+    config = Config(duty_interval=10.0, lanes={"default": LaneConfig("default")},
+                    schedules=(ScheduleConfig("every-minute", "* * * * *", "h"),))
+    router = WakeRouter()
+    materializer = Materializer(INSTANCE, lambda: config, router)
+    assert materializer.due(NOW)
+    materializer.run(conn, NOW)
+    declared = conn.execute("SELECT schedule_id, instance FROM schedule_declarations"
+                            ).fetchall()
+    assert declared == [("every-minute", INSTANCE)]
+    # Next: the refresh after duty_interval, or the next fire, whichever is first.
+    assert NOW < materializer.next_at <= NOW + 10.0
+    materializer.resync()
+    assert materializer.due(NOW)
+    materializer.stop(conn)
+    assert conn.execute("SELECT count(*) FROM schedule_declarations").fetchone() == (0,)
+
+
+def test_the_lane_poll_finds_due_work_future_work_and_suspects(
+    conn: psycopg.Connection,
+) -> None:
+    lanes = {name: LaneConfig(name, poll_interval=2.0) for name in ("now", "later", "idle")}
+    config = Config(lanes=lanes)
+    jobd.enqueue(conn, "h", lane="now")
+    jobd.enqueue(conn, "h", lane="later", delay=3600)
+    conn.execute("INSERT INTO jobs (handler, lane, suspect) VALUES ('h', 'idle', true)")
+    router = WakeRouter()
+    poll = LanePoll(lambda: config, router)
+    poll.run(conn, NOW)
+    assert NOW + 1.6 <= poll.next_at <= NOW + 2.4  # jittered
+    assert wakes(router) == {"now": None, "idle": None}
+    assert "later" in router._at
+    assert router._suspects == {"idle"}
+
+
+def test_retention_runs_hourly(conn: psycopg.Connection) -> None:
+    retention = Retention(lambda: 7 * 86400.0)
+    assert retention.due(NOW)
+    retention.run(conn, NOW)
+    assert retention.next_at == NOW + MAINTENANCE_INTERVAL
+
+
+class Recorder(Duty):
+    """A duty that writes a row, or fails after writing it."""
+
+    name = "recorder"
+
+    def __init__(self, fail: bool = False, alone: bool = False) -> None:
+        super().__init__()
+        self.fail = fail
+        self.alone = alone  # type: ignore[misc]
+        self.rolled = False
+
+    def run(self, conn: psycopg.Connection, now: float) -> None:
+        self.next_at = now + 1.0
+        conn.execute("INSERT INTO public.recorded (failing) VALUES (%s)", (self.fail,))
+        if self.fail:
+            conn.execute("SELECT 1/0")
+
+    def rolled_back(self) -> None:
+        self.rolled = True
+
+
+@pytest.fixture
+def link(db_url: str, conn: psycopg.Connection) -> ManagedConnection:
+    conn.execute("CREATE TABLE public.recorded (failing boolean)")
+    managed = ManagedConnection(db_url, "jobd", "jobd test")
+    managed.ensure()
+    yield managed
+    managed.close()
+
+
+def test_duties_due_together_share_one_transaction(
+    link: ManagedConnection, conn: psycopg.Connection,
+) -> None:
+    ok, failing, alone = Recorder(), Recorder(fail=True), Recorder(alone=True)
+    runner = DutyRunner([ok, failing, alone])
+    runner.run_due(link, NOW)
+    # The failing duty rolled back the one it shared a transaction with, not the one alone.
+    assert conn.execute("SELECT count(*) FROM public.recorded").fetchone() == (1,)
+    assert ok.rolled and failing.rolled and not alone.rolled
+    assert link.conn is not None  # a failed statement is not a lost connection
+    assert runner.next_at() == NOW + 1.0
+    runner.run_due(link, NOW + 0.5)  # nothing due yet
+    assert conn.execute("SELECT count(*) FROM public.recorded").fetchone() == (1,)

@@ -1,0 +1,91 @@
+"""Wake routing decisions (jobd.wake_routing): which workers to poke, and when. Pure."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from jobd import protocol
+from jobd.wake_routing import WakeRouter, choose
+from jobd.wakeup import Wakeup
+
+
+@dataclass(eq=False)
+class FakeWorker:
+    lane: str
+    busy: int = 0
+    capacity: int = 10
+    retiring: bool = False
+    wake_load: int = 0
+
+
+def pokes(router: WakeRouter, workers: list[FakeWorker], now: float | None = None
+          ) -> list[tuple[FakeWorker, bytes]]:
+    return router.route(workers, now)
+
+
+def test_due_jobs_wake_the_least_loaded_workers_as_many_as_they_need() -> None:
+    busy, idle, half = FakeWorker("a", busy=10), FakeWorker("a"), FakeWorker("a", busy=5)
+    router = WakeRouter()
+    router.due_now("a", 3)
+    assert pokes(router, [busy, idle, half]) == [(idle, protocol.WAKE)]
+    # The estimate stands until the worker's next report: the next job goes elsewhere.
+    assert idle.wake_load == 3
+    router.due_now("a", 25)  # three workers at capacity 10, least loaded first
+    assert [w for w, _ in pokes(router, [busy, idle, half])] == [idle, half, busy]
+
+
+def test_an_unknown_number_of_due_jobs_wakes_every_worker_serving_the_lane() -> None:
+    serving = [FakeWorker("a"), FakeWorker("a", busy=10)]
+    others = [FakeWorker("b"), FakeWorker("a", retiring=True)]
+    router = WakeRouter()
+    router.due_now("a")
+    router.due_now("a", 1)  # an unknown count stays unknown
+    assert [w for w, _ in pokes(router, serving + others)] == serving
+    assert pokes(router, serving + others) == []  # consumed
+
+
+def test_a_lane_without_workers_wakes_nobody() -> None:
+    router = WakeRouter()
+    router.due_now("a", 5)
+    assert pokes(router, [FakeWorker("b")]) == []
+    assert choose([], 5) == []
+
+
+def test_timers_fire_when_their_instant_passes() -> None:
+    router = WakeRouter()
+    worker = FakeWorker("a")
+    now = time.monotonic()
+    router.due_at("a", time.time() + 5.0)
+    router.due_at("a", time.time() + 9.0)  # the earliest instant per lane is kept
+    assert 4.9 < router.next_moment() - now < 5.2
+    assert pokes(router, [worker], now) == []
+    assert pokes(router, [worker], now + 5.5) == [(worker, protocol.WAKE)]
+    assert router.next_moment() == float("inf")
+
+
+def test_the_database_clock_offset_moves_timers() -> None:
+    router = WakeRouter()
+    router.db_clock_offset = 2.0  # the database clock is 2 s ahead of ours
+    now = time.monotonic()
+    router.due_at("a", time.time() + 5.0)
+    assert 2.9 < router.next_moment() - now < 3.2
+
+
+def test_notifications_become_due_now_or_timers() -> None:
+    router = WakeRouter()
+    router.notified([Wakeup("a", None, 2), Wakeup("b", time.time() + 60)])
+    a1, a2, b = FakeWorker("a"), FakeWorker("a", busy=1), FakeWorker("b")
+    assert pokes(router, [a1, a2, b]) == [(a1, protocol.WAKE)]
+    assert router.next_moment() > time.monotonic() + 50
+
+
+def test_suspects_tell_every_serving_worker_to_look_now_or_later() -> None:
+    router = WakeRouter()
+    a, b = FakeWorker("a", busy=10), FakeWorker("b")
+    router.suspects_due("a")
+    assert pokes(router, [a, b]) == [(a, protocol.SUSPECTS)]
+    now = time.monotonic()
+    router.suspects_due("b", time.time() + 3.0)
+    assert pokes(router, [a, b], now) == []
+    assert pokes(router, [a, b], now + 3.5) == [(b, protocol.SUSPECTS)]
