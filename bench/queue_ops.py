@@ -83,17 +83,11 @@ from psycopg.types.json import Jsonb
 
 import jobd
 from jobd.db import connect
+from jobd.jobs import JobSpec
 from jobd.migrate import migrate
+from jobd.producer import enqueue, enqueue_many
 from jobd.queries import query
-from jobd.queue import (
-    ClaimRequest,
-    JobSpec,
-    claim,
-    complete,
-    enqueue,
-    enqueue_many,
-    settle_and_claim,
-)
+from jobd.queue import ClaimRequest, claim, complete, settle_and_claim
 
 SCHEMA = "jobd"
 LANE = "default"

@@ -22,8 +22,10 @@ from typing import Any, Literal
 import psycopg
 
 from jobd.db import DEFAULT_SCHEMA
+from jobd.jobs import Job
 from jobd.queries import qualified
-from jobd.queue import Job, complete, handler_application_name
+from jobd.queue import complete
+from jobd.recovery import handler_application_name
 
 
 class LeaseLost(Exception):

@@ -9,7 +9,7 @@ import structlog
 
 from jobd import outbox
 from jobd.handlers import transactional
-from jobd.queue import Job
+from jobd.jobs import Job
 
 log = structlog.get_logger("jobd.examples")
 

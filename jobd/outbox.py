@@ -22,8 +22,8 @@ from psycopg.types.json import Jsonb
 
 from jobd.db import DEFAULT_SCHEMA
 from jobd.handlers import transactional
+from jobd.jobs import Job
 from jobd.queries import qualified
-from jobd.queue import Job
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,7 @@ stdin, and inherits two pipes:
   supervisor keeps its estimates elsewhere).
 - **wake** (supervisor → worker): single bytes, :data:`WAKE` ("your lane may have due work")
   or :data:`SUSPECTS` ("a suspect may be due in your lane": a job to run alone, see
-  ``queue.settle_crashed_worker``). End of file means the supervisor is gone.
+  ``recovery.settle_crashed_worker``). End of file means the supervisor is gone.
 
 The worker's exit code says how it ended (:data:`EXIT_OK`, :data:`EXIT_BOOT_FAILURE`,
 :data:`EXIT_WEDGED`); :func:`describe_exit` turns one into words for logs and job errors.
@@ -17,6 +17,7 @@ The worker's exit code says how it ended (:data:`EXIT_OK`, :data:`EXIT_BOOT_FAIL
 from __future__ import annotations
 
 import enum
+import hashlib
 import json
 import signal
 from dataclasses import asdict, dataclass, field
@@ -95,6 +96,18 @@ class StatusReport:
                    mode=WorkerMode(data.get("mode", WorkerMode.RUNNING)),
                    connected=bool(data.get("connected")),
                    counters={str(k): _int(v) for k, v in counters.items()})
+
+
+def backend_prefix(worker_id: str) -> str:
+    """How the database connections of worker ``worker_id`` are named (``application_name``
+    starts with this): a digest, because a worker id can be longer than the 63 characters
+    PostgreSQL keeps, and the id's unique part is at its end."""
+    digest = hashlib.sha256(worker_id.encode()).hexdigest()[:12]
+    return f"jobd worker {digest} "
+
+
+def backend_name(worker_id: str, label: str) -> str:
+    return (backend_prefix(worker_id) + label)[:63]
 
 
 def _int(value: object) -> int:

@@ -37,7 +37,7 @@ import setproctitle
 import structlog
 from psycopg_pool import ConnectionPool
 
-from jobd import exactly_once, logs, outbox, pipes, protocol, queue
+from jobd import exactly_once, jobs, logs, outbox, pipes, protocol, queue, recovery
 from jobd import handlers as handler_registry
 from jobd.db import ManagedConnection, conninfo
 from jobd.eventloop import SelectLoop
@@ -59,7 +59,7 @@ log = structlog.get_logger("jobd.worker")
 
 @dataclass(slots=True)
 class Running:
-    job: queue.Job
+    job: jobs.Job
     started: float
     deadline: float | None
     abandoned: bool = False  # failed for its timeout; the thread has not returned yet
@@ -80,7 +80,7 @@ class Counters:
 
 @dataclass(slots=True)
 class Outcome:
-    job: queue.Job
+    job: jobs.Job
     error: str | None  # None: success
     committed: bool = False  # a transactional handler already completed the job
     lease_lost: bool = False  # the lease was lost before the commit; nothing was written
@@ -134,7 +134,8 @@ class Worker:
         self.lane = spec.lane
         self.handlers = resolved
         self.link = ManagedConnection(
-            spec.database_url, spec.schema, f"jobd worker {spec.lane.name}#{spec.slot}",
+            spec.database_url, spec.schema,
+            protocol.backend_name(spec.worker_id, f"{spec.lane.name}#{spec.slot}"),
             # The server may have run a claim whose result we never read.
             on_lost=self._claims_now_unknown,
             # A failed statement is retried with the same leases, which decide what still
@@ -145,7 +146,7 @@ class Worker:
         # broke, or the rows could not be loaded): the loop then checks the jobs claimed in
         # our name against the ones it holds.
         self.claims_unknown = False
-        # The suspect this worker runs alone (see queue.settle_crashed_worker): while it runs,
+        # The suspect this worker runs alone (see recovery.settle_crashed_worker): while it runs,
         # nothing else is claimed.
         self.isolating: int | None = None
         # Whether a suspect may be due in the lane: a new worker looks once; the supervisor
@@ -160,7 +161,7 @@ class Worker:
         self.drain_deadline: float | None = None
         self.stop_now = False
         self.handler_queue: stdlib_queue.SimpleQueue[
-            tuple[handler_registry.ResolvedHandler, queue.Job]] = stdlib_queue.SimpleQueue()
+            tuple[handler_registry.ResolvedHandler, jobs.Job]] = stdlib_queue.SimpleQueue()
         self.handler_threads: list[threading.Thread] = []
         self._poked = False
         self.tx_pool: ConnectionPool | None = None
@@ -317,7 +318,7 @@ class Worker:
         held = [r.job.lease for r in self.inflight.values()]
         held += [o.job.lease for o in self.pending_outcomes]
         policy = self.lane.retry_policy
-        outcome = self._db(lambda conn: queue.fail_claims_not_held(
+        outcome = self._db(lambda conn: recovery.fail_claims_not_held(
             conn, self.spec.worker_id, held,
             "claimed, but the claim's result never reached the worker", lambda _lane: policy))
         if outcome is None:
@@ -370,7 +371,7 @@ class Worker:
         for job in jobs:
             self._start(job)
 
-    def _start(self, job: queue.Job) -> None:
+    def _start(self, job: jobs.Job) -> None:
         started = time.monotonic()
         deadline = started + self.lane.timeout if self.lane.timeout else None
         self.inflight[job.id] = Running(job, started, deadline)
@@ -416,14 +417,14 @@ class Worker:
             self._deliver(outcome)
 
     def _run_transactional(self, resolved: handler_registry.ResolvedHandler,
-                           job: queue.Job) -> str:
+                           job: jobs.Job) -> str:
         assert self.tx_pool is not None
         with self.tx_pool.connection() as conn:
             return exactly_once.run_transactional(conn, job, resolved.func, self.spec.schema,
                                                   self.lane.timeout)
 
     async def _run_async(self, resolved: handler_registry.ResolvedHandler,
-                         job: queue.Job) -> Any:
+                         job: jobs.Job) -> Any:
         if not self.lane.timeout:
             return await resolved.func(job)
         scope = asyncio.timeout(self.lane.timeout)
@@ -435,7 +436,7 @@ class Worker:
                 raise JobTimedOut(f"timed out after {self.lane.timeout:g}s") from None
             raise
 
-    def _finish_async(self, job: queue.Job, future: Future[Any]) -> None:
+    def _finish_async(self, job: jobs.Job, future: Future[Any]) -> None:
         try:
             exc = future.exception()
         except BaseException as cancelled:  # CancelledError: the event loop went away
@@ -448,7 +449,7 @@ class Worker:
             self._deliver(Outcome(job, None))
 
     @staticmethod
-    def _failure(job: queue.Job, exc: BaseException) -> Outcome:
+    def _failure(job: jobs.Job, exc: BaseException) -> Outcome:
         if job.undecodable:
             # Every attempt would fail the same way: to the dead-letter queue at once.
             return Outcome(job, format_error(exc), final=True)

@@ -136,7 +136,7 @@ def test_every_entry_point_accepts(name: str, conn: psycopg.Connection, db_url: 
     assert len(rows) == 4
     for stored, text in rows:
         assert stored == case.payload
-        assert jobd.queue.decode_stored_payload(text) == case.payload
+        assert jobd.jobs.decode_stored_payload(text) == case.payload
 
 
 def test_the_payload_size_limit_is_the_databases_for_every_entry_point(

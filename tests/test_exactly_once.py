@@ -25,11 +25,12 @@ import pytest
 from daemon_support import wait_until
 
 import jobd
-from jobd import queue
+from jobd import queue, recovery
 from jobd.backoff import Backoff, RetryPolicy
 from jobd.db import connect
 from jobd.exactly_once import LeaseLost, run_transactional
-from jobd.queue import Failure, Job
+from jobd.jobs import Job
+from jobd.queue import Failure
 
 VISIBILITY = 30.0  # seconds of lease per claim in these tests
 LANE = "default"
@@ -55,7 +56,7 @@ def db_now(conn: psycopg.Connection) -> datetime:
     return row[0]
 
 
-def policy(max_attempts: int = 8) -> queue.PolicyLookup:
+def policy(max_attempts: int = 8) -> recovery.PolicyLookup:
     return lambda _lane: RetryPolicy(Backoff(1.0, 1.0), max_attempts)
 
 
@@ -125,7 +126,7 @@ def reclaim_after_expiry(conn: psycopg.Connection, stale: Job, worker: str) -> J
     """Let ``stale``'s lease run out (the sweep fails the attempt, backoff 1s) and claim the
     job again for ``worker``; returns the new claim."""
     after = stale.lease_until + timedelta(seconds=1)
-    swept = queue.expire_leases(conn, policy(), now=after)
+    swept = recovery.expire_leases(conn, policy(), now=after)
     assert swept.retried == [stale.id]
     fresh = claim_one(conn, worker, after + timedelta(seconds=2))
     assert fresh.id == stale.id and fresh.lease_token != stale.lease_token
@@ -192,7 +193,7 @@ def test_a_committed_job_cannot_be_claimed_or_committed_again(
         # Nothing is left to claim or to sweep, however late it gets.
         later = now + timedelta(hours=1)
         assert queue.claim(conn, LANE, "worker-b", 10, VISIBILITY, now=later) == []
-        swept = queue.expire_leases(conn, policy(), now=later)
+        swept = recovery.expire_leases(conn, policy(), now=later)
         assert swept.retried == [] and swept.dead == []
         # The same claimed Job run again (a worker that did not learn of its commit).
         with pytest.raises(LeaseLost):
@@ -243,7 +244,7 @@ def test_concurrent_runs_of_one_key_serialize_on_the_key(
         # The second run is stuck on the first one's uncommitted key, before its handler.
         # While in the transaction, the backend carries the lease in its application_name.
         wait_until(lambda: backend_waits_on_lock(
-                       conn, queue.handler_application_name(jobs[second][0].lease)), 10, 0.02,
+                       conn, recovery.handler_application_name(jobs[second][0].lease)), 10, 0.02,
                    f"{second_worker}'s key insert to wait on a lock")
         assert calls == [first_worker]
         assert effect_rows(conn) == []  # nothing committed yet

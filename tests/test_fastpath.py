@@ -12,7 +12,7 @@ import pytest
 from psycopg import errors
 
 import jobd
-from jobd import fastpath, queue
+from jobd import fastpath, jobs, queue
 from jobd.db import connect
 from jobd.queue import ClaimRequest, Failure
 
@@ -62,7 +62,7 @@ def test_claimed_jobs_carry_the_rows_values(conn: psycopg.Connection) -> None:
 def test_settles_and_claims_in_one_call(conn: psycopg.Connection) -> None:
     ids = [jobd.enqueue(conn, "h", {"i": i}) for i in range(6)]
     done, failing, lost = queue.claim(conn, LANE, "w1", 3, 30.0)
-    stale = queue.Lease(lost.id, lost.lease_token + 1000)
+    stale = jobs.Lease(lost.id, lost.lease_token + 1000)
     completed, failed, claimed = queue.settle_and_claim(
         conn, [done.lease, stale], [Failure(failing.lease, "boom", 60.0, 8)], request(limit=2))
     assert completed.applied == [done.id] and completed.lease_lost == [lost.id]

@@ -309,6 +309,11 @@ def test_a_notify_socket_nobody_reads_does_not_stall_the_supervisor(
 # --- a poison job does not take its neighbours down with it --------------------------------
 
 
+def left(conn: psycopg.Connection) -> list[tuple[Any, ...]]:
+    return conn.execute("SELECT id, state, claimed_by, suspect, attempts, run_at > now()"
+                        " FROM jobs ORDER BY id").fetchall()
+
+
 def test_a_poison_among_many_fast_jobs_is_the_only_one_to_spend_attempts(
     daemons: Daemons, effects_db: psycopg.Connection
 ) -> None:
@@ -324,7 +329,7 @@ def test_a_poison_among_many_fast_jobs_is_the_only_one_to_spend_attempts(
     assert job_row(effects_db, poison)["attempts"] == 3
     wait_until(lambda: effects_db.execute(
         "SELECT count(*) FROM jobs").fetchone() == (0,), 30,
-        message=lambda: f"every other job to finish\n{daemon.tail()}")
+        message=lambda: f"every other job to finish: {left(effects_db)}\n{daemon.tail()}")
     dead = effects_db.execute("SELECT id FROM dead_letter").fetchall()
     assert dead == [(poison,)]
     attempts = effects_db.execute(

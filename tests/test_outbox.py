@@ -25,11 +25,11 @@ import pytest
 from daemon_support import Daemon, make_config, wait_until
 
 import jobd
-from jobd import outbox, queue
+from jobd import outbox, queue, recovery
 from jobd.backoff import RetryPolicy
 from jobd.db import connect
 from jobd.exactly_once import LeaseLost, run_transactional
-from jobd.queue import Job
+from jobd.jobs import Job
 
 daemons = daemon_support.daemons
 
@@ -199,7 +199,7 @@ def test_an_outbox_entry_of_a_failed_or_stale_handler_is_rolled_back(
 
     # The lease runs out and another worker re-claims it: the first worker's commit fails.
     later = job.lease_until + timedelta(seconds=1)
-    assert queue.expire_leases(conn, lambda _lane: RetryPolicy(), now=later).retried == [job_id]
+    assert recovery.expire_leases(conn, lambda _lane: RetryPolicy(), now=later).retried == [job_id]
     [fresh] = queue.claim(conn, "default", "w2", 1, 30, now=later + timedelta(minutes=10))
     with pytest.raises(LeaseLost):
         run_adding(conn, db_url, job)

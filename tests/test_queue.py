@@ -10,10 +10,11 @@ import psycopg
 import pytest
 
 import jobd
-from jobd import queue
+from jobd import queue, recovery
 from jobd.backoff import Backoff, RetryPolicy
 from jobd.db import connect
-from jobd.queue import Failure, JobSpec
+from jobd.jobs import JobSpec
+from jobd.queue import Failure
 
 
 def db_now(conn: psycopg.Connection) -> datetime:
@@ -28,7 +29,7 @@ def state_of(conn: psycopg.Connection, job_id: int) -> str:
     return row[0]
 
 
-def policy(max_attempts: int = 8) -> queue.PolicyLookup:
+def policy(max_attempts: int = 8) -> recovery.PolicyLookup:
     return lambda _lane: RetryPolicy(Backoff(1.0, 300.0), max_attempts)
 
 
@@ -219,7 +220,7 @@ def test_a_worker_whose_lease_was_lost_cannot_touch_the_job(conn: psycopg.Connec
     [stale] = queue.claim(conn, "default", "w1", 1, 30, now=start)
 
     # w1 stalls past its lease; the sweep makes the job claimable; w2 takes it.
-    swept = queue.expire_leases(conn, lambda _l: RetryPolicy(Backoff(0.001, 0.001), 8),
+    swept = recovery.expire_leases(conn, lambda _l: RetryPolicy(Backoff(0.001, 0.001), 8),
                                 now=start + timedelta(seconds=31))
     assert swept.retried == [job_id]
     [fresh] = queue.claim(conn, "default", "w2", 1, 30, now=start + timedelta(seconds=32))
@@ -246,7 +247,7 @@ def test_sweep_spares_a_lease_renewed_in_time(conn: psycopg.Connection) -> None:
     [job] = queue.claim(conn, "default", "w1", 1, 30, now=start)
     assert queue.heartbeat(conn, [job.lease], 30, now=start + timedelta(seconds=20)).applied == [
         job_id]
-    swept = queue.expire_leases(conn, policy(), now=start + timedelta(seconds=40))
+    swept = recovery.expire_leases(conn, policy(), now=start + timedelta(seconds=40))
     assert swept.retried == swept.dead == []
     assert state_of(conn, job_id) == "claimed"
 
@@ -312,7 +313,7 @@ def test_expired_lease_with_spent_budget_goes_to_the_dead_letter_queue(
     job_id = jobd.enqueue(conn, "h", max_attempts=1)
     start = db_now(conn)
     queue.claim(conn, "default", "crashed-worker", 1, 30, now=start)
-    outcome = queue.expire_leases(conn, policy(), now=start + timedelta(seconds=31))
+    outcome = recovery.expire_leases(conn, policy(), now=start + timedelta(seconds=31))
     assert outcome.dead == [job_id]
     row = conn.execute("SELECT last_error FROM dead_letter WHERE id = %s", (job_id,)).fetchone()
     assert row == ("lease expired (held by crashed-worker)",)
@@ -324,7 +325,7 @@ def test_a_worker_that_died_holding_several_jobs_makes_them_suspects(
     ids = jobd.enqueue_many(conn, [JobSpec("h") for _ in range(3)])
     queue.claim(conn, "default", "w-dead", 2, 30)
     [alive] = queue.claim(conn, "default", "w-alive", 1, 30)
-    outcome = queue.settle_crashed_worker(conn, "w-dead", "worker killed by SIGKILL", policy())
+    outcome = recovery.settle_crashed_worker(conn, "w-dead", "worker killed by SIGKILL", policy())
     assert len(outcome.suspects) == 2 and set(outcome.suspects) < set(ids)
     assert outcome.failed.retried == outcome.failed.dead == []
     rows = conn.execute("SELECT id, state, attempts, suspect, claimed_by FROM jobs ORDER BY id"
@@ -340,7 +341,7 @@ def test_a_worker_that_died_holding_one_job_spends_that_jobs_attempt(
 ) -> None:
     job_id = jobd.enqueue(conn, "h")
     queue.claim(conn, "default", "w-dead", 5, 30)
-    outcome = queue.settle_crashed_worker(conn, "w-dead", "worker killed by SIGKILL", policy())
+    outcome = recovery.settle_crashed_worker(conn, "w-dead", "worker killed by SIGKILL", policy())
     assert outcome.suspects == [] and outcome.failed.retried == [job_id]
     row = conn.execute("SELECT state, attempts, suspect, last_error FROM jobs").fetchone()
     assert row == ("failed", 1, True, "worker killed by SIGKILL")
@@ -349,7 +350,7 @@ def test_a_worker_that_died_holding_one_job_spends_that_jobs_attempt(
 def test_suspects_are_claimed_one_at_a_time_and_alone(conn: psycopg.Connection) -> None:
     jobd.enqueue_many(conn, [JobSpec("h") for _ in range(4)])
     queue.claim(conn, "default", "w-dead", 2, 30)
-    suspects = queue.settle_crashed_worker(conn, "w-dead", "killed", policy()).suspects
+    suspects = recovery.settle_crashed_worker(conn, "w-dead", "killed", policy()).suspects
     # An ordinary claim leaves suspects alone.
     normal = queue.claim(conn, "default", "w1", 10, 30)
     assert len(normal) == 2 and not {job.id for job in normal} & set(suspects)
@@ -405,3 +406,24 @@ def test_a_thousand_simultaneous_failures_retry_spread_over_the_window(
     per_second = [sum(1 for d in delays if s <= d < s + 1) for s in range(32)]
     assert max(per_second) < 100
     assert delays[-1] - delays[0] > 25
+
+
+def test_crash_attribution_first_ends_what_the_dead_worker_still_runs(
+    conn: psycopg.Connection, db_url: str,
+) -> None:
+    """A claim the worker sent before it died may still run on its backend; it must not
+    commit after the attribution looked, so the backend is ended first."""
+    from jobd.protocol import backend_name
+
+    survivor = psycopg.connect(db_url, autocommit=True,
+                               application_name=backend_name("node:default#0:beef", "default#0"))
+    other = psycopg.connect(db_url, autocommit=True,
+                            application_name=backend_name("node:default#1:cafe", "default#1"))
+    try:
+        recovery.settle_crashed_worker(conn, "node:default#0:beef", "died", policy())
+        with pytest.raises(psycopg.OperationalError):
+            survivor.execute("SELECT 1")
+        assert other.execute("SELECT 1").fetchone() == (1,)  # another worker's: untouched
+    finally:
+        survivor.close()
+        other.close()

@@ -26,7 +26,7 @@ from daemon_support import Daemon, wait_until
 from soak_support import Chaos
 
 import jobd
-from jobd.queue import JobSpec
+from jobd.jobs import JobSpec
 
 daemons = daemon_support.daemons
 

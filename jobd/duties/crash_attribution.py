@@ -2,7 +2,7 @@
 nobody waits for a lease to expire.
 
 A worker that crashed: the job it held alone killed it and spends an attempt; several held
-together become suspects, run alone one at a time (``queue.settle_crashed_worker``). A
+together become suspects, run alone one at a time (``recovery.settle_crashed_worker``). A
 worker we stopped (killed at the drain deadline): its jobs are given back unharmed.
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import psycopg
 import structlog
 
-from jobd import queue
+from jobd import jobs, queue, recovery
 from jobd.duties import NEVER, Duty
 from jobd.queries import query
 from jobd.wake_routing import WakeRouter
@@ -38,7 +38,7 @@ class CrashAttribution(Duty):
     name = "crash attribution"
     alone = True
 
-    def __init__(self, policy_for: queue.PolicyLookup, router: WakeRouter,
+    def __init__(self, policy_for: recovery.PolicyLookup, router: WakeRouter,
                  lanes: Callable[[], Iterable[str]]) -> None:
         super().__init__()
         self.policy_for = policy_for
@@ -64,7 +64,7 @@ class CrashAttribution(Duty):
 
     def _release(self, conn: psycopg.Connection, worker_id: str) -> None:
         rows = conn.execute(query("jobs_held_by"), {"worker": worker_id}).fetchall()
-        released = queue.release(conn, [queue.Lease(r[0], r[1]) for r in rows])
+        released = queue.release(conn, [jobs.Lease(r[0], r[1]) for r in rows])
         if released.applied:
             log.info("released the jobs of a stopped worker", worker=worker_id,
                      job_ids=released.applied)
@@ -72,7 +72,7 @@ class CrashAttribution(Duty):
 
     def _settle_crash(self, conn: psycopg.Connection, attribution: Attribution) -> None:
         worker_id, reason = attribution.worker_id, attribution.reason
-        outcome = queue.settle_crashed_worker(conn, worker_id, reason, self.policy_for)
+        outcome = recovery.settle_crashed_worker(conn, worker_id, reason, self.policy_for)
         self.router.retries_due(outcome.failed.next_retry_by_lane)
         # A worker only claims from its own lane: that is where the suspects are. Suspects
         # are claimed only by workers told to look: now, and when a suspect's retry is due.

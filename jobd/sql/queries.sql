@@ -238,6 +238,16 @@ RETURNING jobs.id
 -- A job that killed its worker alone keeps running alone on its retries.
 UPDATE jobs SET suspect = true WHERE id = ANY(%(ids)s::bigint[])
 
+-- name: terminate_worker_backends
+-- Crash attribution, first: ends the backends of a worker process that died (its
+-- connections' application_name starts with %(prefix)s) and waits up to a second for each
+-- to exit, so nothing it sent can still commit. Usually there is none left.
+SELECT count(*) FILTER (WHERE pg_terminate_backend(pid, 1000))
+  FROM pg_stat_activity
+ WHERE datname = current_database()
+   AND starts_with(application_name, %(prefix)s)
+   AND pid <> pg_backend_pid()
+
 -- name: terminate_stale_handlers
 -- The lease sweep's second half: a transactional handler of an expired lease may still hold
 -- its transaction open (a frozen process or node), and with it the locks its next run needs.

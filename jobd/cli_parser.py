@@ -1,0 +1,308 @@
+"""The ``jobd`` argument parser: :func:`build_parser`, the argparse types that check each
+argument before any command runs (ids, timestamps, durations, JSON payloads), and the parser
+that reports usage errors in one line with exit code 2.
+
+Each subcommand's parser names the function that implements it (``func``), in
+:mod:`jobd.commands`, :mod:`jobd.commands_jobs` or :mod:`jobd.commands_schedules`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from datetime import datetime
+from importlib import metadata
+from typing import Any
+
+import jobd
+from jobd import views
+from jobd.commands import cmd_enqueue, cmd_migrate, cmd_run
+from jobd.commands_jobs import (
+    PAYLOAD_PREVIEW_CHARS,
+    cmd_dlq_list,
+    cmd_dlq_purge,
+    cmd_dlq_replay,
+    cmd_jobs_list,
+    cmd_jobs_show,
+    cmd_status,
+)
+from jobd.commands_schedules import cmd_schedules_list, cmd_schedules_next, cmd_schedules_toggle
+from jobd.config import parse_duration
+from jobd.db import DEFAULT_SCHEMA
+
+EPILOG = """\
+connection: --database-url, else $JOBD_DATABASE_URL, else database.url in the config file
+(-c FILE or $JOBD_CONFIG), else postgresql://postgres@127.0.0.1:5432/postgres.
+exit codes: 0 ok, 1 runtime failure, 2 usage or input error."""
+
+BIGINT_MAX = 2**63 - 1
+
+
+def version() -> str:
+    """The installed distribution's version, else the package's own (a source checkout)."""
+    try:
+        return metadata.version("jobd")
+    except metadata.PackageNotFoundError:
+        return str(getattr(jobd, "__version__", "unknown"))
+
+
+# --- argument types ------------------------------------------------------------------------
+
+
+def _positive_int(text: str) -> int:
+    """1 up to the largest bigint: ids and limits go to PostgreSQL as bigint."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text[:40]!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: {value}")
+    if value > BIGINT_MAX:
+        raise argparse.ArgumentTypeError(f"too large: at most {BIGINT_MAX}")
+    return value
+
+
+def _int32(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not -(2**31) <= value < 2**31:
+        raise argparse.ArgumentTypeError(f"out of range for a 32-bit integer: {value}")
+    return value
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON (PostgreSQL refuses it)")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:40]} is too large for a JSON number (PostgreSQL refuses it)")
+    return value
+
+
+def _contains_nul(value: Any) -> bool:
+    """Whether any string (key or value) holds NUL; iterative, so depth cannot overflow."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if "\x00" in item:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
+
+
+def _payload(text: str) -> Any:
+    """The decoded payload: JSON that Python can decode and PostgreSQL can store.
+
+    json.loads accepts NaN and Infinity and turns 1e999 into infinity, none of which jsonb
+    holds; it fails with RecursionError on deep nesting and ValueError on integers of more
+    than 4300 digits. All of these are the user's input, so they are refused here, at
+    argument parsing, with a message instead of a traceback.
+    """
+    try:
+        value = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"payload is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise argparse.ArgumentTypeError(
+            "payload is nested too deeply to be decoded") from None
+    except ValueError as exc:
+        message = str(exc)
+        if "integer string conversion" in message:
+            message = ("an integer has more than 4300 digits, which a handler could not "
+                       "decode")
+        raise argparse.ArgumentTypeError(f"payload refused: {message}") from None
+    if _contains_nul(value):
+        raise argparse.ArgumentTypeError(
+            "payload refused: a string contains NUL (\\u0000), which PostgreSQL cannot store")
+    return value
+
+
+def _timestamp(text: str) -> datetime:
+    try:
+        value = datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not an ISO 8601 timestamp: {text!r} (e.g. 2026-12-01T09:30:00+01:00)") from None
+    if value.utcoffset() is None:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} has no UTC offset; add one (e.g. +00:00 or Z) so the instant is exact")
+    return value
+
+
+def _duration(text: str) -> float:
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _timestamp_or_age(text: str) -> datetime | float:
+    """An instant, or a duration meaning "that long ago" (e.g. 7d)."""
+    try:
+        return parse_duration(text)
+    except ValueError:
+        return _timestamp(text)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Reports usage errors in one line with exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+# --- parser --------------------------------------------------------------------------------
+
+
+def _common_options(default: Any) -> argparse.ArgumentParser:
+    common = _Parser(add_help=False)
+    common.add_argument("-c", "--config", metavar="FILE", default=default,
+                        help="configuration file (default: $JOBD_CONFIG if set)")
+    common.add_argument("--database-url", metavar="URL", default=default,
+                        help="PostgreSQL connection URL (default: $JOBD_DATABASE_URL, else "
+                             "database.url in the config, else "
+                             "postgresql://postgres@127.0.0.1:5432/postgres)")
+    common.add_argument("--schema", metavar="NAME", default=default,
+                        help=f"schema holding jobd's tables (default: database.schema in the "
+                             f"config, else {DEFAULT_SCHEMA})")
+    common.add_argument("--json", action="store_true",
+                        default=False if default is None else default,
+                        help="print data as JSON (default: text for people)")
+    return common
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # The connection options work before or after the subcommand. Below the subcommand they
+    # default to SUPPRESS, so an option given before it is not overwritten by a default.
+    common = _common_options(argparse.SUPPRESS)
+
+    parser = _Parser(
+        prog="jobd", description="A durable job scheduler whose queue is a PostgreSQL table.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        parents=[_common_options(None)])
+    parser.add_argument("--version", action="version", version=f"jobd {version()}",
+                        help="print jobd's version and exit")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True,
+                                     parser_class=_Parser, help="what to do")
+
+    def add(name: str, help_text: str, **kwargs: Any) -> argparse.ArgumentParser:
+        return commands.add_parser(name, parents=[common], help=help_text,
+                                   description=help_text, epilog=EPILOG,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter,
+                                   **kwargs)
+
+    run_cmd = add("run", "Run the supervisor daemon in the foreground: lane-pinned worker "
+                         "processes, wake-ups, lease sweeps. SIGHUP reloads the config, "
+                         "SIGTERM/SIGINT drain (a second one stops fast). Exit code 3: a "
+                         "handler cannot be imported.")
+    run_cmd.set_defaults(func=cmd_run)
+
+    migrate_cmd = add("migrate", "Create or upgrade jobd's schema (safe to run on many nodes at "
+                                 "once).")
+    migrate_cmd.set_defaults(func=cmd_migrate)
+
+    enqueue_cmd = add("enqueue", "Enqueue one job and print its id.")
+    enqueue_cmd.add_argument("handler", help="handler name (from the config's handlers)")
+    enqueue_cmd.add_argument("--payload", type=_payload, default="{}", metavar="JSON",
+                             help="JSON payload (default: {})")
+    enqueue_cmd.add_argument("--lane", default="default", help="lane (default: default)")
+    enqueue_cmd.add_argument("--priority", type=_int32, default=0,
+                             help="higher runs first (default: 0)")
+    when = enqueue_cmd.add_mutually_exclusive_group()
+    when.add_argument("--run-at", type=_timestamp, metavar="ISO8601",
+                      help="when the job becomes due, with a UTC offset (default: now)")
+    when.add_argument("--delay", type=_duration, metavar="DURATION",
+                      help="due after this long by the database clock, e.g. 30s, 5m "
+                           "(default: due now)")
+    enqueue_cmd.add_argument("--idempotency-key", metavar="KEY",
+                             help="enqueue at most once per key; repeats print the first id "
+                                  "(default: no key)")
+    enqueue_cmd.add_argument("--max-attempts", type=_positive_int, metavar="N",
+                             help="attempt budget (default: the lane's max_attempts)")
+    enqueue_cmd.set_defaults(func=cmd_enqueue)
+
+    status_cmd = add("status", "Per lane: jobs by state, oldest unclaimed age, DLQ depth, "
+                               "rates and live workers (lanes no live worker serves are "
+                               "marked); live nodes.")
+    status_cmd.set_defaults(func=cmd_status)
+
+    jobs_cmd = add("jobs", "Inspect jobs, live or finished.")
+    jobs_sub = jobs_cmd.add_subparsers(dest="jobs_command", metavar="ACTION", required=True,
+                                       parser_class=_Parser, help="what to do with jobs")
+    show = jobs_sub.add_parser("show", parents=[common], help="show one job with its history")
+    show.add_argument("id", type=_positive_int, help="the job's id")
+    show.add_argument("--payload", action="store_true",
+                      help=f"print the payload however long (default: only payloads of at "
+                           f"most {PAYLOAD_PREVIEW_CHARS} characters, else their size)")
+    show.add_argument("--full-errors", action="store_true",
+                      help="print each attempt's whole error text, traceback included "
+                           "(default: its first line)")
+    show.set_defaults(func=cmd_jobs_show)
+    listing = jobs_sub.add_parser("list", parents=[common], help="list jobs, newest first")
+    listing.add_argument("--state", choices=views.JOB_STATES,
+                         help="only jobs in this state (default: any)")
+    listing.add_argument("--lane", help="only jobs of this lane (default: any)")
+    listing.add_argument("--limit", type=_positive_int, default=50,
+                         help="at most this many (default: 50)")
+    listing.set_defaults(func=cmd_jobs_list)
+
+    dlq_cmd = add("dlq", "Operate the dead-letter queue.")
+    dlq_sub = dlq_cmd.add_subparsers(dest="dlq_command", metavar="ACTION", required=True,
+                                     parser_class=_Parser, help="what to do with dead jobs")
+    dlq_list = dlq_sub.add_parser("list", parents=[common], help="list dead jobs, newest first")
+    dlq_list.add_argument("--lane", help="only dead jobs of this lane (default: any)")
+    dlq_list.add_argument("--limit", type=_positive_int, default=50,
+                          help="at most this many (default: 50)")
+    dlq_list.set_defaults(func=cmd_dlq_list)
+    replay = dlq_sub.add_parser("replay", parents=[common],
+                                help="requeue dead jobs with a fresh attempt budget")
+    replay.add_argument("ids", type=_positive_int, nargs="+", metavar="ID",
+                        help="ids of dead jobs; all are replayed or none")
+    replay.set_defaults(func=cmd_dlq_replay)
+    purge = dlq_sub.add_parser("purge", parents=[common],
+                               help="delete dead jobs that died before a time")
+    purge.add_argument("--before", type=_timestamp_or_age, required=True,
+                       metavar="ISO8601|AGE", help="an instant, or an age such as 30d")
+    purge.set_defaults(func=cmd_dlq_purge)
+    schedules_cmd = add("schedules", "Recurring schedules: list them, disable or enable one, "
+                                     "or preview a cron expression's occurrences (DST "
+                                     "included).")
+    schedules_sub = schedules_cmd.add_subparsers(dest="schedules_command", metavar="ACTION",
+                                                 required=True, parser_class=_Parser)
+    schedules_list = schedules_sub.add_parser(
+        "list", parents=[common],
+        help="the schedules in the database with their next fire, the live nodes declaring "
+             "them and their state (enabled, conflict, undeclared, disabled)")
+    schedules_list.set_defaults(func=cmd_schedules_list)
+    for action, summary in (
+            ("disable", "retire a schedule: no node fires it, whatever the configs declare, "
+                        "until it is enabled again"),
+            ("enable", "let a disabled schedule fire again while a live node declares it; "
+                       "occurrences due while it was disabled are skipped")):
+        toggle = schedules_sub.add_parser(action, parents=[common], help=summary,
+                                          description=summary)
+        toggle.add_argument("id", metavar="ID", help="the schedule's id (see schedules list)")
+        toggle.set_defaults(func=cmd_schedules_toggle, enabled=action == "enable")
+    preview = schedules_sub.add_parser(
+        "next", parents=[common],
+        help="occurrences of an expression strictly after --from, with the materializer's "
+             "DST policy")
+    preview.add_argument("--cron", required=True, metavar="EXPR",
+                         help='five fields, e.g. "30 2 * * *", or @daily, @hourly ...')
+    preview.add_argument("--tz", default="UTC", metavar="ZONE",
+                         help="IANA time zone (default: UTC)")
+    preview.add_argument("--from", dest="start", type=_timestamp, metavar="ISO8601",
+                         help="start instant, with a UTC offset (default: now)")
+    preview.add_argument("--count", type=_positive_int, default=10, help="how many (default 10)")
+    preview.set_defaults(func=cmd_schedules_next)
+    return parser

@@ -1,0 +1,70 @@
+"""The ``jobd`` subcommands that set jobd up and feed it: ``run`` (the supervisor daemon),
+``migrate`` and ``enqueue``.
+
+The subcommands that inspect and operate the queue are in :mod:`jobd.commands_jobs`, those
+for recurring schedules in :mod:`jobd.commands_schedules`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+from jobd import jobs, logs, producer
+from jobd.cli_context import Context
+from jobd.cli_output import print_json
+from jobd.errors import UsageError
+from jobd.migrate import migrate, schema_problem
+from jobd.supervisor import Supervisor
+
+
+def cmd_run(ctx: Context, _args: argparse.Namespace) -> int:
+    if ctx.config.path is None:
+        raise UsageError("jobd run needs a config file: -c FILE (or $JOBD_CONFIG)")
+    config = replace(ctx.config, schema=ctx.schema)
+    logs.configure(config.log_level, process="supervisor")
+    with ctx.connect() as conn:
+        problem = schema_problem(conn)
+    if problem:
+        raise UsageError(problem)
+    return Supervisor(config, ctx.url).run()
+
+
+def cmd_migrate(ctx: Context, _args: argparse.Namespace) -> int:
+    with ctx.connect() as conn:
+        applied = migrate(conn, ctx.schema, max_payload_bytes=ctx.config.max_payload_bytes)
+    names = [f"{m.version:04d}_{m.name}" for m in applied]
+    if ctx.as_json:
+        print_json({"schema": ctx.schema, "applied": names})
+    elif names:
+        print(f"applied to schema {ctx.schema}: {', '.join(names)}")
+    else:
+        print(f"schema {ctx.schema} is up to date")
+    return 0
+
+
+def cmd_enqueue(ctx: Context, args: argparse.Namespace) -> int:
+    config = ctx.config
+    if config.handlers and args.handler not in config.handlers:
+        raise UsageError(f"unknown handler {args.handler!r}; the config allows: "
+                         + ", ".join(sorted(config.handlers)))
+    if config.lanes and args.lane not in config.lanes:
+        raise UsageError(f"unknown lane {args.lane!r}; the config has: "
+                         + ", ".join(sorted(config.lanes)))
+    # The payload size limit is the database's (jobd.settings), checked there for every
+    # entry point alike: a larger payload comes back as an input error (exit 2).
+    try:
+        spec = jobs.JobSpec(args.handler, args.payload, args.lane, args.run_at, args.priority,
+                             args.idempotency_key, args.max_attempts).validated()
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    with ctx.connect() as conn:
+        job_id = producer.enqueue(
+            conn, spec.handler, spec.payload, lane=spec.lane, run_at=spec.run_at,
+            delay=args.delay, priority=spec.priority, idempotency_key=spec.idempotency_key,
+            max_attempts=spec.max_attempts, schema=ctx.schema)
+    if ctx.as_json:
+        print_json({"id": job_id})
+    else:
+        print(job_id)
+    return 0

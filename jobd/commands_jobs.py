@@ -1,0 +1,227 @@
+"""The ``jobd`` subcommands that inspect and operate the queue: ``status``, ``jobs show``,
+``jobs list`` and the dead-letter queue's ``dlq list``, ``dlq replay`` and ``dlq purge``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from datetime import datetime, timedelta
+from typing import Any
+
+from jobd import dlq, schedules, views
+from jobd.cli_context import Context
+from jobd.cli_output import cell, field, one_line, print_json, print_table
+from jobd.config import Config
+from jobd.errors import UsageError
+
+# jobs show prints a payload up to this many characters of JSON; longer ones need --payload.
+PAYLOAD_PREVIEW_CHARS = 2000
+
+
+def cmd_status(ctx: Context, _args: argparse.Namespace) -> int:
+    with ctx.connect() as conn:
+        lanes = views.lane_status(conn)
+        nodes = views.node_status(conn)
+        conflicts = schedules.conflicts(conn)
+    # Lanes with no jobs still show when the config or a live node names them.
+    workers = views.live_workers(nodes)
+    missing = (set(ctx.config.lanes) | set(workers)) - {s.lane for s in lanes}
+    lanes += [views.LaneStatus(name, 0, 0, 0, 0, 0.0) for name in missing]
+    lanes.sort(key=lambda s: s.lane)
+    rates = views.lane_rates(nodes)
+
+    def rate(lane: str, *kinds: str) -> float:
+        return sum(rates.get(lane, {}).get(kind, 0.0) for kind in kinds)
+
+    if ctx.as_json:
+        print_json({
+            "lanes": [{**s.as_dict(), "claim_rate": rate(s.lane, "claimed"),
+                       "failure_rate": rate(s.lane, "failed", "dead"),
+                       "live_workers": workers.get(s.lane, 0),
+                       "served": workers.get(s.lane, 0) > 0} for s in lanes],
+            "nodes": [n.as_dict() for n in nodes],
+            "schedule_conflicts": [
+                {"schedule": c.schedule_id, "stored_by": list(c.stored_by),
+                 "differing": list(c.differing)} for c in conflicts],
+        })
+        return 0
+    print_table(
+        ["lane", "pending", "claimed", "failed", "dead (DLQ)", "oldest unclaimed",
+         "claims/s", "failures/s", "live workers"],
+        [[s.lane, s.pending, s.claimed, s.failed, s.dead, f"{s.oldest_unclaimed_age:.1f}s",
+          f"{rate(s.lane, 'claimed'):.1f}", f"{rate(s.lane, 'failed', 'dead'):.1f}",
+          _served(workers.get(s.lane, 0))]
+         for s in lanes],
+        empty="no jobs and no lanes configured",
+    )
+    print()
+    print_table(
+        ["node", "pid", "workers", "last seen"],
+        [[n.node, n.pid, ", ".join(f"{lane}: {count}" for lane, count in n.workers.items()),
+          n.seen_at] for n in nodes],
+        empty="no live nodes (no daemon has reported in the last minute)",
+    )
+    _print_schedule_conflicts(conflicts)
+    return 0
+
+
+def _print_schedule_conflicts(found: list[schedules.Conflict]) -> None:
+    if not found:
+        return
+    print()
+    print("schedules with conflicting definitions on live nodes (the stored one is kept):")
+    for conflict in found:
+        print(f"  {conflict.schedule_id}: stored by {', '.join(conflict.stored_by) or '-'}; "
+              f"differing: {', '.join(conflict.differing)}")
+
+
+def _served(count: int) -> str:
+    return str(count) if count else "0 (no live worker)"
+
+
+def cmd_jobs_show(ctx: Context, args: argparse.Namespace) -> int:
+    with ctx.connect() as conn:
+        job = views.get_job(conn, args.id)
+    if job is None:
+        # A wrong id is the user's input, as in `dlq replay`: exit 2.
+        raise UsageError(f"no job {args.id} (live, finished or dead)")
+    limit, source = _effective_max_attempts(ctx.config, job)
+    if ctx.as_json:
+        print_json({**_job_json(job), "effective_max_attempts": limit,
+                     "max_attempts_source": source})
+        return 0
+    history = job["errors"]
+    for key, value in job.items():
+        if key in ("payload", "payload_text", "payload_problem", "errors"):
+            continue
+        if key == "max_attempts":
+            value = _max_attempts_text(ctx.config, job, limit, source)
+        print(f"{key:>16}: {field(value)}")
+    print(f"{'payload':>16}: {_payload_text(job, args.payload)}")
+    for line in _history_lines(history, args.full_errors):
+        print(line)
+    return 0
+
+
+def _job_json(job: dict[str, Any]) -> dict[str, Any]:
+    """The job for --json: the payload decoded; its stored text and the reason only when it
+    cannot be decoded here."""
+    data = dict(job)
+    if data["payload_problem"] is None:
+        del data["payload_problem"], data["payload_text"]
+    return data
+
+
+def _effective_max_attempts(config: Config, job: dict[str, Any]) -> tuple[int | None, str]:
+    """The attempt budget the job runs with and where it comes from: the job's own, else its
+    lane's in the config given, else unknown here (the daemons' config decides)."""
+    if job["max_attempts"] is not None:
+        return job["max_attempts"], "job"
+    lane = config.lanes.get(job["lane"])
+    if lane is not None:
+        return lane.max_attempts, "lane"
+    return None, "daemon"
+
+
+def _max_attempts_text(config: Config, job: dict[str, Any], limit: int | None,
+                       source: str) -> str:
+    if source == "job":
+        return str(limit)
+    if source == "lane":
+        return f"{limit} (lane default)"
+    if config.path is not None:
+        return (f"lane default (lane {job['lane']!r} is not in {config.path}; the config of "
+                "the daemons that run it decides)")
+    return "lane default (from the daemons' config; pass -c FILE to see it)"
+
+
+def _payload_text(job: dict[str, Any], whole: bool) -> str:
+    text = job["payload_text"]
+    note = f" ({job['payload_problem']})" if job["payload_problem"] else ""
+    if whole or len(text) <= PAYLOAD_PREVIEW_CHARS:
+        return text + note
+    return f"{len(text.encode())} bytes of JSON{note}; use --payload to show it"
+
+
+def _history_lines(history: list[Any], full: bool) -> list[str]:
+    """The error history: one labelled line per failed attempt (the error's first line, or
+    its whole text with ``full``), and a line per replay."""
+    if not history:
+        return ["errors: none"]
+    attempts = sum(1 for entry in history if isinstance(entry, dict) and "error" in entry)
+    lines = [f"errors ({attempts} attempt{'' if attempts == 1 else 's'}):"]
+    for entry in history:
+        if isinstance(entry, dict) and "error" in entry:
+            error = str(entry["error"] or "")
+            head = (f"  attempt {entry.get('attempt', '?')} at {_when(entry.get('at'))} "
+                    f"on worker {entry.get('worker') or '-'}")
+            if full:
+                lines.append(head + ":")
+                lines.extend("    " + line for line in error.splitlines() or [""])
+            else:
+                lines.append(f"{head}: {one_line(error)}")
+        elif isinstance(entry, dict) and "replayed_at" in entry:
+            lines.append(f"  replayed at {_when(entry['replayed_at'])} "
+                         "with a fresh attempt budget")
+        else:
+            lines.append(f"  {one_line(json.dumps(entry, default=str))}")
+    return lines
+
+
+def _when(value: object) -> str:
+    """A timestamp from the error history (ISO text in jsonb) in the CLI's format."""
+    if isinstance(value, str):
+        try:
+            return cell(datetime.fromisoformat(value))
+        except ValueError:
+            return value
+    return field(value)
+
+
+def cmd_jobs_list(ctx: Context, args: argparse.Namespace) -> int:
+    with ctx.connect() as conn:
+        rows = views.list_jobs(conn, args.state, args.lane, args.limit)
+    if ctx.as_json:
+        print_json(rows)
+        return 0
+    columns = ["id", "lane", "handler", "state", "priority", "run_at", "attempts", "last_error"]
+    print_table(columns, [[row[c] for c in columns] for row in rows], empty="no jobs")
+    return 0
+
+
+def cmd_dlq_list(ctx: Context, args: argparse.Namespace) -> int:
+    with ctx.connect() as conn:
+        rows = views.list_dead(conn, args.lane, args.limit)
+    if ctx.as_json:
+        print_json(rows)
+        return 0
+    columns = ["id", "lane", "handler", "attempts", "died_at", "last_error"]
+    print_table(columns, [[row[c] for c in columns] for row in rows],
+                 empty="the dead-letter queue is empty")
+    return 0
+
+
+def cmd_dlq_replay(ctx: Context, args: argparse.Namespace) -> int:
+    with ctx.connect() as conn:
+        replayed = dlq.replay(conn, args.ids)
+    if ctx.as_json:
+        print_json({"replayed": replayed})
+    else:
+        print(f"replayed {len(replayed)} job(s): {', '.join(map(str, replayed))}")
+    return 0
+
+
+def cmd_dlq_purge(ctx: Context, args: argparse.Namespace) -> int:
+    with ctx.connect() as conn:
+        if isinstance(args.before, datetime):
+            cutoff = args.before
+        else:
+            row = conn.execute("SELECT now()").fetchone()
+            assert row is not None
+            cutoff = row[0] - timedelta(seconds=args.before)
+        purged = dlq.purge(conn, cutoff)
+    if ctx.as_json:
+        print_json({"purged": purged, "before": cutoff})
+    else:
+        print(f"purged {purged} dead job(s) that died before {cutoff.isoformat()}")
+    return 0

@@ -1,0 +1,175 @@
+"""Jobs as the Python side sees them: a job to enqueue (:class:`JobSpec`), a claimed job as
+its handler gets it (:class:`Job`) and the proof of a claim (:class:`Lease`)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, NamedTuple
+
+from jobd import validation
+
+
+@dataclass(frozen=True, slots=True)
+class JobSpec:
+    """One job to enqueue; the arguments of :func:`enqueue` as a value.
+
+    ``payload`` is any JSON value and reaches the handler exactly as given (``None`` is a
+    JSON null); leaving it out gives ``{}``.
+    """
+
+    handler: str
+    payload: Any = field(default_factory=dict)
+    lane: str = "default"
+    run_at: datetime | None = None
+    priority: int = 0
+    idempotency_key: str | None = None
+    max_attempts: int | None = None
+
+    def validated(self) -> JobSpec:
+        """This spec, or ValueError naming the first rule it breaks (jobd.validation)."""
+        self.encoded_payload()
+        return self
+
+    def encoded_payload(self) -> str:
+        """Check every rule; return the payload as the JSON text to store."""
+        validation.name("handler", self.handler)
+        validation.name("lane", self.lane)
+        if self.run_at is not None:
+            validation.run_at(self.run_at)
+        if not isinstance(self.priority, int) or not -(2**31) <= self.priority < 2**31:
+            raise ValueError(f"priority must be a 32-bit integer, not {self.priority!r}")
+        if self.max_attempts is not None and (
+            not isinstance(self.max_attempts, int) or not 1 <= self.max_attempts < 2**31
+        ):
+            raise ValueError(f"max_attempts must be a positive integer, not {self.max_attempts!r}")
+        if self.idempotency_key is not None:
+            validation.idempotency_key(self.idempotency_key)
+        return validation.encode_payload(self.payload)
+
+
+class Lease(NamedTuple):
+    """Proof that a worker holds a claimed job: its id and the token of that claim."""
+
+    id: int
+    token: int
+
+
+_UNDECODED = object()
+
+# The columns of a claimed job, in the order the claim query returns them.
+_JOB_FIELDS = ("id", "lease_token", "lane", "handler", "payload_json", "priority", "run_at",
+               "attempt", "max_attempts", "idempotency_key", "created_at", "lease_until")
+
+
+class Job:
+    """A claimed job, as a handler sees it. Read-only.
+
+    A job wraps the claim's result row as it came from the database (``from_row``); its fields
+    are views of that row. A worker claims tens of thousands of jobs a second, and copying each
+    row field by field into a frozen dataclass cost it more CPU than the claim's parsing did.
+    """
+
+    __slots__ = ("_payload", "_row")
+
+    id: int
+    lease_token: int
+    lane: str
+    handler: str
+    payload_json: str  # the payload as the database sent it; see ``payload``
+    priority: int
+    run_at: datetime
+    attempt: int
+    max_attempts: int | None
+    idempotency_key: str | None
+    created_at: datetime
+    lease_until: datetime
+
+    def __init__(self, id: int, lease_token: int, lane: str, handler: str,
+                 payload_json: str, priority: int, run_at: datetime, attempt: int,
+                 max_attempts: int | None, idempotency_key: str | None,
+                 created_at: datetime, lease_until: datetime) -> None:
+        self._row = (id, lease_token, lane, handler, payload_json, priority, run_at, attempt,
+                     max_attempts, idempotency_key, created_at, lease_until)
+        self._payload = _UNDECODED
+
+    @classmethod
+    def from_row(cls, row: tuple[Any, ...]) -> Job:
+        """A job from a row in the claim query's column order (``_JOB_FIELDS``)."""
+        job = cls.__new__(cls)
+        job._row = row
+        job._payload = _UNDECODED
+        return job
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled as its row: a copy decodes its payload itself when asked.
+        return (Job.from_row, (self._row,))
+
+    @property
+    def payload(self) -> Any:
+        """The decoded payload. Decoded on first use, in the handler's thread, so the worker
+        loop that claims batches does not spend its time parsing JSON."""
+        payload = self._payload
+        if payload is _UNDECODED:
+            try:
+                payload = self._payload = decode_stored_payload(self._row[4])
+            except UndecodablePayload as exc:
+                self._payload = exc  # remembered: the worker dead-letters such a job
+                raise
+        if isinstance(payload, UndecodablePayload):
+            raise payload
+        return payload
+
+    @property
+    def undecodable(self) -> bool:
+        """Whether reading ``payload`` failed: retrying cannot help such a job (whatever
+        exception its handler turned the failure into)."""
+        return isinstance(self._payload, UndecodablePayload)
+
+    @property
+    def lease(self) -> Lease:
+        return Lease(self._row[0], self._row[1])
+
+    @property
+    def effect_key(self) -> str:
+        """A stable key for this job's effect: its idempotency key, else one from its id.
+
+        Pass it to external APIs that accept idempotency keys; transactional handlers record
+        it in the dedup store.
+        """
+        key = self._row[9]
+        return key if key is not None else f"{validation.RESERVED_KEY_PREFIX}job:{self._row[0]}"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Job) and self._row == other._row
+
+    def __hash__(self) -> int:
+        return hash(self._row)
+
+    def __repr__(self) -> str:
+        fields = zip(_JOB_FIELDS, self._row, strict=True)
+        return "Job(" + ", ".join(f"{name}={value!r}" for name, value in fields) + ")"
+
+
+def _row_field(index: int) -> property:
+    return property(lambda job: job._row[index])
+
+
+for _index, _name in enumerate(_JOB_FIELDS):
+    # Annotated in the class for readers and type checkers; a read-only property reads the row.
+    setattr(Job, _name, _row_field(_index))
+del _index, _name
+
+
+class UndecodablePayload(ValueError):
+    """A stored payload the worker cannot decode (written past jobd's entry rules)."""
+
+
+def decode_stored_payload(text: str) -> Any:
+    """A claimed job's payload from its JSON text, or UndecodablePayload."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise UndecodablePayload(
+            f"the payload cannot be decoded ({type(exc).__name__}: {exc})") from None

@@ -1,0 +1,151 @@
+"""Enqueueing: one job with a single INSERT (through the SQL function ``jobd.enqueue``, so
+every entry point meets the same rules), or many with one binary COPY. On the caller's own
+connection: a job is durable when the caller's transaction commits."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+import psycopg
+from psycopg.types.json import Jsonb
+
+from jobd.db import DEFAULT_SCHEMA
+from jobd.jobs import JobSpec
+from jobd.queries import qualified
+
+
+def _stored_json(text: str) -> Jsonb:
+    """Already-encoded JSON text as a jsonb parameter (it is not encoded a second time)."""
+    return Jsonb(text, dumps=str)
+
+
+_NO_PAYLOAD: Any = object()
+
+
+def enqueue(
+    conn: psycopg.Connection,
+    handler: str,
+    payload: Any = _NO_PAYLOAD,
+    *,
+    lane: str = "default",
+    run_at: datetime | None = None,
+    delay: float | None = None,
+    priority: int = 0,
+    idempotency_key: str | None = None,
+    max_attempts: int | None = None,
+    schema: str = DEFAULT_SCHEMA,
+) -> int:
+    """Enqueue one job with a single INSERT and return its id.
+
+    The job is due at ``run_at``, or ``delay`` seconds from now by the database clock, or now.
+    It is durable when the caller's transaction commits (at once on an autocommit
+    connection). With an ``idempotency_key`` already used, the first job's id is returned and
+    nothing is inserted.
+
+    ``payload`` is any JSON value (``None`` is a JSON null); left out, it is ``{}``. A job
+    that breaks one of jobd's rules (jobd.validation) raises ValueError before anything is
+    sent; the payload size limit is the database's, and a larger payload is refused by the
+    server (psycopg.errors.InvalidParameterValue).
+    """
+    if run_at is not None and delay is not None:
+        raise ValueError("give run_at or delay, not both")
+    if delay is not None and not 0 <= delay < 10**9:
+        raise ValueError(f"delay must be a non-negative number of seconds, not {delay!r}")
+    spec = JobSpec(
+        handler, {} if payload is _NO_PAYLOAD else payload, lane, run_at, priority,
+        idempotency_key, max_attempts,
+    )
+    encoded = spec.encoded_payload()
+    row = conn.execute(
+        qualified("enqueue_qualified", schema),
+        {
+            "handler": spec.handler,
+            "payload": _stored_json(encoded),
+            "lane": spec.lane,
+            "run_at": spec.run_at,
+            "delay": float(delay or 0),
+            "priority": spec.priority,
+            "idempotency_key": spec.idempotency_key,
+            "max_attempts": spec.max_attempts,
+        },
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+_COPY_TYPES = ["int8", "text", "text", "jsonb", "int4", "timestamptz", "text", "int4"]
+
+
+def enqueue_many(
+    conn: psycopg.Connection, specs: Sequence[JobSpec], *, schema: str = DEFAULT_SCHEMA
+) -> list[int]:
+    """Enqueue many jobs in one transaction (a savepoint inside the caller's); ids in order.
+
+    Ids are reserved in one round trip and the rows go in with one binary COPY, so a batch of
+    thousands costs a few round trips. Jobs with an idempotency key go through the key ledger
+    first; a key already taken (or repeated within the batch) yields the existing job's id.
+    """
+    encoded = [spec.encoded_payload() for spec in specs]
+    if not specs:
+        return []
+    largest = max(len(text.encode("utf-8", "surrogatepass")) for text in encoded)
+    ids: list[int | None] = [None] * len(specs)
+    to_insert: list[tuple[int, int]] = []  # (job id, position in specs)
+    with conn.transaction():
+        keyed = [i for i, spec in enumerate(specs) if spec.idempotency_key is not None]
+        unkeyed = [i for i, spec in enumerate(specs) if spec.idempotency_key is None]
+        # COPY cannot evaluate now(), so the database clock is read here: within a
+        # transaction now() is fixed, the same value the column default would give.
+        row = conn.execute(
+            qualified("reserve_ids_qualified", schema),
+            {"count": len(unkeyed), "largest_payload": largest},
+        ).fetchone()
+        assert row is not None
+        db_now, fresh, _checked = row
+        for position, job_id in zip(unkeyed, fresh, strict=True):
+            ids[position] = job_id
+            to_insert.append((job_id, position))
+        if keyed:
+            _resolve_keys(conn, schema, specs, keyed, ids, to_insert)
+        with conn.cursor().copy(qualified("copy_jobs_qualified", schema)) as copy:
+            copy.set_types(_COPY_TYPES)
+            for job_id, position in to_insert:
+                spec = specs[position]
+                copy.write_row((
+                    job_id, spec.lane, spec.handler, _stored_json(encoded[position]),
+                    spec.priority, spec.run_at or db_now, spec.idempotency_key,
+                    spec.max_attempts,
+                ))
+    return [int(job_id) for job_id in ids if job_id is not None]
+
+
+def _resolve_keys(
+    conn: psycopg.Connection,
+    schema: str,
+    specs: Sequence[JobSpec],
+    keyed: Sequence[int],
+    ids: list[int | None],
+    to_insert: list[tuple[int, int]],
+) -> None:
+    keys = list(dict.fromkeys(specs[i].idempotency_key for i in keyed))
+    reserved = dict(
+        conn.execute(qualified("reserve_keys_qualified", schema), {"keys": keys})
+    )
+    # A separate statement takes a fresh snapshot and sees keys that concurrent transactions
+    # committed while the INSERT ... ON CONFLICT waited for them.
+    taken = [key for key in keys if key not in reserved]
+    existing = (
+        dict(conn.execute(qualified("lookup_keys_qualified", schema), {"keys": taken}))
+        if taken
+        else {}
+    )
+    for position in keyed:
+        key = specs[position].idempotency_key
+        if key in reserved:
+            ids[position] = reserved.pop(key)
+            existing[key] = ids[position]
+            to_insert.append((ids[position], position))
+        else:
+            ids[position] = existing[key]

@@ -1,0 +1,134 @@
+"""Recovering jobs whose holder is gone: the lease-expiry sweep, crash attribution, and the
+claims a worker made but never received. Each decides what a job's attempt counts for."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+import psycopg
+
+from jobd.backoff import RetryPolicy
+from jobd.jobs import Lease
+from jobd.protocol import backend_prefix
+from jobd.queries import query
+from jobd.queue import FailOutcome, Failure, bigint_array, fail, lease_arrays
+
+PolicyLookup = Callable[[str], RetryPolicy]
+
+
+def _fail_rows(
+    conn: psycopg.Connection,
+    rows: Sequence[tuple[int, int, str, int, str]],
+    reason: Callable[[str], str],
+    policy_for: PolicyLookup,
+    now: datetime | None,
+    expired_only: bool,
+) -> FailOutcome:
+    failures = []
+    lanes = {row[0]: row[2] for row in rows}
+    for job_id, token, lane, attempts, claimed_by in rows:
+        policy = policy_for(lane)
+        failures.append(
+            Failure(
+                lease=Lease(job_id, token),
+                error=reason(claimed_by),
+                retry_delay=policy.backoff.delay(attempts),
+                default_max_attempts=policy.max_attempts,
+            )
+        )
+    outcome = fail(conn, failures, now, expired_only=expired_only)
+    for job_id, run_at in outcome.retry_at.items():
+        lane = lanes[job_id]
+        current = outcome.next_retry_by_lane.get(lane)
+        if current is None or run_at < current:
+            outcome.next_retry_by_lane[lane] = run_at
+    return outcome
+
+
+def expire_leases(
+    conn: psycopg.Connection,
+    policy_for: PolicyLookup,
+    now: datetime | None = None,
+    limit: int = 1000,
+) -> FailOutcome:
+    """The lease-expiry sweep: a job whose lease ran out counts as a failed attempt.
+
+    It becomes claimable again after its backoff, or dead when its budget is spent. A worker
+    that renews its lease between the scan and the write keeps its job.
+    """
+    rows = conn.execute(query("expired_leases"), {"now": now, "limit": limit}).fetchall()
+    outcome = _fail_rows(
+        conn, rows, lambda worker: f"lease expired (held by {worker})", policy_for, now, True
+    )
+    swept = set(outcome.retried) | set(outcome.dead)
+    stale = [Lease(row[0], row[1]) for row in rows if row[0] in swept]
+    if stale:
+        # The holder of an expired lease is stale by definition. If it is a transactional
+        # handler frozen with its transaction open, it still holds the locks the job's next
+        # run needs (its effect key, its writes): end that transaction now.
+        conn.execute(query("terminate_stale_handlers"),
+                     {"names": [handler_application_name(lease) for lease in stale]})
+    return outcome
+
+
+def handler_application_name(lease: Lease) -> str:
+    """What a transactional handler's backend is called while it runs the leased job."""
+    return f"jobd job {lease.id}:{lease.token}"
+
+
+@dataclass(slots=True)
+class CrashOutcome:
+    """What crash attribution did with a dead worker's jobs."""
+
+    failed: FailOutcome  # the job that killed its worker alone: an attempt spent
+    suspects: list[int]  # several jobs held: each gets its attempt back and runs alone
+
+
+def settle_crashed_worker(
+    conn: psycopg.Connection,
+    worker: str,
+    error: str,
+    policy_for: PolicyLookup,
+    now: datetime | None = None,
+) -> CrashOutcome:
+    """Crash attribution for a worker process that died, in one transaction.
+
+    Alone, the job it held killed it: that job spends an attempt (retried after its backoff,
+    dead when its budget is spent) and stays a suspect, so its retries run alone. Holding
+    several, nothing says which one killed it: all of them get their attempt back and
+    become suspects, each run alone by an idle worker (claim_suspect) until the one that
+    kills its worker is found. So only the poison spends its budget, never its neighbours.
+    """
+    # A statement the worker sent before it died may still be running on its backend (a
+    # claim, say), which has not noticed yet that its client is gone; if it committed after
+    # the look below, its jobs would wait for their lease. End the backend first.
+    conn.execute(query("terminate_worker_backends"), {"prefix": backend_prefix(worker)})
+    with conn.transaction():
+        rows = conn.execute(query("jobs_held_by"), {"worker": worker}).fetchall()
+        if len(rows) > 1:
+            leases = [Lease(row[0], row[1]) for row in rows]
+            released = conn.execute(query("release_as_suspects"),
+                                    lease_arrays(leases)).fetchall()
+            return CrashOutcome(FailOutcome(), sorted(row[0] for row in released))
+        failed = _fail_rows(conn, rows, lambda _worker: error, policy_for, now, False)
+        if failed.retried:
+            conn.execute(query("mark_suspect"), {"ids": bigint_array(failed.retried)})
+        return CrashOutcome(failed, [])
+
+
+def fail_claims_not_held(conn: psycopg.Connection, worker: str, held: Iterable[Lease],
+                         error: str, policy_for: PolicyLookup,
+                         now: datetime | None = None) -> FailOutcome:
+    """Fail the jobs claimed under ``worker``'s name except the ``held`` leases: claims whose
+    rows never reached the worker (its connection broke while the claim ran, or the rows
+    could not be loaded). They are retried after their backoff, or dead when their budget is
+    spent: the attempt was counted at claim, and a claim that fails the same way every time
+    must end in the dead-letter queue rather than loop."""
+    held_leases = set(held)
+    rows = conn.execute(query("jobs_held_by"), {"worker": worker}).fetchall()
+    orphans = [row for row in rows if Lease(row[0], row[1]) not in held_leases]
+    if not orphans:
+        return FailOutcome()
+    return _fail_rows(conn, orphans, lambda _worker: error, policy_for, now, False)

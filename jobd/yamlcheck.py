@@ -1,0 +1,203 @@
+"""Reading a YAML document with the line of every value, and the checks its values pass.
+
+Generic: nothing here knows jobd's keys (jobd.config does). Every failure is an
+:class:`Invalid` carrying the line and the dotted path of the key, which the config turns
+into ``file:line: key: message``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import zoneinfo
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from jobd import validation
+from jobd.cron import CronError, CronSchedule
+from jobd.db import validate_schema
+from jobd.errors import UsageError
+
+# Longer durations are certainly a mistake, and PostgreSQL cannot add huge ones to now().
+MAX_DURATION_SECONDS = 3650 * 86400.0
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+_LISTEN = re.compile(r"^(?P<host>[^\s:]+|\[[0-9a-fA-F:]+\]):(?P<port>\d{1,5})$")
+
+
+def parse_duration(value: object) -> float:
+    """``30s``, ``5m``, ``250ms``, ``1h``, ``2d`` or a bare number of seconds."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a duration like 30s or 5m, not {value!r}")
+    if isinstance(value, int | float):
+        seconds = float(value)
+    else:
+        match = _DURATION.match(str(value))
+        if not match:
+            raise ValueError(f"expected a duration like 30s, 5m or 250ms, not {value!r}")
+        seconds = float(match[1]) * _UNIT_SECONDS[match[2]]
+    if not math.isfinite(seconds):
+        raise ValueError(f"a duration must be a finite number, not {value!r}")
+    if seconds < 0:
+        raise ValueError(f"a duration cannot be negative: {value!r}")
+    if seconds > MAX_DURATION_SECONDS:
+        raise ValueError(f"a duration cannot exceed 3650d, not {value!r}")
+    return seconds
+
+
+@dataclass(frozen=True, slots=True)
+class Located:
+    """A parsed YAML value with the line it came from."""
+
+    value: Any
+    line: int
+
+
+def plain(node: yaml.Node, path: str = "") -> Located:
+    """Convert a YAML node; a mapping's values carry the line of their key."""
+    line = node.start_mark.line + 1
+    if isinstance(node, yaml.MappingNode):
+        mapping: dict[str, Located] = {}
+        for key_node, value_node in node.value:
+            key_line = key_node.start_mark.line + 1
+            key = yaml.safe_load(yaml.serialize(key_node))
+            if not isinstance(key, str):
+                raise Invalid(key_line, path, f"keys must be strings, not {key!r}")
+            key_path = f"{path}.{key}" if path else key
+            if key in mapping:
+                raise Invalid(key_line, key_path, "duplicate key")
+            value = plain(value_node, key_path)
+            mapping[key] = Located(value.value, key_line)
+        return Located(mapping, line)
+    if isinstance(node, yaml.SequenceNode):
+        return Located([plain(item, f"{path}[{i}]") for i, item in enumerate(node.value)],
+                        line)
+    return Located(yaml.safe_load(yaml.serialize(node)), line)
+
+
+class Invalid(Exception):
+    def __init__(self, line: int, path: str, message: str) -> None:
+        super().__init__(message)
+        self.line = line
+        self.path = path
+        self.message = message
+
+
+class Section:
+    """A mapping being validated: takes keys off it and reports unknown ones."""
+
+    def __init__(self, located: Located, path: str) -> None:
+        if located.value is None:
+            located = Located({}, located.line)
+        if not isinstance(located.value, dict):
+            raise Invalid(located.line, path, "must be a mapping")
+        self.items: dict[str, Located] = dict(located.value)
+        self.line = located.line
+        self.path = path
+
+    def _key_path(self, key: str) -> str:
+        return f"{self.path}.{key}" if self.path else key
+
+    def take(self, key: str, convert: Any, default: Any = None) -> Any:
+        located = self.items.pop(key, None)
+        if located is None or located.value is None:
+            return default
+        try:
+            return convert(located.value)
+        except (ValueError, TypeError) as exc:
+            raise Invalid(located.line, self._key_path(key), str(exc)) from None
+
+    def section(self, key: str) -> Section:
+        located = self.items.pop(key, None) or Located({}, self.line)
+        return Section(located, self._key_path(key))
+
+    def raw(self, key: str) -> Located | None:
+        return self.items.pop(key, None)
+
+    def finish(self) -> None:
+        for key, located in self.items.items():
+            raise Invalid(located.line, self._key_path(key), "unknown key")
+
+
+def int_between(low: int, high: int) -> Any:
+    def convert(value: object) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ValueError(f"must be an integer from {low} to {high}, not {value!r}")
+        return value
+
+    return convert
+
+
+def positive_duration(value: object) -> float:
+    seconds = parse_duration(value)
+    if seconds <= 0:
+        raise ValueError(f"must be longer than zero, not {value!r}")
+    return seconds
+
+
+def name(kind: str) -> Any:
+    def convert(value: object) -> str:
+        return validation.name(kind, value)
+
+    return convert
+
+
+def string(value: object) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"must be a non-empty string, not {value!r}")
+    return value
+
+
+def choice(*options: str) -> Any:
+    def convert(value: object) -> str:
+        if value not in options:
+            raise ValueError(f"must be one of {', '.join(options)}, not {value!r}")
+        return str(value)
+
+    return convert
+
+
+def timezone(value: object) -> str:
+    try:
+        zoneinfo.ZoneInfo(string(value))
+    except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+        raise ValueError(
+            f"unknown time zone {value!r} (use an IANA name like Europe/Berlin)") from None
+    return str(value)
+
+
+def listen(value: object) -> str:
+    match = _LISTEN.match(string(value))
+    if not match or not 0 < int(match["port"]) < 65536:
+        raise ValueError(f"must be HOST:PORT, e.g. 127.0.0.1:9464, not {value!r}")
+    return str(value)
+
+
+def cron(value: object) -> str:
+    try:
+        return CronSchedule.parse(string(value)).expression
+    except CronError as exc:
+        raise ValueError(str(exc)) from None
+
+
+def unwrap(located: Located | None) -> Any:
+    if located is None:
+        return None
+    if isinstance(located.value, dict):
+        return {key: unwrap(value) for key, value in located.value.items()}
+    if isinstance(located.value, list):
+        return [unwrap(value) for value in located.value]
+    return located.value
+
+
+def schema_name(value: object) -> str:
+    try:
+        return validate_schema(string(value))
+    except UsageError as exc:
+        raise ValueError(str(exc)) from None
+
+
+def fail(line: int, path: str, message: str) -> None:
+    raise Invalid(line, path, message)
