@@ -38,6 +38,13 @@ class LaneConfig:
     max_attempts: int = 8
     backoff: Backoff = field(default_factory=Backoff)
     poll_interval: float = 5.0
+    # Jobs a worker process claims ahead of its free slots (None: as many as concurrency), so
+    # the database sees larger claims while handlers see ``concurrency`` jobs at a time.
+    prefetch: int | None = None
+
+    @property
+    def buffer_size(self) -> int:
+        return self.concurrency if self.prefetch is None else self.prefetch
 
     @property
     def retry_policy(self) -> RetryPolicy:
@@ -111,6 +118,7 @@ def _lane(name: str, located: yamlcheck.Located, path: str) -> LaneConfig:
         max_attempts=section.take("max_attempts", yamlcheck.int_between(1, 1000), 8),
         backoff=Backoff(base, cap),
         poll_interval=section.take("poll_interval", yamlcheck.positive_duration, 5.0),
+        prefetch=section.take("prefetch", yamlcheck.int_between(0, 10_000), None),
     )
     section.finish()
     if lane.heartbeat >= lane.visibility_timeout:

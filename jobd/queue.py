@@ -212,36 +212,47 @@ def settle_and_claim(
     failures: Sequence[Failure],
     request: ClaimRequest | None,
     now: datetime | None = None,
+    *,
+    separate: bool = False,
 ) -> tuple[WriteOutcome, FailOutcome, Claimed]:
     """:func:`complete`, :func:`fail` and :func:`claim` in one network round trip.
 
     This is the worker's hot path: the results of finished jobs go out with the request for
-    more work (``jobd.fastpath``). The outcomes are written in their own explicit transaction
-    and the claim runs in the next one, so a claim that fails cannot undo the outcomes, and an
-    outcome that fails skips the claim. On an error the connection is left idle and the error
-    raised; the leases decide what a retry still applies. Needs an autocommit connection.
+    more work (``jobd.fastpath``), and commit with the claim in one transaction. With
+    ``separate`` the outcomes commit in a transaction of their own first, so a claim that
+    fails cannot undo them (the worker asks for that after a failed exchange). On an error
+    the connection is left idle and the error raised; the leases decide what a retry still
+    applies. Needs an autocommit connection.
     """
+    outcomes = bool(completions or failures)
+    # One commit for the outcomes and the claim: half the WAL flushes per cycle. Apart (the
+    # claim in a transaction of its own after the outcomes' COMMIT) a failing claim cannot
+    # undo the outcomes; the worker asks for that after a failed exchange.
+    together = outcomes and request is not None and not separate
     steps: list[fastpath.Step] = []
-    if completions or failures:
+    if outcomes:
         steps.append((fastpath.BEGIN, None))
         if completions:
             steps.append(("complete_jobs", {**lease_arrays(completions), "now": now}))
         if failures:
             steps.append(("fail_jobs", _fail_params(failures, now, False)))
-        steps.append((fastpath.COMMIT, None))
+        if not together:
+            steps.append((fastpath.COMMIT, None))
     if request is not None:
         if request.suspect_first:
             steps.append(("claim_suspect", _claim_params(request, now)))
         steps.append(("claim_jobs", _claim_params(request, now)))
+        if together:
+            steps.append((fastpath.COMMIT, None))
     if not steps:
         return WriteOutcome([], []), FailOutcome(), Claimed([])
     results = iter(fastpath.run(conn, steps, binary=_BINARY_RESULTS))
-    if completions or failures:
+    if outcomes:
         next(results)  # BEGIN
     completed = (_fenced_outcome(completions, (row[0] for row in next(results)))
                  if completions else WriteOutcome([], []))
     failed = _fail_outcome(failures, next(results)) if failures else FailOutcome()
-    if completions or failures:
+    if outcomes and not together:
         next(results)  # COMMIT
     if request is None:
         return completed, failed, Claimed([])

@@ -18,6 +18,7 @@ replaces the worker); SIGQUIT or a second SIGTERM stops at once, releasing what 
 from __future__ import annotations
 
 import asyncio
+import collections
 import faulthandler
 import os
 import queue as stdlib_queue
@@ -53,6 +54,12 @@ from jobd.protocol import (
 REPORT_INTERVAL = 1.0  # seconds between liveness reports to the supervisor
 SAFETY_POLL_FACTOR = 12  # a worker's own fallback poll, in lane poll_intervals
 MAX_ERROR_CHARS = 4000
+# Outcomes wait this long for company before they are written, unless the worker claims
+# anyway, the batch reaches the lane's concurrency, or nothing else is running.
+SETTLE_DELAY = 0.002
+# Claimed jobs waiting for a free slot go back to the queue after this long: a buffer that
+# sits still must not keep work from other workers, or priorities from being looked at anew.
+BUFFER_MAX_AGE = 2.0
 
 log = structlog.get_logger("jobd.worker")
 
@@ -73,6 +80,7 @@ class Counters:
     failed: int = 0
     dead: int = 0
     lease_lost: int = 0
+    released: int = 0  # claimed into the buffer, then given back unstarted
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -142,6 +150,12 @@ class Worker:
             # applies (in a pipelined settle, statements before it may have committed).
             pause_after_failure=1.0)
         self.inflight: dict[int, Running] = {}
+        # Claimed ahead of free slots (the lane's prefetch), oldest first, with the monotonic
+        # instant of their claim. Their leases are renewed like those of running jobs.
+        self.buffer: collections.deque[tuple[jobs.Job, float]] = collections.deque()
+        # After an exchange failed, the next one writes outcomes apart from its claim, so a
+        # claim that keeps failing cannot keep undoing them.
+        self.separate_next = False
         # Set when a claim may have taken jobs whose rows never reached us (the connection
         # broke, or the rows could not be loaded): the loop then checks the jobs claimed in
         # our name against the ones it holds.
@@ -154,6 +168,7 @@ class Worker:
         self.suspects_possible = True
         self.outcomes: stdlib_queue.SimpleQueue[Outcome] = stdlib_queue.SimpleQueue()
         self.pending_outcomes: list[Outcome] = []
+        self.pending_since: float | None = None  # when the oldest pending outcome arrived
         self.counters = Counters()
         self.timers = _Timers()
         self.maybe_more = True  # there may be due work: claim when capacity allows
@@ -231,8 +246,10 @@ class Worker:
             if self.claims_unknown and self.conn is not None:
                 self._fail_claims_not_held()
             self._collect_outcomes()
+            self._fill_slots()
             self._expire_timeouts()
             self._renew_leases()
+            self._release_buffer()
             self._settle_and_claim()
             self._report()
             if self._finished():
@@ -249,7 +266,7 @@ class Worker:
         if self.mode == WorkerMode.RUNNING:
             return False
         working = [r for r in self.inflight.values() if not r.abandoned]
-        if not working and not self.pending_outcomes:
+        if not working and not self.pending_outcomes and not self.buffer:
             return True
         return (self.mode == WorkerMode.DRAINING and self.drain_deadline is not None
                 and time.monotonic() >= self.drain_deadline)
@@ -269,6 +286,10 @@ class Worker:
             moments.append(self.drain_deadline)
         moments.extend(r.deadline for r in self.inflight.values()
                        if r.deadline is not None and not r.abandoned)
+        if self.pending_since is not None:
+            moments.append(max(self.pending_since + SETTLE_DELAY, database_ready))
+        if self.buffer:
+            moments.append(self.buffer[0][1] + BUFFER_MAX_AGE)
         return max(0.0, min(moments) - now)
 
     def _poll_delay(self) -> float:
@@ -317,6 +338,7 @@ class Worker:
         spent), so a job whose claim fails the same way every time cannot loop forever."""
         held = [r.job.lease for r in self.inflight.values()]
         held += [o.job.lease for o in self.pending_outcomes]
+        held += [job.lease for job, _claimed in self.buffer]
         policy = self.lane.retry_policy
         outcome = self._db(lambda conn: recovery.fail_claims_not_held(
             conn, self.spec.worker_id, held,
@@ -341,12 +363,17 @@ class Worker:
         if any(t <= now for t in self.timers.wake_at) or now >= self.timers.next_poll:
             self.timers.wake_at = [t for t in self.timers.wake_at if t > now]
             self.maybe_more = True
-        free = self.lane.concurrency - len(self.inflight)
-        if not self.maybe_more or free <= 0 or self.isolating is not None:
+        if not self.maybe_more or self.isolating is not None:
             return None
-        if self.suspects_possible and self.inflight:
+        if self.suspects_possible and (self.inflight or self.buffer):
             # A suspect is due and runs only on a worker that holds nothing: claim nothing
-            # more until the jobs in flight are done, so it cannot wait behind a busy lane.
+            # more until the jobs in flight are done (the buffer goes back to the queue), so
+            # it cannot wait behind a busy lane.
+            return None
+        prefetch = self.lane.buffer_size
+        free = self.lane.concurrency + prefetch - len(self.inflight) - len(self.buffer)
+        # Top up a buffer only once it runs low, so claims come in batches.
+        if free <= 0 or len(self.buffer) > prefetch // 2:
             return None
         # Only a worker that holds nothing may take a suspect, which must run alone.
         return queue.ClaimRequest(self.lane.name, self.spec.worker_id, free,
@@ -368,8 +395,40 @@ class Worker:
         self.counters.claimed += len(jobs)
         if jobs:
             log.debug("claimed", lane=self.lane.name, job_ids=[job.id for job in jobs])
-        for job in jobs:
+        if claimed.suspect is not None:
+            self._start(claimed.suspect)
+            return
+        now = time.monotonic()
+        self.buffer.extend((job, now) for job in jobs)
+        self._fill_slots()
+
+    def _fill_slots(self) -> None:
+        """Start buffered jobs in the free slots: no round trip between one job and the next."""
+        while self.buffer and len(self.inflight) < self.lane.concurrency and (
+                self.mode == WorkerMode.RUNNING and self.isolating is None):
+            job, _claimed = self.buffer.popleft()
             self._start(job)
+
+    def _release_buffer(self) -> None:
+        """Give buffered jobs back: all of them when the worker stops taking work (a drain, a
+        retirement, a suspect to run alone), else those that waited too long."""
+        if not self.buffer:
+            return
+        if self.mode != WorkerMode.RUNNING or self.suspects_possible:
+            leaving = list(self.buffer)
+        else:
+            oldest_allowed = time.monotonic() - BUFFER_MAX_AGE
+            leaving = [entry for entry in self.buffer if entry[1] < oldest_allowed]
+        if not leaving:
+            return
+        leases = [job.lease for job, _claimed in leaving]
+        released = self._db(lambda conn: queue.release(conn, leases))
+        if released is None:
+            return  # the leases are still ours; tried again next turn
+        gone = {job.id for job, _claimed in leaving}
+        self.buffer = collections.deque(e for e in self.buffer if e[0].id not in gone)
+        self.counters.released += len(leaving)
+        log.debug("released buffered jobs", job_ids=sorted(gone))
 
     def _start(self, job: jobs.Job) -> None:
         started = time.monotonic()
@@ -483,7 +542,12 @@ class Worker:
                 self.isolating = None
             if running.abandoned:
                 continue  # already failed for its timeout; the late result changes nothing
-            self.pending_outcomes.append(outcome)
+            self._pend(outcome)
+
+    def _pend(self, outcome: Outcome) -> None:
+        if not self.pending_outcomes:
+            self.pending_since = time.monotonic()
+        self.pending_outcomes.append(outcome)
 
     def _expire_timeouts(self) -> None:
         now = time.monotonic()
@@ -497,8 +561,7 @@ class Worker:
                     # Failed for its timeout, it spends its attempt like any hung job; the
                     # thread it holds must not keep the whole worker from claiming.
                     self.isolating = None
-                self.pending_outcomes.append(
-                    Outcome(job, f"timed out after {self.lane.timeout:g}s"))
+                self._pend(Outcome(job, f"timed out after {self.lane.timeout:g}s"))
                 log.warning("job timed out", job_id=job.id, handler=job.handler,
                             timeout=self.lane.timeout)
 
@@ -510,6 +573,8 @@ class Worker:
         batch = self.pending_outcomes
         if not batch and request is None:
             return
+        if request is None and claim and not self._settle_due():
+            return
         committed = [o.job.id for o in batch if o.committed]
         lost = [o.job.id for o in batch if o.lease_lost]
         successes = [o.job.lease for o in batch if o.error is None and not o.committed
@@ -520,14 +585,18 @@ class Worker:
                           self.lane.max_attempts, final=o.final)
             for o in failed_jobs.values()
         ]
-        written = self._db(lambda conn: queue.settle_and_claim(conn, successes, failures,
-                                                              request))
+        separate = self.separate_next
+        written = self._db(lambda conn: queue.settle_and_claim(
+            conn, successes, failures, request, separate=separate))
         if written is None:
             if request is not None:
                 # The claim may have committed even if its rows did not reach us.
                 self.claims_unknown = True
+                self.separate_next = True
             return  # kept for the next connection: the leases still decide what applies
+        self.separate_next = False
         self.pending_outcomes = []
+        self.pending_since = None
         completed, failed, claimed = written
         self.counters.completed += len(completed.applied) + len(committed)
         self.counters.failed += len(failed.retried)
@@ -545,6 +614,15 @@ class Worker:
         # wake-up, a timer or a poll says there may be more work (maybe_more).
         if request is not None:
             self._started(claimed, request)
+
+    def _settle_due(self) -> bool:
+        """Whether outcomes with no claim to ride along should be written now."""
+        if self.mode != WorkerMode.RUNNING or not (self.inflight or self.buffer):
+            return True  # nothing else will come soon: do not keep the results waiting
+        if len(self.pending_outcomes) >= self.lane.concurrency:
+            return True
+        return (self.pending_since is not None
+                and time.monotonic() >= self.pending_since + SETTLE_DELAY)
 
     def _log_failures(self, failures: list[queue.Failure], failed: queue.FailOutcome,
                       outcomes: dict[int, Outcome]) -> None:
@@ -570,12 +648,17 @@ class Worker:
             return
         self.timers.next_heartbeat = now + self.lane.heartbeat
         held = [r.job.lease for r in self.inflight.values() if not r.abandoned and not r.lease_lost]
+        held += [job.lease for job, _claimed in self.buffer]
         if not held:
             return
         renewed = self._db(lambda conn: queue.heartbeat(conn, held, self.lane.visibility_timeout))
         if renewed is None:
             return
         lost = []
+        gone = set(renewed.lease_lost)
+        if any(job.id in gone for job, _claimed in self.buffer):
+            # Buffered and swept (a worker too slow to renew): never started, just dropped.
+            self.buffer = collections.deque(e for e in self.buffer if e[0].id not in gone)
         for job_id in renewed.lease_lost:
             running = self.inflight.get(job_id)
             if running is None:
@@ -596,14 +679,18 @@ class Worker:
         if not force and now < self.timers.next_report:
             return
         self.timers.next_report = now + REPORT_INTERVAL
-        busy = len(self.inflight)
+        running, buffered = len(self.inflight), len(self.buffer)
         title = (f"jobd: worker {self.lane.name}#{self.spec.slot} "
-                 f"busy {busy}/{self.lane.concurrency}")
+                 f"busy {running}/{self.lane.concurrency}")
+        if buffered:
+            title += f" +{buffered} claimed ahead"
         if self.mode != WorkerMode.RUNNING:
             title += f" {self.mode}"
         setproctitle.setproctitle(title)
-        report = StatusReport(busy, self.lane.concurrency, self.mode, self.conn is not None,
-                              self.counters.as_dict())
+        # Busy and capacity count the buffer: a worker whose buffer is full claims nothing,
+        # so waking it would only cost a round trip.
+        report = StatusReport(running + buffered, self.lane.concurrency + self.lane.buffer_size,
+                              self.mode, self.conn is not None, self.counters.as_dict())
         try:
             os.write(self.spec.status_fd, report.to_line())
         except (BlockingIOError, BrokenPipeError):
@@ -616,6 +703,7 @@ class Worker:
             self._ensure_connection()
         self._settle_and_claim(claim=False)
         unfinished = [r.job.lease for r in self.inflight.values() if not r.abandoned]
+        unfinished += [job.lease for job, _claimed in self.buffer]
         if unfinished:
             released = self._db(lambda conn: queue.release(conn, unfinished))
             log.info("released unfinished jobs", job_ids=[lease.id for lease in unfinished],

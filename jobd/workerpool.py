@@ -66,7 +66,8 @@ class WorkerProcess:
 
     @property
     def capacity(self) -> int:
-        return self.spec.lane.concurrency
+        """Jobs it can hold: its slots and the buffer it claims ahead into."""
+        return self.spec.lane.concurrency + self.spec.lane.buffer_size
 
     def signal(self, signum: int) -> None:
         try:

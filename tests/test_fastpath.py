@@ -95,14 +95,38 @@ def test_a_failing_outcome_skips_the_claim_and_leaves_the_connection_idle(
     assert sorted(j.id for j in claimed.jobs) == [good, other]
 
 
-def test_a_failing_claim_does_not_undo_the_outcomes(conn: psycopg.Connection) -> None:
+def test_outcomes_and_claim_commit_together_unless_asked_apart(
+        conn: psycopg.Connection) -> None:
+    """One transaction per cycle: a claim that fails takes the outcomes with it (their
+    leases make the retry safe); asked apart, the outcomes commit first and survive it."""
     jobd.enqueue(conn, "h")
     (job,) = queue.claim(conn, LANE, "w1", 1, 30.0)
     later = jobd.enqueue(conn, "h")
     with pytest.raises(errors.InvalidRowCountInLimitClause):
         queue.settle_and_claim(conn, [job.lease], [], request(limit=-1))
     assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    assert states(conn) == {job.id: "claimed", later: "pending"}
+    with pytest.raises(errors.InvalidRowCountInLimitClause):
+        queue.settle_and_claim(conn, [job.lease], [], request(limit=-1), separate=True)
+    assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
     assert states(conn) == {job.id: "done", later: "pending"}
+
+
+def test_one_cycle_is_one_commit(conn: psycopg.Connection) -> None:
+    """The finished job's archive row and the newly claimed job's row carry the same xmin:
+    one transaction, one WAL flush. Apart, they carry two."""
+    for separate in (False, True):
+        jobd.enqueue(conn, "h")
+        (job,) = queue.claim(conn, LANE, "w1", 1, 30.0)
+        jobd.enqueue(conn, "h")
+        claimed = queue.settle_and_claim(conn, [job.lease], [], request(), separate=separate)[2]
+        (fresh,) = claimed.jobs
+        row = conn.execute(
+            "SELECT (SELECT xmin::text FROM jobs_archive WHERE id = %s),"
+            " (SELECT xmin::text FROM jobs WHERE id = %s)", (job.id, fresh.id)).fetchone()
+        assert row is not None
+        assert (row[0] == row[1]) is not separate
+        queue.complete(conn, [fresh.lease])
 
 
 def test_statements_lost_by_the_session_are_prepared_again(conn: psycopg.Connection) -> None:
