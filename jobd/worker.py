@@ -156,6 +156,9 @@ class Worker:
         # After an exchange failed, the next one writes outcomes apart from its claim, so a
         # claim that keeps failing cannot keep undoing them.
         self.separate_next = False
+        # Set when the buffer went back to the queue for having waited too long; until a
+        # slot frees, claiming it back would only take it from the others again.
+        self.held_back = False
         # Set when a claim may have taken jobs whose rows never reached us (the connection
         # broke, or the rows could not be loaded): the loop then checks the jobs claimed in
         # our name against the ones it holds.
@@ -365,6 +368,8 @@ class Worker:
             self.maybe_more = True
         if not self.maybe_more or self.isolating is not None:
             return None
+        if self.held_back and len(self.inflight) >= self.lane.concurrency:
+            return None  # it just gave its buffer back for others: no claim until a slot frees
         if self.suspects_possible and (self.inflight or self.buffer):
             # A suspect is due and runs only on a worker that holds nothing: claim nothing
             # more until the jobs in flight are done (the buffer goes back to the queue), so
@@ -426,6 +431,7 @@ class Worker:
         if released is None:
             return  # the leases are still ours; tried again next turn
         gone = {job.id for job, _claimed in leaving}
+        self.held_back = self.mode == WorkerMode.RUNNING and not self.suspects_possible
         self.buffer = collections.deque(e for e in self.buffer if e[0].id not in gone)
         self.counters.released += len(leaving)
         log.debug("released buffered jobs", job_ids=sorted(gone))
@@ -538,6 +544,7 @@ class Worker:
                 # elsewhere): the late result changes nothing, and the new run stays held.
                 continue
             del self.inflight[outcome.job.id]
+            self.held_back = False
             if self.isolating == outcome.job.id:
                 self.isolating = None
             if running.abandoned:

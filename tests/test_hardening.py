@@ -459,3 +459,52 @@ def test_a_reload_whose_handlers_import_slowly_does_not_hold_up_the_lanes(
     assert not daemon.events("config reloaded", since=mark)  # still importing
     gate.touch()
     daemon.wait_for_log("config reloaded", since=mark)
+
+
+# --- claiming ahead (prefetch) -------------------------------------------------------------
+
+
+def held(conn: psycopg.Connection) -> dict[str, int]:
+    return dict(conn.execute("SELECT coalesce(claimed_by, '-'), count(*) FROM jobd.jobs"
+                             " GROUP BY 1").fetchall())
+
+
+def test_a_drain_gives_the_buffered_jobs_back_at_once(
+    daemons: Daemons, effects_db: psycopg.Connection
+) -> None:
+    daemon = new_daemon(daemons).start(config(
+        {"default": {"workers": 1, "concurrency": 1, "prefetch": 4}},
+        supervisor={"shutdown_timeout": "30s"}))
+    daemon.wait_workers_started("default", 1)
+    ids = jobd.enqueue_many(effects_db, [jobd.JobSpec("slow", {"seconds": 60})
+                                         for _ in range(5)])
+    wait_until(lambda: effects(effects_db, ids[0], "start"), 10, message="the first job")
+    wait_until(lambda: sum(held(effects_db).values()) == 5 and "-" not in held(effects_db), 10,
+               message=lambda: f"all five claimed, one running: {held(effects_db)}")
+    daemon.signal(signal.SIGTERM)
+    # The four waiting in the buffer are back at once, not after the 30 s drain.
+    wait_until(lambda: held(effects_db).get("-") == 4, 5,
+               message=lambda: f"the buffer to be released: {held(effects_db)}")
+    rows = effects_db.execute("SELECT attempts FROM jobd.jobs WHERE claimed_by IS NULL"
+                              ).fetchall()
+    assert rows == [(0,)] * 4
+
+
+def test_a_buffer_that_waits_too_long_goes_to_another_worker(
+    daemons: Daemons, effects_db: psycopg.Connection
+) -> None:
+    """One worker claims a slow job and buffers three more; they wait behind it only a
+    moment, then go back to the queue and the other worker runs them."""
+    daemon = new_daemon(daemons).start(config(
+        {"default": {"workers": 2, "concurrency": 1, "prefetch": 3}}))
+    pids = set(daemon.wait_workers_started("default", 2).values())
+    # One statement, one wake-up for four jobs: one worker (capacity 1 + 3) claims them all.
+    slow, *quick = jobd.enqueue_many(
+        effects_db, [jobd.JobSpec("slow", {"seconds": 30})] + [jobd.JobSpec("ok", {})] * 3)
+    wait_until(lambda: effects(effects_db, slow, "start"), 10, message="the slow job")
+    [slow_pid] = {e["pid"] for e in effects(effects_db, slow, "start")}
+    for job_id in quick:
+        wait_state(effects_db, job_id, "done", 15, daemon)
+    ran_on = {e["pid"] for job_id in quick for e in effects(effects_db, job_id, "end")}
+    assert ran_on <= pids - {slow_pid}
+    assert [job_row(effects_db, job_id)["attempts"] for job_id in quick] == [1, 1, 1]

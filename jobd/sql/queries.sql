@@ -208,17 +208,25 @@ UNION ALL
 SELECT id, 'dead', NULL FROM buried
 
 -- name: release_jobs
--- Gives claimed jobs back without spending their attempt (graceful shutdown): they are
--- claimable again at once, by any node.
-UPDATE jobs
-   SET state = 'pending',
-       attempts = greatest(jobs.attempts - 1, 0),
-       lease_until = NULL,
-       lease_token = NULL,
-       claimed_by = NULL
- WHERE jobs.id = ANY(%(ids)s::bigint[])
-   AND jobs.lease_token = (%(tokens)s::bigint[])[array_position(%(ids)s::bigint[], jobs.id)]
-RETURNING jobs.id
+-- Gives claimed jobs back without spending their attempt (a drain, a worker's buffer): they
+-- are claimable again at once, by any node, and their lanes are woken as an enqueue would
+-- wake them (the insert trigger does not see an UPDATE).
+WITH released AS (
+    UPDATE jobs
+       SET state = 'pending',
+           attempts = greatest(jobs.attempts - 1, 0),
+           lease_until = NULL,
+           lease_token = NULL,
+           claimed_by = NULL
+     WHERE jobs.id = ANY(%(ids)s::bigint[])
+       AND jobs.lease_token = (%(tokens)s::bigint[])[array_position(%(ids)s::bigint[], jobs.id)]
+    RETURNING jobs.id, jobs.lane
+),
+woken AS (
+    SELECT pg_notify(current_schema() || '_wakeup', lane || '#' || count(*))
+      FROM released GROUP BY lane
+)
+SELECT id FROM released WHERE (SELECT count(*) FROM woken) >= 0
 
 -- name: release_as_suspects
 -- Crash attribution for a worker that died holding several jobs: each gets its attempt back
