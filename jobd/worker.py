@@ -17,31 +17,26 @@ replaces the worker); SIGQUIT or a second SIGTERM stops at once, releasing what 
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import faulthandler
 import os
-import queue as stdlib_queue
 import random
 import signal
 import sys
-import threading
 import time
-import traceback
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import psycopg
 import setproctitle
 import structlog
-from psycopg_pool import ConnectionPool
 
-from jobd import exactly_once, jobs, logs, outbox, pipes, protocol, queue, recovery
 from jobd import handlers as handler_registry
-from jobd.db import ManagedConnection, conninfo
+from jobd import jobs, logs, outbox, pipes, protocol, queue, recovery
+from jobd.db import ManagedConnection
 from jobd.eventloop import SelectLoop
+from jobd.handler_runner import HandlerRunner, Outcome, first_line_of
 from jobd.protocol import (
     EXIT_BOOT_FAILURE,
     EXIT_OK,
@@ -53,7 +48,6 @@ from jobd.protocol import (
 
 REPORT_INTERVAL = 1.0  # seconds between liveness reports to the supervisor
 SAFETY_POLL_FACTOR = 12  # a worker's own fallback poll, in lane poll_intervals
-MAX_ERROR_CHARS = 4000
 # Outcomes wait this long for company before they are written, unless the worker claims
 # anyway, the batch reaches the lane's concurrency, or nothing else is running.
 SETTLE_DELAY = 0.002
@@ -87,53 +81,11 @@ class Counters:
 
 
 @dataclass(slots=True)
-class Outcome:
-    job: jobs.Job
-    error: str | None  # None: success
-    committed: bool = False  # a transactional handler already completed the job
-    lease_lost: bool = False  # the lease was lost before the commit; nothing was written
-    final: bool = False  # the failure cannot be retried away (an undecodable payload)
-
-
-@dataclass(slots=True)
 class _Timers:
     next_poll: float = 0.0
     next_heartbeat: float = 0.0
     next_report: float = 0.0
     wake_at: list[float] = field(default_factory=list)  # retries of our own failed jobs
-
-
-class JobTimedOut(Exception):
-    """An async handler overran the lane's timeout and was cancelled."""
-
-
-def format_error(exc: BaseException) -> str:
-    """The text stored as a failed attempt's error: the exception's headline, then its
-    traceback, each at most MAX_ERROR_CHARS, and always storable: PostgreSQL text cannot hold
-    NUL or lone surrogates, and an exception whose ``__str__`` fails still fails its job
-    rather than the worker thread that ran it."""
-    try:
-        headline = f"{type(exc).__name__}: {exc}"
-    except Exception as broken:
-        headline = f"{type(exc).__name__} (its message could not be formatted: {broken!r})"
-    try:
-        text = "".join(traceback.format_exception(exc))
-    except Exception:
-        text = headline
-    headline, text = _storable(headline)[:MAX_ERROR_CHARS], _storable(text)
-    if len(text) > MAX_ERROR_CHARS:
-        text = text[-MAX_ERROR_CHARS:]
-    return f"{headline}\n{text}" if text.strip() != headline else headline
-
-
-def first_line_of(text: str) -> str:
-    """The headline of an error text (format_error puts it first)."""
-    return text.split("\n", 1)[0]
-
-
-def _storable(text: str) -> str:
-    return (text.replace("\x00", "\\x00")
-            .encode("utf-8", "backslashreplace").decode("utf-8"))
 
 
 class Worker:
@@ -169,7 +121,6 @@ class Worker:
         # Whether a suspect may be due in the lane: a new worker looks once; the supervisor
         # says so again (a SUSPECTS byte) when it makes some or one falls due.
         self.suspects_possible = True
-        self.outcomes: stdlib_queue.SimpleQueue[Outcome] = stdlib_queue.SimpleQueue()
         self.pending_outcomes: list[Outcome] = []
         self.pending_since: float | None = None  # when the oldest pending outcome arrived
         self.counters = Counters()
@@ -178,31 +129,12 @@ class Worker:
         self.mode = WorkerMode.RUNNING
         self.drain_deadline: float | None = None
         self.stop_now = False
-        self.handler_queue: stdlib_queue.SimpleQueue[
-            tuple[handler_registry.ResolvedHandler, jobs.Job]] = stdlib_queue.SimpleQueue()
-        self.handler_threads: list[threading.Thread] = []
-        self._poked = False
-        self.tx_pool: ConnectionPool | None = None
-        if any(h.is_transactional for h in resolved.values()):
-            # Handler connections: one per concurrent transactional job, opened on demand.
-            # The user's search_path, not jobd's: a handler's statements resolve as on any
-            # other connection of its role; jobd's own statements there are qualified.
-            self.tx_pool = ConnectionPool(
-                conninfo(spec.database_url, None,
-                         f"jobd handler {spec.lane.name}#{spec.slot}"),
-                min_size=0, max_size=spec.lane.concurrency, open=True,
-                kwargs={"autocommit": True}, name=f"jobd-{spec.lane.name}-handlers")
-        self.asyncio_loop: asyncio.AbstractEventLoop | None = None
-        if any(h.is_async for h in resolved.values()):
-            self.asyncio_loop = asyncio.new_event_loop()
-            threading.Thread(target=self.asyncio_loop.run_forever, name="jobd-async",
-                             daemon=True).start()
+        self.runner = HandlerRunner(spec, resolved)
         self.loop = SelectLoop()
-        self._results_r, self._results_w = os.pipe()
-        for fd in (self._results_r, self._results_w, spec.wake_fd, spec.status_fd):
+        for fd in (spec.wake_fd, spec.status_fd):
             os.set_blocking(fd, False)
         self.loop.register(spec.wake_fd, self._on_wake)
-        self.loop.register(self._results_r, pipes.drain)
+        self.loop.register(self.runner.results_r, pipes.drain)
 
     @property
     def conn(self) -> psycopg.Connection | None:
@@ -440,104 +372,10 @@ class Worker:
         started = time.monotonic()
         deadline = started + self.lane.timeout if self.lane.timeout else None
         self.inflight[job.id] = Running(job, started, deadline)
-        resolved = self.handlers.get(job.handler)
-        if resolved is None:
-            self._deliver(Outcome(job, f"LookupError: no handler named {job.handler!r} on this "
-                                       f"worker (lane {job.lane!r})"))
-        elif resolved.is_async:
-            assert self.asyncio_loop is not None
-            future = asyncio.run_coroutine_threadsafe(self._run_async(resolved, job),
-                                                      self.asyncio_loop)
-            future.add_done_callback(lambda done, job=job: self._finish_async(job, done))
-        else:
-            self._ensure_handler_threads()
-            self.handler_queue.put((resolved, job))
-
-    def _ensure_handler_threads(self) -> None:
-        # A plain queue and long-lived threads: cheaper per job than an executor's futures
-        # and callbacks, which matters when jobs take microseconds.
-        while len(self.handler_threads) < self.lane.concurrency:
-            thread = threading.Thread(target=self._handler_thread, daemon=True,
-                                      name=f"jobd-{self.lane.name}-{len(self.handler_threads)}")
-            thread.start()
-            self.handler_threads.append(thread)
-
-    def _handler_thread(self) -> None:
-        while True:
-            resolved, job = self.handler_queue.get()
-            logs.bind_job(job.id, job.handler)
-            try:
-                if resolved.is_transactional:
-                    self._run_transactional(resolved, job)
-                    outcome = Outcome(job, None, committed=True)
-                else:
-                    resolved.func(job)
-                    outcome = Outcome(job, None)
-            except exactly_once.LeaseLost:
-                outcome = Outcome(job, None, lease_lost=True)
-            except BaseException as exc:  # a handler's sys.exit() fails its job, no more
-                outcome = self._failure(job, exc)
-            finally:
-                logs.unbind_job()
-            self._deliver(outcome)
-
-    def _run_transactional(self, resolved: handler_registry.ResolvedHandler,
-                           job: jobs.Job) -> str:
-        assert self.tx_pool is not None
-        with self.tx_pool.connection() as conn:
-            return exactly_once.run_transactional(conn, job, resolved.func, self.spec.schema,
-                                                  self.lane.timeout)
-
-    async def _run_async(self, resolved: handler_registry.ResolvedHandler,
-                         job: jobs.Job) -> Any:
-        if not self.lane.timeout:
-            return await resolved.func(job)
-        scope = asyncio.timeout(self.lane.timeout)
-        try:
-            async with scope:
-                return await resolved.func(job)
-        except TimeoutError:
-            if scope.expired():  # our deadline, not a TimeoutError raised by the handler
-                raise JobTimedOut(f"timed out after {self.lane.timeout:g}s") from None
-            raise
-
-    def _finish_async(self, job: jobs.Job, future: Future[Any]) -> None:
-        try:
-            exc = future.exception()
-        except BaseException as cancelled:  # CancelledError: the event loop went away
-            exc = cancelled
-        if isinstance(exc, JobTimedOut):
-            self._deliver(Outcome(job, str(exc)))
-        elif exc is not None:
-            self._deliver(self._failure(job, exc))
-        else:
-            self._deliver(Outcome(job, None))
-
-    @staticmethod
-    def _failure(job: jobs.Job, exc: BaseException) -> Outcome:
-        if job.undecodable:
-            # Every attempt would fail the same way: to the dead-letter queue at once.
-            return Outcome(job, format_error(exc), final=True)
-        return Outcome(job, format_error(exc))
-
-    def _deliver(self, outcome: Outcome) -> None:
-        """From any thread: hand an outcome to the loop, waking it if it may be asleep.
-
-        One wake-up per batch: the loop clears ``_poked`` before it drains the queue, so an
-        outcome queued after the drain started always finds it clear and pokes again.
-        """
-        self.outcomes.put(outcome)
-        if not self._poked:
-            self._poked = True
-            pipes.poke(self._results_w)
+        self.runner.start(job)
 
     def _collect_outcomes(self) -> None:
-        self._poked = False
-        while True:
-            try:
-                outcome = self.outcomes.get_nowait()
-            except stdlib_queue.Empty:
-                return
+        for outcome in self.runner.collect():
             running = self.inflight.get(outcome.job.id)
             if running is None or running.job.lease_token != outcome.job.lease_token:
                 # A run abandoned for its timeout whose job was claimed again since (here or
@@ -561,7 +399,7 @@ class Worker:
         for running in self.inflight.values():
             if running.deadline is not None and now >= running.deadline and not running.abandoned:
                 job = running.job
-                if self.handlers.get(job.handler) and self.handlers[job.handler].is_async:
+                if self.runner.is_async(job.handler):
                     continue  # asyncio.wait_for cancels it and reports the timeout itself
                 running.abandoned = True
                 if self.isolating == job.id:
@@ -673,8 +511,7 @@ class Worker:
             running.lease_lost = True
             # A transactional job completes itself when it commits; its lease is gone then
             # and its outcome (done, or LeaseLost) is on the way. Only the others are lost.
-            resolved = self.handlers.get(running.job.handler)
-            if not (resolved and resolved.is_transactional):
+            if not self.runner.is_transactional(running.job.handler):
                 lost.append(job_id)
         if lost:
             log.warning("lease lost while running (expired and swept?)", job_ids=lost)
@@ -717,8 +554,7 @@ class Worker:
                      released=len(released.applied) if released else 0)
         self._report(force=True)
         self.link.close()
-        if self.tx_pool is not None:
-            self.tx_pool.close(timeout=1.0)
+        self.runner.close()
 
 
 def main() -> int:

@@ -10,7 +10,7 @@ import psycopg
 import pytest
 
 import jobd
-from jobd import protocol, queue, worker
+from jobd import handler_runner, protocol, queue, worker
 from jobd.config import LaneConfig
 from jobd.db import DEFAULT_SCHEMA
 
@@ -52,8 +52,8 @@ def test_an_error_text_with_a_nul_byte_is_stored_escaped(
     try:
         raise ValueError("cannot parse b'\x00\x01'")
     except ValueError as exc:
-        error = worker.format_error(exc)
-    loop.pending_outcomes = [worker.Outcome(good, None), worker.Outcome(bad, error)]
+        error = handler_runner.format_error(exc)
+    loop.pending_outcomes = [handler_runner.Outcome(good, None), handler_runner.Outcome(bad, error)]
     loop._settle_and_claim(claim=False)
     assert loop.pending_outcomes == []
     assert state_of(conn, good.id)[0] == "done"
@@ -86,7 +86,7 @@ def test_after_a_lost_connection_claims_it_never_received_fail_as_an_attempt(
         jobd.enqueue(conn, "h")
     # A claim whose result was lost with the connection, next to a job the worker did get.
     held, *orphans = queue.claim(conn, LANE, WORKER_ID, 3, 30.0)
-    loop.pending_outcomes = [worker.Outcome(held, None)]
+    loop.pending_outcomes = [handler_runner.Outcome(held, None)]
     loop.link.lost("test", psycopg.OperationalError("server closed the connection"))
     loop._ensure_connection()
     loop._fail_claims_not_held()
@@ -130,6 +130,6 @@ def test_a_late_result_of_an_abandoned_run_leaves_the_new_run_held(
     (second,) = queue.claim(conn, LANE, WORKER_ID, 1, 30.0)
     assert second.id == first.id and second.lease_token != first.lease_token
     loop.inflight[second.id] = worker.Running(second, 0.0, None)
-    loop.outcomes.put(worker.Outcome(first, None))
+    loop.runner.outcomes.put(handler_runner.Outcome(first, None))
     loop._collect_outcomes()
     assert loop.inflight[second.id].job is second and loop.pending_outcomes == []

@@ -1,0 +1,211 @@
+"""Running handlers: sync ones on long-lived threads (one per slot of the lane's
+``concurrency``), ``async def`` ones on an event-loop thread, transactional ones on a
+connection of their own (:mod:`jobd.exactly_once`). Each run ends in an :class:`Outcome`,
+handed to the worker's loop through a queue and one pipe wake-up per batch."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import queue as stdlib_queue
+import threading
+import traceback
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from psycopg_pool import ConnectionPool
+
+from jobd import exactly_once, jobs, logs, pipes
+from jobd import handlers as handler_registry
+from jobd.db import conninfo
+from jobd.protocol import WorkerSpec, backend_name
+
+MAX_ERROR_CHARS = 4000
+
+
+@dataclass(slots=True)
+class Outcome:
+    job: jobs.Job
+    error: str | None  # None: success
+    committed: bool = False  # a transactional handler already completed the job
+    lease_lost: bool = False  # the lease was lost before the commit; nothing was written
+    final: bool = False  # the failure cannot be retried away (an undecodable payload)
+
+
+class JobTimedOut(Exception):
+    """An async handler overran the lane's timeout and was cancelled."""
+
+
+def format_error(exc: BaseException) -> str:
+    """The text stored as a failed attempt's error: the exception's headline, then its
+    traceback, each at most MAX_ERROR_CHARS, and always storable: PostgreSQL text cannot hold
+    NUL or lone surrogates, and an exception whose ``__str__`` fails still fails its job
+    rather than the worker thread that ran it."""
+    try:
+        headline = f"{type(exc).__name__}: {exc}"
+    except Exception as broken:
+        headline = f"{type(exc).__name__} (its message could not be formatted: {broken!r})"
+    try:
+        text = "".join(traceback.format_exception(exc))
+    except Exception:
+        text = headline
+    headline, text = _storable(headline)[:MAX_ERROR_CHARS], _storable(text)
+    if len(text) > MAX_ERROR_CHARS:
+        text = text[-MAX_ERROR_CHARS:]
+    return f"{headline}\n{text}" if text.strip() != headline else headline
+
+
+def first_line_of(text: str) -> str:
+    """The headline of an error text (format_error puts it first)."""
+    return text.split("\n", 1)[0]
+
+
+def _storable(text: str) -> str:
+    return (text.replace("\x00", "\\x00")
+            .encode("utf-8", "backslashreplace").decode("utf-8"))
+
+
+class HandlerRunner:
+    def __init__(self, spec: WorkerSpec,
+                 resolved: dict[str, handler_registry.ResolvedHandler]) -> None:
+        self.spec = spec
+        self.lane = spec.lane
+        self.handlers = resolved
+        self.outcomes: stdlib_queue.SimpleQueue[Outcome] = stdlib_queue.SimpleQueue()
+        self.handler_queue: stdlib_queue.SimpleQueue[
+            tuple[handler_registry.ResolvedHandler, jobs.Job]] = stdlib_queue.SimpleQueue()
+        self.handler_threads: list[threading.Thread] = []
+        self._poked = False
+        self.tx_pool: ConnectionPool | None = None
+        if any(h.is_transactional for h in resolved.values()):
+            # Handler connections: one per concurrent transactional job, opened on demand.
+            # The user's search_path, not jobd's: a handler's statements resolve as on any
+            # other connection of its role; jobd's own statements there are qualified.
+            self.tx_pool = ConnectionPool(
+                conninfo(spec.database_url, None,
+                         backend_name(spec.worker_id, f"handler {spec.lane.name}#{spec.slot}")),
+                min_size=0, max_size=spec.lane.concurrency, open=True,
+                kwargs={"autocommit": True}, name=f"jobd-{spec.lane.name}-handlers")
+        self.asyncio_loop: asyncio.AbstractEventLoop | None = None
+        if any(h.is_async for h in resolved.values()):
+            self.asyncio_loop = asyncio.new_event_loop()
+            threading.Thread(target=self.asyncio_loop.run_forever, name="jobd-async",
+                             daemon=True).start()
+        self.results_r, self._results_w = os.pipe()
+        for fd in (self.results_r, self._results_w):
+            os.set_blocking(fd, False)
+
+    def is_async(self, handler: str) -> bool:
+        resolved = self.handlers.get(handler)
+        return resolved is not None and resolved.is_async
+
+    def is_transactional(self, handler: str) -> bool:
+        resolved = self.handlers.get(handler)
+        return resolved is not None and resolved.is_transactional
+
+    def start(self, job: jobs.Job) -> None:
+        resolved = self.handlers.get(job.handler)
+        if resolved is None:
+            self._deliver(Outcome(job, f"LookupError: no handler named {job.handler!r} on this "
+                                       f"worker (lane {job.lane!r})"))
+        elif resolved.is_async:
+            assert self.asyncio_loop is not None
+            future = asyncio.run_coroutine_threadsafe(self._run_async(resolved, job),
+                                                      self.asyncio_loop)
+            future.add_done_callback(lambda done, job=job: self._finish_async(job, done))
+        else:
+            self._ensure_handler_threads()
+            self.handler_queue.put((resolved, job))
+
+    def _ensure_handler_threads(self) -> None:
+        # A plain queue and long-lived threads: cheaper per job than an executor's futures
+        # and callbacks, which matters when jobs take microseconds.
+        while len(self.handler_threads) < self.lane.concurrency:
+            thread = threading.Thread(target=self._handler_thread, daemon=True,
+                                      name=f"jobd-{self.lane.name}-{len(self.handler_threads)}")
+            thread.start()
+            self.handler_threads.append(thread)
+
+    def _handler_thread(self) -> None:
+        while True:
+            resolved, job = self.handler_queue.get()
+            logs.bind_job(job.id, job.handler)
+            try:
+                if resolved.is_transactional:
+                    self._run_transactional(resolved, job)
+                    outcome = Outcome(job, None, committed=True)
+                else:
+                    resolved.func(job)
+                    outcome = Outcome(job, None)
+            except exactly_once.LeaseLost:
+                outcome = Outcome(job, None, lease_lost=True)
+            except BaseException as exc:  # a handler's sys.exit() fails its job, no more
+                outcome = self._failure(job, exc)
+            finally:
+                logs.unbind_job()
+            self._deliver(outcome)
+
+    def _run_transactional(self, resolved: handler_registry.ResolvedHandler,
+                           job: jobs.Job) -> str:
+        assert self.tx_pool is not None
+        with self.tx_pool.connection() as conn:
+            return exactly_once.run_transactional(conn, job, resolved.func, self.spec.schema,
+                                                  self.lane.timeout)
+
+    async def _run_async(self, resolved: handler_registry.ResolvedHandler,
+                         job: jobs.Job) -> Any:
+        if not self.lane.timeout:
+            return await resolved.func(job)
+        scope = asyncio.timeout(self.lane.timeout)
+        try:
+            async with scope:
+                return await resolved.func(job)
+        except TimeoutError:
+            if scope.expired():  # our deadline, not a TimeoutError raised by the handler
+                raise JobTimedOut(f"timed out after {self.lane.timeout:g}s") from None
+            raise
+
+    def _finish_async(self, job: jobs.Job, future: Future[Any]) -> None:
+        try:
+            exc = future.exception()
+        except BaseException as cancelled:  # CancelledError: the event loop went away
+            exc = cancelled
+        if isinstance(exc, JobTimedOut):
+            self._deliver(Outcome(job, str(exc)))
+        elif exc is not None:
+            self._deliver(self._failure(job, exc))
+        else:
+            self._deliver(Outcome(job, None))
+
+    @staticmethod
+    def _failure(job: jobs.Job, exc: BaseException) -> Outcome:
+        if job.undecodable:
+            # Every attempt would fail the same way: to the dead-letter queue at once.
+            return Outcome(job, format_error(exc), final=True)
+        return Outcome(job, format_error(exc))
+
+    def _deliver(self, outcome: Outcome) -> None:
+        """From any thread: hand an outcome to the loop, waking it if it may be asleep.
+
+        One wake-up per batch: the loop clears ``_poked`` before it drains the queue, so an
+        outcome queued after the drain started always finds it clear and pokes again.
+        """
+        self.outcomes.put(outcome)
+        if not self._poked:
+            self._poked = True
+            pipes.poke(self._results_w)
+
+    def collect(self) -> list[Outcome]:
+        """The outcomes delivered since the last call (from the loop's thread)."""
+        self._poked = False
+        collected = []
+        while True:
+            try:
+                collected.append(self.outcomes.get_nowait())
+            except stdlib_queue.Empty:
+                return collected
+
+    def close(self) -> None:
+        if self.tx_pool is not None:
+            self.tx_pool.close(timeout=1.0)
