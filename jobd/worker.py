@@ -17,7 +17,6 @@ replaces the worker); SIGQUIT or a second SIGTERM stops at once, releasing what 
 
 from __future__ import annotations
 
-import collections
 import faulthandler
 import os
 import random
@@ -25,7 +24,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
@@ -34,9 +33,11 @@ import structlog
 
 from jobd import handlers as handler_registry
 from jobd import jobs, logs, outbox, pipes, protocol, queue, recovery
+from jobd.claimer import BUFFER_MAX_AGE, Claimer
+from jobd.completer import Completer, Counters
 from jobd.db import ManagedConnection
 from jobd.eventloop import SelectLoop
-from jobd.handler_runner import HandlerRunner, Outcome, first_line_of
+from jobd.handler_runner import HandlerRunner, Outcome
 from jobd.protocol import (
     EXIT_BOOT_FAILURE,
     EXIT_OK,
@@ -48,12 +49,6 @@ from jobd.protocol import (
 
 REPORT_INTERVAL = 1.0  # seconds between liveness reports to the supervisor
 SAFETY_POLL_FACTOR = 12  # a worker's own fallback poll, in lane poll_intervals
-# Outcomes wait this long for company before they are written, unless the worker claims
-# anyway, the batch reaches the lane's concurrency, or nothing else is running.
-SETTLE_DELAY = 0.002
-# Claimed jobs waiting for a free slot go back to the queue after this long: a buffer that
-# sits still must not keep work from other workers, or priorities from being looked at anew.
-BUFFER_MAX_AGE = 2.0
 
 log = structlog.get_logger("jobd.worker")
 
@@ -65,19 +60,6 @@ class Running:
     deadline: float | None
     abandoned: bool = False  # failed for its timeout; the thread has not returned yet
     lease_lost: bool = False  # a heartbeat found it expired and swept, or claimed again
-
-
-@dataclass(slots=True)
-class Counters:
-    claimed: int = 0
-    completed: int = 0
-    failed: int = 0
-    dead: int = 0
-    lease_lost: int = 0
-    released: int = 0  # claimed into the buffer, then given back unstarted
-
-    def as_dict(self) -> dict[str, int]:
-        return asdict(self)
 
 
 @dataclass(slots=True)
@@ -102,30 +84,17 @@ class Worker:
             # applies (in a pipelined settle, statements before it may have committed).
             pause_after_failure=1.0)
         self.inflight: dict[int, Running] = {}
-        # Claimed ahead of free slots (the lane's prefetch), oldest first, with the monotonic
-        # instant of their claim. Their leases are renewed like those of running jobs.
-        self.buffer: collections.deque[tuple[jobs.Job, float]] = collections.deque()
+        self.claimer = Claimer(spec.lane, spec.worker_id)
         # After an exchange failed, the next one writes outcomes apart from its claim, so a
         # claim that keeps failing cannot keep undoing them.
         self.separate_next = False
-        # Set when the buffer went back to the queue for having waited too long; until a
-        # slot frees, claiming it back would only take it from the others again.
-        self.held_back = False
         # Set when a claim may have taken jobs whose rows never reached us (the connection
         # broke, or the rows could not be loaded): the loop then checks the jobs claimed in
         # our name against the ones it holds.
         self.claims_unknown = False
-        # The suspect this worker runs alone (see recovery.settle_crashed_worker): while it runs,
-        # nothing else is claimed.
-        self.isolating: int | None = None
-        # Whether a suspect may be due in the lane: a new worker looks once; the supervisor
-        # says so again (a SUSPECTS byte) when it makes some or one falls due.
-        self.suspects_possible = True
-        self.pending_outcomes: list[Outcome] = []
-        self.pending_since: float | None = None  # when the oldest pending outcome arrived
         self.counters = Counters()
+        self.completer = Completer(spec.lane, self.counters)
         self.timers = _Timers()
-        self.maybe_more = True  # there may be due work: claim when capacity allows
         self.mode = WorkerMode.RUNNING
         self.drain_deadline: float | None = None
         self.stop_now = False
@@ -201,7 +170,7 @@ class Worker:
         if self.mode == WorkerMode.RUNNING:
             return False
         working = [r for r in self.inflight.values() if not r.abandoned]
-        if not working and not self.pending_outcomes and not self.buffer:
+        if not working and not self.completer.pending and not self.claimer.buffer:
             return True
         return (self.mode == WorkerMode.DRAINING and self.drain_deadline is not None
                 and time.monotonic() >= self.drain_deadline)
@@ -221,10 +190,12 @@ class Worker:
             moments.append(self.drain_deadline)
         moments.extend(r.deadline for r in self.inflight.values()
                        if r.deadline is not None and not r.abandoned)
-        if self.pending_since is not None:
-            moments.append(max(self.pending_since + SETTLE_DELAY, database_ready))
-        if self.buffer:
-            moments.append(self.buffer[0][1] + BUFFER_MAX_AGE)
+        settle_at = self.completer.due_at()
+        if settle_at is not None:
+            moments.append(max(settle_at, database_ready))
+        oldest_claim = self.claimer.oldest_claim()
+        if oldest_claim is not None:
+            moments.append(oldest_claim + BUFFER_MAX_AGE)
         return max(0.0, min(moments) - now)
 
     def _poll_delay(self) -> float:
@@ -249,15 +220,15 @@ class Worker:
                 self._on_signal(signal.SIGTERM)
             return
         log.debug("woken", lane=self.lane.name)
-        self.maybe_more = True
+        self.claimer.maybe_more = True
         if protocol.SUSPECTS in data:
-            self.suspects_possible = True
+            self.claimer.suspects_possible = True
 
     # --- database --------------------------------------------------------------------------
 
     def _ensure_connection(self) -> None:
         if self.link.ensure():
-            self.maybe_more = True
+            self.claimer.maybe_more = True
 
     def _db(self, operation: Callable[[psycopg.Connection], Any], what: str = "queue") -> Any:
         """Run ``operation`` on the connection; None when there is none or it failed."""
@@ -272,8 +243,8 @@ class Worker:
         count as a failed attempt (retried after the backoff, dead when the budget is
         spent), so a job whose claim fails the same way every time cannot loop forever."""
         held = [r.job.lease for r in self.inflight.values()]
-        held += [o.job.lease for o in self.pending_outcomes]
-        held += [job.lease for job, _claimed in self.buffer]
+        held += [o.job.lease for o in self.completer.pending]
+        held += self.claimer.leases()
         policy = self.lane.retry_policy
         outcome = self._db(lambda conn: recovery.fail_claims_not_held(
             conn, self.spec.worker_id, held,
@@ -291,80 +262,37 @@ class Worker:
     # --- claiming and running --------------------------------------------------------------
 
     def _claim_request(self) -> queue.ClaimRequest | None:
-        """What to claim now, or None: only when running, with capacity, and maybe work."""
+        """What to claim now, or None: only when running, with room, and maybe work."""
         now = time.monotonic()
-        if self.mode != WorkerMode.RUNNING:
-            return None
         if any(t <= now for t in self.timers.wake_at) or now >= self.timers.next_poll:
             self.timers.wake_at = [t for t in self.timers.wake_at if t > now]
-            self.maybe_more = True
-        if not self.maybe_more or self.isolating is not None:
-            return None
-        if self.held_back and len(self.inflight) >= self.lane.concurrency:
-            return None  # it just gave its buffer back for others: no claim until a slot frees
-        if self.suspects_possible and (self.inflight or self.buffer):
-            # A suspect is due and runs only on a worker that holds nothing: claim nothing
-            # more until the jobs in flight are done (the buffer goes back to the queue), so
-            # it cannot wait behind a busy lane.
-            return None
-        prefetch = self.lane.buffer_size
-        free = self.lane.concurrency + prefetch - len(self.inflight) - len(self.buffer)
-        # Top up a buffer only once it runs low, so claims come in batches.
-        if free <= 0 or len(self.buffer) > prefetch // 2:
-            return None
-        # Only a worker that holds nothing may take a suspect, which must run alone.
-        return queue.ClaimRequest(self.lane.name, self.spec.worker_id, free,
-                                  self.lane.visibility_timeout,
-                                  suspect_first=self.suspects_possible and not self.inflight)
+            self.claimer.maybe_more = True
+        return self.claimer.request(self.mode, len(self.inflight))
 
     def _started(self, claimed: queue.Claimed, request: queue.ClaimRequest) -> None:
-        jobs = claimed.jobs
-        if request.suspect_first and claimed.suspect is None:
-            self.suspects_possible = False  # none due now; the supervisor says when again
-        # A suspect runs alone; once it is done the worker is idle and asks for the next.
-        self.maybe_more = len(jobs) == request.limit or claimed.suspect is not None
         self.timers.next_poll = time.monotonic() + self._poll_delay()
-        if claimed.suspect is not None:
-            self.isolating = claimed.suspect.id
-            jobs = [claimed.suspect, *jobs]
-            log.info("running a suspect alone", job_id=claimed.suspect.id,
-                     handler=claimed.suspect.handler)
-        self.counters.claimed += len(jobs)
-        if jobs:
-            log.debug("claimed", lane=self.lane.name, job_ids=[job.id for job in jobs])
-        if claimed.suspect is not None:
-            self._start(claimed.suspect)
-            return
-        now = time.monotonic()
-        self.buffer.extend((job, now) for job in jobs)
+        taken = [claimed.suspect, *claimed.jobs] if claimed.suspect else claimed.jobs
+        self.counters.claimed += len(taken)
+        if taken:
+            log.debug("claimed", lane=self.lane.name, job_ids=[job.id for job in taken])
+        for job in self.claimer.took(claimed, request):
+            self._start(job)
         self._fill_slots()
 
     def _fill_slots(self) -> None:
         """Start buffered jobs in the free slots: no round trip between one job and the next."""
-        while self.buffer and len(self.inflight) < self.lane.concurrency and (
-                self.mode == WorkerMode.RUNNING and self.isolating is None):
-            job, _claimed = self.buffer.popleft()
+        while (job := self.claimer.next_to_start(self.mode, len(self.inflight))) is not None:
             self._start(job)
 
     def _release_buffer(self) -> None:
-        """Give buffered jobs back: all of them when the worker stops taking work (a drain, a
-        retirement, a suspect to run alone), else those that waited too long."""
-        if not self.buffer:
-            return
-        if self.mode != WorkerMode.RUNNING or self.suspects_possible:
-            leaving = list(self.buffer)
-        else:
-            oldest_allowed = time.monotonic() - BUFFER_MAX_AGE
-            leaving = [entry for entry in self.buffer if entry[1] < oldest_allowed]
+        leaving = self.claimer.to_release(self.mode, time.monotonic())
         if not leaving:
             return
-        leases = [job.lease for job, _claimed in leaving]
-        released = self._db(lambda conn: queue.release(conn, leases))
-        if released is None:
+        leases = [job.lease for job in leaving]
+        if self._db(lambda conn: queue.release(conn, leases)) is None:
             return  # the leases are still ours; tried again next turn
-        gone = {job.id for job, _claimed in leaving}
-        self.held_back = self.mode == WorkerMode.RUNNING and not self.suspects_possible
-        self.buffer = collections.deque(e for e in self.buffer if e[0].id not in gone)
+        gone = {job.id for job in leaving}
+        self.claimer.released(self.mode, gone)
         self.counters.released += len(leaving)
         log.debug("released buffered jobs", job_ids=sorted(gone))
 
@@ -382,17 +310,10 @@ class Worker:
                 # elsewhere): the late result changes nothing, and the new run stays held.
                 continue
             del self.inflight[outcome.job.id]
-            self.held_back = False
-            if self.isolating == outcome.job.id:
-                self.isolating = None
+            self.claimer.finished(outcome.job.id)
             if running.abandoned:
                 continue  # already failed for its timeout; the late result changes nothing
-            self._pend(outcome)
-
-    def _pend(self, outcome: Outcome) -> None:
-        if not self.pending_outcomes:
-            self.pending_since = time.monotonic()
-        self.pending_outcomes.append(outcome)
+            self.completer.add(outcome)
 
     def _expire_timeouts(self) -> None:
         now = time.monotonic()
@@ -402,37 +323,25 @@ class Worker:
                 if self.runner.is_async(job.handler):
                     continue  # asyncio.wait_for cancels it and reports the timeout itself
                 running.abandoned = True
-                if self.isolating == job.id:
-                    # Failed for its timeout, it spends its attempt like any hung job; the
-                    # thread it holds must not keep the whole worker from claiming.
-                    self.isolating = None
-                self._pend(Outcome(job, f"timed out after {self.lane.timeout:g}s"))
+                # Failed for its timeout, it spends its attempt like any hung job; the thread
+                # it holds must not keep the worker from claiming.
+                self.claimer.finished(job.id)
+                self.completer.add(Outcome(job, f"timed out after {self.lane.timeout:g}s"))
                 log.warning("job timed out", job_id=job.id, handler=job.handler,
                             timeout=self.lane.timeout)
 
     def _settle_and_claim(self, claim: bool = True) -> None:
-        """Write finished jobs' outcomes and claim more work in one round trip."""
+        """Write finished jobs' outcomes and claim more work: one round trip, one commit."""
         if self.conn is None:
             return
         request = self._claim_request() if claim else None
-        batch = self.pending_outcomes
-        if not batch and request is None:
+        if request is None and not (self.completer.pending and (
+                not claim or self.completer.due(busy=self._busy()))):
             return
-        if request is None and claim and not self._settle_due():
-            return
-        committed = [o.job.id for o in batch if o.committed]
-        lost = [o.job.id for o in batch if o.lease_lost]
-        successes = [o.job.lease for o in batch if o.error is None and not o.committed
-                     and not o.lease_lost]
-        failed_jobs = {o.job.id: o for o in batch if o.error is not None}
-        failures = [
-            queue.Failure(o.job.lease, o.error, self.lane.backoff.delay(o.job.attempt),
-                          self.lane.max_attempts, final=o.final)
-            for o in failed_jobs.values()
-        ]
+        batch = self.completer.batch()
         separate = self.separate_next
         written = self._db(lambda conn: queue.settle_and_claim(
-            conn, successes, failures, request, separate=separate))
+            conn, batch.successes, batch.failures, request, separate=separate))
         if written is None:
             if request is not None:
                 # The claim may have committed even if its rows did not reach us.
@@ -440,52 +349,16 @@ class Worker:
                 self.separate_next = True
             return  # kept for the next connection: the leases still decide what applies
         self.separate_next = False
-        self.pending_outcomes = []
-        self.pending_since = None
         completed, failed, claimed = written
-        self.counters.completed += len(completed.applied) + len(committed)
-        self.counters.failed += len(failed.retried)
-        self.counters.dead += len(failed.dead)
-        lease_lost = completed.lease_lost + failed.lease_lost + lost
-        self.counters.lease_lost += len(lease_lost)
-        if lease_lost:
-            log.warning("lost the lease before finishing; result discarded", job_ids=lease_lost)
-        self._log_failures(failures, failed, failed_jobs)
-        now = time.monotonic()
-        retried = set(failed.retried)
-        self.timers.wake_at.extend(
-            now + f.retry_delay for f in failures if f.lease.id in retried)
+        self.timers.wake_at.extend(self.completer.written(batch, completed, failed))
         # Freed capacity alone is no reason to claim: only a claim that came back full, a
         # wake-up, a timer or a poll says there may be more work (maybe_more).
         if request is not None:
             self._started(claimed, request)
 
-    def _settle_due(self) -> bool:
-        """Whether outcomes with no claim to ride along should be written now."""
-        if self.mode != WorkerMode.RUNNING or not (self.inflight or self.buffer):
-            return True  # nothing else will come soon: do not keep the results waiting
-        if len(self.pending_outcomes) >= self.lane.concurrency:
-            return True
-        return (self.pending_since is not None
-                and time.monotonic() >= self.pending_since + SETTLE_DELAY)
-
-    def _log_failures(self, failures: list[queue.Failure], failed: queue.FailOutcome,
-                      outcomes: dict[int, Outcome]) -> None:
-        """One line per failed attempt and per dead job: what an operator needs without a
-        query (never the payload)."""
-        retried, dead = set(failed.retried), set(failed.dead)
-        for failure in failures:
-            job = outcomes[failure.lease.id].job
-            budget = job.max_attempts or self.lane.max_attempts
-            fields = {"job_id": job.id, "handler": job.handler, "lane": job.lane,
-                      "attempt": f"{job.attempt}/{budget}", "error": first_line_of(failure.error)}
-            if failure.lease.id in retried:
-                log.warning("job failed; will retry", **fields,
-                            retry_in=f"{failure.retry_delay:.1f}s")
-            elif failure.lease.id in dead:
-                log.error("job dead-lettered", **fields,
-                          reason="payload cannot be decoded" if failure.final
-                          else "attempts spent")
+    def _busy(self) -> bool:
+        """More outcomes will come soon: jobs run or wait, and the worker takes work."""
+        return self.mode == WorkerMode.RUNNING and bool(self.inflight or self.claimer.buffer)
 
     def _renew_leases(self) -> None:
         now = time.monotonic()
@@ -493,7 +366,7 @@ class Worker:
             return
         self.timers.next_heartbeat = now + self.lane.heartbeat
         held = [r.job.lease for r in self.inflight.values() if not r.abandoned and not r.lease_lost]
-        held += [job.lease for job, _claimed in self.buffer]
+        held += self.claimer.leases()
         if not held:
             return
         renewed = self._db(lambda conn: queue.heartbeat(conn, held, self.lane.visibility_timeout))
@@ -501,9 +374,8 @@ class Worker:
             return
         lost = []
         gone = set(renewed.lease_lost)
-        if any(job.id in gone for job, _claimed in self.buffer):
-            # Buffered and swept (a worker too slow to renew): never started, just dropped.
-            self.buffer = collections.deque(e for e in self.buffer if e[0].id not in gone)
+        # Buffered and swept (a worker too slow to renew): never started, just dropped.
+        self.claimer.drop(gone)
         for job_id in renewed.lease_lost:
             running = self.inflight.get(job_id)
             if running is None:
@@ -523,7 +395,7 @@ class Worker:
         if not force and now < self.timers.next_report:
             return
         self.timers.next_report = now + REPORT_INTERVAL
-        running, buffered = len(self.inflight), len(self.buffer)
+        running, buffered = len(self.inflight), len(self.claimer.buffer)
         title = (f"jobd: worker {self.lane.name}#{self.spec.slot} "
                  f"busy {running}/{self.lane.concurrency}")
         if buffered:
@@ -547,7 +419,7 @@ class Worker:
             self._ensure_connection()
         self._settle_and_claim(claim=False)
         unfinished = [r.job.lease for r in self.inflight.values() if not r.abandoned]
-        unfinished += [job.lease for job, _claimed in self.buffer]
+        unfinished += self.claimer.leases()
         if unfinished:
             released = self._db(lambda conn: queue.release(conn, unfinished))
             log.info("released unfinished jobs", job_ids=[lease.id for lease in unfinished],

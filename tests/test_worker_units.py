@@ -53,9 +53,10 @@ def test_an_error_text_with_a_nul_byte_is_stored_escaped(
         raise ValueError("cannot parse b'\x00\x01'")
     except ValueError as exc:
         error = handler_runner.format_error(exc)
-    loop.pending_outcomes = [handler_runner.Outcome(good, None), handler_runner.Outcome(bad, error)]
+    loop.completer.pending = [handler_runner.Outcome(good, None),
+                              handler_runner.Outcome(bad, error)]
     loop._settle_and_claim(claim=False)
-    assert loop.pending_outcomes == []
+    assert loop.completer.pending == []
     assert state_of(conn, good.id)[0] == "done"
     state, _, last_error = state_of(conn, bad.id)
     assert state == "failed"
@@ -86,7 +87,7 @@ def test_after_a_lost_connection_claims_it_never_received_fail_as_an_attempt(
         jobd.enqueue(conn, "h")
     # A claim whose result was lost with the connection, next to a job the worker did get.
     held, *orphans = queue.claim(conn, LANE, WORKER_ID, 3, 30.0)
-    loop.pending_outcomes = [handler_runner.Outcome(held, None)]
+    loop.completer.pending = [handler_runner.Outcome(held, None)]
     loop.link.lost("test", psycopg.OperationalError("server closed the connection"))
     loop._ensure_connection()
     loop._fail_claims_not_held()
@@ -109,7 +110,7 @@ def test_claimed_rows_that_cannot_be_loaded_end_in_the_dead_letter_queue(
         # Due at once, and unloadable: the claim commits, its rows fail to load.
         conn.execute("UPDATE jobs SET run_at = '-infinity' WHERE id = %s", (poison,))
         loop.link.usable_at = 0.0
-        loop.maybe_more = True
+        loop.claimer.maybe_more = True
         loop._settle_and_claim()
         assert loop.claims_unknown and loop.inflight == {}
         loop.link.usable_at = 0.0
@@ -132,4 +133,4 @@ def test_a_late_result_of_an_abandoned_run_leaves_the_new_run_held(
     loop.inflight[second.id] = worker.Running(second, 0.0, None)
     loop.runner.outcomes.put(handler_runner.Outcome(first, None))
     loop._collect_outcomes()
-    assert loop.inflight[second.id].job is second and loop.pending_outcomes == []
+    assert loop.inflight[second.id].job is second and loop.completer.pending == []

@@ -1,0 +1,126 @@
+"""The completion side of a worker: outcomes of finished jobs, gathered and written in
+batches, and what their writing tells (counters, log lines, retry timers).
+
+Outcomes ride along with the next claim when there is one. Without one they wait up to
+:data:`SETTLE_DELAY` for company, or until a batch of the lane's ``concurrency``, unless
+nothing else runs. A job whose outcome waits is not lost: its lease is the worker's until the
+outcome is written, and the fenced write decides what still applies.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import structlog
+
+from jobd import jobs, queue
+from jobd.config import LaneConfig
+from jobd.handler_runner import Outcome, first_line_of
+
+SETTLE_DELAY = 0.002  # seconds an outcome waits for company when no claim goes out
+
+log = structlog.get_logger("jobd.completer")
+
+
+@dataclass(slots=True)
+class Counters:
+    """Totals since the worker started, reported to the supervisor."""
+
+    claimed: int = 0
+    completed: int = 0
+    failed: int = 0
+    dead: int = 0
+    lease_lost: int = 0
+    released: int = 0  # claimed into the buffer, then given back unstarted
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class Batch:
+    """Pending outcomes, sorted into what each statement needs."""
+
+    successes: list[jobs.Lease] = field(default_factory=list)
+    failures: list[queue.Failure] = field(default_factory=list)
+    committed: list[int] = field(default_factory=list)  # transactional: completed already
+    lost: list[int] = field(default_factory=list)  # transactional: lease lost at commit
+    failed_jobs: dict[int, Outcome] = field(default_factory=dict)
+
+
+class Completer:
+    def __init__(self, lane: LaneConfig, counters: Counters) -> None:
+        self.lane = lane
+        self.counters = counters
+        self.pending: list[Outcome] = []
+        self.since: float | None = None  # when the oldest pending outcome arrived
+
+    def add(self, outcome: Outcome) -> None:
+        if not self.pending:
+            self.since = time.monotonic()
+        self.pending.append(outcome)
+
+    def due_at(self) -> float | None:
+        return None if self.since is None else self.since + SETTLE_DELAY
+
+    def due(self, busy: bool) -> bool:
+        """Whether pending outcomes with no claim to ride along should be written now;
+        ``busy``: other jobs are running or waiting, so more outcomes will come soon."""
+        if not self.pending:
+            return False
+        if not busy or len(self.pending) >= self.lane.concurrency:
+            return True
+        return self.since is not None and time.monotonic() >= self.since + SETTLE_DELAY
+
+    def batch(self) -> Batch:
+        batch = Batch()
+        for outcome in self.pending:
+            if outcome.committed:
+                batch.committed.append(outcome.job.id)
+            elif outcome.lease_lost:
+                batch.lost.append(outcome.job.id)
+            elif outcome.error is None:
+                batch.successes.append(outcome.job.lease)
+            else:
+                batch.failed_jobs[outcome.job.id] = outcome
+                batch.failures.append(queue.Failure(
+                    outcome.job.lease, outcome.error,
+                    self.lane.backoff.delay(outcome.job.attempt), self.lane.max_attempts,
+                    final=outcome.final))
+        return batch
+
+    def written(self, batch: Batch, completed: queue.WriteOutcome,
+                failed: queue.FailOutcome) -> list[float]:
+        """The batch is written: count and log it; returns when its retries fall due
+        (monotonic), for the worker's own timers."""
+        self.pending = []
+        self.since = None
+        self.counters.completed += len(completed.applied) + len(batch.committed)
+        self.counters.failed += len(failed.retried)
+        self.counters.dead += len(failed.dead)
+        lease_lost = completed.lease_lost + failed.lease_lost + batch.lost
+        self.counters.lease_lost += len(lease_lost)
+        if lease_lost:
+            log.warning("lost the lease before finishing; result discarded", job_ids=lease_lost)
+        self._log_failures(batch, failed)
+        now = time.monotonic()
+        retried = set(failed.retried)
+        return [now + f.retry_delay for f in batch.failures if f.lease.id in retried]
+
+    def _log_failures(self, batch: Batch, failed: queue.FailOutcome) -> None:
+        """One line per failed attempt and per dead job: what an operator needs without a
+        query (never the payload)."""
+        retried, dead = set(failed.retried), set(failed.dead)
+        for failure in batch.failures:
+            job = batch.failed_jobs[failure.lease.id].job
+            budget = job.max_attempts or self.lane.max_attempts
+            fields = {"job_id": job.id, "handler": job.handler, "lane": job.lane,
+                      "attempt": f"{job.attempt}/{budget}", "error": first_line_of(failure.error)}
+            if failure.lease.id in retried:
+                log.warning("job failed; will retry", **fields,
+                            retry_in=f"{failure.retry_delay:.1f}s")
+            elif failure.lease.id in dead:
+                log.error("job dead-lettered", **fields,
+                          reason="payload cannot be decoded" if failure.final
+                          else "attempts spent")
