@@ -1,4 +1,4 @@
-"""Draw the suite's chart: drain and enqueue throughput, latency p50/p99, per system.
+"""Draw the suite's chart: drain per in-flight setting, bulk enqueue, latency p50/p99.
 
 Runs in the peers' virtualenv (matplotlib): ``python chart.py DATA.json OUT.png``.
 """
@@ -11,55 +11,88 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+CEILING = "sql-ceiling"
+
+
+PEER_COLORS = {"procrastinate": "#8c564b", "pgqueuer": "#2ca02c", "graphile": "#9467bd",
+               "pgboss": "#bcbd22"}
+
+
+def color(name):
+    return {"jobd": "#1f77b4", CEILING: "#d62728", **PEER_COLORS}.get(name, "#999999")
+
 
 def main(data_path: str, out_path: str) -> None:
     with open(data_path) as f:
         data = json.load(f)
     summary, labels = data["summary"], data["labels"]
-    systems = data["systems"]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.8))
+    systems, settings = data["systems"], data["settings"]
+    fig, axes = plt.subplots(1, 3, figsize=(17, 5), gridspec_kw={"width_ratios": [2.2, 1, 1]})
 
-    def bars(ax, workload, metric, names, title, unit, colors):
-        values, lows, highs, shown = [], [], [], []
-        for name in names:
-            stat = summary.get(workload, {}).get(name, {}).get(metric)
+    # Drain: one group of bars per setting, one bar per system and the ceiling.
+    ax = axes[0]
+    names = [*systems, CEILING]
+    width = 0.8 / len(names)
+    for k, name in enumerate(names):
+        xs, values, lows, highs = [], [], [], []
+        for i, setting in enumerate(settings):
+            stat = summary.get("drain", {}).get(setting, {}).get(name, {}).get("jobs_per_s")
             if not stat or stat.get("n", 0) == 0:
                 continue
-            shown.append(labels.get(name, name).replace(" (pgbench)", "").replace(", ", "\n"))
+            xs.append(i + (k - (len(names) - 1) / 2) * width)
             values.append(stat["median"])
             lows.append(stat["median"] - stat["min"])
             highs.append(stat["max"] - stat["median"])
-        ax.bar(range(len(values)), values, yerr=[lows, highs], capsize=4,
-               color=colors[:len(values)])
-        ax.set_xticks(range(len(values)), shown, rotation=30, ha="right", fontsize=8)
-        ax.set_title(title)
-        ax.set_ylabel(unit)
-        for i, v in enumerate(values):
-            ax.annotate(f"{v:,.0f}" if v >= 10 else f"{v:.2f}", (i, v), ha="center",
-                        va="bottom", fontsize=7)
+        if not values:
+            continue
+        bars = ax.bar(xs, values, width, yerr=[lows, highs], capsize=2,
+                      label=labels.get(name, name), color=color(name),
+                      alpha=1.0 if name in ("jobd", CEILING) else 0.6,
+                      edgecolor="black", linewidth=0.3)
+        for bar, v in zip(bars, values, strict=True):
+            ax.annotate(f"{v / 1000:.1f}k", (bar.get_x() + bar.get_width() / 2, v),
+                        xytext=(0, 2), textcoords="offset points", ha="center", va="bottom",
+                        fontsize=6, rotation=90)
+    ax.set_xticks(range(len(settings)),
+                  [f"{s} (W x C)" for s in settings], fontsize=9)
+    ax.set_title("Drain: 20,000 no-op jobs, per in-flight setting")
+    ax.set_ylabel("jobs/s (median, min-max)")
+    ax.legend(fontsize=7, ncol=2)
 
-    palette = ["#1f77b4" if s == "jobd" else "#999999" for s in systems] + ["#d62728"] * 2
-    bars(axes[0], "drain", "jobs_per_s",
-         [*systems, "sql-ceiling-batch1", "sql-ceiling-batch100"],
-         "Drain: 20,000 no-op jobs", "jobs/s (median, min-max)", palette)
-    bars(axes[1], "enqueue", "jobs_per_s", systems, "Bulk enqueue: 20,000 jobs",
-         "jobs/s", palette)
-    ax = axes[2]
-    shown = [s for s in systems if summary.get("latency", {}).get(s)]
-    width = 0.38
-    for k, (metric, color) in enumerate((("p50_ms", "#1f77b4"), ("p99_ms", "#ff7f0e"))):
-        values = [summary["latency"][s][metric]["median"] for s in shown]
-        ax.bar([i + (k - 0.5) * width for i in range(len(shown))], values, width,
-               label=metric[:3], color=color)
-        for i, v in enumerate(values):
-            ax.annotate(f"{v:.1f}", (i + (k - 0.5) * width, v), ha="center", va="bottom",
-                        fontsize=7)
-    ax.set_yscale("log")
+    # Bulk enqueue.
+    ax = axes[1]
+    shown = [s for s in systems if summary.get("enqueue", {}).get(s, {}).get("jobs_per_s")]
+    values = [summary["enqueue"][s]["jobs_per_s"]["median"] for s in shown]
+    ax.bar(range(len(shown)), values, color=[color(s) for s in shown], alpha=0.8)
+    for i, v in enumerate(values):
+        ax.annotate(f"{v:,.0f}", (i, v), ha="center", va="bottom", fontsize=7)
     ax.set_xticks(range(len(shown)), [labels.get(s, s) for s in shown], rotation=30,
                   ha="right", fontsize=8)
-    ax.set_title("Enqueue-to-start at 200 jobs/s")
-    ax.set_ylabel("ms (log scale)")
-    ax.legend()
+    ax.set_title("Bulk enqueue: 20,000 jobs")
+    ax.set_ylabel("jobs/s")
+
+    # Latency, at the first setting it ran at.
+    ax = axes[2]
+    latency = summary.get("latency", {})
+    if latency:
+        setting, by_system = next(iter(latency.items()))
+        shown = [s for s in systems if by_system.get(s)]
+        width = 0.38
+        for k, (metric, tint) in enumerate((("p50_ms", "#1f77b4"), ("p99_ms", "#ff7f0e"))):
+            values = [by_system[s][metric]["median"] for s in shown]
+            ax.bar([i + (k - 0.5) * width for i in range(len(shown))], values, width,
+                   label=metric[:3], color=tint)
+            for i, v in enumerate(values):
+                ax.annotate(f"{v:.1f}", (i + (k - 0.5) * width, v), ha="center",
+                            va="bottom", fontsize=7)
+        ax.set_yscale("log")
+        ax.set_xticks(range(len(shown)), [labels.get(s, s) for s in shown], rotation=30,
+                      ha="right", fontsize=8)
+        ax.set_title(f"Enqueue-to-start at 200 jobs/s ({setting})")
+        ax.set_ylabel("ms (log scale)")
+        ax.legend()
+    else:
+        ax.set_axis_off()
     fig.suptitle(f"jobd and peers, one PostgreSQL 15 cluster, synchronous_commit=on "
                  f"({data['title']})", fontsize=10)
     fig.tight_layout()

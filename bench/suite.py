@@ -4,8 +4,14 @@ Usage (from the repository root, in jobd's venv)::
 
     python -m bench                          # everything, about 15 minutes
     python -m bench --only drain,latency     # some workloads: enqueue/drain, latency, idle, growth
+    python -m bench --only drain --settings 1x10 --rounds 1   # a quick look at one setting
     python -m bench --rounds 5 --systems jobd,pgqueuer
     python -m bench --growth-sizes 10000,1000000     # skip the 10M step
+
+The drain runs every system at each in-flight setting of ``--settings`` (W worker processes x
+C jobs in flight per process; default 1x10, 2x10, 4x100), next to a pgbench ceiling that
+claims and completes in batches of W x C; bench/settings.py says which knob of each system
+W and C become.
 
 One throwaway PostgreSQL cluster (jobd.localpg, a free port, synchronous_commit=on) holds one
 database per system. Systems run in turn, their order rotated every round, and each round of
@@ -41,6 +47,7 @@ from psycopg.conninfo import make_conninfo
 import jobd
 from bench.daemon_bench import descendants, rss_kb
 from bench.peers.install import Peers, install
+from bench.settings import DEFAULT_SETTINGS, KNOBS, Setting, parse_settings
 from jobd.archive import drop_before
 from jobd.db import connect
 from jobd.localpg import find_bindir, throwaway_cluster
@@ -55,16 +62,21 @@ ALL_SYSTEMS = ["jobd", "procrastinate", "pgqueuer", "graphile", "pgboss"]
 LABELS = {"jobd": "jobd", "procrastinate": "Procrastinate", "pgqueuer": "PgQueuer",
           "graphile": "Graphile Worker", "pgboss": "pg-boss"}
 
-PROCESSES = 4  # worker processes per system (jobd: 1 supervisor + 4 workers)
-JOBD_CONCURRENCY = 100  # per jobd worker process
+# Latency, idle and growth run at one setting each unless told otherwise (--latency-settings,
+# --idle-settings); the growth drain always at GROWTH_SETTING.
+LATENCY_SETTINGS = "4x100"
+IDLE_SETTINGS = "4x100"
+GROWTH_SETTING = Setting(4, 100)
 DRAIN_JOBS = 20_000
-DRAIN_CAP_S = 25.0  # a drain still running after this is stopped; the rate covers what finished
+DRAIN_CAP_S = 15.0  # a drain still running after this is stopped; the rate covers what finished
 LATENCY_RATE = 200
 LATENCY_SECONDS = 20.0
 IDLE_SETTLE_S = 15.0
 IDLE_WINDOW_S = 60.0
-CEILING_CLIENTS = PROCESSES
-CEILING_BATCHES = (1, 100)
+# The ceiling claims and completes this many jobs (pre-filled): at ~90k jobs/s the drain's
+# 20,000 would be over in 0.2 s, too short to time well.
+CEILING_JOBS = 60_000
+CEILING_MIN_TRANSACTIONS = 10  # per pgbench client, however large the batch
 GROWTH_SIZES = (10_000, 1_000_000, 10_000_000)
 GROWTH_DAYS = 20  # history spread over this many past days, one archive partition each
 GROWTH_FUTURE_SHARE = 0.01  # of each size: pending jobs scheduled in the future
@@ -73,7 +85,7 @@ SETTLE_S = 1.5
 READY_TIMEOUT_S = 60.0
 
 TARGETS = {
-    "drain_vs_best_peer": 1.5, "drain_vs_ceiling_batch": 0.30, "latency_p50_ms": 2.0,
+    "drain_vs_best_peer": 2.0, "drain_vs_ceiling": 0.50, "latency_p50_ms": 2.0,
     "latency_p99_ms": 5.0, "idle_txn_per_s_per_node": 1.0, "growth_claim_p99_ratio": 1.5,
     "rss_mb": 300.0,
 }
@@ -235,11 +247,12 @@ def reset(env: Env, system: str) -> None:
 
 
 class Fleet:
-    """A system's workers: jobd's daemon (supervisor + PROCESSES workers) or PROCESSES peer
-    worker processes, each in its own session so it can be stopped whole."""
+    """A system's workers at one setting (W x C): jobd's daemon (a supervisor and W workers of
+    concurrency C) or W peer worker processes with C jobs in flight each, every process in its
+    own session so it can be stopped whole."""
 
-    def __init__(self, env: Env, system: str, stamps: Path):
-        self.env, self.system, self.stamps = env, system, stamps
+    def __init__(self, env: Env, system: str, stamps: Path, setting: Setting):
+        self.env, self.system, self.stamps, self.setting = env, system, stamps, setting
         self.procs: list[subprocess.Popen[bytes]] = []
         self.logs: list[Path] = []
 
@@ -249,12 +262,13 @@ class Fleet:
         environ.pop("JOBD_DATABASE_URL", None)
         if self.system == "jobd":
             config = self.stamps / "jobd.yaml"
-            config.write_text(jobd_config(PROCESSES, JOBD_CONCURRENCY))
+            config.write_text(jobd_config(self.setting.workers, self.setting.concurrency))
             commands = [[sys.executable, "-m", "jobd", "run", "-c", str(config),
                          "--database-url", self.env.urls["jobd"]]]
         else:
-            commands = [command_for(self.env, self.system, "worker", str(self.stamps))
-                        for _ in range(PROCESSES)]
+            commands = [command_for(self.env, self.system, "worker", str(self.stamps),
+                                    str(self.setting.concurrency))
+                        for _ in range(self.setting.workers)]
         for n, command in enumerate(commands):
             log_path = self.stamps / f"worker-{n}.log"
             with open(log_path, "wb") as out:
@@ -288,7 +302,7 @@ class Fleet:
                     "count(*) FILTER (WHERE application_name IN ('jobd supervisor', "
                     "'jobd listener')) FROM pg_stat_activity "
                     "WHERE datname = current_database() AND state = 'idle'"))
-                ready = rows[0][0] >= PROCESSES and rows[0][1] >= 2
+                ready = rows[0][0] >= self.setting.workers and rows[0][1] >= 2
             else:
                 ready = all("ready" in path.read_text(errors="replace") for path in self.logs)
             if ready:
@@ -318,6 +332,13 @@ class Fleet:
                 problems.append("did not stop within 30 s of SIGTERM")
         if check and problems:
             raise RuntimeError(f"{self.system}: {problems[0]}:\n{self.tail()}")
+
+
+def jobd_knobs(setting: Setting) -> dict[str, Any]:
+    """The lane jobd_config writes for a setting (the results record it beside the peers')."""
+    return {"lanes.default.workers": setting.workers,
+            "lanes.default.concurrency": setting.concurrency,
+            "lanes.default.visibility_timeout": "30s", "archive.retention": "90d"}
 
 
 def jobd_config(workers: int, concurrency: int) -> str:
@@ -380,12 +401,14 @@ def wait_until_empty(env: Env, system: str, cap: float) -> bool:
 # --- workloads 1 and 2: bulk enqueue, then drain --------------------------------------------
 
 
-def measure_drain(env: Env, system: str, round_no: int, jobs: int = DRAIN_JOBS) -> list[dict]:
-    """Workers up and idle; jobs enqueued in one bulk call (timed: workload 1); then the
-    drain from the first handler start to the last completion recorded in the database."""
+def measure_drain(env: Env, system: str, setting: Setting, round_no: int,
+                  jobs: int = DRAIN_JOBS) -> list[dict]:
+    """Workers up and idle at ``setting``; jobs enqueued in one bulk call (timed: workload 1);
+    then the drain from the first handler start to the last completion recorded in the
+    database."""
     reset(env, system)
-    stamps = env.scratch(f"drain-{system}-{round_no}")
-    with Fleet(env, system, stamps) as fleet:
+    stamps = env.scratch(f"drain-{setting.label}-{system}-{round_no}")
+    with Fleet(env, system, stamps, setting) as fleet:
         time.sleep(SETTLE_S)
         sampler = RssSampler([proc.pid for proc in fleet.procs])
         sampler.start()
@@ -396,18 +419,19 @@ def measure_drain(env: Env, system: str, round_no: int, jobs: int = DRAIN_JOBS) 
     done = int(done)
     _, firsts = read_stamps(stamps)
     result: dict[str, Any] = {
-        "workload": "enqueue", "system": system, "round": round_no, "jobs": jobs,
-        "seconds": round(enq["seconds"], 4), "jobs_per_s": jobs / enq["seconds"]}
+        "workload": "enqueue", "system": system, "setting": setting.label, "round": round_no,
+        "jobs": jobs, "seconds": round(enq["seconds"], 4), "jobs_per_s": jobs / enq["seconds"]}
     emit(result)
     if not firsts or not done:
         raise RuntimeError(f"{system}: no job finished in the drain:\n{fleet.tail()}")
     seconds = last - min(firsts)
-    drain = {"workload": "drain", "system": system, "round": round_no, "jobs": int(done),
-             "complete": complete_run, "seconds": round(seconds, 3),
+    drain = {"workload": "drain", "system": system, "setting": setting.label, "round": round_no,
+             "jobs": int(done), "complete": complete_run, "seconds": round(seconds, 3),
              "jobs_per_s": done / seconds, "peak_rss_mb": round(peak_mb, 1),
-             "processes": PROCESSES}
+             "processes": setting.workers, "concurrency": setting.concurrency}
     emit(drain)
-    log(f"{system:14s} round {round_no}: enqueue {result['jobs_per_s']:,.0f}/s, drain "
+    log(f"{setting.label:>6s} {system:14s} round {round_no}: enqueue "
+        f"{result['jobs_per_s']:,.0f}/s, drain "
         f"{drain['jobs_per_s']:,.0f}/s ({int(done)} jobs{'' if complete_run else ', capped'}), "
         f"peak RSS {peak_mb:.0f} MB")
     return [result, drain]
@@ -417,12 +441,19 @@ _PROCESSED = re.compile(r"number of transactions actually processed: (\d+)")
 _TPS = re.compile(r"tps = ([\d.]+) \(without initial connection time\)")
 
 
-def measure_ceiling(env: Env, batch: int, round_no: int, clients: int = CEILING_CLIENTS) -> dict:
+def ceiling_clients(setting: Setting, how: str) -> int:
+    """pgbench clients of the ceiling at a setting: ``one`` (one batch of W x C in flight, the
+    setting's total) or ``workers`` (W clients, each with batches of W x C)."""
+    return 1 if how == "one" else setting.workers
+
+
+def measure_ceiling(env: Env, setting: Setting, round_no: int, clients: int) -> dict:
+    """pgbench claiming and completing batches of the setting's total in flight (W x C) on
+    jobd's tables; jobs / pgbench's own duration."""
     reset(env, "jobd")
-    # At batch 1 every job costs two WAL flushes: a tenth of the jobs gives the same rate in
-    # a tenth of the time (some 5 s instead of 50 on a disk with ~2 ms flushes).
-    total = DRAIN_JOBS if batch > 1 else DRAIN_JOBS // 10
-    per_client = total // (batch * clients)
+    batch = setting.in_flight
+    per_client = max(CEILING_MIN_TRANSACTIONS, CEILING_JOBS // (batch * clients))
+    total = per_client * clients * batch
     with connect(env.urls["jobd"], "jobd") as conn:
         jobd.enqueue_many(conn, [jobd.JobSpec("noop", {}) for _ in
                                  range(total + batch * clients)])
@@ -438,25 +469,25 @@ def measure_ceiling(env: Env, batch: int, round_no: int, clients: int = CEILING_
     processed, tps = _PROCESSED.search(output), _TPS.search(output)
     if done.returncode != 0 or not processed or not tps:
         raise RuntimeError(f"pgbench failed ({done.returncode}):\n{output[-2000:]}")
-    jobs = per_client * clients * batch
     seconds = int(processed[1]) / float(tps[1])
-    record = {"workload": "drain", "system": f"sql-ceiling-batch{batch}", "round": round_no,
-              "jobs": jobs, "clients": clients, "batch": batch, "seconds": round(seconds, 3),
-              "jobs_per_s": jobs / seconds}
+    record = {"workload": "drain", "system": "sql-ceiling", "setting": setting.label,
+              "round": round_no, "jobs": total, "clients": clients, "batch": batch,
+              "seconds": round(seconds, 3), "jobs_per_s": total / seconds}
     emit(record)
-    log(f"ceiling batch {batch:3d} round {round_no}: {record['jobs_per_s']:,.0f} jobs/s")
+    log(f"{setting.label:>6s} SQL ceiling    round {round_no}: batch {batch}, {clients} "
+        f"client(s): {record['jobs_per_s']:,.0f} jobs/s")
     return record
 
 
 # --- workload 3: latency --------------------------------------------------------------------
 
 
-def measure_latency(env: Env, system: str, round_no: int) -> dict:
+def measure_latency(env: Env, system: str, setting: Setting, round_no: int) -> dict:
     reset(env, system)
-    stamps = env.scratch(f"latency-{system}-{round_no}")
+    stamps = env.scratch(f"latency-{setting.label}-{system}-{round_no}")
     offered = stamps / "enqueued.txt"
     total = int(LATENCY_RATE * LATENCY_SECONDS)
-    with Fleet(env, system, stamps):
+    with Fleet(env, system, stamps, setting):
         time.sleep(SETTLE_S)
         info = run_json(command_for(env, system, "steady", str(LATENCY_RATE),
                                     str(LATENCY_SECONDS), str(offered)),
@@ -467,14 +498,16 @@ def measure_latency(env: Env, system: str, round_no: int) -> dict:
     sent = {int(i): float(t) for i, t in
             (line.split() for line in offered.read_text().splitlines())}
     latencies = [(starts[i] - sent[i]) * 1000.0 for i in sent if i in starts]
-    record = {"workload": "latency", "system": system, "round": round_no, "jobs": total,
+    record = {"workload": "latency", "system": system, "setting": setting.label,
+              "round": round_no, "jobs": total,
               "started": len(latencies), "offered_per_s": round(info.get("offered_per_s", 0), 1),
               "enqueuer_worst_lag_ms": round(info.get("worst_lag_ms", 0), 2),
               "p50_ms": percentile(latencies, 50), "p95_ms": percentile(latencies, 95),
               "p99_ms": percentile(latencies, 99),
               "max_ms": max(latencies) if latencies else math.nan}
     emit(record)
-    log(f"{system:14s} round {round_no}: latency p50 {record['p50_ms']:.2f} ms, p99 "
+    log(f"{setting.label:>6s} {system:14s} round {round_no}: latency p50 "
+        f"{record['p50_ms']:.2f} ms, p99 "
         f"{record['p99_ms']:.2f} ms ({len(latencies)}/{total} started)")
     return record
 
@@ -482,7 +515,7 @@ def measure_latency(env: Env, system: str, round_no: int) -> dict:
 # --- workload 4: idle -----------------------------------------------------------------------
 
 
-def measure_idle(env: Env, systems: list[str]) -> list[dict]:
+def measure_idle(env: Env, systems: list[str], setting: Setting) -> list[dict]:
     """Every system's fleet idles at once, each in its own database; transactions per
     second per database over one window, read from pg_stat_database by a connection to the
     postgres database (not counted), autovacuum paused."""
@@ -492,9 +525,11 @@ def measure_idle(env: Env, systems: list[str]) -> list[dict]:
         admin.execute("ALTER SYSTEM SET autovacuum = off")
         admin.execute("SELECT pg_reload_conf()")
     try:
-        with contextmanager_stack([Fleet(env, s, env.scratch(f"idle-{s}")) for s in systems]):
-            log(f"idle: {len(systems)} fleets up; settling {IDLE_SETTLE_S:g}s, then "
-                f"{IDLE_WINDOW_S:g}s window")
+        fleets = [Fleet(env, s, env.scratch(f"idle-{setting.label}-{s}"), setting)
+                  for s in systems]
+        with contextmanager_stack(fleets):
+            log(f"idle {setting.label}: {len(systems)} fleets up; settling "
+                f"{IDLE_SETTLE_S:g}s, then {IDLE_WINDOW_S:g}s window")
             time.sleep(IDLE_SETTLE_S)
             with psycopg.connect(env.admin_url, autocommit=True) as admin:
                 query = ("SELECT datname, xact_commit + xact_rollback FROM pg_stat_database "
@@ -511,13 +546,14 @@ def measure_idle(env: Env, systems: list[str]) -> list[dict]:
     for system in systems:
         name = f"bench_{system}"
         rate = (after[name] - before[name]) / (t1 - t0)
-        record = {"workload": "idle", "system": system, "round": 1,
+        # jobd's fleet is one node (a supervisor and its W workers); every peer process is one.
+        nodes = 1 if system == "jobd" else setting.workers
+        record = {"workload": "idle", "system": system, "setting": setting.label, "round": 1,
                   "transactions": after[name] - before[name], "seconds": round(t1 - t0, 2),
-                  "txn_per_s": rate, "processes": PROCESSES,
-                  "nodes": 1 if system == "jobd" else PROCESSES,
-                  "txn_per_s_per_node": rate / (1 if system == "jobd" else PROCESSES)}
+                  "txn_per_s": rate, "processes": setting.workers, "nodes": nodes,
+                  "txn_per_s_per_node": rate / nodes}
         emit(record)
-        log(f"idle {system:14s}: {rate:.2f} txn/s")
+        log(f"idle {setting.label:>6s} {system:14s}: {rate:.2f} txn/s")
         records.append(record)
     return records
 
@@ -654,7 +690,7 @@ def measure_growth_drain(env: Env, size: int, round_no: int) -> dict:
         before = conn.execute("SELECT coalesce(max(id), 0) FROM jobd.jobs_archive "
                               "WHERE claimed_by <> 'history'").fetchone()[0]
     stamps = env.scratch(f"growth-{size}-{round_no}")
-    with Fleet(env, "jobd", stamps):
+    with Fleet(env, "jobd", stamps, GROWTH_SETTING):
         time.sleep(SETTLE_S)
         run_json(command_for(env, "jobd", "enqueue", str(DRAIN_JOBS)))
         deadline = time.monotonic() + DRAIN_CAP_S * 2
@@ -742,7 +778,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--only", default="drain,latency,idle,growth",
                         help="comma-separated: drain (includes enqueue), latency, idle, growth")
     parser.add_argument("--systems", default=",".join(ALL_SYSTEMS))
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--settings", default=DEFAULT_SETTINGS,
+                        help="drain settings, comma-separated W x C: W worker processes x C "
+                             f"jobs in flight per process (default {DEFAULT_SETTINGS})")
+    parser.add_argument("--latency-settings", default=LATENCY_SETTINGS,
+                        help=f"settings the latency workload runs at (default {LATENCY_SETTINGS})")
+    parser.add_argument("--idle-settings", default=IDLE_SETTINGS,
+                        help=f"settings the idle workload runs at (default {IDLE_SETTINGS})")
+    parser.add_argument("--ceiling-clients", choices=["one", "workers"], default="one",
+                        help="pgbench clients of each setting's ceiling, which claims and "
+                             "completes batches of W x C: one (the default: W x C in flight, "
+                             "the setting's total) or workers (W clients)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="drain rounds at every setting (default 3)")
     parser.add_argument("--latency-rounds", type=int, default=3)
     parser.add_argument("--growth-sizes", default=",".join(str(s) for s in GROWTH_SIZES))
     parser.add_argument("--growth-rounds", type=int, default=3,
@@ -750,8 +798,32 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--upgrade-peers", action="store_true",
                         help="reinstall the peers at their latest releases")
     parser.add_argument("--keep", action="store_true", help="keep the temp dir (logs, cluster)")
-    parser.add_argument("--no-save", action="store_true", help="do not write bench/results/")
-    return parser.parse_args(argv)
+    parser.add_argument("--no-save", action="store_true", help="do not write the results")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR,
+                        help="directory of the results files (default bench/results)")
+    args = parser.parse_args(argv)
+    try:
+        args.settings = parse_settings(args.settings)
+        args.latency_settings = parse_settings(args.latency_settings)
+        args.idle_settings = parse_settings(args.idle_settings)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return args
+
+
+def knob_table(env: Env, settings: Sequence[Setting]) -> list[dict[str, Any]]:
+    """Every setting with the knobs each system runs it with, as the adapters report them."""
+    table = []
+    for setting in settings:
+        knobs: dict[str, Any] = {}
+        for system in env.systems:
+            if system == "jobd":
+                knobs[system] = jobd_knobs(setting)
+            else:
+                knobs[system] = {"processes": setting.workers, **run_json(
+                    command_for(env, system, "knobs", str(setting.concurrency)))}
+        table.append({**setting.as_dict(), "knobs": knobs})
+    return table
 
 
 def _terminate(signum: int, _frame: object) -> None:
@@ -777,11 +849,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "started": datetime.now(UTC).isoformat(timespec="seconds"),
         "revision": source_revision(), "hardware": hardware(), "versions": peers.versions,
         "left_out": peers.problems, "systems": systems,
-        "parameters": {"processes": PROCESSES, "jobd_concurrency": JOBD_CONCURRENCY,
+        "parameters": {"settings": [s.label for s in args.settings],
+                       "latency_settings": [s.label for s in args.latency_settings],
+                       "idle_settings": [s.label for s in args.idle_settings],
+                       "growth_setting": GROWTH_SETTING.label,
                        "drain_jobs": DRAIN_JOBS, "drain_cap_s": DRAIN_CAP_S,
                        "latency_rate": LATENCY_RATE, "latency_seconds": LATENCY_SECONDS,
-                       "idle_window_s": IDLE_WINDOW_S, "ceiling_clients": CEILING_CLIENTS,
+                       "idle_window_s": IDLE_WINDOW_S, "ceiling_clients": args.ceiling_clients,
                        "rounds": args.rounds, "latency_rounds": args.latency_rounds},
+        "knob_meaning": {s: KNOBS[s] for s in systems},
         "targets": TARGETS, "records": [],
     }
     records: list[dict] = results["records"]
@@ -789,20 +865,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         with environment(systems, peers, args.keep) as env:
             results["server_settings"] = env.settings
             log("server: " + ", ".join(f"{k}={v}" for k, v in env.settings.items()))
+            ran = [*(args.settings if "drain" in only else []),
+                   *(args.latency_settings if "latency" in only else []),
+                   *(args.idle_settings if "idle" in only else []),
+                   *([GROWTH_SETTING] if "growth" in only else [])]
+            used = {s.label: s for s in ran}
+            results["settings"] = knob_table(env, list(used.values()))
+            for row in results["settings"]:
+                log(f"setting {row['label']}: " + "; ".join(
+                    f"{system} {json.dumps(knobs, separators=(',', ':'))}"
+                    for system, knobs in row["knobs"].items()))
             if "drain" in only:
-                contenders = systems + [f"ceiling{b}" for b in CEILING_BATCHES]
+                # Every round visits every setting; the systems' order (and the ceiling's
+                # place among them) rotates from round to round.
+                contenders = [*systems, "sql-ceiling"]
                 for round_no in range(1, args.rounds + 1):
-                    for who in rotated(contenders, round_no):
-                        if who.startswith("ceiling"):
-                            records.append(measure_ceiling(env, int(who[7:]), round_no))
-                        else:
-                            records.extend(measure_drain(env, who, round_no))
+                    for setting in args.settings:
+                        for who in rotated(contenders, round_no):
+                            if who == "sql-ceiling":
+                                clients = ceiling_clients(setting, args.ceiling_clients)
+                                records.append(measure_ceiling(env, setting, round_no, clients))
+                            else:
+                                records.extend(measure_drain(env, who, setting, round_no))
             if "latency" in only:
                 for round_no in range(1, args.latency_rounds + 1):
-                    for system in rotated(systems, round_no):
-                        records.append(measure_latency(env, system, round_no))
+                    for setting in args.latency_settings:
+                        for system in rotated(systems, round_no):
+                            records.append(measure_latency(env, system, setting, round_no))
             if "idle" in only:
-                records.extend(measure_idle(env, systems))
+                for setting in args.idle_settings:
+                    records.extend(measure_idle(env, systems, setting))
             if "growth" in only:
                 sizes = [int(s) for s in args.growth_sizes.split(",") if s]
                 records.extend(measure_growth(env, sizes, rounds=args.growth_rounds))
@@ -815,8 +907,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     markdown = report.markdown(results)
     print(markdown)
     if not args.no_save:
-        RESULTS_DIR.mkdir(exist_ok=True)
-        stem = RESULTS_DIR / datetime.now(UTC).strftime("%Y-%m-%d")
+        args.out.mkdir(parents=True, exist_ok=True)
+        stem = args.out / datetime.now(UTC).strftime("%Y-%m-%d")
         stem.with_suffix(".json").write_text(json.dumps(results, indent=1, default=str) + "\n")
         stem.with_suffix(".md").write_text(markdown + "\n")
         report.chart(results, stem.with_suffix(".png"), peers)

@@ -6,35 +6,50 @@
 //
 //   node node_peer.mjs SYSTEM install URL
 //   node node_peer.mjs SYSTEM enqueue URL N          # bulk path; prints {"seconds": ...}
-//   node node_peer.mjs SYSTEM worker URL STAMPDIR    # one worker process, until SIGTERM
+//   node node_peer.mjs SYSTEM worker URL STAMPDIR C  # one worker process, C jobs in flight
 //   node node_peer.mjs SYSTEM steady URL RATE SECONDS OUTFILE
+//   node node_peer.mjs SYSTEM knobs URL C            # the worker settings for C, as JSON
 //
 // SYSTEM is "graphile" or "pgboss". The job is a no-op; its handler notes the wall-clock time
 // (performance.timeOrigin + performance.now(), sub-millisecond) for the first job of the
 // process ("first T") and, for jobs whose payload carries i, "i T", in
-// STAMPDIR/starts-<pid>.txt. The settings are the ones bench/README_suite.md lists.
+// STAMPDIR/starts-<pid>.txt. C, the jobs in flight per worker process, becomes each system's
+// own settings in graphileKnobs / pgbossKnobs (bench/README_suite.md has the same table; change
+// them together). $JOBD_BENCH_KNOBS_<SYSTEM> (a JSON object) overrides single settings, for
+// trying alternatives; "knobs" reports the result, so the suite records what ran.
 
 import fs from "node:fs";
 import path from "node:path";
 import { performance } from "node:perf_hooks";
 
-// Graphile Worker: the configuration of its own performance page (worker.graphile.org/docs/
-// performance): 24 concurrent jobs, pool of 25, local queue of 500, batched completion.
-const GRAPHILE = {
-  concurrentJobs: 24,
-  maxPoolSize: 25,
-  localQueue: { size: 500 },
-  completeJobBatchDelay: 0,
-  failJobBatchDelay: 0,
-};
-// pg-boss: LISTEN/NOTIFY wake-ups, batches of 100, back-to-back fetches while batches come
-// back full, two fetch loops per process, the shortest allowed polling interval.
-const PGBOSS_WORK = {
-  batchSize: 100,
-  localConcurrency: 2,
-  pollingIntervalSeconds: 0.5,
-  burstWhenBatchFull: true,
-};
+function overridden(system, knobs) {
+  const extra = process.env[`JOBD_BENCH_KNOBS_${system.toUpperCase()}`];
+  return extra ? { ...knobs, ...JSON.parse(extra) } : knobs;
+}
+
+// Graphile Worker: C jobs run at once per pool, with the batching of its own performance page
+// (worker.graphile.org/docs/performance: local queue of 500, batched completion) and the pool
+// size its option docs advise (10 or concurrentJobs + 2, whichever is larger).
+function graphileKnobs(c) {
+  return overridden("graphile", {
+    concurrentJobs: c,
+    maxPoolSize: Math.max(10, c + 2),
+    localQueue: { size: 500 },
+    completeJobBatchDelay: 0,
+    failJobBatchDelay: 0,
+  });
+}
+
+// pg-boss: C = batchSize x localConcurrency (jobs per fetch x fetch loops); LISTEN/NOTIFY
+// wake-ups, back-to-back fetches while batches come back full, the shortest polling interval.
+function pgbossKnobs(c) {
+  return overridden("pgboss", {
+    batchSize: c,
+    localConcurrency: 1,
+    pollingIntervalSeconds: 0.5,
+    burstWhenBatchFull: true,
+  });
+}
 const PGBOSS_QUEUE = { notify: true };
 const PGBOSS_INSTANCE = { useListenNotify: true, max: 10 };
 
@@ -100,7 +115,7 @@ async function graphile(action, url, args) {
     const runner = await gw.run({
       noHandleSignals: true,
       taskList: { noop: async (payload) => stamp(payload?.i) },
-      preset: { worker: { connectionString, ...GRAPHILE } },
+      preset: { worker: { connectionString, ...graphileKnobs(Number(args[1])) } },
     });
     await untilSigterm();
     await runner.stop();
@@ -128,7 +143,7 @@ async function pgboss(action, url, args) {
       console.log(JSON.stringify({ seconds: (performance.now() - t0) / 1000 }));
     } else if (action === "worker") {
       openStamps(args[0]);
-      await boss.work("noop", PGBOSS_WORK, async (jobs) => {
+      await boss.work("noop", pgbossKnobs(Number(args[1])), async (jobs) => {
         for (const job of jobs) stamp(job.data?.i);
       });
       await untilSigterm();
@@ -142,7 +157,11 @@ async function pgboss(action, url, args) {
 }
 
 const [system, action, url, ...args] = process.argv.slice(2);
-const main = { graphile, pgboss }[system];
+const knobs = { graphile: graphileKnobs, pgboss: pgbossKnobs }[system];
+const main =
+  action === "knobs"
+    ? async () => console.log(JSON.stringify(knobs(Number(args[0]))))
+    : { graphile, pgboss }[system];
 main(action, url, args).then(
   () => process.exit(0),
   (err) => {

@@ -4,8 +4,9 @@ Runs in the peers' own virtualenv (see bench/peers/install.py), never in jobd's:
 
     python py_peer.py SYSTEM install URL
     python py_peer.py SYSTEM enqueue URL N          # bulk path; prints {"seconds": ...}
-    python py_peer.py SYSTEM worker URL STAMPDIR    # one worker process, until SIGTERM
+    python py_peer.py SYSTEM worker URL STAMPDIR C  # one worker process, C jobs in flight
     python py_peer.py SYSTEM steady URL RATE SECONDS OUTFILE
+    python py_peer.py SYSTEM knobs URL C            # the worker settings for C, as JSON
 
 SYSTEM is ``procrastinate`` or ``pgqueuer``. The job is a no-op; its handler notes
 ``time.time()`` for the first job of the process (``first T``) and, for jobs whose payload
@@ -13,7 +14,10 @@ carries ``i`` (the latency workload), ``i T`` - in STAMPDIR/starts-<pid>.txt. ``
 enqueues one job at a time through the single-job path at a fixed schedule and writes
 ``i T`` (the time just before the enqueue call) per job to OUTFILE.
 
-The settings are the ones bench/README_suite.md lists; change them there too.
+C, the jobs in flight per worker process, becomes each system's own settings in
+``procrastinate_knobs`` / ``pgqueuer_knobs`` (the table in bench/README_suite.md says the same;
+change them together). ``$JOBD_BENCH_KNOBS_<SYSTEM>`` (a JSON object) overrides single
+settings, for trying alternatives; ``knobs`` reports the result, so the suite records it.
 """
 
 from __future__ import annotations
@@ -26,11 +30,26 @@ import sys
 import time
 from pathlib import Path
 
-# Worker settings (per process); see bench/README_suite.md.
-PROCRASTINATE_CONCURRENCY = 50
-PROCRASTINATE_POLL_S = 0.1  # fallback polling; LISTEN/NOTIFY wakes workers first
-PGQUEUER_BATCH = 100
-PGQUEUER_MAX_TASKS = 200  # must be >= 2 x batch
+# Worker settings (per process) for C jobs in flight; see bench/README_suite.md.
+
+
+def _overridden(system: str, knobs: dict) -> dict:
+    extra = os.environ.get(f"JOBD_BENCH_KNOBS_{system.upper()}")
+    return {**knobs, **json.loads(extra)} if extra else knobs
+
+
+def procrastinate_knobs(c: int) -> dict:
+    # No batching in Procrastinate: each of the C slots fetches its own job. LISTEN/NOTIFY
+    # wakes the worker; the polling interval is only the fallback.
+    return _overridden("procrastinate", {
+        "concurrency": c, "listen_notify": True, "fetch_job_polling_interval": 0.1})
+
+
+def pgqueuer_knobs(c: int) -> dict:
+    # max_concurrent_tasks caps the picked jobs of the worker (in the dequeue query); PgQueuer
+    # refuses a batch_size above half of it, so C/2 is the largest batch at C in flight.
+    return _overridden("pgqueuer", {"max_concurrent_tasks": c, "batch_size": max(1, c // 2)})
+
 
 _stamps = None
 _first = False
@@ -82,8 +101,7 @@ async def procrastinate_main(action: str, url: str, args: list[str]) -> None:
         elif action == "worker":
             _open_stamps(args[0])
             task = asyncio.create_task(app.run_worker_async(
-                concurrency=PROCRASTINATE_CONCURRENCY, wait=True, listen_notify=True,
-                fetch_job_polling_interval=PROCRASTINATE_POLL_S, install_signal_handlers=False,
+                wait=True, install_signal_handlers=False, **procrastinate_knobs(int(args[1])),
             ))
             await _until_sigterm()
             task.cancel()
@@ -134,8 +152,7 @@ async def pgqueuer_main(action: str, url: str, args: list[str]) -> None:
             async def noop(job) -> None:
                 _stamp(int(job.payload) if job.payload else None)
 
-            task = asyncio.create_task(qm.run(batch_size=PGQUEUER_BATCH,
-                                              max_concurrent_tasks=PGQUEUER_MAX_TASKS))
+            task = asyncio.create_task(qm.run(**pgqueuer_knobs(int(args[1]))))
             await _until_sigterm()
             qm.shutdown.set()
             try:
@@ -189,6 +206,10 @@ async def _steady(one, rate: float, seconds: float, out: str) -> None:
 
 def main(argv: list[str]) -> None:
     system, action, url, *args = argv
+    if action == "knobs":
+        knobs = {"procrastinate": procrastinate_knobs, "pgqueuer": pgqueuer_knobs}[system]
+        print(json.dumps(knobs(int(args[0]))))
+        return
     runner = {"procrastinate": procrastinate_main, "pgqueuer": pgqueuer_main}[system]
     asyncio.run(runner(action, url, args))
     if action == "worker":
