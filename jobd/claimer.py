@@ -2,7 +2,8 @@
 free slots (the lane's ``prefetch``), and the rules for suspects. Decisions only: the
 worker's loop does the round trips.
 
-- A worker claims up to ``concurrency + prefetch`` jobs and tops its buffer up once it is
+- A worker claims up to ``concurrency + prefetch`` jobs (prefetch: 3 x concurrency unless the
+  lane sets it) and tops its buffer up once it is
   half empty, so claims come in batches while handlers see ``concurrency`` jobs at a time.
 - Buffered jobs go back to the queue when the worker stops taking work (a drain, a
   retirement, a suspect to run alone) and after :data:`BUFFER_MAX_AGE` unstarted; a buffer

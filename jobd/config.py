@@ -38,13 +38,13 @@ class LaneConfig:
     max_attempts: int = 8
     backoff: Backoff = field(default_factory=Backoff)
     poll_interval: float = 5.0
-    # Jobs a worker process claims ahead of its free slots (None: as many as concurrency), so
-    # the database sees larger claims while handlers see ``concurrency`` jobs at a time.
+    # Jobs a worker process claims ahead of its free slots (None: 3 x concurrency), so the
+    # database sees larger claims while handlers see ``concurrency`` jobs at a time.
     prefetch: int | None = None
 
     @property
     def buffer_size(self) -> int:
-        return self.concurrency if self.prefetch is None else self.prefetch
+        return 3 * self.concurrency if self.prefetch is None else self.prefetch
 
     @property
     def retry_policy(self) -> RetryPolicy:
