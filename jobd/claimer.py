@@ -10,6 +10,12 @@ worker's loop does the round trips.
   given back for its age is not claimed back until a slot frees.
 - A suspect (see ``recovery.settle_crashed_worker``) runs alone: it is asked for only by a
   worker that holds nothing, and nothing else is claimed while it runs.
+- Claims start at the worker's floors (``jobd.claim_floors``), not at the head of the lane.
+- Wake-ups: a worker whose claim came back short claims again after :data:`LINGER` (work
+  arriving at a steady rate is found by these claims, and its producers need not notify),
+  then arms itself (``queue.arm``): enqueues notify only while some worker is armed. An
+  enqueue in flight at that moment makes the arming 'contended': the worker claims again
+  after :data:`RETRY_DELAYS` instead of sleeping. A claim after a wake-up disarms it.
 """
 
 from __future__ import annotations
@@ -20,12 +26,18 @@ import time
 import structlog
 
 from jobd import jobs, queue
+from jobd.claim_floors import FULL_SCAN_INTERVAL, ClaimFloors
 from jobd.config import LaneConfig
 from jobd.protocol import WorkerMode
 
 # Claimed jobs waiting for a free slot go back to the queue after this long: a buffer that
 # sits still must not keep work from other workers, or priorities from being looked at anew.
 BUFFER_MAX_AGE = 2.0
+# After a short claim, claim again after each of these delays (seconds) before arming.
+LINGER = (0.001, 0.002, 0.004)
+# Claim again after these delays while an arming finds enqueues in flight, or due work that
+# the next claim then does not get (a row another claimer holds); the last one repeats.
+RETRY_DELAYS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05)
 
 log = structlog.get_logger("jobd.claimer")
 
@@ -42,6 +54,14 @@ class Claimer:
         self.suspects_possible = True
         self.isolating: int | None = None  # the suspect this worker runs alone
         self.held_back = False  # the buffer went back for its age; no claim until a slot frees
+        self.floors = ClaimFloors()
+        self.armed = False  # this worker's row is in lane_waiters (as far as it knows)
+        self.lingering: int | None = None  # how many LINGER claims came back short
+        self.retries = 0  # arming attempts since the last claim that took something
+        self.next_try_at: float | None = None  # a LINGER or RETRY_DELAYS claim is due then
+        # Armed after a look above the floors only: look from the head of the lane then, so
+        # a job that became due below them does not wait for the fallback poll.
+        self.recheck_at: float | None = None
 
     def leases(self) -> list[jobs.Lease]:
         return [job.lease for job, _claimed in self.buffer]
@@ -66,23 +86,84 @@ class Claimer:
             return None
         return queue.ClaimRequest(self.lane.name, self.worker_id, free,
                                   self.lane.visibility_timeout,
-                                  suspect_first=self.suspects_possible and not running)
+                                  suspect_first=self.suspects_possible and not running,
+                                  floors=self.floors.params(time.monotonic()),
+                                  disarm=self.armed)
 
     def took(self, claimed: queue.Claimed, request: queue.ClaimRequest) -> list[jobs.Job]:
         """Record what a claim brought; returns the jobs to start at once (a suspect)."""
         if request.suspect_first and claimed.suspect is None:
             self.suspects_possible = False  # none due now; the supervisor says when again
+        now = time.monotonic()
+        if request.disarm:
+            self.armed = False
+            self.recheck_at = None
+        assert request.floors is not None
+        self.floors.claimed(request.floors, [(job.priority, job.run_at, job.id)
+                                             for job in claimed.jobs], request.limit, now)
         # A suspect runs alone; once it is done the worker is idle and asks for the next.
         self.maybe_more = (len(claimed.jobs) == request.limit
                            or claimed.suspect is not None)
+        self._after_claim(bool(claimed.jobs) or claimed.suspect is not None, now)
         if claimed.suspect is not None:
             self.isolating = claimed.suspect.id
             log.info("running a suspect alone", job_id=claimed.suspect.id,
                      handler=claimed.suspect.handler)
             return [claimed.suspect]
-        now = time.monotonic()
         self.buffer.extend((job, now) for job in claimed.jobs)
         return []
+
+    # --- wake-ups ----------------------------------------------------------------------------
+
+    def _after_claim(self, took: bool, now: float) -> None:
+        if took:
+            self.retries = 0
+            self.lingering = None
+        if self.maybe_more:
+            self.next_try_at = None
+        elif self.lingering is None or self.lingering < len(LINGER):
+            step = 0 if self.lingering is None else self.lingering
+            self.next_try_at = now + LINGER[step]
+            self.lingering = step + 1
+        else:
+            self.next_try_at = None  # lingered: arm now (wants_arm)
+
+    def try_due(self, now: float) -> bool:
+        """A LINGER or retry claim is due: claim if capacity allows."""
+        if self.next_try_at is not None and now >= self.next_try_at:
+            self.next_try_at = None
+            self.maybe_more = True
+            return True
+        return False
+
+    def wants_arm(self, mode: WorkerMode, now: float) -> bool:
+        if mode != WorkerMode.RUNNING or self.isolating is not None or self.maybe_more:
+            return False
+        if self.armed:
+            return self.recheck_at is not None and now >= self.recheck_at
+        return self.next_try_at is None and self.lingering == len(LINGER)
+
+    def arm_result(self, result: str, now: float, from_head: bool) -> None:
+        """What arming answered: sleep until woken, or claim again (now or shortly)."""
+        if result == "armed":
+            self.armed = True
+            self.lingering = None
+            self.retries = 0
+            self.recheck_at = (None if from_head else
+                               self.floors.last_full_scan + FULL_SCAN_INTERVAL)
+            return
+        # 'work' or 'contended': claim again. A worker that was armed stays so, and its claim
+        # disarms it.
+        self.recheck_at = None
+        delay = RETRY_DELAYS[min(self.retries, len(RETRY_DELAYS) - 1)]
+        self.retries += 1
+        self.next_try_at = now + delay
+
+    def disconnected(self) -> None:
+        """A new connection: the server may have lost lane_waiters (a restart empties it)."""
+        self.armed = False
+        self.recheck_at = None
+        self.lingering = None
 
     def next_to_start(self, mode: WorkerMode, running: int) -> jobs.Job | None:
         if (self.buffer and running < self.lane.concurrency and mode == WorkerMode.RUNNING
@@ -98,6 +179,7 @@ class Claimer:
 
     def released(self, mode: WorkerMode, ids: set[int]) -> None:
         self.held_back = mode == WorkerMode.RUNNING and not self.suspects_possible
+        self.floors.forget()  # they keep their run_at, below this worker's floors
         self.drop(ids)
 
     def drop(self, ids: set[int]) -> None:

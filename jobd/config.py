@@ -80,6 +80,9 @@ class Config:
     worker_timeout: float = 30.0
     shutdown_timeout: float = 30.0
     duty_interval: float = 10.0
+    # A transaction or replication slot holding vacuum back on jobd's tables for longer than
+    # this is logged as a warning (jobd.duties.horizon_watch).
+    horizon_warning: float = 300.0
     restart_backoff: Backoff = field(default_factory=lambda: Backoff(1.0, 60.0))
     healthy_uptime: float = 30.0
     archive_retention: float = 7 * 86400.0
@@ -216,6 +219,7 @@ def _build(root: yamlcheck.Located, path: str | None) -> Config:
         worker_timeout=supervisor.take("worker_timeout", yamlcheck.positive_duration, 30.0),
         shutdown_timeout=supervisor.take("shutdown_timeout", yamlcheck.positive_duration, 30.0),
         duty_interval=supervisor.take("duty_interval", yamlcheck.positive_duration, 10.0),
+        horizon_warning=supervisor.take("horizon_warning", yamlcheck.positive_duration, 300.0),
         restart_backoff=_restart_backoff(restart),
         healthy_uptime=supervisor.take("healthy_uptime", yamlcheck.positive_duration, 30.0),
         outbox_lane=outbox.take("lane", yamlcheck.name("lane"), "outbox"),

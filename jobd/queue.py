@@ -19,7 +19,7 @@ from typing import Any
 
 import psycopg
 
-from jobd import fastpath
+from jobd import claim_floors, fastpath
 from jobd.jobs import Job, Lease
 from jobd.queries import qualified, query
 
@@ -94,6 +94,10 @@ class ClaimRequest:
     # The worker holds nothing: try the lane's oldest due suspect first (claim_suspect);
     # with one claimed, the claim of other jobs in the same transaction takes none.
     suspect_first: bool = False
+    # Where the scan starts (jobd.claim_floors); None scans from the head of the lane.
+    floors: dict[str, Any] | None = None
+    # The worker is armed for wake-ups (lane_waiters); the claim transaction disarms it.
+    disarm: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,8 +109,9 @@ class Claimed:
 
 
 def _claim_params(request: ClaimRequest, now: datetime | None) -> dict[str, Any]:
+    floors = claim_floors.full_scan_params() if request.floors is None else request.floors
     return {"lane": request.lane, "worker": request.worker, "limit": request.limit,
-            "visibility_timeout": float(request.visibility_timeout), "now": now}
+            "visibility_timeout": float(request.visibility_timeout), "now": now, **floors}
 
 
 def _jobs(rows: Iterable[tuple[Any, ...]]) -> list[Job]:
@@ -239,6 +244,8 @@ def settle_and_claim(
         if not together:
             steps.append((fastpath.COMMIT, None))
     if request is not None:
+        if request.disarm:
+            steps.append(("disarm_waiter", {"worker": request.worker}))
         if request.suspect_first:
             steps.append(("claim_suspect", _claim_params(request, now)))
         steps.append(("claim_jobs", _claim_params(request, now)))
@@ -256,8 +263,23 @@ def settle_and_claim(
         next(results)  # COMMIT
     if request is None:
         return completed, failed, Claimed([])
+    if request.disarm:
+        next(results)
     suspects = _jobs(next(results)) if request.suspect_first else []
     return completed, failed, Claimed(_jobs(next(results)), suspects[0] if suspects else None)
+
+
+def arm(conn: psycopg.Connection, lane: str, worker: str, floors: dict[str, Any]) -> str:
+    """Arm ``worker`` for wake-ups of ``lane`` unless work may have come since its last
+    claim: 'armed', 'work' (claim again now) or 'contended' (an enqueue is committing: claim
+    again shortly). See ``arm_waiter`` in migrations/0009_steady_claims.sql."""
+    row = conn.execute(query("arm_waiter"), {"lane": lane, "worker": worker, **floors}).fetchone()
+    assert row is not None
+    return str(row[0])
+
+
+def disarm(conn: psycopg.Connection, worker: str) -> None:
+    conn.execute(query("disarm_waiter"), {"worker": worker})
 
 
 def release(

@@ -106,6 +106,7 @@ def settle_crashed_worker(
     # the look below, its jobs would wait for their lease. End the backend first.
     conn.execute(query("terminate_worker_backends"), {"prefix": backend_prefix(worker)})
     with conn.transaction():
+        conn.execute(query("disarm_waiter"), {"worker": worker})
         rows = conn.execute(query("jobs_held_by"), {"worker": worker}).fetchall()
         if len(rows) > 1:
             leases = [Lease(row[0], row[1]) for row in rows]

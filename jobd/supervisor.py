@@ -32,6 +32,7 @@ from jobd.backoff import RetryPolicy
 from jobd.config import Config, load
 from jobd.db import ManagedConnection, bound_session
 from jobd.duties.crash_attribution import Attribution, CrashAttribution
+from jobd.duties.horizon_watch import HorizonWatch
 from jobd.duties.lane_poll import LanePoll
 from jobd.duties.lease_sweep import LeaseSweep
 from jobd.duties.materializer import Materializer
@@ -80,6 +81,7 @@ class Supervisor:
             self.materializer,
             self.crashes,
             self.lane_poll,
+            HorizonWatch(self._duty_interval, lambda: self.config.horizon_warning),
             Retention(lambda: self.config.archive_retention),
         ])
         self.next_listener_probe = time.monotonic() + LISTENER_PROBE_INTERVAL

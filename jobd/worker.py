@@ -33,6 +33,7 @@ import structlog
 
 from jobd import handlers as handler_registry
 from jobd import jobs, logs, outbox, pipes, protocol, queue, recovery
+from jobd.claim_floors import full_scan_params
 from jobd.claimer import BUFFER_MAX_AGE, Claimer
 from jobd.completer import Completer, Counters
 from jobd.db import ManagedConnection
@@ -155,6 +156,7 @@ class Worker:
             self._renew_leases()
             self._release_buffer()
             self._settle_and_claim()
+            self._arm_if_idle()
             self._report()
             if self._finished():
                 break
@@ -193,6 +195,9 @@ class Worker:
         settle_at = self.completer.due_at()
         if settle_at is not None:
             moments.append(max(settle_at, database_ready))
+        for moment in (self.claimer.next_try_at, self.claimer.recheck_at):
+            if moment is not None:
+                moments.append(max(moment, database_ready))
         oldest_claim = self.claimer.oldest_claim()
         if oldest_claim is not None:
             moments.append(oldest_claim + BUFFER_MAX_AGE)
@@ -229,6 +234,7 @@ class Worker:
     def _ensure_connection(self) -> None:
         if self.link.ensure():
             self.claimer.maybe_more = True
+            self.claimer.disconnected()
 
     def _db(self, operation: Callable[[psycopg.Connection], Any], what: str = "queue") -> Any:
         """Run ``operation`` on the connection; None when there is none or it failed."""
@@ -267,7 +273,20 @@ class Worker:
         if any(t <= now for t in self.timers.wake_at) or now >= self.timers.next_poll:
             self.timers.wake_at = [t for t in self.timers.wake_at if t > now]
             self.claimer.maybe_more = True
+        self.claimer.try_due(now)
         return self.claimer.request(self.mode, len(self.inflight))
+
+    def _arm_if_idle(self) -> None:
+        """Out of work: ask to be woken (see ``jobd.claimer``, wake-ups)."""
+        now = time.monotonic()
+        if self.conn is None or not self.claimer.wants_arm(self.mode, now):
+            return
+        floors = self.claimer.floors.params(now)
+        result = self._db(lambda conn: queue.arm(conn, self.lane.name, self.spec.worker_id,
+                                                 floors))
+        if result is not None:
+            self.claimer.arm_result(result, time.monotonic(),
+                                    from_head=floors == full_scan_params())
 
     def _started(self, claimed: queue.Claimed, request: queue.ClaimRequest) -> None:
         self.timers.next_poll = time.monotonic() + self._poll_delay()
@@ -424,6 +443,8 @@ class Worker:
             released = self._db(lambda conn: queue.release(conn, unfinished))
             log.info("released unfinished jobs", job_ids=[lease.id for lease in unfinished],
                      released=len(released.applied) if released else 0)
+        if self.claimer.armed:
+            self._db(lambda conn: queue.disarm(conn, self.spec.worker_id))
         self._report(force=True)
         self.link.close()
         self.runner.close()

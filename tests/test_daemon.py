@@ -439,13 +439,20 @@ def test_wakeups_resume_after_the_listen_connection_is_terminated(
 # --- 9. long-poll, not busy-poll -----------------------------------------------------------
 
 
-def test_notifications_and_scheduled_instants_wake_an_idle_lane(
-    daemons: Daemons, effects_db: psycopg.Connection
-) -> None:
+def idle_daemon(daemons: Daemons, effects_db: psycopg.Connection) -> Daemon:
+    """One worker, warmed up, its fallback poll a minute away: work arrives through
+    wake-ups alone."""
     daemon = daemons(make_config({"default": {"workers": 1, "poll_interval": "60s"}}))
     daemon.wait_workers_started("default", 1)
     warmup = jobd.enqueue(effects_db, "ok")
     wait_state(effects_db, warmup, "done", 15, daemon)
+    return daemon
+
+
+def test_notifications_and_scheduled_instants_wake_an_idle_lane(
+    daemons: Daemons, effects_db: psycopg.Connection
+) -> None:
+    daemon = idle_daemon(daemons, effects_db)
 
     now_job = jobd.enqueue(effects_db, "ok")
     wait_state(effects_db, now_job, "done", 5, daemon)
@@ -457,6 +464,18 @@ def test_notifications_and_scheduled_instants_wake_an_idle_lane(
     wait_state(effects_db, later, "done", 10, daemon)
     [start] = effects(effects_db, later, "start")
     assert run_at <= start["at"] <= run_at + timedelta(seconds=2)
+
+
+def test_a_job_due_below_an_idle_workers_claim_floors_still_starts_within_seconds(
+    daemons: Daemons, effects_db: psycopg.Connection
+) -> None:
+    # The fallback poll is a minute away: only the worker's own look from the head of the
+    # lane (jobd/claim_floors.py) can find a job that became due below its floors.
+    daemon = idle_daemon(daemons, effects_db)
+    time.sleep(0.2)  # it lingers, then arms with floors past the warm-up job
+    # What an enqueue looks like whose transaction began long before it committed.
+    straggler = jobd.enqueue(effects_db, "ok", run_at=db_now(effects_db) - timedelta(seconds=30))
+    wait_state(effects_db, straggler, "done", 5, daemon)
 
 
 # --- 10. command-line errors ---------------------------------------------------------------

@@ -8,14 +8,16 @@ from datetime import datetime, timedelta
 
 import psycopg
 import pytest
+import structlog
 
 import jobd
 from jobd import queue
 from jobd.backoff import Backoff, RetryPolicy
 from jobd.config import Config, LaneConfig, ScheduleConfig
-from jobd.db import ManagedConnection
+from jobd.db import ManagedConnection, connect
 from jobd.duties import Duty
 from jobd.duties.crash_attribution import Attribution, CrashAttribution
+from jobd.duties.horizon_watch import HorizonWatch
 from jobd.duties.lane_poll import LanePoll
 from jobd.duties.lease_sweep import LeaseSweep
 from jobd.duties.materializer import Materializer
@@ -196,3 +198,40 @@ def test_duties_due_together_share_one_transaction(
     assert runner.next_at() == NOW + 1.0
     runner.run_due(link, NOW + 0.5)  # nothing due yet
     assert conn.execute("SELECT count(*) FROM public.recorded").fetchone() == (1,)
+
+
+def test_the_horizon_watch_names_the_transaction_that_holds_vacuum_back(
+    db_url: str, conn: psycopg.Connection
+) -> None:
+    watch = HorizonWatch(lambda: 10.0, lambda: 0.5)
+    with connect(db_url, autocommit=False) as holder:
+        holder.execute("SET application_name = 'nightly report'")
+        holder.execute("SELECT txid_current()")
+        [[pid]] = holder.execute("SELECT pg_backend_pid()").fetchall()
+        holder.execute("SELECT pg_sleep(0.6)")  # older than the threshold
+        with structlog.testing.capture_logs() as logged:
+            watch.run(conn, 0.0)
+            watch.run(conn, 10.0)  # the same holder: not repeated every turn
+        warnings = [e for e in logged if e["log_level"] == "warning"]
+        assert len(warnings) == 1
+        [warning] = warnings
+        assert (warning["kind"], warning["pid"], warning["name"]) == (
+            "transaction", pid, "nightly report")
+        assert warning["age_seconds"] >= 0.5
+        assert warning["state"] == "idle in transaction"
+        holder.rollback()
+    with structlog.testing.capture_logs() as logged:
+        watch.run(conn, 20.0)
+    assert [e["event"] for e in logged] == ["vacuum horizon released"]
+
+
+def test_the_horizon_watch_is_quiet_below_its_threshold(
+    db_url: str, conn: psycopg.Connection
+) -> None:
+    watch = HorizonWatch(lambda: 10.0, lambda: 300.0)
+    with connect(db_url, autocommit=False) as holder:
+        holder.execute("SELECT txid_current()")
+        with structlog.testing.capture_logs() as logged:
+            watch.run(conn, 0.0)
+        holder.rollback()
+    assert logged == []

@@ -17,6 +17,7 @@ from psycopg import pq, sql
 
 import jobd
 from jobd import queries, queue
+from jobd.claim_floors import full_scan_params
 from jobd.db import connect
 from jobd.migrate import MigrationMismatch, available, migrate
 
@@ -101,6 +102,8 @@ def test_migrate_into_another_schema(databases: Databases) -> None:
     with connect(url, "other") as conn:
         assert conn.execute("SELECT to_regnamespace('jobd')").fetchone() == (None,)
         conn.execute("LISTEN other_wakeup")
+        for lane in ("default", "b"):  # due work notifies only lanes with a worker waiting
+            assert queue.arm(conn, lane, f"worker-{lane}", full_scan_params()) == "armed"
         job_id = jobd.enqueue(conn, "send_email", {"to": "a@example.com"}, schema="other",
                               idempotency_key="k")
         assert jobd.enqueue(conn, "send_email", schema="other", idempotency_key="k") == job_id
@@ -279,7 +282,7 @@ def test_indexes_the_queries_rely_on(conn: psycopg.Connection) -> None:
     definitions = dict(conn.execute(
         "SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = 'jobd'").fetchall())
     claimable = definitions["jobs_claimable_idx"]
-    assert "(lane, priority DESC, run_at)" in claimable
+    assert "(lane, priority DESC, run_at, id)" in claimable
     assert "WHERE (state = ANY (ARRAY['pending'::text, 'failed'::text]))" in claimable
     assert "(lease_until) WHERE (state = 'claimed'::text)" in definitions["jobs_lease_idx"]
     assert "jobs_archive_id_idx" in definitions

@@ -12,6 +12,7 @@ import pytest
 import jobd
 from jobd import queue, recovery
 from jobd.backoff import Backoff, RetryPolicy
+from jobd.claim_floors import full_scan_params
 from jobd.db import connect
 from jobd.jobs import JobSpec
 from jobd.queue import Failure
@@ -118,6 +119,9 @@ def test_enqueue_rejects_bad_arguments(conn: psycopg.Connection) -> None:
 
 def test_bulk_enqueue_sends_one_notification_per_lane(db_url: str) -> None:
     with connect(db_url) as listener, connect(db_url) as writer:
+        for lane in ("a", "b"):  # due work notifies only lanes with a worker waiting
+            assert queue.arm(writer, lane, f"worker-{lane}", full_scan_params()) == "armed"
+        writer.commit()
         listener.execute("LISTEN jobd_wakeup")
         jobd.enqueue_many(writer, [JobSpec("h", lane="a") for _ in range(500)]
                           + [JobSpec("h", lane="b") for _ in range(500)])

@@ -8,6 +8,7 @@
   counters) and the database clock's offset;
 - :mod:`~jobd.duties.materializer`: recurring schedules declared, due occurrences enqueued;
 - :mod:`~jobd.duties.lane_poll`: the fallback poll for work that no notification announced;
+- :mod:`~jobd.duties.horizon_watch`: a warning naming whatever holds vacuum back;
 - :mod:`~jobd.duties.retention`: archive partitions, retention, pruning.
 
 A duty says when it next wants to run (:attr:`Duty.next_at`, monotonic) and does its work

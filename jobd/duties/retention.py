@@ -1,5 +1,6 @@
 """Archive maintenance, hourly: tops up archive partitions and drops those past retention
-(with effect keys and delivered outbox entries), prunes nodes gone for an hour and the fire
+(with effect keys and delivered outbox entries), prunes nodes gone for an hour, waiters
+left by workers gone without a trace, the priorities lanes no longer use, and the fire
 ledger (``jobd.archive``, ``jobd.schedules``)."""
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ log = structlog.get_logger("jobd.duties.retention")
 
 MAINTENANCE_INTERVAL = 3600.0
 NODE_STALE_AFTER = 3600.0  # seconds without a heartbeat before a node's row is pruned
+WAITER_STALE_AFTER = 3600.0  # seconds since an armed worker last refreshed its row
 
 
 class Retention(Periodic):
@@ -32,6 +34,8 @@ class Retention(Periodic):
     def work(self, conn: psycopg.Connection) -> None:
         done = archive.apply_retention(conn, timedelta(seconds=self.retention()))
         conn.execute(query("prune_nodes"), {"older_than": NODE_STALE_AFTER})
+        conn.execute(query("prune_waiters"), {"older_than": WAITER_STALE_AFTER})
+        conn.execute(query("forget_unused_priorities"))
         schedules.prune_ledger(conn)
         if any(astuple(done)):
             log.info("archive maintenance", **asdict(done))

@@ -46,39 +46,36 @@ FROM STDIN (FORMAT BINARY)
 
 -- name: claim_jobs
 -- Claims up to %(limit)s due jobs of one lane, highest priority first, then oldest run_at.
--- The recursive part walks the lane's distinct priorities through the index (a loose index
--- scan), so within each priority run_at bounds the range scan: future-scheduled jobs are never
--- visited, however many there are. SKIP LOCKED lets concurrent claimers pass each other.
+-- The lane's priorities come from lane_priorities; within each, the scan starts at the
+-- worker's floor for it (lane_floors(), jobd/claim_floors.py; the head without one), so it
+-- does not walk the dead index entries of jobs claimed before, which vacuum cannot remove
+-- while an old transaction holds the horizon back (docs/design/queue.md, "Claim floors"). run_at bounds the range from above: future
+-- scheduled jobs are never visited. SKIP LOCKED lets concurrent claimers pass each other.
 -- The attempt is counted here, so a job that kills its worker still spends its budget.
 -- Suspects (see claim_suspect) are left out.
-WITH RECURSIVE priorities AS (
-    (SELECT priority FROM jobs
-      WHERE lane = %(lane)s AND state IN ('pending', 'failed')
-      ORDER BY priority DESC LIMIT 1)
-    UNION ALL
-    SELECT (SELECT j.priority FROM jobs AS j
-             WHERE j.lane = %(lane)s AND j.state IN ('pending', 'failed')
-               AND j.priority < p.priority
-             ORDER BY j.priority DESC LIMIT 1)
-      FROM priorities AS p
-     WHERE p.priority IS NOT NULL
+WITH levels AS (
+    SELECT priority, floor_at, floor_id
+      FROM lane_floors(%(lane)s, %(floor_priorities)s::int[], %(floor_run_ats)s::timestamptz[],
+                       %(floor_ids)s::bigint[], %(floor_ages)s::float8[],
+                       %(default_floor_age)s::float8, coalesce(%(now)s::timestamptz, now()))
+     ORDER BY priority DESC
 ),
 due AS (
     SELECT d.id
-      FROM priorities AS p
+      FROM levels AS l
      CROSS JOIN LATERAL (
            SELECT id FROM jobs
             WHERE lane = %(lane)s AND state IN ('pending', 'failed')
-              AND priority = p.priority
+              AND priority = l.priority
+              AND (run_at, id) >= (l.floor_at, l.floor_id)
               AND run_at <= coalesce(%(now)s::timestamptz, now())
               AND NOT suspect
-            ORDER BY run_at
+            ORDER BY run_at, id
             LIMIT %(limit)s
               FOR UPDATE SKIP LOCKED) AS d
-     WHERE p.priority IS NOT NULL
-       -- A worker that holds a suspect runs it alone (claim_suspect); a one-time probe of
-       -- the suspect index, empty but for the rare crash.
-       AND NOT EXISTS (SELECT 1 FROM jobs AS s
+     -- A worker that holds a suspect runs it alone (claim_suspect); a one-time probe of
+     -- the suspect index, empty but for the rare crash.
+     WHERE NOT EXISTS (SELECT 1 FROM jobs AS s
                         WHERE s.lane = %(lane)s AND s.suspect AND s.state = 'claimed'
                           AND s.claimed_by = %(worker)s)
      LIMIT %(limit)s
@@ -94,6 +91,16 @@ UPDATE jobs
 RETURNING jobs.id, jobs.lease_token, jobs.lane, jobs.handler, jobs.payload::text, jobs.priority,
           jobs.run_at, jobs.attempts, jobs.max_attempts, jobs.idempotency_key,
           jobs.created_at, jobs.lease_until
+
+-- name: arm_waiter
+-- See arm_waiter() in migrations/0009_steady_claims.sql: 'armed', 'work' or 'contended'.
+SELECT arm_waiter(%(lane)s, %(worker)s, %(floor_priorities)s::int[],
+                  %(floor_run_ats)s::timestamptz[], %(floor_ids)s::bigint[],
+                  %(floor_ages)s::float8[], %(default_floor_age)s::float8)
+
+-- name: disarm_waiter
+-- A worker that takes work (or stops) no longer waits: enqueues stop notifying for it.
+DELETE FROM lane_waiters WHERE worker_id = %(worker)s
 
 -- name: claim_suspect
 -- Claims the lane's oldest due suspect, one job, for a worker that holds nothing: the jobs of
@@ -392,6 +399,41 @@ RETURNING extract(epoch FROM now())::float8
 
 -- name: node_leave
 DELETE FROM nodes WHERE instance = %(instance)s
+
+-- name: prune_waiters
+-- Armed workers refresh their row on every fallback poll; one this old belongs to a worker
+-- gone without a trace (its node killed whole). It only cost a notification per enqueue.
+DELETE FROM lane_waiters WHERE armed_at < now() - make_interval(secs => %(older_than)s)
+
+-- name: forget_unused_priorities
+SELECT l.lane, forget_unused_priorities(l.lane)
+  FROM (SELECT DISTINCT lane FROM lane_priorities) AS l
+
+-- name: horizon_holders
+-- What holds back the horizon below which vacuum may remove dead rows of jobd's tables: the
+-- oldest open transaction of each kind, in this database (backends of others do not hold
+-- back its tables) or anywhere (replication slots, prepared transactions), with its age by
+-- the database clock. A slot's age is in transactions: a slot has no start time.
+(SELECT 'transaction' AS kind, a.pid, a.application_name, a.state,
+        extract(epoch FROM now() - a.xact_start)::float8 AS age_seconds,
+        greatest(age(a.backend_xid), age(a.backend_xmin)) AS age_xids
+   FROM pg_stat_activity AS a
+  WHERE a.datname = current_database() AND a.pid <> pg_backend_pid()
+    AND (a.backend_xid IS NOT NULL OR a.backend_xmin IS NOT NULL)
+    AND a.xact_start IS NOT NULL
+  ORDER BY a.xact_start LIMIT 1)
+UNION ALL
+(SELECT 'prepared transaction', NULL, p.gid, NULL,
+        extract(epoch FROM now() - p.prepared)::float8, age(p.transaction)
+   FROM pg_prepared_xacts AS p
+  ORDER BY p.prepared LIMIT 1)
+UNION ALL
+(SELECT 'replication slot', s.active_pid, s.slot_name, CASE WHEN s.active THEN 'active'
+                                                            ELSE 'inactive' END,
+        NULL, greatest(age(s.xmin), age(s.catalog_xmin))
+   FROM pg_replication_slots AS s
+  WHERE s.xmin IS NOT NULL OR s.catalog_xmin IS NOT NULL
+  ORDER BY greatest(age(s.xmin), age(s.catalog_xmin)) DESC LIMIT 1)
 
 -- name: prune_nodes
 DELETE FROM nodes WHERE seen_at < now() - make_interval(secs => %(older_than)s)

@@ -69,10 +69,21 @@ CREATE TABLE jobs (
 );
 ALTER SEQUENCE job_id_seq OWNED BY jobs.id;
 
--- The hottest query: due jobs of one lane by priority, then run_at. Only claimable rows are
--- indexed, so the index is as small as the backlog however much history exists.
-CREATE INDEX jobs_claimable_idx ON jobs (lane, priority DESC, run_at)
+-- The hottest query: due jobs of one lane by priority, then run_at (then id, so a claim's
+-- floor can sit between jobs that share a run_at). Only claimable rows are indexed, so the
+-- index is as small as the backlog however much history exists.
+CREATE INDEX jobs_claimable_idx ON jobs (lane, priority DESC, run_at, id)
     WHERE state IN ('pending', 'failed');
+
+-- Every (lane, priority) that has had claimable jobs: the claim reads a lane's priorities
+-- here instead of discovering them by walking the index (where a held xmin horizon keeps
+-- the dead entries of every claimed job). Added by the insert trigger, removed by the
+-- retention duty (forget_unused_priorities).
+CREATE TABLE lane_priorities (
+    lane     text    NOT NULL,
+    priority integer NOT NULL,
+    PRIMARY KEY (lane, priority)
+);
 
 -- The lease-expiry sweep and crash attribution read only claimed rows.
 CREATE INDEX jobs_lease_idx ON jobs (lease_until) WHERE state = 'claimed';
@@ -313,20 +324,58 @@ BEGIN
 END
 $$;
 
+-- Workers that wait for a wake-up. UNLOGGED: arming and disarming write no WAL, so they cost
+-- no flush; after a crash of the server the table is empty and the workers, reconnecting,
+-- claim before they arm again. A row of a worker that died stays until crash attribution
+-- or the lease sweep removes it: until then it only costs a notification per enqueue.
+CREATE UNLOGGED TABLE lane_waiters (
+    worker_id text        PRIMARY KEY,
+    lane      text        NOT NULL,
+    armed_at  timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX lane_waiters_lane_idx ON lane_waiters (lane);
+
+-- The advisory lock key of a lane's wake-ups: the schema is part of it, so two jobd schemas
+-- in one database do not share locks.
+CREATE FUNCTION wake_lock_key(lane text) RETURNS bigint
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+SET search_path FROM CURRENT
+AS $$ SELECT hashtextextended(current_schema() || '.' || lane, 0) $$;
+
 -- Wake the lanes that received work, once per lane and statement (a bulk insert of 20,000
--- rows sends one notification per lane, not 20,000). The payload is 'lane#<n>' when n of the
--- new jobs are due now (so the listener wakes as many workers as that needs), else
--- 'lane@<epoch seconds>' of the earliest one, so it can wake the lane at that instant instead
--- of polling for it. The channel carries the schema name so several jobd schemas can share
--- a database.
+-- rows sends one notification per lane, not 20,000), and only while a worker of the lane is
+-- armed (lane_waiters): a NOTIFY takes a lock that serializes the commits of every notifying
+-- transaction. The payload is 'lane#<n>' when n of the new jobs are due now (so the listener
+-- wakes as many workers as that needs), else 'lane@<epoch seconds>' of the earliest one
+-- (always sent), so it can wake the lane at that instant instead of polling for it. The
+-- channel carries the schema name so several jobd schemas can share a database.
 CREATE FUNCTION notify_new_jobs() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    entry record;
+    -- Outside READ COMMITTED the transaction's snapshot may predate a worker's arming, so
+    -- reading lane_waiters proves nothing: notify as before.
+    always boolean := current_setting('transaction_isolation') <> 'read committed';
 BEGIN
-    PERFORM pg_notify(TG_TABLE_SCHEMA || '_wakeup',
-                      CASE WHEN due > 0 THEN lane || '#' || due
-                           ELSE lane || '@' || extract(epoch FROM first_run_at)::text END)
-       FROM (SELECT lane, min(run_at) AS first_run_at,
-                    count(*) FILTER (WHERE run_at <= now()) AS due
-               FROM new_jobs GROUP BY lane) AS lanes;
+    FOR entry IN SELECT lane, min(run_at) AS first_run_at,
+                        count(*) FILTER (WHERE run_at <= now()) AS due
+                   FROM new_jobs GROUP BY lane
+    LOOP
+        -- Held until commit. A worker arming meanwhile sees this enqueue as 'contended' and
+        -- claims again instead of sleeping (arm_waiter); the retention duty's clean-up of
+        -- lane_priorities skips the lane. The next statements' snapshots see every arming
+        -- committed before the lock was granted.
+        PERFORM pg_advisory_xact_lock_shared(wake_lock_key(entry.lane));
+        INSERT INTO lane_priorities (lane, priority)
+        SELECT DISTINCT entry.lane, n.priority FROM new_jobs AS n WHERE n.lane = entry.lane
+            ON CONFLICT DO NOTHING;
+        IF entry.due = 0 THEN
+            -- Work for later: the supervisors set a timer for it.
+            PERFORM pg_notify(TG_TABLE_SCHEMA || '_wakeup',
+                              entry.lane || '@' || extract(epoch FROM entry.first_run_at)::text);
+        ELSIF always OR EXISTS (SELECT 1 FROM lane_waiters AS w WHERE w.lane = entry.lane) THEN
+            PERFORM pg_notify(TG_TABLE_SCHEMA || '_wakeup', entry.lane || '#' || entry.due);
+        END IF;
+    END LOOP;
     RETURN NULL;
 END
 $$;
@@ -334,6 +383,98 @@ $$;
 CREATE TRIGGER jobs_notify_insert AFTER INSERT ON jobs
     REFERENCING NEW TABLE AS new_jobs
     FOR EACH STATEMENT EXECUTE FUNCTION notify_new_jobs();
+
+-- The retention duty forgets the priorities a lane no longer uses, one lane at a time and
+-- only while no enqueue into it is in flight (the exclusive try-lock): an enqueue that
+-- found its pair present cannot have the pair deleted under its uncommitted job.
+CREATE FUNCTION forget_unused_priorities(lane text) RETURNS integer
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    forgotten integer;
+BEGIN
+    IF NOT pg_try_advisory_xact_lock(wake_lock_key(forget_unused_priorities.lane)) THEN
+        RETURN 0;
+    END IF;
+    DELETE FROM lane_priorities AS p
+     WHERE p.lane = forget_unused_priorities.lane
+       -- Claimable jobs through the claim index, claimed ones (which a release or an expired
+       -- lease makes claimable again) through the lease index.
+       AND NOT EXISTS (SELECT 1 FROM jobs AS j
+                        WHERE j.lane = p.lane AND j.priority = p.priority
+                          AND j.state IN ('pending', 'failed'))
+       AND NOT EXISTS (SELECT 1 FROM jobs AS j
+                        WHERE j.state = 'claimed' AND j.lease_until IS NOT NULL
+                          AND j.lane = p.lane AND j.priority = p.priority);
+    GET DIAGNOSTICS forgotten = ROW_COUNT;
+    RETURN forgotten;
+END
+$$;
+
+-- Where a worker's scan of each priority of a lane starts (jobd/claim_floors.py): the later
+-- of a (run_at, id) position and an instant the priority was dry at, given as an age before
+-- `at` (default_age for priorities without one of their own); the head ('-infinity', 0)
+-- when neither is known. Used by claim_jobs and arm_waiter. No SET search_path, so that the
+-- planner can inline it into the claim: its callers run with jobd's schema on the path.
+CREATE FUNCTION lane_floors(lane text, priorities integer[], run_ats timestamptz[],
+                            ids bigint[], ages float8[], default_age float8, at timestamptz)
+RETURNS TABLE (priority integer, floor_at timestamptz, floor_id bigint)
+LANGUAGE sql STABLE
+AS $$
+    SELECT p.priority,
+           CASE WHEN f.run_at > dry.floor_at THEN f.run_at ELSE dry.floor_at END,
+           CASE WHEN f.run_at > dry.floor_at THEN f.id ELSE 0 END
+      FROM lane_priorities AS p
+      LEFT JOIN unnest(priorities, run_ats, ids, ages) AS f(priority, run_at, id, age)
+             ON f.priority = p.priority
+     CROSS JOIN LATERAL (
+           SELECT coalesce(at - make_interval(secs => coalesce(f.age, default_age)),
+                           '-infinity') AS floor_at) AS dry
+     WHERE p.lane = lane_floors.lane
+$$;
+
+-- A worker with nothing left to claim arms itself, unless work may have arrived since its
+-- last claim. 'contended': an enqueue is between its insert and its commit (it holds the
+-- lane's shared lock), so the worker claims again shortly instead of sleeping. 'work': a
+-- due job is visible above the worker's floors. 'armed': the worker's row is in
+-- lane_waiters; every enqueue that takes the lock after this commit sees it and notifies.
+-- The exclusive try-lock never waits: producers are never queued behind a worker.
+CREATE FUNCTION arm_waiter(lane text, worker_id text, floor_priorities integer[],
+                           floor_run_ats timestamptz[], floor_ids bigint[],
+                           floor_ages float8[], default_floor_age float8)
+RETURNS text
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    level integer;
+    floor_at timestamptz;
+    floor_id bigint;
+BEGIN
+    IF NOT pg_try_advisory_xact_lock(wake_lock_key(arm_waiter.lane)) THEN
+        RETURN 'contended';
+    END IF;
+    -- This statement's snapshot is taken after the lock: it sees every job whose enqueue
+    -- held the lock before.
+    FOR level, floor_at, floor_id IN
+        SELECT l.priority, l.floor_at, l.floor_id
+          FROM lane_floors(arm_waiter.lane, floor_priorities, floor_run_ats, floor_ids,
+                           floor_ages, default_floor_age, now()) AS l
+    LOOP
+        IF EXISTS (SELECT 1 FROM jobs AS j
+                    WHERE j.lane = arm_waiter.lane AND j.state IN ('pending', 'failed')
+                      AND j.priority = level AND (j.run_at, j.id) >= (floor_at, floor_id)
+                      AND j.run_at <= now() AND NOT j.suspect) THEN
+            RETURN 'work';
+        END IF;
+    END LOOP;
+    INSERT INTO lane_waiters (worker_id, lane) VALUES (arm_waiter.worker_id, arm_waiter.lane)
+        ON CONFLICT ON CONSTRAINT lane_waiters_pkey
+        DO UPDATE SET lane = excluded.lane, armed_at = now();
+    RETURN 'armed';
+END
+$$;
 
 
 -- ===========================================================================================
@@ -437,35 +578,18 @@ CREATE TABLE nodes (
     prev_seen_at    timestamptz
 );
 
--- The earliest run_at of a lane's claimable jobs, due or not: one index probe per distinct
--- priority (a loose scan of jobs_claimable_idx, like the claim), so it stays cheap however
--- many jobs wait. The supervisor's fallback poll asks it for every lane in one statement.
+-- The earliest run_at of a lane's claimable jobs: one index probe per listed priority.
 CREATE FUNCTION lane_head(lane text) RETURNS timestamptz
-LANGUAGE plpgsql STABLE
+LANGUAGE sql STABLE
 SET search_path FROM CURRENT
 AS $$
-DECLARE
-    level     integer;
-    first_due timestamptz;
-    earliest  timestamptz;
-BEGIN
-    SELECT j.priority INTO level FROM jobs AS j
-     WHERE j.lane = lane_head.lane AND j.state IN ('pending', 'failed')
-     ORDER BY j.priority DESC LIMIT 1;
-    WHILE level IS NOT NULL LOOP
-        SELECT j.run_at INTO first_due FROM jobs AS j
-         WHERE j.lane = lane_head.lane AND j.state IN ('pending', 'failed')
-           AND j.priority = level
-         ORDER BY j.run_at LIMIT 1;
-        earliest := least(earliest, first_due);
-        -- SELECT INTO with no row sets level to NULL, which ends the loop.
-        SELECT j.priority INTO level FROM jobs AS j
-         WHERE j.lane = lane_head.lane AND j.state IN ('pending', 'failed')
-           AND j.priority < level
-         ORDER BY j.priority DESC LIMIT 1;
-    END LOOP;
-    RETURN earliest;
-END
+    SELECT min(first.run_at)
+      FROM lane_priorities AS p
+     CROSS JOIN LATERAL (
+           SELECT j.run_at FROM jobs AS j
+            WHERE j.lane = p.lane AND j.state IN ('pending', 'failed') AND j.priority = p.priority
+            ORDER BY j.run_at LIMIT 1) AS first
+     WHERE p.lane = lane_head.lane
 $$;
 
 

@@ -1,0 +1,105 @@
+"""Where a worker's claims start scanning: per priority, a floor below which it knows no job
+is due. Pure logic; ``claim_jobs`` and ``arm_waiter`` take the floors as arrays.
+
+Every claimed or finished job leaves a dead entry in the claim index. Vacuum removes them
+within seconds, unless a transaction holds the xmin horizon back (an idle-in-transaction
+session, a long report, a replication slot): then a scan from the head of a lane walks every
+job claimed since, and claims slow down as the horizon ages (docs/design/queue.md, "Claim
+floors"). A floor keeps the scan above them:
+
+- a claim stopped, in each priority it took from, at the last job it took: the scan of that
+  priority starts there next time;
+- a claim that came back short left nothing due unclaimed in any priority: every priority is
+  dry as of "now, less :data:`CAUGHT_UP_MARGIN`" (a claim that came back full, each priority
+  above the lowest it took from); the scan starts at the later of the two;
+- a job can still become due below a floor: an enqueue whose transaction began more than
+  the margin before it committed (``run_at`` defaults to the transaction's start), a job
+  released or whose lease expired (it keeps its ``run_at``), a claim that skipped a locked
+  row that another claimer then gave up. So at least every :data:`FULL_SCAN_INTERVAL` a
+  claim scans from the head, and such a job waits at most that long.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+# How far below the database's clock at a short claim a floor is set: an enqueue whose
+# transaction is younger than this when it commits is never below a floor.
+CAUGHT_UP_MARGIN = 0.5
+# The longest a job below a floor waits for a claim that scans from the head.
+FULL_SCAN_INTERVAL = 1.0
+
+
+@dataclass(slots=True)
+class Floor:
+    """A priority's floor: the position of the last job taken from it, and the instant it was
+    last seen dry (monotonic; sent as an age, since the database's clock sets ``now``). The
+    claim starts at the later of the two."""
+
+    run_at: datetime | None = None
+    job_id: int = 0
+    dry_at: float | None = None
+
+
+@dataclass(slots=True)
+class ClaimFloors:
+    by_priority: dict[int, Floor] = field(default_factory=dict)
+    # When every priority was last seen dry (a short claim): the dry instant of priorities
+    # without a later one of their own.
+    dry_at: float | None = None
+    last_full_scan: float = -math.inf
+
+    def params(self, now: float) -> dict[str, Any]:
+        """The floor parameters of the next claim; from the head when one is due."""
+        if now - self.last_full_scan >= FULL_SCAN_INTERVAL:
+            return full_scan_params()
+        priorities, run_ats, ids, ages = [], [], [], []
+        for priority, floor in self.by_priority.items():
+            priorities.append(priority)
+            run_ats.append(floor.run_at)
+            ids.append(floor.job_id)
+            ages.append(None if floor.dry_at is None else _age(floor.dry_at, now))
+        return {"floor_priorities": priorities, "floor_run_ats": run_ats, "floor_ids": ids,
+                "floor_ages": ages,
+                "default_floor_age": None if self.dry_at is None else _age(self.dry_at, now)}
+
+    def claimed(self, params: dict[str, Any], taken: list[tuple[int, datetime, int]],
+                limit: int, now: float) -> None:
+        """Record what a claim sent with ``params`` took: (priority, run_at, id) per job."""
+        if params["default_floor_age"] is None and not params["floor_priorities"]:
+            self.last_full_scan = now
+        last: dict[int, tuple[datetime, int]] = {}
+        for priority, run_at, job_id in taken:
+            last[priority] = max(last.get(priority, (run_at, job_id)), (run_at, job_id))
+        for priority, (run_at, job_id) in last.items():
+            floor = self.by_priority.setdefault(priority, Floor())
+            floor.run_at, floor.job_id = run_at, job_id
+        if len(taken) < limit:
+            # Every priority was scanned to its end: nothing due is left unclaimed.
+            self.dry_at = now
+            for floor in self.by_priority.values():
+                floor.dry_at = None
+            return
+        # Full: the scan went through each priority above the lowest it took from.
+        lowest = min(last)
+        for priority in last:
+            if priority > lowest:
+                self.by_priority[priority].dry_at = now
+
+    def forget(self) -> None:
+        """Scan from the head next time: this worker gave jobs back below its floors."""
+        self.by_priority.clear()
+        self.dry_at = None
+        self.last_full_scan = -math.inf
+
+
+def full_scan_params() -> dict[str, Any]:
+    return {"floor_priorities": [], "floor_run_ats": [], "floor_ids": [], "floor_ages": [],
+            "default_floor_age": None}
+
+
+def _age(dry_at: float, now: float) -> float:
+    return max(0.0, now - dry_at) + CAUGHT_UP_MARGIN

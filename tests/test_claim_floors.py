@@ -1,0 +1,129 @@
+"""Claim floors and the claimer's wake-up states, without a database (the SQL side is in
+tests/test_steady.py)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from jobd import claimer as claimer_module
+from jobd import queue
+from jobd.claim_floors import (
+    CAUGHT_UP_MARGIN,
+    FULL_SCAN_INTERVAL,
+    ClaimFloors,
+    full_scan_params,
+)
+from jobd.claimer import LINGER, RETRY_DELAYS, Claimer
+from jobd.config import LaneConfig
+from jobd.protocol import WorkerMode
+
+T0 = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
+
+
+def at(seconds: float) -> datetime:
+    return T0 + timedelta(seconds=seconds)
+
+
+def test_the_first_claim_and_one_a_second_scan_from_the_head() -> None:
+    floors = ClaimFloors()
+    assert floors.params(0.0) == full_scan_params()
+    floors.claimed(full_scan_params(), [(0, at(1), 7)], 10, 0.0)
+    assert floors.params(0.5)["floor_priorities"] == [0]
+    assert floors.params(FULL_SCAN_INTERVAL) == full_scan_params()
+
+
+def test_a_short_claim_leaves_every_priority_dry_with_a_margin() -> None:
+    floors = ClaimFloors()
+    floors.claimed(full_scan_params(), [(5, at(1), 3), (0, at(2), 9)], 10, 100.0)
+    params = floors.params(100.25)
+    assert params["default_floor_age"] == CAUGHT_UP_MARGIN + 0.25
+    by_priority = dict(zip(params["floor_priorities"],
+                           zip(params["floor_run_ats"], params["floor_ids"],
+                               params["floor_ages"], strict=True), strict=True))
+    # The positions stay; the claim starts at the later of them and the dry instant.
+    assert by_priority == {5: (at(1), 3, None), 0: (at(2), 9, None)}
+
+
+def test_a_full_claim_stops_at_the_last_job_of_the_lowest_priority_it_reached() -> None:
+    floors = ClaimFloors()
+    floors.claimed(full_scan_params(), [(5, at(1), 3), (0, at(4), 12), (0, at(2), 20)], 3, 50.0)
+    params = floors.params(50.1)
+    assert params["default_floor_age"] is None  # lower priorities were not reached
+    by_priority = dict(zip(params["floor_priorities"],
+                           zip(params["floor_run_ats"], params["floor_ids"],
+                               params["floor_ages"], strict=True), strict=True))
+    assert by_priority[0] == (at(4), 12, None)  # the last by (run_at, id), not by arrival
+    run_at, job_id, age = by_priority[5]
+    assert (run_at, job_id) == (at(1), 3)
+    assert age is not None and abs(age - (CAUGHT_UP_MARGIN + 0.1)) < 1e-9  # exhausted
+
+
+def test_giving_jobs_back_sends_the_next_claim_to_the_head() -> None:
+    floors = ClaimFloors()
+    floors.claimed(full_scan_params(), [(0, at(1), 1)], 10, 0.0)
+    floors.forget()
+    assert floors.params(0.1) == full_scan_params()
+
+
+# --- the claimer's wake-up states ----------------------------------------------------------
+
+
+def claim_nothing(claimer: Claimer) -> None:
+    """Feed the claimer a claim that came back empty."""
+    request = claimer.request(WorkerMode.RUNNING, 0)
+    assert request is not None
+    claimer.took(queue.Claimed([]), request)
+
+
+def test_a_worker_lingers_then_arms_and_retries_while_enqueues_commit(monkeypatch) -> None:
+    clock = [1000.0]
+    monkeypatch.setattr(claimer_module.time, "monotonic", lambda: clock[0])
+    claimer = Claimer(LaneConfig("default", concurrency=2), "w")
+    claimer.suspects_possible = False
+    claim_nothing(claimer)
+    for delay in LINGER:
+        assert not claimer.wants_arm(WorkerMode.RUNNING, clock[0])
+        assert claimer.next_try_at == clock[0] + delay
+        assert not claimer.try_due(clock[0])  # not yet
+        clock[0] += delay
+        assert claimer.try_due(clock[0])
+        claim_nothing(claimer)
+    assert claimer.wants_arm(WorkerMode.RUNNING, clock[0])
+    assert not claimer.wants_arm(WorkerMode.DRAINING, clock[0])
+
+    claimer.arm_result("contended", clock[0], from_head=False)
+    assert claimer.next_try_at == clock[0] + RETRY_DELAYS[0]
+    clock[0] += RETRY_DELAYS[0]
+    assert claimer.try_due(clock[0])
+    claim_nothing(claimer)
+    assert claimer.wants_arm(WorkerMode.RUNNING, clock[0])  # lingered already: arm again at once
+    claimer.arm_result("contended", clock[0], from_head=False)
+    assert claimer.next_try_at == clock[0] + RETRY_DELAYS[1]
+
+    clock[0] += RETRY_DELAYS[1]
+    claimer.try_due(clock[0])
+    claim_nothing(claimer)
+    claimer.arm_result("armed", clock[0], from_head=False)
+    assert claimer.armed and not claimer.wants_arm(WorkerMode.RUNNING, clock[0])
+    # Armed after a look above the floors: one more look, from the head, once a full scan
+    # is due; armed after that one, it sleeps until woken.
+    recheck = claimer.floors.last_full_scan + FULL_SCAN_INTERVAL
+    assert claimer.recheck_at == recheck
+    assert claimer.wants_arm(WorkerMode.RUNNING, recheck)
+    claimer.arm_result("armed", recheck, from_head=True)
+    assert not claimer.wants_arm(WorkerMode.RUNNING, recheck + 100)
+
+    # A wake-up: the next claim disarms.
+    claimer.maybe_more = True
+    request = claimer.request(WorkerMode.RUNNING, 0)
+    assert request is not None and request.disarm
+    claimer.took(queue.Claimed([]), request)
+    assert not claimer.armed
+    assert claimer.next_try_at == clock[0] + LINGER[0]
+
+
+def test_a_new_connection_forgets_the_arming() -> None:
+    claimer = Claimer(LaneConfig("default"), "w")
+    claimer.arm_result("armed", 0.0, from_head=True)
+    claimer.disconnected()
+    assert not claimer.armed

@@ -1,0 +1,226 @@
+"""Steady under pressure (migrations/0009_steady_claims.sql): enqueues notify only while a
+worker waits, arming cannot miss an enqueue that commits meanwhile, and claims from floors do
+not walk the dead index entries a held xmin horizon keeps."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import timedelta
+
+import psycopg
+import pytest
+
+import jobd
+from jobd import claim_floors, queue, recovery
+from jobd.claim_floors import ClaimFloors, full_scan_params
+from jobd.db import connect
+
+LANE = "default"
+
+
+def notifications(listener: psycopg.Connection, timeout: float = 0.5) -> list[str]:
+    return [n.payload for n in listener.notifies(timeout=timeout, stop_after=1)]
+
+
+@pytest.fixture
+def listener(db_url: str) -> Iterator[psycopg.Connection]:
+    with connect(db_url) as conn:
+        conn.execute("LISTEN jobd_wakeup")
+        yield conn
+
+
+# --- wake-ups ------------------------------------------------------------------------------
+
+
+def test_due_work_notifies_only_while_a_worker_is_armed(
+    conn: psycopg.Connection, listener: psycopg.Connection
+) -> None:
+    jobd.enqueue(conn, "h")
+    assert notifications(listener) == []
+
+    assert len(queue.claim(conn, LANE, "w1", 10, 30)) == 1
+    assert queue.arm(conn, LANE, "w1", full_scan_params()) == "armed"
+    jobd.enqueue(conn, "h")
+    assert notifications(listener) == [f"{LANE}#1"]
+
+    queue.disarm(conn, "w1")
+    jobd.enqueue(conn, "h")
+    assert notifications(listener) == []
+
+
+def test_work_for_later_always_tells_the_supervisors(
+    conn: psycopg.Connection, listener: psycopg.Connection
+) -> None:
+    jobd.enqueue(conn, "h", delay=3600)
+    [payload] = notifications(listener)
+    assert payload.startswith(f"{LANE}@")
+
+
+def test_arming_with_due_work_visible_claims_instead(conn: psycopg.Connection) -> None:
+    jobd.enqueue(conn, "h")
+    assert queue.arm(conn, LANE, "w1", full_scan_params()) == "work"
+    assert conn.execute("SELECT count(*) FROM lane_waiters").fetchone() == (0,)
+
+
+def test_arming_while_an_enqueue_is_committing_is_contended(
+    db_url: str, conn: psycopg.Connection, listener: psycopg.Connection
+) -> None:
+    with connect(db_url, autocommit=False) as producer:
+        jobd.enqueue(producer, "h")  # inserted, holding the lane's shared lock, not committed
+        assert queue.arm(conn, LANE, "w1", full_scan_params()) == "contended"
+        producer.commit()
+    # Committed before the arming looked: the arming sees the job instead of sleeping past it.
+    assert queue.arm(conn, LANE, "w1", full_scan_params()) == "work"
+    assert notifications(listener) == []
+
+
+def test_an_enqueue_that_starts_after_arming_notifies(
+    db_url: str, conn: psycopg.Connection, listener: psycopg.Connection
+) -> None:
+    assert queue.arm(conn, LANE, "w1", full_scan_params()) == "armed"
+    with connect(db_url, autocommit=False) as producer:
+        jobd.enqueue(producer, "h")
+        producer.commit()
+    assert notifications(listener) == [f"{LANE}#1"]
+
+
+@pytest.mark.parametrize("isolation", ["REPEATABLE READ", "SERIALIZABLE"])
+def test_an_enqueue_outside_read_committed_always_notifies(
+    db_url: str, listener: psycopg.Connection, isolation: str
+) -> None:
+    # Its snapshot may predate a worker's arming, so lane_waiters proves nothing to it.
+    with connect(db_url, autocommit=False) as producer:
+        producer.execute(f"SET TRANSACTION ISOLATION LEVEL {isolation}")
+        jobd.enqueue(producer, "h")
+        producer.commit()
+    assert notifications(listener) == [f"{LANE}#1"]
+
+
+def test_a_crashed_workers_waiter_row_is_removed_by_crash_attribution(
+    conn: psycopg.Connection,
+) -> None:
+    assert queue.arm(conn, LANE, "w1", full_scan_params()) == "armed"
+    recovery.settle_crashed_worker(conn, "w1", "killed by SIGKILL", lambda _lane: None)
+    assert conn.execute("SELECT count(*) FROM lane_waiters").fetchone() == (0,)
+
+
+# --- lane priorities -----------------------------------------------------------------------
+
+
+def test_enqueue_lists_the_lanes_priorities(conn: psycopg.Connection) -> None:
+    jobd.enqueue(conn, "h", priority=5)
+    jobd.enqueue_many(conn, [jobd.JobSpec("h", lane="b", priority=p) for p in (1, 2, 2)])
+    rows = conn.execute("SELECT lane, priority FROM lane_priorities ORDER BY 1, 2").fetchall()
+    assert rows == [("b", 1), ("b", 2), (LANE, 5)]
+
+
+def test_unused_priorities_are_forgotten_unless_an_enqueue_is_in_flight(
+    db_url: str, conn: psycopg.Connection
+) -> None:
+    jobd.enqueue(conn, "h", priority=1)
+    done = jobd.enqueue(conn, "h", priority=2)
+    [job] = [j for j in queue.claim(conn, LANE, "w", 10, 30) if j.id == done]
+    queue.complete(conn, [job.lease])
+
+    with connect(db_url, autocommit=False) as producer:
+        jobd.enqueue(producer, "h", priority=2)  # finds the pair present; not committed yet
+        conn.execute("SELECT forget_unused_priorities(%s)", [LANE])
+        producer.commit()
+    rows = conn.execute("SELECT priority FROM lane_priorities ORDER BY 1").fetchall()
+    assert rows == [(1,), (2,)]  # kept: the lane was skipped while the enqueue was in flight
+
+    [job] = [j for j in queue.claim(conn, LANE, "w", 10, 30) if j.priority == 2]
+    queue.complete(conn, [job.lease])
+    assert conn.execute("SELECT forget_unused_priorities(%s)", [LANE]).fetchone() == (1,)
+    assert conn.execute("SELECT priority FROM lane_priorities").fetchall() == [(1,)]
+
+
+# --- claim floors --------------------------------------------------------------------------
+
+
+def index_entries_read(db_url: str) -> int:
+    with connect(db_url) as stats:
+        stats.execute("SET stats_fetch_consistency = none")
+        row = stats.execute(
+            "SELECT idx_tup_read FROM pg_stat_user_indexes "
+            "WHERE indexrelname = 'jobs_claimable_idx'").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def flush_stats(conn: psycopg.Connection) -> None:
+    # A backend sends its counters at most once a second unless told; the flush happens at
+    # the end of the next transaction.
+    conn.execute("SELECT pg_stat_force_next_flush()")
+    conn.execute("SELECT 1")
+
+
+def claim_counting_reads(db_url: str, conn: psycopg.Connection,
+                         request: queue.ClaimRequest) -> tuple[list[jobd.Job], int]:
+    flush_stats(conn)
+    before = index_entries_read(db_url)
+    claimed = queue.settle_and_claim(conn, [], [], request)[2].jobs
+    flush_stats(conn)
+    return claimed, index_entries_read(db_url) - before
+
+
+def test_claims_from_floors_do_not_walk_what_a_held_horizon_keeps(
+    db_url: str, conn: psycopg.Connection
+) -> None:
+    floors = ClaimFloors()
+    with connect(db_url, autocommit=False) as holder:
+        holder.execute("SELECT txid_current()")  # holds the xmin horizon, like an idle session
+        jobd.enqueue_many(conn, [jobd.JobSpec("h") for _ in range(3000)])
+        clock = 0.0
+        while True:
+            clock += 0.01
+            request = queue.ClaimRequest(LANE, "w", 100, 30, floors=floors.params(clock))
+            claimed = queue.settle_and_claim(conn, [], [], request)[2].jobs
+            floors.claimed(request.floors or {}, [(j.priority, j.run_at, j.id) for j in claimed],
+                           100, clock)
+            queue.complete(conn, [job.lease for job in claimed])
+            if len(claimed) < 100:
+                break
+        jobd.enqueue_many(conn, [jobd.JobSpec("h") for _ in range(10)])
+        conn.execute("VACUUM jobs")  # removes nothing the holder may still see
+
+        from_floors = queue.ClaimRequest(LANE, "w", 100, 30, floors=floors.params(clock))
+        claimed, reads = claim_counting_reads(db_url, conn, from_floors)
+        assert len(claimed) == 10
+        assert reads < 100
+        queue.release(conn, [job.lease for job in claimed])
+
+        from_head = queue.ClaimRequest(LANE, "w", 100, 30)
+        claimed, reads = claim_counting_reads(db_url, conn, from_head)
+        assert len(claimed) == 10
+        assert reads > 3000  # every job claimed since the horizon was taken is still indexed
+        holder.rollback()
+
+
+def test_a_job_that_commits_below_a_floor_waits_for_the_next_scan_from_the_head(
+    db_url: str, conn: psycopg.Connection
+) -> None:
+    floors = ClaimFloors()
+    jobd.enqueue(conn, "h")
+    request = queue.ClaimRequest(LANE, "w", 10, 30, floors=floors.params(0.0))
+    [first] = queue.settle_and_claim(conn, [], [], request)[2].jobs
+    floors.claimed(request.floors or {}, [(first.priority, first.run_at, first.id)], 10, 0.0)
+
+    # An enqueue whose transaction began long before it committed: run_at is its start.
+    [[db_now]] = conn.execute("SELECT now()").fetchall()
+    straggler = jobd.enqueue(conn, "h", run_at=db_now - timedelta(seconds=30))
+    soon = claim_floors.FULL_SCAN_INTERVAL / 2
+    request = queue.ClaimRequest(LANE, "w", 10, 30, floors=floors.params(soon))
+    assert queue.settle_and_claim(conn, [], [], request)[2].jobs == []
+    later = claim_floors.FULL_SCAN_INTERVAL + 0.01
+    request = queue.ClaimRequest(LANE, "w", 10, 30, floors=floors.params(later))
+    assert [job.id for job in queue.settle_and_claim(conn, [], [], request)[2].jobs] == [straggler]
+
+
+def test_the_arming_probe_uses_the_floors(db_url: str, conn: psycopg.Connection) -> None:
+    floors = ClaimFloors()
+    floors.claimed(full_scan_params(), [], 10, 0.0)  # dry at 0.0
+    [[db_now]] = conn.execute("SELECT now()").fetchall()
+    jobd.enqueue(conn, "h", run_at=db_now - timedelta(seconds=30))  # below the floor
+    assert queue.arm(conn, LANE, "w1", floors.params(0.1)) == "armed"
+    assert queue.arm(conn, LANE, "w2", full_scan_params()) == "work"
