@@ -221,8 +221,12 @@ def footnote(snapshot: Snapshot) -> Line:
 
 def _title(snapshot: Snapshot) -> str:
     at = snapshot.at.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%SZ")
-    return (f"jobd top  {at} (database clock)  {len(snapshot.lanes)} lanes, "
-            f"{len(snapshot.nodes)} live nodes")
+    return (f"jobd top  {at} (database clock)  {_count(len(snapshot.lanes), 'lane')}, "
+            f"{_count(len(snapshot.nodes), 'live node')}")
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}" if number == 1 else f"{number} {noun}s"
 
 
 def plain(snapshot: Snapshot) -> str:
@@ -235,11 +239,13 @@ def plain(snapshot: Snapshot) -> str:
 
 
 def render(snapshot: Snapshot, width: int, height: int, *, interval: float,
-           note: str | None = None) -> list[Line]:
+           note: str | None = None, slowed: bool = False) -> list[Line]:
     """What the live view shows on a ``width`` x ``height`` screen: at most ``height``
     lines of at most ``width`` characters. Lanes come first; when they do not all fit, a
-    line says how many are left out, and the nodes get what room remains."""
-    top = [Line(f"{_title(snapshot)}  every {seconds(interval)}  q quits", "title")]
+    line says how many are left out, and the nodes get what room remains. ``slowed``: the
+    refresh is longer than asked because reads take long."""
+    pace = f"every {seconds(interval)}" + (" (slowed: reads take long)" if slowed else "")
+    top = [Line(f"{_title(snapshot)}  {pace}  q quits", "title")]
     if note:
         top.append(Line(note, "error"))
     lanes = lane_table(snapshot) if snapshot.lanes else [Line("(no lanes)", "dim")]

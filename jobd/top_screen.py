@@ -22,6 +22,10 @@ from jobd.db import connection_lost, first_line
 from jobd.errors import DatabaseUnavailable
 
 QUIT_KEYS = frozenset({ord("q"), ord("Q")})
+# The view waits at least this many times as long as a read took before the next one, so it
+# keeps the database busy at most a fifth of the time: the depth counts read the live jobs
+# (as `jobd status` does), which takes a while on a backlog of millions.
+READ_SHARE = 5.0
 
 
 class Feed:
@@ -84,6 +88,7 @@ class _View:
 
     def __init__(self, screen: curses.window, interval: float, snapshot: top.Snapshot) -> None:
         self.screen = screen
+        self.asked = interval
         self.interval = interval
         self.styles = _styles()
         self.snapshot = snapshot
@@ -92,7 +97,8 @@ class _View:
     def draw(self) -> None:
         height, width = self.screen.getmaxyx()
         _draw(self.screen, self.styles, top.render(
-            self.snapshot, width, height, interval=self.interval, note=self.note))
+            self.snapshot, width, height, interval=self.interval, note=self.note,
+            slowed=self.interval > self.asked))
 
 
 def _loop(screen: curses.window, feed: Feed, interval: float) -> None:
@@ -103,9 +109,16 @@ def _loop(screen: curses.window, feed: Feed, interval: float) -> None:
     view = _View(screen, interval, feed.latest)
     while True:
         view.draw()
-        if _quit_within(screen, interval, view.draw):
+        if _quit_within(screen, view.interval, view.draw):
             return
+        started = time.monotonic()
         view.snapshot, view.note = feed.read()
+        view.interval = paced(interval, time.monotonic() - started)
+
+
+def paced(interval: float, read_seconds: float) -> float:
+    """The wait before the next read: the interval asked for, longer when reads are slow."""
+    return max(interval, READ_SHARE * read_seconds)
 
 
 def _quit_within(screen: curses.window, interval: float, redraw: Callable[[], None]) -> bool:

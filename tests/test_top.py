@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,7 +17,7 @@ from psycopg import sql
 from psycopg.types.json import Jsonb
 
 import jobd
-from jobd import queue, top, views
+from jobd import queue, top, top_screen, views
 from jobd.config import Config, parse
 from jobd.db import connect
 from jobd.queries import query
@@ -283,10 +284,11 @@ ARCHIVED = 300_000
 
 
 @pytest.fixture(scope="module")
-def big_archive(databases: Databases) -> Any:
+def big_archive(databases: Databases) -> Iterator[tuple[psycopg.Connection, datetime]]:
     url = databases.migrated()
     with connect(url) as conn:
-        # Today's partition: three lanes finishing jobs over the last hour, one every few ms.
+        # Three lanes finishing jobs over the hour before `end`, one every 12 ms.
+        end = db_now(conn)
         conn.execute(
             """INSERT INTO jobs_archive (id, lane, handler, payload, state, priority, run_at,
                                          attempts, created_at, errors, finished_at, claimed_at)
@@ -294,10 +296,10 @@ def big_archive(databases: Databases) -> Any:
                       0, t - interval '20 ms', 1, t - interval '1 s', '[]', t,
                       t - interval '10 ms'
                  FROM generate_series(1, %(n)s) AS i,
-                      LATERAL (SELECT now() - make_interval(secs => 3600.0 * i / %(n)s)) AS s(t)
-            """, {"n": ARCHIVED})
+                      LATERAL (SELECT %(end)s - make_interval(secs => 3600.0 * i / %(n)s)) AS s(t)
+            """, {"n": ARCHIVED, "end": end})
         conn.execute("ANALYZE jobs_archive")
-        yield conn
+        yield conn, end
     with databases.server.admin() as admin:
         admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
             sql.Identifier(psycopg.conninfo.conninfo_to_dict(url)["dbname"])))
@@ -310,10 +312,12 @@ def plan_nodes(plan: dict[str, Any]) -> list[dict[str, Any]]:
     return found
 
 
-def test_the_latency_query_reads_a_bounded_slice_of_the_archive(big_archive: Any) -> None:
-    conn: psycopg.Connection = big_archive
+def test_the_latency_query_reads_a_bounded_slice_of_the_archive(
+    big_archive: tuple[psycopg.Connection, datetime],
+) -> None:
+    conn, end = big_archive
     params = {"lanes": ["default", "bulk", "reports"], "window": 60.0, "sample": 1000,
-              "now": None}
+              "now": end}
     row = conn.execute(f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {query('lane_latency')}",
                        params).fetchone()
     assert row is not None
@@ -329,7 +333,7 @@ def test_the_latency_query_reads_a_bounded_slice_of_the_archive(big_archive: Any
     touched = int(plan["Shared Hit Blocks"]) + int(plan["Shared Read Blocks"])
     # Three lanes x at most 1000 rows: a small fraction of the archive's pages.
     assert touched < int(sizes[0]) / 5, (touched, sizes[0])
-    result = views.lane_latency(conn, ["default", "bulk", "reports"], 60.0, 1000)
+    result = views.lane_latency(conn, ["default", "bulk", "reports"], 60.0, 1000, end)
     # One job every 12 ms: a minute of one lane is about 1,700 jobs, capped by the sample.
     assert {lane: r.finished for lane, r in result.items()} == {
         "default": 1000, "bulk": 1000, "reports": 1000}
@@ -401,3 +405,10 @@ def test_a_config_without_lanes_shows_the_lanes_with_jobs(conn: psycopg.Connecti
     shot = top.collect(conn, Config())
     assert [row.status.lane for row in shot.lanes] == ["only"]
     assert shot.lanes[0].slo_pickup is None
+
+
+def test_slow_reads_stretch_the_refresh_and_say_so() -> None:
+    assert top_screen.paced(1.0, 0.01) == 1.0
+    assert top_screen.paced(1.0, 0.4) == pytest.approx(0.4 * top_screen.READ_SHARE)
+    title = top.render(snapshot(lane("default")), 160, 40, interval=2.0, slowed=True)[0].text
+    assert "every 2.0s (slowed: reads take long)" in title
