@@ -12,7 +12,11 @@ RUN_STAMP  := $(VENV)/.installed-run
 TEST_STAMP := $(VENV)/.installed-test
 CONFIG ?= config/jobd.example.yaml
 
-.PHONY: run test lint bench clean-db
+# Debian packages that some tests use, as package:command. Tests skip, naming the package,
+# where one is missing.
+TEST_DEBS := prometheus:promtool pgbouncer:pgbouncer faketime:faketime tmux:tmux
+
+.PHONY: run test test-packages lint bench clean-db
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,8 +36,25 @@ run: $(RUN_STAMP)
 	JOBD_DATABASE_URL="$$url" $(BIN)/jobd migrate -c $(CONFIG) && \
 	JOBD_DATABASE_URL="$$url" exec $(BIN)/jobd run -c $(CONFIG)
 
-test: $(TEST_STAMP)
+test: $(TEST_STAMP) test-packages
 	$(BIN)/pytest
+
+# Best effort, never a failure: installs the missing packages with apt-get when it can run
+# it (as root or with passwordless sudo), else names them.
+test-packages:
+	@missing=""; for entry in $(TEST_DEBS); do \
+	  command -v "$${entry#*:}" >/dev/null 2>&1 || [ -x "/usr/sbin/$${entry#*:}" ] \
+	    || missing="$$missing $${entry%%:*}"; \
+	done; \
+	[ -n "$$missing" ] || exit 0; \
+	if [ "$$(id -u)" = 0 ]; then sudo=""; elif sudo -n true 2>/dev/null; then sudo="sudo -n"; \
+	else sudo="-"; fi; \
+	if [ "$$sudo" = "-" ] || ! command -v apt-get >/dev/null 2>&1; then \
+	  echo "make: missing Debian packages (their tests skip):$$missing"; exit 0; fi; \
+	echo "make: installing Debian packages for the tests:$$missing"; \
+	{ $$sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	    $$sudo apt-get install -y -qq --no-install-recommends $$missing >/dev/null; } \
+	  || echo "make: could not install:$$missing (their tests skip)"
 
 lint: $(TEST_STAMP)
 	$(BIN)/ruff check .

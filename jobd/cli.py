@@ -5,7 +5,7 @@ arguments to the modules that do the work.
 Exit codes: 0 ok, 1 runtime failure, 2 usage or input error (one line on stderr, no traceback).
 
 The parser is in :mod:`jobd.cli_parser`; the subcommands are in :mod:`jobd.commands`
-(run, migrate, enqueue), :mod:`jobd.commands_jobs` (status, jobs, dlq) and
+(run, migrate, enqueue, top), :mod:`jobd.commands_jobs` (status, jobs, dlq) and
 :mod:`jobd.commands_schedules`; what they print is formatted by :mod:`jobd.cli_output`.
 """
 

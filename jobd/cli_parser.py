@@ -17,7 +17,7 @@ from typing import Any
 
 import jobd
 from jobd import views
-from jobd.commands import cmd_enqueue, cmd_migrate, cmd_run
+from jobd.commands import cmd_enqueue, cmd_migrate, cmd_run, cmd_top
 from jobd.commands_jobs import (
     PAYLOAD_PREVIEW_CHARS,
     cmd_dlq_list,
@@ -146,6 +146,18 @@ def _duration(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+# A refresh more often than this would load the database for figures no one can read.
+MIN_TOP_INTERVAL = 0.1
+
+
+def _interval(text: str) -> float:
+    seconds = _duration(text)
+    if seconds < MIN_TOP_INTERVAL:
+        raise argparse.ArgumentTypeError(
+            f"must be at least {MIN_TOP_INTERVAL * 1000:.0f}ms, not {text!r}")
+    return seconds
+
+
 def _timestamp_or_age(text: str) -> datetime | float:
     """An instant, or a duration meaning "that long ago" (e.g. 7d)."""
     try:
@@ -235,6 +247,20 @@ def build_parser() -> argparse.ArgumentParser:
                                "rates and live workers (lanes no live worker serves are "
                                "marked); live nodes.")
     status_cmd.set_defaults(func=cmd_status)
+
+    top_cmd = add("top", "A live view of the queue, refreshed every --interval: per lane "
+                         "depth, due/scheduled/claimed/retrying, rates, claim-to-finish and "
+                         "pickup percentiles, oldest unclaimed age against the lane's SLO "
+                         "(highlighted when over it), DLQ depth, workers; live nodes. q or "
+                         "Ctrl-C quits. Reads the database alone. Prints one plain snapshot "
+                         "when stdout is not a terminal, with --once, or as JSON with --json.")
+    top_cmd.add_argument("--interval", type=_interval, default=1.0, metavar="DURATION",
+                         help="time between refreshes, e.g. 1s, 500ms, 5s (default: 1s, at "
+                              "least 100ms)")
+    top_cmd.add_argument("--once", action="store_true",
+                         help="print one plain snapshot and exit, even on a terminal "
+                              "(default: live on a terminal)")
+    top_cmd.set_defaults(func=cmd_top)
 
     jobs_cmd = add("jobs", "Inspect jobs, live or finished.")
     jobs_sub = jobs_cmd.add_subparsers(dest="jobs_command", metavar="ACTION", required=True,

@@ -1,5 +1,5 @@
 """The ``jobd`` subcommands that set jobd up and feed it: ``run`` (the supervisor daemon),
-``migrate`` and ``enqueue``.
+``migrate`` and ``enqueue``; and ``top``, the live view of what it does.
 
 The subcommands that inspect and operate the queue are in :mod:`jobd.commands_jobs`, those
 for recurring schedules in :mod:`jobd.commands_schedules`.
@@ -8,9 +8,10 @@ for recurring schedules in :mod:`jobd.commands_schedules`.
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import replace
 
-from jobd import jobs, logs, producer
+from jobd import jobs, logs, producer, top, top_screen
 from jobd.cli_context import Context
 from jobd.cli_output import print_json
 from jobd.errors import UsageError
@@ -68,3 +69,24 @@ def cmd_enqueue(ctx: Context, args: argparse.Namespace) -> int:
     else:
         print(job_id)
     return 0
+
+
+def cmd_top(ctx: Context, args: argparse.Namespace) -> int:
+    with ctx.connect() as conn:
+        # The first read happens before the screen opens, so a database that cannot answer
+        # (no schema, refused) ends the command with its usual message and exit code.
+        first = top.collect(conn, ctx.config)
+        if ctx.as_json:
+            print_json(first.as_dict())
+            return 0
+        live = (not args.once and sys.stdin.isatty() and sys.stdout.isatty()
+                and top_screen.usable_terminal())
+        if not live:
+            print(top.plain(first))
+            return 0
+        # The feed takes the connection over (and may replace it after a loss).
+        feed = top_screen.Feed(ctx.connect, ctx.config, conn, first)
+        try:
+            return top_screen.run(feed, args.interval)
+        finally:
+            feed.close()

@@ -25,20 +25,24 @@ def cmd_status(ctx: Context, _args: argparse.Namespace) -> int:
         conflicts = schedules.conflicts(conn)
     # Lanes with no jobs still show when the config or a live node names them.
     workers = views.live_workers(nodes)
-    missing = (set(ctx.config.lanes) | set(workers)) - {s.lane for s in lanes}
-    lanes += [views.LaneStatus(name, 0, 0, 0, 0, 0.0) for name in missing]
-    lanes.sort(key=lambda s: s.lane)
+    lanes = views.with_lanes(lanes, set(ctx.config.lanes) | set(workers))
     rates = views.lane_rates(nodes)
 
     def rate(lane: str, *kinds: str) -> float:
         return sum(rates.get(lane, {}).get(kind, 0.0) for kind in kinds)
+
+    def slo(lane: str) -> float | None:
+        config = ctx.config.lanes.get(lane)
+        return config.slo_pickup if config else None
 
     if ctx.as_json:
         print_json({
             "lanes": [{**s.as_dict(), "claim_rate": rate(s.lane, "claimed"),
                        "failure_rate": rate(s.lane, "failed", "dead"),
                        "live_workers": workers.get(s.lane, 0),
-                       "served": workers.get(s.lane, 0) > 0} for s in lanes],
+                       "served": workers.get(s.lane, 0) > 0,
+                       "slo_pickup_seconds": slo(s.lane),
+                       "over_slo": views.over_slo(s, slo(s.lane))} for s in lanes],
             "nodes": [n.as_dict() for n in nodes],
             "schedule_conflicts": [
                 {"schedule": c.schedule_id, "stored_by": list(c.stored_by),
@@ -47,8 +51,9 @@ def cmd_status(ctx: Context, _args: argparse.Namespace) -> int:
         return 0
     print_table(
         ["lane", "pending", "claimed", "failed", "dead (DLQ)", "oldest unclaimed",
-         "claims/s", "failures/s", "live workers"],
-        [[s.lane, s.pending, s.claimed, s.failed, s.dead, f"{s.oldest_unclaimed_age:.1f}s",
+         "pickup SLO", "claims/s", "failures/s", "live workers"],
+        [[s.lane, s.pending, s.claimed, s.failed, s.dead, _oldest(s, slo(s.lane)),
+          "-" if slo(s.lane) is None else f"{slo(s.lane):g}s",
           f"{rate(s.lane, 'claimed'):.1f}", f"{rate(s.lane, 'failed', 'dead'):.1f}",
           _served(workers.get(s.lane, 0))]
          for s in lanes],
@@ -73,6 +78,11 @@ def _print_schedule_conflicts(found: list[schedules.Conflict]) -> None:
     for conflict in found:
         print(f"  {conflict.schedule_id}: stored by {', '.join(conflict.stored_by) or '-'}; "
               f"differing: {', '.join(conflict.differing)}")
+
+
+def _oldest(status: views.LaneStatus, slo_pickup: float | None) -> str:
+    text = f"{status.oldest_unclaimed_age:.1f}s"
+    return text + " OVER SLO" if views.over_slo(status, slo_pickup) else text
 
 
 def _served(count: int) -> str:

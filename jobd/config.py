@@ -41,6 +41,11 @@ class LaneConfig:
     # Jobs a worker process claims ahead of its free slots (None: 3 x concurrency), so the
     # database sees larger claims while handlers see ``concurrency`` jobs at a time.
     prefetch: int | None = None
+    # The pickup SLO (``slo.pickup``): a due job should be claimed within this many seconds.
+    # Only `jobd status`, `jobd top` and the metrics read it; workers run the same with or
+    # without it. compare=False so that a reload changing only the SLO does not replace the
+    # lane's workers (the worker pool compares lane configs to decide that).
+    slo_pickup: float | None = field(default=None, compare=False)
 
     @property
     def buffer_size(self) -> int:
@@ -111,6 +116,9 @@ def _lane(name: str, located: yamlcheck.Located, path: str) -> LaneConfig:
         raise yamlcheck.Invalid(backoff_section.line, backoff_section.path,
                                 "cap must not be below base")
     backoff_section.finish()
+    slo_section = section.section("slo")
+    slo_pickup = slo_section.take("pickup", yamlcheck.positive_duration, None)
+    slo_section.finish()
     lane = LaneConfig(
         name=name,
         workers=section.take("workers", yamlcheck.int_between(0, 256), 2),
@@ -122,6 +130,7 @@ def _lane(name: str, located: yamlcheck.Located, path: str) -> LaneConfig:
         backoff=Backoff(base, cap),
         poll_interval=section.take("poll_interval", yamlcheck.positive_duration, 5.0),
         prefetch=section.take("prefetch", yamlcheck.int_between(0, 10_000), None),
+        slo_pickup=slo_pickup,
     )
     section.finish()
     if lane.heartbeat >= lane.visibility_timeout:

@@ -28,6 +28,14 @@ class LaneStatus:
     failed: int
     dead: int
     oldest_unclaimed_age: float
+    # The live jobs by what they wait for; with claimed they add up to the lane's depth.
+    due: int = 0  # pending or failed, claimable now
+    scheduled: int = 0  # pending, run_at ahead
+    retrying: int = 0  # failed, waiting out the backoff
+
+    @property
+    def depth(self) -> int:
+        return self.pending + self.claimed + self.failed
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -37,6 +45,56 @@ def lane_status(conn: psycopg.Connection, now: datetime | None = None) -> list[L
     """Counts of live jobs by state, the oldest due unclaimed job's age (s), DLQ depth."""
     rows = conn.execute(query("lane_stats"), {"now": now}).fetchall()
     return [LaneStatus(*row) for row in rows]
+
+
+def with_lanes(statuses: list[LaneStatus], names: set[str]) -> list[LaneStatus]:
+    """``statuses`` plus an empty status for each named lane that has none (a lane the
+    config or a live node names but that holds no jobs), sorted by lane."""
+    missing = names - {s.lane for s in statuses}
+    return sorted([*statuses, *(LaneStatus(name, 0, 0, 0, 0, 0.0) for name in missing)],
+                  key=lambda s: s.lane)
+
+
+def over_slo(status: LaneStatus, slo_pickup: float | None) -> bool | None:
+    """Whether the lane's oldest due job has waited longer than its pickup SLO; None when
+    the lane has no SLO (in the config given)."""
+    if slo_pickup is None:
+        return None
+    return status.due > 0 and status.oldest_unclaimed_age > slo_pickup
+
+
+@dataclass(frozen=True, slots=True)
+class LaneLatency:
+    """Over a lane's jobs finished in a recent window (at most a sample of the newest):
+    percentiles in seconds, None when none finished (or none carries a claim time)."""
+
+    lane: str
+    finished: int
+    run_p50: float | None
+    run_p99: float | None
+    pickup_p50: float | None
+    pickup_p99: float | None
+
+
+def lane_latency(conn: psycopg.Connection, lanes: list[str], window: float, sample: int,
+                 now: datetime | None = None) -> dict[str, LaneLatency]:
+    """Claim-to-finish time and pickup delay of each lane's recently finished jobs, from
+    the archive (claimed_at, run_at, finished_at), bounded by ``window`` seconds and
+    ``sample`` jobs per lane."""
+    rows = conn.execute(query("lane_latency"), {
+        "lanes": lanes, "window": window, "sample": sample, "now": now}).fetchall()
+    result = {}
+    for lane, finished, run, pickup in rows:
+        run_p50, run_p99 = run or (None, None)
+        pickup_p50, pickup_p99 = pickup or (None, None)
+        result[lane] = LaneLatency(lane, finished, run_p50, run_p99, pickup_p50, pickup_p99)
+    return result
+
+
+def database_clock(conn: psycopg.Connection, now: datetime | None = None) -> datetime:
+    row = conn.execute(query("database_clock"), {"now": now}).fetchone()
+    assert row is not None
+    return row[0]
 
 
 @dataclass(frozen=True, slots=True)

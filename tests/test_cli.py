@@ -164,7 +164,7 @@ def test_an_invalid_config_file_is_a_usage_error(tmp_path: Path, db_url: str) ->
     assert f"{config}:3:" in line and "lanes.default.workers" in line
 
 
-@pytest.mark.parametrize("command", [["enqueue", "h"], ["status"], ["migrate"]])
+@pytest.mark.parametrize("command", [["enqueue", "h"], ["status"], ["migrate"], ["top"]])
 def test_unreachable_database(command: list[str]) -> None:
     line = assert_one_line_error(cli(*command, "--database-url", UNREACHABLE), 2)
     assert "cannot connect" in line
@@ -173,7 +173,7 @@ def test_unreachable_database(command: list[str]) -> None:
 @pytest.mark.parametrize(
     "command",
     [["status"], ["jobs", "list"], ["jobs", "show", "1"], ["dlq", "list"],
-     ["dlq", "replay", "1"], ["dlq", "purge", "--before", "1d"]],
+     ["dlq", "replay", "1"], ["dlq", "purge", "--before", "1d"], ["top"]],
 )
 def test_missing_tables_ask_for_migrate(databases: Databases, command: list[str]) -> None:
     line = assert_one_line_error(cli(*command, "--database-url", databases.empty()), 1)
@@ -249,6 +249,31 @@ def test_status_marks_lanes_no_live_worker_serves(db_url: str, conn: psycopg.Con
     assert rows["default"].endswith("  3")
     for lane in ("critical", "outbox", "mail"):
         assert rows[lane].endswith("0 (no live worker)"), rows[lane]
+
+
+def test_status_shows_each_lanes_pickup_slo_and_whether_it_is_met(
+    db_url: str, conn: psycopg.Connection, tmp_path: Path
+) -> None:
+    config = tmp_path / "jobd.yaml"
+    config.write_text("lanes:\n  slow: {slo: {pickup: 5s}}\n  fast: {slo: {pickup: 1m}}\n"
+                      "  plain: {}\n  idle: {slo: {pickup: 1s}}\n", "utf-8")
+    row = conn.execute("SELECT now() - interval '30 seconds'").fetchone()
+    assert row is not None
+    for lane in ("slow", "fast", "plain"):
+        jobd.enqueue(conn, "h", lane=lane, run_at=row[0])
+    lanes = {s["lane"]: s for s in ok_json("status", "-c", str(config),
+                                           "--database-url", db_url)["lanes"]}
+    assert {lane: (s["slo_pickup_seconds"], s["over_slo"]) for lane, s in lanes.items()} == {
+        "slow": (5.0, True), "fast": (60.0, False), "plain": (None, None),
+        "idle": (1.0, False)}
+    assert lanes["slow"]["oldest_unclaimed_age"] >= 30
+
+    text = ok("status", "-c", str(config), "--database-url", db_url).splitlines()
+    assert "pickup SLO" in text[0]
+    rows = {line.split()[0]: line for line in text[1:text.index("")]}
+    assert "OVER SLO" in rows["slow"]
+    assert [lane for lane, line in rows.items() if "OVER SLO" in line] == ["slow"]
+    assert " 1m " not in rows["fast"] and " 60s " in rows["fast"]
 
 
 # --- jobs ----------------------------------------------------------------------------------
@@ -488,8 +513,8 @@ def test_every_option_has_help_that_states_its_default() -> None:
     assert problems == []
 
 HELP_COMMANDS = [
-    [], ["migrate"], ["enqueue"], ["status"], ["jobs"], ["jobs", "show"], ["jobs", "list"],
-    ["dlq"], ["dlq", "list"], ["dlq", "replay"], ["dlq", "purge"],
+    [], ["migrate"], ["enqueue"], ["status"], ["top"], ["jobs"], ["jobs", "show"],
+    ["jobs", "list"], ["dlq"], ["dlq", "list"], ["dlq", "replay"], ["dlq", "purge"],
 ]
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from jobd import workerpool
 from jobd.backoff import Backoff
 from jobd.config import load, parse, parse_duration
 from jobd.errors import ConfigError, UsageError
@@ -54,6 +55,8 @@ def test_the_example_config_loads() -> None:
     critical = config.lanes["critical"]
     assert critical.backoff == Backoff(0.5, 60.0)
     assert critical.retry_policy.max_attempts == 5
+    assert (default.slo_pickup, critical.slo_pickup, config.lanes["outbox"].slo_pickup) == (
+        5.0, 1.0, None)
     [schedule] = config.schedules
     assert (schedule.id, schedule.cron, schedule.timezone, schedule.handler, schedule.lane) == (
         "heartbeat-log", "*/5 * * * *", "UTC", "echo", "default")
@@ -341,3 +344,44 @@ def test_non_finite_durations_are_refused(tmp_path: Path, text: str) -> None:
 )
 def test_durations_beyond_the_timestamp_range_are_refused(tmp_path: Path, text: str) -> None:
     config_error(tmp_path, text)
+
+
+# --- the pickup SLO ------------------------------------------------------------------------
+
+
+def test_a_lane_may_declare_a_pickup_slo() -> None:
+    config = parse("lanes:\n  fast:\n    slo:\n      pickup: 250ms\n"
+                   "  slow: {slo: {pickup: 2m}}\n  plain: {}\n  empty: {slo: {}}\n")
+    assert {name: lane.slo_pickup for name, lane in config.lanes.items()} == {
+        "fast": 0.25, "slow": 120.0, "plain": None, "empty": None}
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "expected"),
+    [
+        ("lanes:\n  default:\n    slo:\n      pickup: soon\n", 4,
+         "lanes.default.slo.pickup: expected a duration"),
+        ("lanes:\n  default:\n    slo:\n      pickup: 0s\n", 4,
+         "lanes.default.slo.pickup: must be longer than zero"),
+        ("lanes:\n  default:\n    slo:\n      pickup: 5s\n      pikup: 5s\n", 5,
+         "lanes.default.slo.pikup: unknown key"),
+        ("lanes:\n  default:\n    slo: 5s\n", 3, "lanes.default.slo: must be a mapping"),
+        ("lanes:\n  default:\n    slo:\n      pickup: -1s\n", 4,
+         "lanes.default.slo.pickup: expected a duration"),
+    ],
+)
+def test_a_bad_slo_names_its_key(tmp_path: Path, text: str, line: int, expected: str) -> None:
+    _, found_line, message = config_error(tmp_path, text)
+    assert expected in message
+    assert found_line == line
+
+
+def test_the_slo_does_not_count_as_a_worker_setting() -> None:
+    # A reload that changes only the SLO must not replace the lane's workers: the worker
+    # pool compares lane configs, and the SLO is not part of what a worker runs with.
+    before = parse("lanes:\n  default: {concurrency: 4, slo: {pickup: 5s}}\n").lanes["default"]
+    after = parse("lanes:\n  default: {concurrency: 4, slo: {pickup: 1s}}\n").lanes["default"]
+    other = parse("lanes:\n  default: {concurrency: 5, slo: {pickup: 5s}}\n").lanes["default"]
+    assert before.slo_pickup != after.slo_pickup
+    assert not workerpool._settings_differ(after, before)
+    assert workerpool._settings_differ(other, before)

@@ -182,8 +182,11 @@ def test_the_comparison_sees_what_it_compares(
     assert "autovacuum_vacuum_cost_delay=0" in str(relations["jobs"][3])
     assert relations["jobs_archive_default"][5] == "DEFAULT"
     assert "schema_migrations" not in relations
-    # Columns in order: suspect, added last by a migration, is last.
-    assert [row[2] for row in migrated["columns"] if row[0] == "jobs"][-1] == "suspect"
+    # Columns in order: suspect and claimed_at, added last by migrations, are last.
+    assert [row[2] for row in migrated["columns"] if row[0] == "jobs"][-2:] == [
+        "suspect", "claimed_at"]
+    assert [row[2] for row in migrated["columns"]
+            if row[0] == "jobs_archive"][-2:] == ["finished_at", "claimed_at"]
     assert ("settings", '[{"name": "max_payload_bytes", "value": 1048576}]') in migrated["rows"]
     assert {row[1] for row in migrated["triggers"]} == {"jobs_notify_insert",
                                                         "dead_letter_outbox"}

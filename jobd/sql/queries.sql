@@ -49,10 +49,12 @@ FROM STDIN (FORMAT BINARY)
 -- The lane's priorities come from lane_priorities; within each, the scan starts at the
 -- worker's floor for it (lane_floors(), jobd/claim_floors.py; the head without one), so it
 -- does not walk the dead index entries of jobs claimed before, which vacuum cannot remove
--- while an old transaction holds the horizon back (docs/design/queue.md, "Claim floors"). run_at bounds the range from above: future
--- scheduled jobs are never visited. SKIP LOCKED lets concurrent claimers pass each other.
--- The attempt is counted here, so a job that kills its worker still spends its budget.
--- Suspects (see claim_suspect) are left out.
+-- while an old transaction holds the horizon back (docs/design/queue.md, "Claim floors").
+-- run_at bounds the range from above: future scheduled jobs are never visited. SKIP LOCKED
+-- lets concurrent claimers pass each other. The attempt is counted here, so a job that
+-- kills its worker still spends its budget. Suspects (see claim_suspect) are left out.
+-- claimed_at records the claim for the archive (pickup delay and claim-to-finish time, see
+-- lane_latency).
 WITH levels AS (
     SELECT priority, floor_at, floor_id
       FROM lane_floors(%(lane)s, %(floor_priorities)s::int[], %(floor_run_ats)s::timestamptz[],
@@ -84,6 +86,7 @@ UPDATE jobs
    SET state = 'claimed',
        attempts = jobs.attempts + 1,
        claimed_by = %(worker)s,
+       claimed_at = coalesce(%(now)s::timestamptz, now()),
        lease_until = coalesce(%(now)s::timestamptz, now())
                      + make_interval(secs => %(visibility_timeout)s),
        lease_token = (SELECT nextval('lease_token_seq'))
@@ -112,6 +115,7 @@ UPDATE jobs
    SET state = 'claimed',
        attempts = jobs.attempts + 1,
        claimed_by = %(worker)s,
+       claimed_at = coalesce(%(now)s::timestamptz, now()),
        lease_until = coalesce(%(now)s::timestamptz, now())
                      + make_interval(secs => %(visibility_timeout)s),
        lease_token = (SELECT nextval('lease_token_seq'))
@@ -147,10 +151,10 @@ WITH finished AS (
 )
 INSERT INTO {schema}.jobs_archive (id, lane, handler, payload, state, priority, run_at, attempts,
                           max_attempts, claimed_by, idempotency_key, created_at, last_error,
-                          errors, finished_at)
+                          errors, finished_at, claimed_at)
 SELECT id, lane, handler, payload, 'done', priority, run_at, attempts, max_attempts,
        claimed_by, idempotency_key, created_at, last_error, errors,
-       coalesce(%(now)s::timestamptz, now())
+       coalesce(%(now)s::timestamptz, now()), claimed_at
   FROM finished
 RETURNING id
 
@@ -305,18 +309,28 @@ SELECT id, lane, handler, state, priority, run_at, attempts, max_attempts, claim
  LIMIT %(limit)s
 
 -- name: lane_stats
--- Per lane: counts of live jobs by state, the age of the oldest due unclaimed job, DLQ depth.
-WITH live AS (
+-- Per lane: counts of live jobs by state, the age of the oldest due unclaimed job, DLQ depth,
+-- and the live jobs split by what they wait for: due (claimable now), scheduled (pending,
+-- run_at ahead), retrying (failed, waiting out the backoff); with claimed, the four add up
+-- to the lane's depth.
+WITH clock AS (
+    SELECT coalesce(%(now)s::timestamptz, now()) AS now
+),
+live AS (
     SELECT lane,
            count(*) FILTER (WHERE state = 'pending') AS pending,
            count(*) FILTER (WHERE state = 'claimed') AS claimed,
            count(*) FILTER (WHERE state = 'failed') AS failed,
-           extract(epoch FROM coalesce(%(now)s::timestamptz, now())
+           extract(epoch FROM clock.now
                    - min(run_at) FILTER (WHERE state IN ('pending', 'failed')
-                                         AND run_at <= coalesce(%(now)s::timestamptz, now())))
-               AS oldest_unclaimed_age
-      FROM jobs
-     GROUP BY lane
+                                         AND run_at <= clock.now))
+               AS oldest_unclaimed_age,
+           count(*) FILTER (WHERE state IN ('pending', 'failed') AND run_at <= clock.now)
+               AS due,
+           count(*) FILTER (WHERE state = 'pending' AND run_at > clock.now) AS scheduled,
+           count(*) FILTER (WHERE state = 'failed' AND run_at > clock.now) AS retrying
+      FROM jobs, clock
+     GROUP BY lane, clock.now
 ),
 dead AS (
     SELECT lane, count(*) AS dead FROM dead_letter GROUP BY lane
@@ -326,10 +340,44 @@ SELECT coalesce(live.lane, dead.lane) AS lane,
        coalesce(live.claimed, 0) AS claimed,
        coalesce(live.failed, 0) AS failed,
        coalesce(dead.dead, 0) AS dead,
-       coalesce(live.oldest_unclaimed_age, 0)::float8 AS oldest_unclaimed_age
+       coalesce(live.oldest_unclaimed_age, 0)::float8 AS oldest_unclaimed_age,
+       coalesce(live.due, 0) AS due,
+       coalesce(live.scheduled, 0) AS scheduled,
+       coalesce(live.retrying, 0) AS retrying
   FROM live
   FULL JOIN dead ON dead.lane = live.lane
  ORDER BY 1
+
+-- name: lane_latency
+-- Per lane, over its jobs finished in the last %(window)s seconds, at most the %(sample)s
+-- newest: how many, and the 50th and 99th percentiles of the time from claim to finish and
+-- of the pickup delay (from due to claimed). Each lane is one backward range scan of
+-- jobs_archive_lane_finished_idx, and partition pruning on finished_at keeps it to the
+-- partitions the window touches: the cost is bounded by the sample, whatever the archive
+-- holds. Failed attempts and dead jobs are not in the archive, so they are not counted;
+-- jobs claimed before claimed_at existed count in neither percentile.
+SELECT l.lane,
+       count(r.finished_at) AS finished,
+       percentile_cont(ARRAY[0.5, 0.99]) WITHIN GROUP (ORDER BY r.run_seconds) AS run,
+       percentile_cont(ARRAY[0.5, 0.99]) WITHIN GROUP (ORDER BY r.pickup_seconds) AS pickup
+  FROM unnest(%(lanes)s::text[]) AS l(lane)
+  LEFT JOIN LATERAL (
+        SELECT a.finished_at,
+               extract(epoch FROM a.finished_at - a.claimed_at)::float8 AS run_seconds,
+               extract(epoch FROM a.claimed_at - a.run_at)::float8 AS pickup_seconds
+          FROM jobs_archive AS a
+         WHERE a.lane = l.lane
+           AND a.finished_at > coalesce(%(now)s::timestamptz, now())
+                               - make_interval(secs => %(window)s)
+           AND a.finished_at <= coalesce(%(now)s::timestamptz, now())
+         ORDER BY a.finished_at DESC
+         LIMIT %(sample)s
+       ) AS r ON true
+ GROUP BY l.lane
+ ORDER BY l.lane
+
+-- name: database_clock
+SELECT coalesce(%(now)s::timestamptz, now())
 
 -- name: list_dead
 SELECT id, lane, handler, attempts, last_error, died_at, idempotency_key

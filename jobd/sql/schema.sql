@@ -55,9 +55,13 @@ CREATE TABLE jobs (
     -- which one killed it. Its jobs become suspects: their attempt is given back, and each
     -- runs alone on a worker that holds nothing else. A worker that dies holding a single job
     -- has found the poison: that job alone spends an attempt (and stays a suspect, so its
-    -- retries run alone). Last because it was added last: column order is part of the
-    -- schema (SELECT * and RETURNING * depend on it).
+    -- retries run alone). This and the columns below come last because they were added
+    -- last: column order is part of the schema (SELECT * and RETURNING * depend on it).
     suspect         boolean     NOT NULL DEFAULT false,
+    -- When the latest attempt was claimed (set by the claim, carried into jobs_archive):
+    -- with run_at and finished_at it gives pickup delay and claim-to-finish time (jobd top).
+    -- NULL for jobs claimed before migration 0010.
+    claimed_at      timestamptz,
     -- A claimed job has a lease and a token; no other state has either.
     CHECK ((state = 'claimed') = (lease_until IS NOT NULL AND lease_token IS NOT NULL)),
     -- 'infinity' and '-infinity' are valid timestamptz values that no client can load into a
@@ -125,10 +129,16 @@ CREATE TABLE jobs_archive (
     created_at      timestamptz NOT NULL,
     last_error      text,
     errors          jsonb       NOT NULL,
-    finished_at     timestamptz NOT NULL
+    finished_at     timestamptz NOT NULL,
+    claimed_at      timestamptz
 ) PARTITION BY RANGE (finished_at);
 
 CREATE INDEX jobs_archive_id_idx ON jobs_archive (id);
+
+-- A lane's recently finished jobs, newest first (jobd top's latency figures): a short range
+-- scan in the partitions a recent window touches. Jobs completed in one batch share
+-- finished_at, so B-tree deduplication keeps the entries small.
+CREATE INDEX jobs_archive_lane_finished_idx ON jobs_archive (lane, finished_at);
 
 -- Catches rows whose day has no partition yet, so finishing a job can never fail for lack of
 -- one. ensure_archive_partitions() moves such rows into the real partition when it creates it.
