@@ -5,8 +5,10 @@
   per send; every send is timestamped (due, sent, returned) and tagged with the phase it was
   sent in. A send that is due while the previous one on its connection has not returned goes
   out as soon as that one returns (and counts as late), so the schedule, not the server, sets
-  the offered rate. For rates beyond what single sends can carry (overload) one statement
-  enqueues several jobs: ``SELECT jobd.enqueue(...) FROM generate_series(1, k)``.
+  the offered rate. Each phase starts the schedule afresh (``restart``): what a phase could
+  not send by its end is counted (``behind``) and dropped, not sent in the next. For rates
+  beyond what single sends can carry (overload) one statement enqueues several jobs:
+  ``SELECT jobd.enqueue(...) FROM generate_series(1, k)``.
 - ``IdleInTransaction``: a session that does ``BEGIN; SELECT txid_current();`` and sits.
 - ``Readers``: REPEATABLE READ sessions scanning ``jobd.all_jobs`` over and over inside one
   transaction each, as the reference harness's active readers do, so their snapshots hold the
@@ -102,6 +104,7 @@ class Producer:
         self.phase = 0  # set by the orchestrator; read at every send
         self.logs = [SendLog() for _ in range(connections)]
         self._plan = Plan(0.0, 1, time.perf_counter(), 0)
+        self._made = [0] * connections  # sends made under the current plan, per connection
         self._failures = _Failures("the producer")
         self._stop = threading.Event()
         self._ready = threading.Barrier(connections + 1)
@@ -127,6 +130,23 @@ class Producer:
     def set_rate(self, rate: float, batch: int = 1) -> None:
         """Offer ``rate`` jobs/s from now on, ``batch`` per statement (0 pauses)."""
         self._plan = Plan(rate, batch, time.perf_counter(), self._plan.generation + 1)
+
+    def restart(self) -> None:
+        """The same rate on a schedule that starts now: sends still due are dropped, so a
+        phase does not inherit the previous one's backlog of sends."""
+        self.set_rate(self._plan.rate, self._plan.batch)
+
+    def behind(self) -> int:
+        """Sends due by now under the current plan that have not been made."""
+        plan, now = self._plan, time.perf_counter()
+        if plan.rate <= 0:
+            return 0
+        interval = self.connections * plan.batch / plan.rate
+        missing = 0
+        for index, made in enumerate(self._made):
+            due = math.floor((now - plan.start) / interval - index / self.connections) + 1
+            missing += max(0, due - made)
+        return missing
 
     def raise_error(self) -> None:
         self._failures.raise_error()
@@ -156,6 +176,7 @@ class Producer:
             plan = self._plan
             if plan.generation != generation:
                 generation, k = plan.generation, 0
+                self._made[index] = 0
             if plan.rate <= 0:
                 self._stop.wait(0.01)
                 continue
@@ -183,6 +204,8 @@ class Producer:
                 log.ids.append(job_id)
                 log.id_phase.append(phase)
             k += 1
+            if self._plan.generation == generation:
+                self._made[index] = k
 
     def send_stats(self, phase: int) -> dict[str, Any]:
         """Call time (sent to returned), time from due to returned, and the share of late
