@@ -324,7 +324,7 @@ class Run:
         self.runs.read_new()
         rec.runs_after = self.runs.lines
         rec.extra["backlog_end"], rec.extra["live_end"] = self.monitor.backlog()
-        rec.extra["oldest_snapshot_s"] = round(self.monitor.oldest_snapshot_s(), 1)
+        rec.extra["horizon_age_s"] = round(self.monitor.horizon_age_s(), 1)
         log(f"{self.name}: phase {rec.name} ends after {rec.seconds:.1f}s; sent {self.sent}, "
             f"ran {self.runs.lines}, backlog {rec.extra['backlog_end']}")
 

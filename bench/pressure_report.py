@@ -141,7 +141,7 @@ def bounded(timeline: list[tuple[float, float]]) -> tuple[bool, float, float]:
 
 COLUMNS = ["phase", "s", "offered/s", "done/s", "p50 ms", "p95 ms", "p99 ms", "max ms",
            "backlog", "dead tup", "heap MB", "idx MB", "reads/claim", "reads/job",
-           "enq p50", "enq p99", "late %", "oldest snap s", "other load"]
+           "enq p50", "enq p99", "late %", "horizon s", "other load"]
 
 
 def _f(value: Any, digits: int = 1) -> str:
@@ -160,7 +160,7 @@ def phase_row(scenario: str, f: dict[str, Any]) -> list[str]:
             _f(f["dead_tuples_end"]), _f(f["heap_mb"], 2), _f(f["index_mb"], 2),
             _f(claim.get("per_claim")), _f(claim["per_job"]), _f(sends.get("call_p50_ms"), 2),
             _f(sends.get("call_p99_ms"), 2), _f(sends.get("late_pct")),
-            _f(f.get("oldest_snapshot_s")), _f(f.get("other_load_cores"), 2)]
+            _f(f.get("horizon_age_s")), _f(f.get("other_load_cores"), 2)]
 
 
 def waits_line(f: dict[str, Any]) -> str:

@@ -4,7 +4,7 @@ derives from them.
 - ``Monitor``: a connection to the benchmark database that takes snapshots of the state of
   ``jobd.jobs`` (dead and live tuples, heap and index size, per-index ``idx_scan`` and
   ``idx_tup_read``, vacuums) and of the claim statements in ``pg_stat_statements``, the
-  backlog, the oldest snapshot, and the database clock.
+  backlog, the age of what holds the xmin horizon, and the database clock.
 - ``RunFiles``: the files the handler (bench/pressure_handlers.py) appends to, read as they grow.
 - ``Analysis``: after a scenario, the sent ids and the handler's runs are copied into tables of
   the ``pressure`` schema beside jobd's, and everything per job is computed in SQL: pickup
@@ -57,10 +57,14 @@ SELECT coalesce(sum(calls), 0)::bigint, coalesce(sum(rows), 0)::bigint
 
 _BACKLOG = "SELECT count(*) FILTER (WHERE state <> 'claimed'), count(*) FROM jobd.jobs"
 _DUE_UNCLAIMED = "SELECT count(*) FROM jobd.jobs WHERE state <> 'claimed' AND run_at <= now()"
-_OLDEST_SNAPSHOT = """
+# The oldest transaction that holds the xmin horizon back: by its snapshot (backend_xmin) or
+# by its own transaction id (an idle-in-transaction session that wrote, or asked for one, has
+# no snapshot between statements but still pins the horizon).
+_HORIZON_AGE = """
 SELECT coalesce(max(extract(epoch FROM clock_timestamp() - xact_start)), 0)::float8
-  FROM pg_stat_activity WHERE datname = current_database() AND backend_xmin IS NOT NULL
-   AND pid <> pg_backend_pid()
+  FROM pg_stat_activity
+ WHERE datname = current_database() AND pid <> pg_backend_pid()
+   AND (backend_xmin IS NOT NULL OR backend_xid IS NOT NULL)
 """
 
 
@@ -103,8 +107,8 @@ class Monitor:
         assert row is not None
         return int(row[0])
 
-    def oldest_snapshot_s(self) -> float:
-        row = self.conn.execute(_OLDEST_SNAPSHOT).fetchone()
+    def horizon_age_s(self) -> float:
+        row = self.conn.execute(_HORIZON_AGE).fetchone()
         assert row is not None
         return float(row[0])
 
