@@ -3,8 +3,9 @@ derives from them.
 
 - ``Monitor``: a connection to the benchmark database that takes snapshots of the state of
   ``jobd.jobs`` (dead and live tuples, heap and index size, per-index ``idx_scan`` and
-  ``idx_tup_read``, vacuums) and of the claim statements in ``pg_stat_statements``, the
-  backlog, the age of what holds the xmin horizon, and the database clock.
+  ``idx_tup_read``, rows read by sequential scans, vacuums) and of the claim statements in
+  ``pg_stat_statements``, the backlog, the age of what holds the xmin horizon, and the
+  database clock.
 - ``RunFiles``: the files the handler (bench/pressure_handlers.py) appends to, read as they grow.
 - ``Analysis``: after a scenario, the sent ids and the handler's runs are copied into tables of
   the ``pressure`` schema beside jobd's, and everything per job is computed in SQL: pickup
@@ -37,6 +38,8 @@ SELECT (SELECT coalesce(sum(n_dead_tup), 0) FROM pg_stat_user_tables
        (SELECT coalesce(sum(n_live_tup), 0) FROM pg_stat_user_tables
          WHERE relid IN (SELECT relid FROM rels)),
        (SELECT coalesce(sum(vacuum_count + autovacuum_count), 0) FROM pg_stat_user_tables
+         WHERE relid IN (SELECT relid FROM rels)),
+       (SELECT coalesce(sum(seq_tup_read), 0) FROM pg_stat_user_tables
          WHERE relid IN (SELECT relid FROM rels)),
        (SELECT coalesce(sum(pg_relation_size(relid)), 0) FROM rels),
        (SELECT coalesce(sum(pg_indexes_size(relid)), 0) FROM rels),
@@ -84,10 +87,11 @@ class Monitor:
     def snapshot(self) -> dict[str, Any]:
         row = self.conn.execute(_JOBS_SNAPSHOT).fetchone()
         assert row is not None
-        dead, live, vacuums, heap, index, indexes, at = row
+        dead, live, vacuums, seq_read, heap, index, indexes, at = row
         snap: dict[str, Any] = {
             "at": at.timestamp(), "dead_tuples": int(dead), "live_tuples": int(live),
-            "vacuums": int(vacuums), "heap_bytes": int(heap), "index_bytes": int(index),
+            "vacuums": int(vacuums), "seq_tuples_read": int(seq_read),
+            "heap_bytes": int(heap), "index_bytes": int(index),
             "indexes": {name: {"scans": int(v[0]), "tuples_read": int(v[1])}
                         for name, v in indexes.items()},
         }
@@ -125,14 +129,22 @@ def claim_reads(before: dict[str, Any], after: dict[str, Any], claim_index: str,
               else [n for n in names if not n.endswith("_pkey")])
     read = sum(names[n]["tuples_read"] - before["indexes"].get(n, {}).get("tuples_read", 0)
                for n in chosen)
+    by_index = {n: v["tuples_read"] - before["indexes"].get(n, {}).get("tuples_read", 0)
+                for n, v in names.items()}
     result: dict[str, Any] = {"claim_index": "+".join(chosen), "entries_read": read,
-                              "per_job": read / jobs_claimed if jobs_claimed else math.nan}
+                              "per_job": read / jobs_claimed if jobs_claimed else math.nan,
+                              "by_index": by_index}
     if "claim_calls" in after:
         calls = after["claim_calls"] - before["claim_calls"]
         result["claim_statements"] = calls
         result["jobs_per_claim"] = ((after["claim_rows"] - before["claim_rows"]) / calls
                                     if calls else math.nan)
         result["per_claim"] = read / calls if calls else math.nan
+        # Rows of jobd.jobs read by sequential scans, per claim: when the planner walks the
+        # table instead of the claim index (a small table, fresh statistics), the index
+        # figure alone would look like a claim that reads nothing.
+        seq = after["seq_tuples_read"] - before["seq_tuples_read"]
+        result["seq_rows_per_claim"] = seq / calls if calls else math.nan
     return result
 
 
