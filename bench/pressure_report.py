@@ -27,7 +27,7 @@ from bench.pressure_stats import (
 )
 
 if TYPE_CHECKING:
-    from bench.pressure import PhaseRecord, Run
+    from bench.pressure_run import PhaseRecord, Run
 
 # The targets of the issue.
 ENQUEUE_RATIO = 0.8  # jobd.enqueue / bare INSERT, closed loop, same connections
@@ -127,11 +127,12 @@ def reads_timeline(p: PhaseRecord, claim_index: str) -> list[tuple[float, float]
     return out
 
 
-def bounded(timeline: list[tuple[float, float]]) -> tuple[bool, float, float]:
-    """Whether reads per claim stayed bounded, with the first and last fifth's averages."""
+def bounded(timeline: list[tuple[float, float]]) -> tuple[bool | None, float, float]:
+    """Whether reads per claim stayed bounded, with the first and last fifth's averages; None
+    when the phase had fewer than two snapshot intervals to compare."""
     values = [v for _, v in timeline if not math.isnan(v)]
-    if not values:
-        return False, math.nan, math.nan
+    if len(values) < 2:
+        return None, math.nan, math.nan
     fifth = max(1, len(values) // 5)
     first, last = statistics.fmean(values[:fifth]), statistics.fmean(values[-fifth:])
     return last <= max(BOUNDED_GROWTH * first, BOUNDED_READS), first, last
