@@ -220,6 +220,7 @@ class Env:
     postmaster_pid: int = 0
     settings: dict[str, str] = field(default_factory=dict)
     counter: int = 0
+    dbname: str = DBNAME  # the database the daemon serves (bench/pressure.py has one per scenario)
 
     def admin(self) -> psycopg.Connection:
         return psycopg.connect(self.admin_url, autocommit=True,
@@ -456,7 +457,7 @@ class Daemon:
                     "       count(*) FILTER (WHERE application_name IN "
                     "                        ('jobd supervisor', 'jobd listener')) "
                     "  FROM pg_stat_activity WHERE datname = %s AND state = 'idle'",
-                    (DBNAME,)).fetchone()
+                    (self.env.dbname,)).fetchone()
                 assert row is not None
                 if row[0] >= self.workers and row[1] >= 2:
                     return
