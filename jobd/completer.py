@@ -18,7 +18,7 @@ from jobd import jobs, queue
 from jobd.config import LaneConfig
 from jobd.handler_runner import Outcome, first_line_of
 from jobd.protocol import WorkerSpec
-from jobd.worker_metrics import WorkObserver, WorkTotals
+from jobd.worker_metrics import DEAD, DONE, FAILED, LEASE_LOST, WorkObserver, WorkTotals
 
 SETTLE_DELAY = 0.002  # seconds an outcome waits for company when no claim goes out
 
@@ -85,11 +85,6 @@ class Completer:
         if not self.pending:
             self.since = time.monotonic()
         self.pending.append(outcome)
-        work = self.counters.work
-        if work is not None:
-            # No measured time: the worker gave up on the run at the lane's timeout.
-            seconds = outcome.seconds if outcome.seconds is not None else self.lane.timeout
-            work.ran(outcome.job.handler, seconds or 0.0)
 
     def due_at(self) -> float | None:
         return None if self.since is None else self.since + SETTLE_DELAY
@@ -132,7 +127,7 @@ class Completer:
         lease_lost = completed.lease_lost + failed.lease_lost + batch.lost
         self.counters.lease_lost += len(lease_lost)
         if self.counters.work is not None:
-            self._observe(self.counters.work, written, completed, failed, batch, lease_lost)
+            self._observe(self.counters.work, written, failed, lease_lost)
         if lease_lost:
             log.warning("lost the lease before finishing; result discarded", job_ids=lease_lost)
         self._log_failures(batch, failed)
@@ -140,17 +135,25 @@ class Completer:
         retried = set(failed.retried)
         return [now + f.retry_delay for f in batch.failures if f.lease.id in retried]
 
-    @staticmethod
-    def _observe(work: WorkObserver, written: list[Outcome], completed: queue.WriteOutcome,
-                 failed: queue.FailOutcome, batch: Batch, lease_lost: list[int]) -> None:
-        handlers = {outcome.job.id: outcome.job.handler for outcome in written}
-        work.settled(handlers, "done", completed.applied)
-        work.settled(handlers, "done", batch.committed)
-        work.settled(handlers, "failed", failed.retried)
-        work.settled(handlers, "dead", failed.dead)
-        work.settled(handlers, "lease_lost", lease_lost)
+    def _observe(self, work: WorkObserver, written: list[Outcome], failed: queue.FailOutcome,
+                 lease_lost: list[int]) -> None:
+        """Each written outcome with its run time, per handler; one pass, as the batch's
+        outcomes are mostly successes."""
+        lost, dead = set(lease_lost), set(failed.dead)
+        # No measured time: the worker gave up on the run at the lane's timeout.
+        timeout = self.lane.timeout or 0.0
+        for outcome in written:
+            job_id = outcome.job.id
+            if job_id in lost:
+                kind = LEASE_LOST
+            elif outcome.error is None:
+                kind = DONE
+            else:
+                kind = DEAD if job_id in dead else FAILED
+            seconds = outcome.seconds
+            work.finished(outcome.job.handler, kind, timeout if seconds is None else seconds)
         # The fence refused these writes: the lease had passed to another run (or expired).
-        work.totals.stale_completions += len(lease_lost)
+        work.totals.stale_completions += len(lost)
 
     def _log_failures(self, batch: Batch, failed: queue.FailOutcome) -> None:
         """One line per failed attempt and per dead job: what an operator needs without a

@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
-from collections.abc import Iterable, Mapping
+from collections import Counter
+from collections.abc import Iterable
 from typing import Any
 
 from jobd.jobs import Job
 
 OUTCOMES = ("done", "failed", "dead", "lease_lost", "released", "cancelled")
 _OUTCOME_INDEX = {name: index for index, name in enumerate(OUTCOMES)}
+DONE, FAILED, DEAD, LEASE_LOST, RELEASED, CANCELLED = range(len(OUTCOMES))
 UNLISTED = "unlisted"  # the handler label of jobs whose handler is not in the allow-list
 
 # Upper bounds (seconds) of the histogram buckets; the last bucket (+Inf) is implied.
@@ -45,6 +47,17 @@ class Histogram:
         # A bucket counts the values up to and including its bound (Prometheus' "le").
         self.counts[bisect_left(self.bounds, value)] += 1
         self.total += value
+
+    def observe_all(self, values: Iterable[float]) -> None:
+        """:meth:`observe` each value, a negative one as zero (a claim a clock tick before
+        ``run_at``); one call per batch on the worker's hot path."""
+        bounds, counts, total = self.bounds, self.counts, 0.0
+        for value in values:
+            if value < 0.0:
+                value = 0.0
+            counts[bisect_left(bounds, value)] += 1
+            total += value
+        self.total += total
 
     @property
     def count(self) -> int:
@@ -156,41 +169,45 @@ class WorkTotals:
 
 
 class WorkObserver:
-    """The worker's side: turns claims, runs and written outcomes into its totals."""
+    """The worker's side: turns claims and written outcomes into its totals. It runs on the
+    worker loop's hot path, per job: one cached lookup and a few increments."""
 
-    __slots__ = ("allowed", "totals", "visibility_timeout")
+    __slots__ = ("_by_name", "allowed", "totals", "visibility_timeout")
 
     def __init__(self, allowed: Iterable[str], visibility_timeout: float) -> None:
         self.allowed = frozenset(allowed)
         self.visibility_timeout = visibility_timeout
         self.totals = WorkTotals()
+        self._by_name: dict[str, HandlerWork] = {}  # allowed names only, so it stays small
 
-    def _handler(self, name: str) -> HandlerWork:
-        return self.totals.handler(name if name in self.allowed else UNLISTED)
+    def work_of(self, handler: str) -> HandlerWork:
+        work = self._by_name.get(handler)
+        if work is None:
+            if handler not in self.allowed:
+                return self.totals.handler(UNLISTED)
+            work = self._by_name[handler] = self.totals.handler(handler)
+        return work
 
     def claimed(self, jobs: Iterable[Job]) -> None:
         """Jobs a claim took. The claim's moment is its lease's start, ``lease_until`` minus
         the visibility timeout: the database clock, like ``run_at``, so the pickup delay
         needs no clock of this node and no extra column."""
-        pickup, lease = self.totals.pickup, self.visibility_timeout
-        for job in jobs:
-            self._handler(job.handler).claimed += 1
-            delay = (job.lease_until - job.run_at).total_seconds() - lease
-            pickup.observe(delay if delay > 0.0 else 0.0)
+        for handler, count in Counter(job.handler for job in jobs).items():
+            self.work_of(handler).claimed += count
+        lease = self.visibility_timeout
+        self.totals.pickup.observe_all(
+            (job.lease_until - job.run_at).total_seconds() - lease for job in jobs)
 
-    def ran(self, handler: str, seconds: float) -> None:
-        self._handler(handler).duration.observe(seconds)
-
-    def settled(self, handlers: Mapping[int, str], outcome: str, job_ids: Iterable[int]) -> None:
-        """Jobs (by id, ``handlers`` names their handlers) ended with ``outcome``."""
-        index = _OUTCOME_INDEX[outcome]
-        for job_id in job_ids:
-            self._handler(handlers[job_id]).outcomes[index] += 1
+    def finished(self, handler: str, outcome: int, seconds: float) -> None:
+        """A run ended with ``outcome`` (an index into :data:`OUTCOMES`) after ``seconds``."""
+        work = self.work_of(handler)
+        work.outcomes[outcome] += 1
+        work.duration.observe(seconds)
 
     def released(self, jobs: Iterable[Job]) -> None:
-        index = _OUTCOME_INDEX["released"]
+        """Buffered jobs given back unstarted: an outcome, no run time."""
         for job in jobs:
-            self._handler(job.handler).outcomes[index] += 1
+            self.work_of(job.handler).outcomes[RELEASED] += 1
 
 
 def _count(value: object) -> int:

@@ -55,6 +55,8 @@ from jobd.metrics import (
 from jobd.restarts import RESTART_REASONS, restart_reason
 from jobd.wake_routing import WakeRouter
 from jobd.worker_metrics import (
+    DEAD,
+    DONE,
     DURATION_BUCKETS,
     OUTCOMES,
     UNLISTED,
@@ -120,8 +122,7 @@ def test_histograms_add_up_and_refuse_other_buckets() -> None:
 def test_a_report_carries_the_work_totals_through_the_pipe_format() -> None:
     observer = WorkObserver(["send"], visibility_timeout=30.0)
     observer.claimed([job("send", T0, T0 + timedelta(seconds=31))])
-    observer.ran("send", 0.2)
-    observer.settled({1: "send"}, "done", [1])
+    observer.finished("send", DONE, 0.2)
     report = protocol.StatusReport(1, 4, protocol.WorkerMode.RUNNING, True,
                                    {"claimed": 1}, observer.totals)
     back = protocol.StatusReport.parse(report.to_line().rstrip(b"\n"))
@@ -199,9 +200,9 @@ def test_a_node_counter_does_not_go_back_when_a_worker_is_replaced() -> None:
 def test_lane_totals_are_copies_not_the_reports_themselves() -> None:
     metrics = NodeMetrics()
     live = WorkObserver(["send"], 30.0)
-    live.ran("send", 1.0)
+    live.finished("send", DONE, 1.0)
     summed = metrics.lane_totals([("default", live.totals)])["default"]
-    live.ran("send", 1.0)
+    live.finished("send", DONE, 1.0)
     assert summed.handlers["send"].duration.count == 1
 
 
@@ -256,8 +257,8 @@ def test_a_fresh_node_exports_zero_for_every_lane_and_handler() -> None:
 def test_labels_are_bounded_and_the_exposition_passes_promtool() -> None:
     observer = WorkObserver(["send"], 30.0)
     observer.claimed([job("send", T0, T0 + timedelta(seconds=31), n) for n in range(4)])
-    observer.ran("send", 0.003)
-    observer.settled({1: "send", 2: "send"}, "dead", [1, 2])
+    observer.finished("send", DEAD, 0.003)
+    observer.finished("send", DEAD, 0.003)
     view = empty_view(work={"default": observer.totals}, restarts={("default", "crash"): 2},
                       workers={"default": {"running": 2}}, listener_connected=True,
                       loop_lag=0.25)
