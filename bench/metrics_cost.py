@@ -1,0 +1,281 @@
+"""What the Prometheus metrics cost: the drain rate with metrics on and off, and the database
+time of the metrics sampler as history and backlog grow.
+
+Usage::
+
+    .venv/bin/python -m bench.metrics_cost [--rounds N] [--settings 1x10,2x10]
+        [--archived N] [--scheduled N] [--samples N] [--idle] [--only drain|sampler]
+
+(from the repository's top directory, like ``python -m bench``).
+
+Everything runs on a private throwaway cluster (``bench/daemon_bench.py``'s environment:
+``synchronous_commit=on``, a fresh database, the no-op handlers).
+
+drain
+    ``daemon_bench.measure_drain`` at each setting (worker processes x concurrency, default
+    1x10 and 2x10): 20,000 no-op jobs committed at once, jobs/s from the first handler start
+    to the last ``finished_at``. "on" runs the daemon with ``metrics.listen`` and scrapes its
+    ``/metrics`` every second during the drain, as Prometheus would; "off" runs it without
+    (workers then count nothing per handler and no sampler runs). On and off alternate within
+    each round, the order swapped every round. Reported: the median of each and the
+    slowdown of the medians (target <= 3 %).
+sampler
+    The sampler's two statements (``jobd.duties.metrics_sampler.take_sample``) on a
+    connection set up like the supervisor's, for three lanes, in three states of the
+    database: a small live queue (1,000 due, 100 retrying, 100 claimed jobs, 1,000 dead);
+    the same with ``--archived`` finished jobs in ``jobd.jobs_archive`` (default 1,000,000);
+    then also ``--scheduled`` jobs waiting for a later ``run_at`` (default 100,000). After
+    each fill: VACUUM ANALYZE (autovacuum's job on a live system), then ``--samples`` samples
+    (default 50): client-side time per sample (median, p95) and the shared buffers one
+    sample touches (EXPLAIN ANALYZE BUFFERS). With the 5 s interval the time is also given
+    as a share of one database backend.
+idle (--idle)
+    ``daemon_bench.measure_idle`` with and without metrics: database transactions per second
+    of an idle node (2 lanes x 2 workers, 60 s window; about 75 s each).
+
+Figures from a shared machine are disturbed by whatever else runs: each drain line says how
+many cores other processes used meanwhile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import psycopg
+
+from bench.daemon_bench import (
+    Env,
+    drain_name,
+    environment,
+    log,
+    measure_drain,
+    measure_idle,
+    percentile,
+    reset_queue,
+)
+from bench.settings import Setting, parse_settings
+from jobd.db import bound_session, connect
+from jobd.duties.metrics_sampler import SAMPLE_INTERVAL, take_sample
+from jobd.localpg import free_port
+from jobd.queries import query
+
+SETTINGS = "1x10,2x10"
+ROUNDS = 3
+ARCHIVED = 1_000_000
+SCHEDULED = 100_000
+SAMPLES = 50
+LANES = ["default", "mail", "reports"]
+SLOWDOWN_TARGET_PCT = 3.0
+
+
+# --- drain ---------------------------------------------------------------------------------
+
+
+def run_drains(env: Env, settings: Sequence[Setting], rounds: int) -> list[dict[str, Any]]:
+    rows = []
+    for setting in settings:
+        workers, concurrency = setting.workers, setting.concurrency
+        on: list[dict[str, Any]] = []
+        off: list[dict[str, Any]] = []
+        for round_no in range(1, rounds + 1):
+            order = ("off", "on") if round_no % 2 else ("on", "off")
+            for mode in order:
+                listen = f"127.0.0.1:{free_port()}" if mode == "on" else None
+                result = measure_drain(env, workers, concurrency, round_no, listen)
+                (on if mode == "on" else off).append(result)
+        on_rate = statistics.median(r["jobs_per_s"] for r in on)
+        off_rate = statistics.median(r["jobs_per_s"] for r in off)
+        rows.append({
+            "setting": f"{workers}x{concurrency}", "name": drain_name(workers, concurrency),
+            "off_jobs_per_s": off_rate, "on_jobs_per_s": on_rate,
+            "slowdown_pct": 100.0 * (off_rate - on_rate) / off_rate,
+            "off_rounds": [round(r["jobs_per_s"]) for r in off],
+            "on_rounds": [round(r["jobs_per_s"]) for r in on],
+            "scrapes": [r["scrapes"] for r in on],
+            "other_load_cores": max(r["other_load_cores"] for r in on + off),
+        })
+    return rows
+
+
+def print_drains(rows: list[dict[str, Any]]) -> None:
+    print("drain, 20,000 no-op jobs; median jobs/s of the rounds (rounds in brackets); "
+          "metrics on: scraped every 1 s")
+    for row in rows:
+        verdict = "ok" if row["slowdown_pct"] <= SLOWDOWN_TARGET_PCT else "MISSED"
+        print(f"  {row['setting']:>6}: off {row['off_jobs_per_s']:8,.0f} {row['off_rounds']}"
+              f"   on {row['on_jobs_per_s']:8,.0f} {row['on_rounds']}"
+              f"   slowdown {row['slowdown_pct']:+.1f} % (target <= {SLOWDOWN_TARGET_PCT:g} %:"
+              f" {verdict}); other load up to {row['other_load_cores']:.2f} cores")
+    print(flush=True)
+
+
+# --- sampler -------------------------------------------------------------------------------
+
+
+def fill_live(conn: psycopg.Connection) -> None:
+    """A small live queue over three lanes: due, retrying, claimed, and a DLQ."""
+    conn.execute(
+        """INSERT INTO jobs (lane, handler, priority, run_at)
+           SELECT (%(lanes)s::text[])[1 + i %% 3], 'noop', i %% 3,
+                  now() - make_interval(secs => i)
+             FROM generate_series(1, 1000) AS i""", {"lanes": LANES})
+    conn.execute(
+        """INSERT INTO jobs (lane, handler, state, run_at, attempts)
+           SELECT (%(lanes)s::text[])[1 + i %% 3], 'noop', 'failed',
+                  now() + make_interval(secs => 60 + i), 1
+             FROM generate_series(1, 100) AS i""", {"lanes": LANES})
+    conn.execute(
+        """INSERT INTO jobs (lane, handler, state, run_at, attempts, claimed_by, lease_token,
+                             lease_until)
+           SELECT (%(lanes)s::text[])[1 + i %% 3], 'noop', 'claimed', now(), 1, 'bench',
+                  nextval('lease_token_seq'), now() + interval '1 hour'
+             FROM generate_series(1, 100) AS i""", {"lanes": LANES})
+    conn.execute(
+        """INSERT INTO dead_letter (id, lane, handler, payload, priority, run_at, attempts,
+                                    created_at, errors)
+           SELECT -i, (%(lanes)s::text[])[1 + i %% 3], 'noop', '{}', 0, now(), 8, now(), '[]'
+             FROM generate_series(1, 1000) AS i""", {"lanes": LANES})
+
+
+def fill_archive(conn: psycopg.Connection, rows: int) -> None:
+    """Finished jobs over the last week, into the archive's daily partitions."""
+    conn.execute("SELECT ensure_archive_partitions(1)")
+    conn.execute(
+        """INSERT INTO jobs_archive (id, lane, handler, payload, state, priority, run_at,
+                                     attempts, created_at, errors, finished_at)
+           SELECT 1000000000 + i, (%(lanes)s::text[])[1 + i %% 3], 'noop', '{}', 'done', 0,
+                  t, 1, t, '[]', t
+             FROM generate_series(1, %(rows)s) AS i,
+                  LATERAL (SELECT now() - make_interval(secs => i %% 518400) AS t) AS at""",
+        {"lanes": LANES, "rows": rows})
+
+
+def fill_scheduled(conn: psycopg.Connection, rows: int) -> None:
+    conn.execute(
+        """INSERT INTO jobs (lane, handler, priority, run_at)
+           SELECT (%(lanes)s::text[])[1 + i %% 3], 'noop', i %% 3,
+                  now() + make_interval(secs => 60 + i %% 86400)
+             FROM generate_series(1, %(rows)s) AS i""", {"lanes": LANES, "rows": rows})
+
+
+def sample_cost(env: Env, title: str, samples: int) -> dict[str, Any]:
+    with connect(env.url, "jobd", application_name="jobd supervisor") as conn:
+        conn.execute("VACUUM (ANALYZE) jobs")
+        conn.execute("VACUUM (ANALYZE) dead_letter")
+        bound_session(conn)  # the supervisor's session: timeouts, no JIT
+        counts = conn.execute(
+            "SELECT (SELECT count(*) FROM jobs), (SELECT count(*) FROM jobs_archive), "
+            "(SELECT count(*) FROM dead_letter)").fetchone()
+        assert counts is not None
+        times = []
+        for _ in range(samples):
+            started = time.perf_counter()
+            take_sample(conn, LANES)
+            times.append(time.perf_counter() - started)
+        buffers = 0
+        for name, params in (("metrics_queue_state", {"lanes": LANES, "now": None}),
+                             ("metrics_database_hazards", {})):
+            row = conn.execute(f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {query(name)}",
+                               params).fetchone()
+            assert row is not None
+            plan = row[0][0]["Plan"]
+            buffers += int(plan["Shared Hit Blocks"]) + int(plan["Shared Read Blocks"])
+    times.sort()
+    median = statistics.median(times)
+    result = {"state": title, "live_jobs": counts[0], "archived_jobs": counts[1],
+              "dead_jobs": counts[2], "samples": samples,
+              "median_ms": 1000 * median, "p95_ms": 1000 * percentile(times, 95),
+              "buffers_per_sample": buffers,
+              "backend_share_pct": 100 * median / SAMPLE_INTERVAL}
+    log(f"sampler, {title}: median {result['median_ms']:.2f} ms, p95 {result['p95_ms']:.2f} ms,"
+        f" {buffers} buffers")
+    return result
+
+
+def run_sampler(env: Env, archived: int, scheduled: int, samples: int) -> list[dict[str, Any]]:
+    reset_queue(env)
+    results = []
+    with connect(env.url, "jobd") as conn:
+        fill_live(conn)
+    results.append(sample_cost(env, "small live queue", samples))
+    log(f"sampler: archiving {archived:,} finished jobs")
+    with connect(env.url, "jobd") as conn:
+        fill_archive(conn, archived)
+    results.append(sample_cost(env, f"+ {archived:,} archived", samples))
+    log(f"sampler: scheduling {scheduled:,} jobs for later")
+    with connect(env.url, "jobd") as conn:
+        fill_scheduled(conn, scheduled)
+    results.append(sample_cost(env, f"+ {scheduled:,} scheduled", samples))
+    return results
+
+
+def print_sampler(results: list[dict[str, Any]]) -> None:
+    print(f"sampler: {len(LANES)} lanes, one sample = both statements in one transaction; "
+          f"share of one backend at one sample per {SAMPLE_INTERVAL:g} s")
+    print(f"  {'state':<24} {'live':>9} {'archived':>10} {'dead':>6} {'median ms':>10} "
+          f"{'p95 ms':>8} {'buffers':>8} {'share':>7}")
+    for r in results:
+        print(f"  {r['state']:<24} {r['live_jobs']:>9,} {r['archived_jobs']:>10,} "
+              f"{r['dead_jobs']:>6,} {r['median_ms']:>10.2f} {r['p95_ms']:>8.2f} "
+              f"{r['buffers_per_sample']:>8,} {r['backend_share_pct']:>6.2f}%")
+    print(flush=True)
+
+
+# --- idle ----------------------------------------------------------------------------------
+
+
+def run_idle(env: Env) -> None:
+    off = measure_idle(env)
+    on = measure_idle(env, f"127.0.0.1:{free_port()}")
+    print("idle node, 2 lanes x 2 workers, 60 s: database transactions/s")
+    print(f"  off {off['txn_per_s']:.2f}   on {on['txn_per_s']:.2f} (not scraped)")
+    print(flush=True)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="The cost of jobd's Prometheus metrics.")
+    parser.add_argument("--only", choices=["drain", "sampler"],
+                        help="one part (default: both)")
+    parser.add_argument("--rounds", type=int, default=ROUNDS,
+                        help=f"drain rounds per setting and mode (default {ROUNDS})")
+    parser.add_argument("--settings", type=parse_settings, default=parse_settings(SETTINGS),
+                        metavar="WxC,...", help=f"drain settings (default {SETTINGS})")
+    parser.add_argument("--archived", type=int, default=ARCHIVED,
+                        help=f"finished jobs in the archive (default {ARCHIVED:,})")
+    parser.add_argument("--scheduled", type=int, default=SCHEDULED,
+                        help=f"jobs scheduled for later (default {SCHEDULED:,})")
+    parser.add_argument("--samples", type=int, default=SAMPLES,
+                        help=f"samples timed per database state (default {SAMPLES})")
+    parser.add_argument("--idle", action="store_true",
+                        help="also measure an idle node's transactions with and without")
+    parser.add_argument("--keep", action="store_true", help="keep the temp directory")
+    args = parser.parse_args(argv)
+    if min(args.rounds, args.samples) < 1 or min(args.archived, args.scheduled) < 0:
+        parser.error("--rounds and --samples must be at least 1, row counts at least 0")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.monotonic()
+    with environment(statements=False, keep=args.keep) as env:
+        print(f"metrics cost; PostgreSQL {env.settings['server_version']}, "
+              f"synchronous_commit={env.settings['synchronous_commit']}, "
+              f"shared_buffers={env.settings['shared_buffers']}", flush=True)
+        if args.only in (None, "drain"):
+            print_drains(run_drains(env, args.settings, args.rounds))
+        if args.only in (None, "sampler"):
+            print_sampler(run_sampler(env, args.archived, args.scheduled, args.samples))
+        if args.idle:
+            run_idle(env)
+    log(f"done in {time.monotonic() - started:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
