@@ -400,7 +400,8 @@ class LoadMeter:
         busy = (after[1] - self.before[1]) / elapsed
         mine = (after[2] - self.before[2]) / elapsed
         other = max(0.0, busy - mine)
-        return {"own_cpu_cores": round(mine, 2), "other_load_cores": round(other, 2)}
+        return {"own_cpu_cores": round(mine, 2), "other_load_cores": round(other, 2),
+                "own_cpu_seconds": round(after[2] - self.before[2], 3)}
 
 
 class Daemon:
@@ -764,6 +765,8 @@ def measure_drain(env: Env, workers: int, concurrency: int, round_no: int,
         if scraper is not None:
             scraper.start()
         meter = LoadMeter(env)
+        daemon_pids = descendants(daemon.pid)
+        daemon_cpu = own_cpu_seconds(daemon_pids)
         try:
             with env.bench_conn() as conn:
                 # One transaction: the whole backlog becomes visible at once, with one
@@ -774,6 +777,7 @@ def measure_drain(env: Env, workers: int, concurrency: int, round_no: int,
             sampler.finish()
             if scraper is not None:
                 scraper.finish()
+        daemon_cpu = own_cpu_seconds(daemon_pids) - daemon_cpu
         load = meter.stop()
         statements = report_statements(env, f"drain {workers}x{concurrency} round {round_no}")
         problems = daemon.problems()
@@ -792,7 +796,7 @@ def measure_drain(env: Env, workers: int, concurrency: int, round_no: int,
         "peak_rss_mb": sampler.peak_kb / 1024.0,
         "peak_rss_parts_mb": [round(kb / 1024.0, 1) for kb in sampler.peak_parts],
         "idle_rss_mb": round(idle_kb / 1024.0, 1), "rss_samples": sampler.samples,
-        "daemon_warnings": len(problems), **load,
+        "daemon_warnings": len(problems), "daemon_cpu_seconds": round(daemon_cpu, 3), **load,
     }
     if scraper is not None:
         result["scrapes"] = scraper.scrapes

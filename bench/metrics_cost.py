@@ -18,7 +18,10 @@ drain
     ``/metrics`` every second during the drain, as Prometheus would; "off" runs it without
     (workers then count nothing per handler and no sampler runs). On and off alternate within
     each round, the order swapped every round. Reported: the median of each and the
-    slowdown of the medians (target <= 3 %).
+    slowdown of the medians (target <= 3 %), and the CPU time per job (from /proc) of the
+    daemon, the cluster and this script together, and of the daemon's processes alone, on
+    and off: on a machine shared with other work the rate swings with their load, the CPU
+    per job less.
 sampler
     The sampler's two statements (``jobd.duties.metrics_sampler.take_sample``) on a
     connection set up like the supervisor's, for three lanes, in three states of the
@@ -90,16 +93,31 @@ def run_drains(env: Env, settings: Sequence[Setting], rounds: int) -> list[dict[
                 (on if mode == "on" else off).append(result)
         on_rate = statistics.median(r["jobs_per_s"] for r in on)
         off_rate = statistics.median(r["jobs_per_s"] for r in off)
+        # CPU of the whole tree (daemon, cluster, this script) per job: less disturbed by
+        # other load on the machine than the rate is.
+        on_cpu = statistics.median(cpu_us_per_job(r, "own_cpu_seconds") for r in on)
+        off_cpu = statistics.median(cpu_us_per_job(r, "own_cpu_seconds") for r in off)
+        # The daemon's processes alone (supervisor and workers): what metrics change.
+        on_daemon = statistics.median(cpu_us_per_job(r, "daemon_cpu_seconds") for r in on)
+        off_daemon = statistics.median(cpu_us_per_job(r, "daemon_cpu_seconds") for r in off)
         rows.append({
             "setting": f"{workers}x{concurrency}", "name": drain_name(workers, concurrency),
             "off_jobs_per_s": off_rate, "on_jobs_per_s": on_rate,
             "slowdown_pct": 100.0 * (off_rate - on_rate) / off_rate,
+            "off_cpu_us_per_job": off_cpu, "on_cpu_us_per_job": on_cpu,
+            "cpu_increase_pct": 100.0 * (on_cpu - off_cpu) / off_cpu,
+            "off_daemon_cpu_us_per_job": off_daemon, "on_daemon_cpu_us_per_job": on_daemon,
+            "daemon_cpu_increase_pct": 100.0 * (on_daemon - off_daemon) / off_daemon,
             "off_rounds": [round(r["jobs_per_s"]) for r in off],
             "on_rounds": [round(r["jobs_per_s"]) for r in on],
             "scrapes": [r["scrapes"] for r in on],
             "other_load_cores": max(r["other_load_cores"] for r in on + off),
         })
     return rows
+
+
+def cpu_us_per_job(result: dict[str, Any], key: str) -> float:
+    return 1e6 * result[key] / result["jobs"]
 
 
 def print_drains(rows: list[dict[str, Any]]) -> None:
@@ -111,6 +129,12 @@ def print_drains(rows: list[dict[str, Any]]) -> None:
               f"   on {row['on_jobs_per_s']:8,.0f} {row['on_rounds']}"
               f"   slowdown {row['slowdown_pct']:+.1f} % (target <= {SLOWDOWN_TARGET_PCT:g} %:"
               f" {verdict}); other load up to {row['other_load_cores']:.2f} cores")
+        print(f"          CPU per job, daemon + cluster + bench: off "
+              f"{row['off_cpu_us_per_job']:.0f} us, on {row['on_cpu_us_per_job']:.0f} us "
+              f"({row['cpu_increase_pct']:+.1f} %); daemon alone: off "
+              f"{row['off_daemon_cpu_us_per_job']:.1f} us, on "
+              f"{row['on_daemon_cpu_us_per_job']:.1f} us "
+              f"({row['daemon_cpu_increase_pct']:+.1f} %)")
     print(flush=True)
 
 

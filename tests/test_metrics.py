@@ -557,6 +557,12 @@ def test_a_starting_daemon_exports_every_family_at_zero(daemons: Daemons, tmp_pa
     assert value(scrape(target), "jobd_workers", lane="parked", state="running") == 0
     assert not daemon.events("metrics are not served by this version; metrics.listen is "
                              "ignored")
+    # A reload keeps the server where it is: a new address needs a restart.
+    moved = metrics_config(free_port(), {"default": {}, "parked": {"workers": 0}})
+    mark = daemon.reload(moved)
+    daemon.wait_for_log("metrics.listen changes take effect on restart", since=mark)
+    daemon.wait_for_log("config reloaded", since=mark)
+    assert value(scrape(target), "jobd_listener_connected") == 1
 
 
 @pytest.mark.slow
