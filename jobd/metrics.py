@@ -20,10 +20,11 @@ family; each is exported from the start, zero-valued for every configured lane a
 from __future__ import annotations
 
 import re
+import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import start_http_server
 from prometheus_client.core import (
@@ -283,7 +284,7 @@ class Server:
 
     listen: str
     collector: NodeCollector
-    handle: Any = field(default=None, repr=False)
+    handle: tuple[WSGIServer, threading.Thread] | None = field(default=None, repr=False)
 
     def start(self) -> None:
         """Bind and serve; UsageError (one line) when the address cannot be had."""

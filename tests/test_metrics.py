@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -563,6 +564,20 @@ def test_a_starting_daemon_exports_every_family_at_zero(daemons: Daemons, tmp_pa
     daemon.wait_for_log("metrics.listen changes take effect on restart", since=mark)
     daemon.wait_for_log("config reloaded", since=mark)
     assert value(scrape(target), "jobd_listener_connected") == 1
+
+
+def test_an_address_in_use_stops_the_start_with_one_line(daemons: Daemons, tmp_path: Path
+                                                          ) -> None:
+    (tmp_path / "metricshandlers.py").write_text(HANDLERS_MODULE)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        daemon = daemons(metrics_config(port, {"default": {}}))
+        assert daemon.wait_exit(timeout=30) == 2
+    lines = daemon.log_path.read_text().splitlines()
+    assert lines == [f"jobd: metrics.listen 127.0.0.1:{port}: cannot listen: "
+                     "Address already in use"]
 
 
 @pytest.mark.slow
