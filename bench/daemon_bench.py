@@ -54,6 +54,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
@@ -98,6 +99,7 @@ CEILING_CLIENTS = (4, 8)
 CEILING_BATCH = 100
 RSS_SAMPLE_S = 0.05
 RSS_TARGET_MB = 300.0  # supervisor + 4 workers
+SCRAPE_INTERVAL_S = 1.0  # how often a drain with metrics on is scraped
 
 DEFAULT_ROUNDS = 3
 VISIBILITY_TIMEOUT_S = 30.0
@@ -274,8 +276,10 @@ def environment(statements: bool, keep: bool) -> Iterator[Env]:
         yield env
 
 
-def write_config(env: Env, name: str, lanes: dict[str, tuple[int, int]]) -> Path:
-    """A config with the bench handlers and ``lanes``: name -> (workers, concurrency)."""
+def write_config(env: Env, name: str, lanes: dict[str, tuple[int, int]],
+                 metrics_listen: str | None = None) -> Path:
+    """A config with the bench handlers and ``lanes``: name -> (workers, concurrency); with
+    ``metrics_listen``, the daemon serves its Prometheus metrics there."""
     lines = [
         "database:",
         f"  schema: {SCHEMA}",
@@ -284,6 +288,7 @@ def write_config(env: Env, name: str, lanes: dict[str, tuple[int, int]]) -> Path
         "supervisor:",
         "  shutdown_timeout: 30s",
         "  log_level: info",
+        *([f'metrics: {{listen: "{metrics_listen}"}}'] if metrics_listen else []),
         "handlers:",
         f"  stamp: {HANDLER_MODULE}:stamp",
         f"  noop: {HANDLER_MODULE}:noop",
@@ -396,7 +401,8 @@ class LoadMeter:
         busy = (after[1] - self.before[1]) / elapsed
         mine = (after[2] - self.before[2]) / elapsed
         other = max(0.0, busy - mine)
-        return {"own_cpu_cores": round(mine, 2), "other_load_cores": round(other, 2)}
+        return {"own_cpu_cores": round(mine, 2), "other_load_cores": round(other, 2),
+                "own_cpu_seconds": round(after[2] - self.before[2], 3)}
 
 
 class Daemon:
@@ -532,6 +538,34 @@ class RssSampler(threading.Thread):
         self.join()
 
 
+class Scraper(threading.Thread):
+    """GETs http://LISTEN/metrics every SCRAPE_INTERVAL_S until stopped, like Prometheus."""
+
+    def __init__(self, listen: str):
+        super().__init__(daemon=True)
+        self.url = f"http://{listen}/metrics"
+        self.scrapes = 0
+        self.error: OSError | None = None
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        while not self.halt.is_set():
+            try:
+                with urllib.request.urlopen(self.url, timeout=5) as response:
+                    response.read()
+            except OSError as exc:
+                self.error = exc  # raised by finish(): a drain whose scrapes failed is void
+                return
+            self.scrapes += 1
+            self.halt.wait(SCRAPE_INTERVAL_S)
+
+    def finish(self) -> None:
+        self.halt.set()
+        self.join()
+        if self.error is not None:
+            raise RuntimeError(f"scraping {self.url} failed: {self.error}")
+
+
 # --- idle ----------------------------------------------------------------------------------
 
 
@@ -557,11 +591,11 @@ def autovacuum_paused(env: Env) -> Iterator[None]:
             admin.execute("SELECT pg_reload_conf()")
 
 
-def measure_idle(env: Env) -> dict[str, Any]:
+def measure_idle(env: Env, metrics_listen: str | None = None) -> dict[str, Any]:
     reset_queue(env)
     reset_statements(env)
     stamps = env.scratch("idle")
-    config = write_config(env, "idle", {"a": (2, 8), "b": (2, 8)})
+    config = write_config(env, "idle", {"a": (2, 8), "b": (2, 8)}, metrics_listen)
     with autovacuum_paused(env), Daemon(env, config, stamps, workers=4) as daemon:
         log(f"idle: daemon up (pid {daemon.pid}); settling {IDLE_SETTLE_S:g}s")
         time.sleep(IDLE_SETTLE_S)
@@ -712,11 +746,15 @@ def drain_name(workers: int, concurrency: int) -> str:
     return f"w{workers}" if concurrency == 100 else f"w{workers}c{concurrency}"
 
 
-def measure_drain(env: Env, workers: int, concurrency: int, round_no: int) -> dict[str, Any]:
+def measure_drain(env: Env, workers: int, concurrency: int, round_no: int,
+                  metrics_listen: str | None = None) -> dict[str, Any]:
+    """With ``metrics_listen`` the daemon serves metrics and is scraped every second during
+    the drain, as Prometheus would."""
     reset_queue(env)
     name = drain_name(workers, concurrency)
     stamps = env.scratch(f"drain-{name}-{round_no}")
-    config = write_config(env, f"drain-{name}", {LANE: (workers, concurrency)})
+    config = write_config(env, f"drain-{name}", {LANE: (workers, concurrency)},
+                          metrics_listen)
     specs = [jobd.JobSpec("noop", {}, LANE) for _ in range(DRAIN_JOBS)]
     with Daemon(env, config, stamps, workers=workers) as daemon:
         time.sleep(DRAIN_SETTLE_S)
@@ -724,7 +762,12 @@ def measure_drain(env: Env, workers: int, concurrency: int, round_no: int) -> di
         idle_kb = sum(rss_kb(pid) for pid in descendants(daemon.pid))
         sampler = RssSampler(daemon.pid)
         sampler.start()
+        scraper = Scraper(metrics_listen) if metrics_listen else None
+        if scraper is not None:
+            scraper.start()
         meter = LoadMeter(env)
+        daemon_pids = descendants(daemon.pid)
+        daemon_cpu = own_cpu_seconds(daemon_pids)
         try:
             with env.bench_conn() as conn:
                 # One transaction: the whole backlog becomes visible at once, with one
@@ -733,6 +776,9 @@ def measure_drain(env: Env, workers: int, concurrency: int, round_no: int) -> di
             wait_drained(env, DRAIN_JOBS, interval=0.05)
         finally:
             sampler.finish()
+            if scraper is not None:
+                scraper.finish()
+        daemon_cpu = own_cpu_seconds(daemon_pids) - daemon_cpu
         load = meter.stop()
         statements = report_statements(env, f"drain {workers}x{concurrency} round {round_no}")
         problems = daemon.problems()
@@ -751,8 +797,10 @@ def measure_drain(env: Env, workers: int, concurrency: int, round_no: int) -> di
         "peak_rss_mb": sampler.peak_kb / 1024.0,
         "peak_rss_parts_mb": [round(kb / 1024.0, 1) for kb in sampler.peak_parts],
         "idle_rss_mb": round(idle_kb / 1024.0, 1), "rss_samples": sampler.samples,
-        "daemon_warnings": len(problems), **load,
+        "daemon_warnings": len(problems), "daemon_cpu_seconds": round(daemon_cpu, 3), **load,
     }
+    if scraper is not None:
+        result["scrapes"] = scraper.scrapes
     if statements:
         result["statements"] = statements
     log(f"drain {workers}x{concurrency} round {round_no}: {result['jobs_per_s']:,.0f} jobs/s "

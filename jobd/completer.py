@@ -10,13 +10,15 @@ outcome is written, and the fenced write decides what still applies.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import structlog
 
 from jobd import jobs, queue
 from jobd.config import LaneConfig
 from jobd.handler_runner import Outcome, first_line_of
+from jobd.protocol import WorkerSpec
+from jobd.worker_metrics import DEAD, DONE, FAILED, LEASE_LOST, WorkObserver, WorkTotals
 
 SETTLE_DELAY = 0.002  # seconds an outcome waits for company when no claim goes out
 
@@ -25,7 +27,8 @@ log = structlog.get_logger("jobd.completer")
 
 @dataclass(slots=True)
 class Counters:
-    """Totals since the worker started, reported to the supervisor."""
+    """Totals since the worker started, reported to the supervisor; with ``work``, also per
+    handler for the node's metrics (``jobd.worker_metrics``)."""
 
     claimed: int = 0
     completed: int = 0
@@ -33,9 +36,31 @@ class Counters:
     dead: int = 0
     lease_lost: int = 0
     released: int = 0  # claimed into the buffer, then given back unstarted
+    work: WorkObserver | None = None
+
+    @classmethod
+    def for_spec(cls, spec: WorkerSpec) -> Counters:
+        if not spec.metrics:
+            return cls()
+        return cls(work=WorkObserver(spec.handlers, spec.lane.visibility_timeout))
 
     def as_dict(self) -> dict[str, int]:
-        return asdict(self)
+        return {"claimed": self.claimed, "completed": self.completed, "failed": self.failed,
+                "dead": self.dead, "lease_lost": self.lease_lost, "released": self.released}
+
+    def count_claimed(self, taken: list[jobs.Job]) -> None:
+        self.claimed += len(taken)
+        if self.work is not None:
+            self.work.claimed(taken)
+
+    def count_released(self, given_back: list[jobs.Job]) -> None:
+        """Buffered jobs given back unstarted."""
+        self.released += len(given_back)
+        if self.work is not None:
+            self.work.released(given_back)
+
+    def work_totals(self) -> WorkTotals | None:
+        return None if self.work is None else self.work.totals
 
 
 @dataclass(slots=True)
@@ -94,19 +119,41 @@ class Completer:
                 failed: queue.FailOutcome) -> list[float]:
         """The batch is written: count and log it; returns when its retries fall due
         (monotonic), for the worker's own timers."""
-        self.pending = []
+        written, self.pending = self.pending, []
         self.since = None
         self.counters.completed += len(completed.applied) + len(batch.committed)
         self.counters.failed += len(failed.retried)
         self.counters.dead += len(failed.dead)
         lease_lost = completed.lease_lost + failed.lease_lost + batch.lost
         self.counters.lease_lost += len(lease_lost)
+        if self.counters.work is not None:
+            self._observe(self.counters.work, written, failed, lease_lost)
         if lease_lost:
             log.warning("lost the lease before finishing; result discarded", job_ids=lease_lost)
         self._log_failures(batch, failed)
         now = time.monotonic()
         retried = set(failed.retried)
         return [now + f.retry_delay for f in batch.failures if f.lease.id in retried]
+
+    def _observe(self, work: WorkObserver, written: list[Outcome], failed: queue.FailOutcome,
+                 lease_lost: list[int]) -> None:
+        """Each written outcome with its run time, per handler; one pass, as the batch's
+        outcomes are mostly successes."""
+        lost, dead = set(lease_lost), set(failed.dead)
+        # No measured time: the worker gave up on the run at the lane's timeout.
+        timeout = self.lane.timeout or 0.0
+        for outcome in written:
+            job_id = outcome.job.id
+            if job_id in lost:
+                kind = LEASE_LOST
+            elif outcome.error is None:
+                kind = DONE
+            else:
+                kind = DEAD if job_id in dead else FAILED
+            seconds = outcome.seconds
+            work.finished(outcome.job.handler, kind, timeout if seconds is None else seconds)
+        # The fence refused these writes: the lease had passed to another run (or expired).
+        work.totals.stale_completions += len(lost)
 
     def _log_failures(self, batch: Batch, failed: queue.FailOutcome) -> None:
         """One line per failed attempt and per dead job: what an operator needs without a

@@ -9,6 +9,7 @@ import asyncio
 import os
 import queue as stdlib_queue
 import threading
+import time
 import traceback
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -31,6 +32,9 @@ class Outcome:
     committed: bool = False  # a transactional handler already completed the job
     lease_lost: bool = False  # the lease was lost before the commit; nothing was written
     final: bool = False  # the failure cannot be retried away (an undecodable payload)
+    # How long the handler ran (monotonic seconds); None when the worker gave up on it at
+    # its timeout (the run then lasted the timeout, at least).
+    seconds: float | None = None
 
 
 class JobTimedOut(Exception):
@@ -108,12 +112,14 @@ class HandlerRunner:
         resolved = self.handlers.get(job.handler)
         if resolved is None:
             self._deliver(Outcome(job, f"LookupError: no handler named {job.handler!r} on this "
-                                       f"worker (lane {job.lane!r})"))
+                                       f"worker (lane {job.lane!r})", seconds=0.0))
         elif resolved.is_async:
             assert self.asyncio_loop is not None
             future = asyncio.run_coroutine_threadsafe(self._run_async(resolved, job),
                                                       self.asyncio_loop)
-            future.add_done_callback(lambda done, job=job: self._finish_async(job, done))
+            started = time.monotonic()
+            future.add_done_callback(
+                lambda done, job=job, started=started: self._finish_async(job, done, started))
         else:
             self._ensure_handler_threads()
             self.handler_queue.put((resolved, job))
@@ -131,6 +137,7 @@ class HandlerRunner:
         while True:
             resolved, job = self.handler_queue.get()
             logs.bind_job(job.id, job.handler)
+            started = time.monotonic()
             try:
                 if resolved.is_transactional:
                     self._run_transactional(resolved, job)
@@ -144,6 +151,7 @@ class HandlerRunner:
                 outcome = self._failure(job, exc)
             finally:
                 logs.unbind_job()
+            outcome.seconds = time.monotonic() - started
             self._deliver(outcome)
 
     def _run_transactional(self, resolved: handler_registry.ResolvedHandler,
@@ -166,17 +174,19 @@ class HandlerRunner:
                 raise JobTimedOut(f"timed out after {self.lane.timeout:g}s") from None
             raise
 
-    def _finish_async(self, job: jobs.Job, future: Future[Any]) -> None:
+    def _finish_async(self, job: jobs.Job, future: Future[Any], started: float) -> None:
         try:
             exc = future.exception()
         except BaseException as cancelled:  # CancelledError: the event loop went away
             exc = cancelled
         if isinstance(exc, JobTimedOut):
-            self._deliver(Outcome(job, str(exc)))
+            outcome = Outcome(job, str(exc))
         elif exc is not None:
-            self._deliver(self._failure(job, exc))
+            outcome = self._failure(job, exc)
         else:
-            self._deliver(Outcome(job, None))
+            outcome = Outcome(job, None)
+        outcome.seconds = time.monotonic() - started
+        self._deliver(outcome)
 
     @staticmethod
     def _failure(job: jobs.Job, exc: BaseException) -> Outcome:

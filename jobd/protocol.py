@@ -25,6 +25,7 @@ from typing import Any
 
 from jobd.backoff import Backoff
 from jobd.config import LaneConfig
+from jobd.worker_metrics import WorkTotals
 
 EXIT_OK = 0
 EXIT_BOOT_FAILURE = 3  # a handler could not be imported: restarting will not help
@@ -57,6 +58,7 @@ class WorkerSpec:
     senders: dict[str, str] = field(default_factory=dict)
     outbox_lane: str = "outbox"
     log_level: str = "info"
+    metrics: bool = False  # count per handler for the node's metrics (metrics.listen is set)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -72,16 +74,21 @@ class WorkerSpec:
 @dataclass(frozen=True, slots=True)
 class StatusReport:
     """A worker's report of itself. ``counters`` are totals since it started (claimed,
-    completed, failed, dead, stale)."""
+    completed, failed, dead, lease_lost, released); ``work`` the per-handler totals for the
+    metrics (``jobd.worker_metrics``), when the node serves them."""
 
     busy: int = 0
     capacity: int = 0
     mode: WorkerMode = WorkerMode.RUNNING
     connected: bool = False
     counters: dict[str, int] = field(default_factory=dict)
+    work: WorkTotals | None = None
 
     def to_line(self) -> bytes:
-        return (json.dumps(asdict(self)) + "\n").encode()
+        data = {"busy": self.busy, "capacity": self.capacity, "mode": str(self.mode),
+                "connected": self.connected, "counters": self.counters,
+                "work": None if self.work is None else self.work.to_json()}
+        return (json.dumps(data, separators=(",", ":")) + "\n").encode()
 
     @classmethod
     def parse(cls, line: bytes) -> StatusReport:
@@ -92,10 +99,12 @@ class StatusReport:
         counters = data.get("counters", {})
         if not isinstance(counters, dict):
             raise ValueError("counters must be an object")
+        work = data.get("work")
         return cls(busy=_int(data.get("busy")), capacity=_int(data.get("capacity")),
                    mode=WorkerMode(data.get("mode", WorkerMode.RUNNING)),
                    connected=bool(data.get("connected")),
-                   counters={str(k): _int(v) for k, v in counters.items()})
+                   counters={str(k): _int(v) for k, v in counters.items()},
+                   work=None if work is None else WorkTotals.from_json(work))
 
 
 def backend_prefix(worker_id: str) -> str:

@@ -47,12 +47,31 @@ def _fail_rows(
     return outcome
 
 
+@dataclass(slots=True)
+class Sweep:
+    """What a lease-expiry sweep did: the failed attempts, and per lane how many jobs it
+    took from their expired leases."""
+
+    failed: FailOutcome
+    expired_by_lane: dict[str, int]
+
+
 def expire_leases(
     conn: psycopg.Connection,
     policy_for: PolicyLookup,
     now: datetime | None = None,
     limit: int = 1000,
 ) -> FailOutcome:
+    """The lease-expiry sweep (:func:`sweep_expired_leases`), its failed attempts only."""
+    return sweep_expired_leases(conn, policy_for, now, limit).failed
+
+
+def sweep_expired_leases(
+    conn: psycopg.Connection,
+    policy_for: PolicyLookup,
+    now: datetime | None = None,
+    limit: int = 1000,
+) -> Sweep:
     """The lease-expiry sweep: a job whose lease ran out counts as a failed attempt.
 
     It becomes claimable again after its backoff, or dead when its budget is spent. A worker
@@ -70,7 +89,11 @@ def expire_leases(
         # run needs (its effect key, its writes): end that transaction now.
         conn.execute(query("terminate_stale_handlers"),
                      {"names": [handler_application_name(lease) for lease in stale]})
-    return outcome
+    expired: dict[str, int] = {}
+    for row in rows:
+        if row[0] in swept:
+            expired[row[2]] = expired.get(row[2], 0) + 1
+    return Sweep(outcome, expired)
 
 
 def handler_application_name(lease: Lease) -> str:

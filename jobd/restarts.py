@@ -3,12 +3,21 @@
 A worker that stays up for ``healthy_uptime`` counts as healthy and clears its slot's
 failure count. One that dies sooner is a crash loop: the slot waits ``base * 2**(n - 1)``
 seconds (capped) before the next spawn, so a poison job that kills every worker cannot make
-the supervisor fork as fast as it can.
+the supervisor fork as fast as it can. :func:`restart_reason` names why a slot's worker
+was replaced, for the metrics.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from jobd.protocol import EXIT_BOOT_FAILURE, EXIT_WEDGED
+
+# Why a slot's worker ended and was replaced (jobd_worker_restarts_total's reason): it
+# crashed (a signal, a non-zero exit), was killed for silence (timeout), exited because every
+# slot was held by a timed-out handler (wedged), could not import a handler (boot_failure),
+# or exited cleanly on its own (exited: a SIGTERM sent to it alone).
+RESTART_REASONS = ("crash", "timeout", "wedged", "boot_failure", "exited")
 
 
 @dataclass(slots=True)
@@ -25,3 +34,14 @@ class SlotBackoff:
             return 0.0
         self.failures += 1
         return min(self.cap, self.base * 2.0 ** min(self.failures - 1, 32))
+
+
+def restart_reason(returncode: int, kill_reason: str | None) -> str:
+    """Which of :data:`RESTART_REASONS` a slot's worker that ended with ``returncode`` is."""
+    if kill_reason is not None:
+        return "timeout"
+    if returncode == EXIT_BOOT_FAILURE:
+        return "boot_failure"
+    if returncode == EXIT_WEDGED:
+        return "wedged"
+    return "exited" if returncode == 0 else "crash"

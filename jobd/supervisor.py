@@ -8,7 +8,8 @@ decisions (:mod:`jobd.wake_routing`); runs the duties that are due (:mod:`jobd.d
 crash attribution, lease sweep, node heartbeat, schedules, fallback poll, retention); pokes
 the workers routing chose; and tells systemd how it is (:mod:`jobd.sdnotify`). Nothing in
 the loop blocks for long: statements are bounded, notifications never block, a reload's
-handler import runs in a child process.
+handler import runs in a child process. With ``metrics.listen`` it also publishes what the
+node's Prometheus metrics export (:mod:`jobd.metrics`), served from a thread of its own.
 
 SIGHUP reloads the config (refused, keeping the old one, if it cannot be read or is
 invalid); workers whose settings changed retire while a new generation starts. SIGTERM or
@@ -36,12 +37,15 @@ from jobd.duties.horizon_watch import HorizonWatch
 from jobd.duties.lane_poll import LanePoll
 from jobd.duties.lease_sweep import LeaseSweep
 from jobd.duties.materializer import Materializer
+from jobd.duties.metrics_sampler import MetricsSampler
 from jobd.duties.node_heartbeat import NodeHeartbeat
 from jobd.duties.retention import Retention
 from jobd.duties.runner import DutyRunner
 from jobd.errors import ConfigError
 from jobd.eventloop import SelectLoop
 from jobd.handlers import HandlerCheck, check_in_subprocess
+from jobd.looplag import LoopLag
+from jobd.metrics import NodeCollector, NodeMetrics, NodeView, Server, handler_labels
 from jobd.sdnotify import Notifier
 from jobd.wake_routing import WakeRouter
 from jobd.wakeup import Listener
@@ -53,6 +57,7 @@ EXIT_BOOT_FAILURE_SUPERVISOR = 3
 KILL_GRACE = 5.0  # after the drain timeout, how long before stragglers are SIGKILLed
 LISTENER_PROBE_INTERVAL = 60.0
 LOOP_TICK = 1.0  # the longest the loop sleeps with nothing due
+METRICS_PUBLISH_INTERVAL = 0.5  # seconds between views published for the metrics server
 
 log = structlog.get_logger("jobd.supervisor")
 
@@ -73,9 +78,11 @@ class Supervisor:
         self.crashes = CrashAttribution(self._retry_policy, self.router, self._lanes)
         self.lane_poll = LanePoll(lambda: self.config, self.router)
         self.materializer = Materializer(self.instance, lambda: self.config, self.router)
-        self.duties = DutyRunner([
+        self.lease_sweep = LeaseSweep(self._duty_interval, self._retry_policy, self.router,
+                                      self._lanes)
+        duties = [
             # In this order in the transaction they share every duty_interval.
-            LeaseSweep(self._duty_interval, self._retry_policy, self.router, self._lanes),
+            self.lease_sweep,
             NodeHeartbeat(self._duty_interval, self.instance, lambda: self.config.node_name,
                           self.pool.snapshot, self.router),
             self.materializer,
@@ -83,7 +90,19 @@ class Supervisor:
             self.lane_poll,
             HorizonWatch(self._duty_interval, lambda: self.config.horizon_warning),
             Retention(lambda: self.config.archive_retention),
-        ])
+        ]
+        self.lag = LoopLag()
+        self.started = time.monotonic()
+        self.metrics: NodeMetrics | None = None
+        self.metrics_server: Server | None = None
+        self.sampler: MetricsSampler | None = None
+        self.next_publish = 0.0
+        if config.metrics_listen is not None:
+            self.metrics = NodeMetrics()
+            self.metrics_server = Server(config.metrics_listen, NodeCollector(self.metrics))
+            self.sampler = MetricsSampler(self._lanes)
+            duties.append(self.sampler)
+        self.duties = DutyRunner(duties)
         self.next_listener_probe = time.monotonic() + LISTENER_PROBE_INTERVAL
         self.next_watchdog = 0.0
         self.stopping = False
@@ -113,6 +132,7 @@ class Supervisor:
             for problem in problems:
                 log.error("boot failure", error=problem)
             return EXIT_BOOT_FAILURE_SUPERVISOR
+        self._start_metrics()  # before any worker: an address in use stops the start
         self.loop.install_signals(
             (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD))
         self.link.ensure()
@@ -120,15 +140,13 @@ class Supervisor:
         self.pool.build()
         self.pool.spawn_due()
         log.info("supervisor started", node=self.config.node_name, instance=self.instance,
-                 lanes={name: lane.workers for name, lane in self.config.lanes.items()})
-        if self.config.metrics_listen is not None:
-            # Accepted so configs written for the documented format load, but nothing listens
-            # yet: say so rather than leave an operator probing an empty port.
-            log.warning("metrics are not served by this version; metrics.listen is ignored",
-                        listen=self.config.metrics_listen)
+                 lanes={name: lane.workers for name, lane in self.config.lanes.items()},
+                 metrics=self.config.metrics_listen)
         self.notifier.ready(self._status_text())
         while True:
-            self.loop.wait(self._select_timeout())
+            due_at = self._next_moment()
+            self.loop.wait(due_at - time.monotonic())
+            self.lag.woke(due_at)
             self._handle_signals()
             self._finish_reload()
             self._reap()
@@ -147,11 +165,13 @@ class Supervisor:
             self._wake_workers()
             self._watchdog()
             self._update_status()
+            self._publish_metrics()
             self.notifier.flush()
         self._finish()
         return EXIT_OK
 
-    def _select_timeout(self) -> float:
+    def _next_moment(self) -> float:
+        """The earliest moment (monotonic) the loop must act at; it sleeps until then."""
         now = time.monotonic()
         # Duties need the database: while it is away they wait for the next connection try,
         # or an overdue duty would turn the loop into a spin.
@@ -164,7 +184,7 @@ class Supervisor:
         if self.pending_reload is not None:
             moments.append(self.pending_reload[1].deadline)
         moments.append(self.notifier.retry_at(now) or math.inf)
-        return max(0.0, min(moments) - now)
+        return min(moments)
 
     def _handle_signals(self) -> None:
         for signum in self.loop.take_signals():
@@ -182,6 +202,8 @@ class Supervisor:
                 exited.worker_id, exited.lane,
                 f"worker {exited.worker_id} (pid {exited.pid}) died: {exited.reason}",
                 release=not exited.crashed))
+            if self.metrics is not None:
+                self.metrics.retire(exited.lane, exited.report.work)
 
     # --- wake-ups -------------------------------------------------------------------------
 
@@ -250,6 +272,9 @@ class Supervisor:
         if (new.database_url, new.schema) != (self.config.database_url, self.config.schema):
             log.warning("database.url and database.schema changes take effect on restart")
             new = replace(new, database_url=self.config.database_url, schema=self.config.schema)
+        if new.metrics_listen != self.config.metrics_listen:
+            log.warning("metrics.listen changes take effect on restart")
+            new = replace(new, metrics_listen=self.config.metrics_listen)
         self.pool.apply(new)
         self.config = new
         self.materializer.resync()  # the new schedules are declared on the next turn
@@ -299,7 +324,42 @@ class Supervisor:
         self.notifier.flush()  # a last try for STOPPING=1; never waits
         self.notifier.close()
         self.link.close()
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
         log.info("stopped")
+
+    # --- metrics --------------------------------------------------------------------------
+
+    def _start_metrics(self) -> None:
+        if self.metrics_server is None:
+            return
+        self._publish_metrics(force=True)
+        self.metrics_server.start()
+        log.info("serving metrics", listen=self.metrics_server.listen)
+
+    def _publish_metrics(self, force: bool = False) -> None:
+        """Hand the metrics server a view of the node (copies; the loop keeps its own state)."""
+        now = time.monotonic()
+        if self.metrics is None or self.sampler is None or (
+                not force and now < self.next_publish):
+            return
+        self.next_publish = now + METRICS_PUBLISH_INTERVAL
+        processes = self.pool.processes()
+        # Lanes a reload removed stay while their counts live on (retiring workers included).
+        lanes = set(self.config.lanes) | set(self.metrics.retired) | {p.lane for p in processes}
+        self.metrics.publish(NodeView(
+            lanes=tuple(sorted(lanes)),
+            handlers=handler_labels(self.config.worker_handlers()),
+            work=self.metrics.lane_totals((p.lane, p.report.work) for p in processes),
+            workers=self.pool.worker_states(),
+            restarts=dict(self.pool.restarts),
+            lease_expiries=dict(self.lease_sweep.expired),
+            listener_connected=self.listener.conn is not None,
+            loop_lag=self.lag.worst(now),
+            sample=self.sampler.latest,
+            started=self.started,
+            slo_pickup={name: lane.slo_pickup for name, lane in self.config.lanes.items()
+                        if lane.slo_pickup is not None}))
 
     # --- systemd and the process title ----------------------------------------------------
 

@@ -93,7 +93,7 @@ class Worker:
         # broke, or the rows could not be loaded): the loop then checks the jobs claimed in
         # our name against the ones it holds.
         self.claims_unknown = False
-        self.counters = Counters()
+        self.counters = Counters.for_spec(spec)
         self.completer = Completer(spec.lane, self.counters)
         self.timers = _Timers()
         self.mode = WorkerMode.RUNNING
@@ -291,7 +291,7 @@ class Worker:
     def _started(self, claimed: queue.Claimed, request: queue.ClaimRequest) -> None:
         self.timers.next_poll = time.monotonic() + self._poll_delay()
         taken = [claimed.suspect, *claimed.jobs] if claimed.suspect else claimed.jobs
-        self.counters.claimed += len(taken)
+        self.counters.count_claimed(taken)
         if taken:
             log.debug("claimed", lane=self.lane.name, job_ids=[job.id for job in taken])
         for job in self.claimer.took(claimed, request):
@@ -312,7 +312,7 @@ class Worker:
             return  # the leases are still ours; tried again next turn
         gone = {job.id for job in leaving}
         self.claimer.released(self.mode, gone)
-        self.counters.released += len(leaving)
+        self.counters.count_released(leaving)
         log.debug("released buffered jobs", job_ids=sorted(gone))
 
     def _start(self, job: jobs.Job) -> None:
@@ -425,7 +425,8 @@ class Worker:
         # Busy and capacity count the buffer: a worker whose buffer is full claims nothing,
         # so waking it would only cost a round trip.
         report = StatusReport(running + buffered, self.lane.concurrency + self.lane.buffer_size,
-                              self.mode, self.conn is not None, self.counters.as_dict())
+                              self.mode, self.conn is not None, self.counters.as_dict(),
+                              self.counters.work_totals())
         try:
             os.write(self.spec.status_fd, report.to_line())
         except (BlockingIOError, BrokenPipeError):

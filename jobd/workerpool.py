@@ -27,11 +27,22 @@ import structlog
 
 from jobd.config import Config, LaneConfig
 from jobd.eventloop import SelectLoop
-from jobd.protocol import EXIT_BOOT_FAILURE, StatusReport, WorkerSpec, describe_exit
-from jobd.restarts import SlotBackoff
+from jobd.protocol import (
+    EXIT_BOOT_FAILURE,
+    StatusReport,
+    WorkerSpec,
+    describe_exit,
+)
+from jobd.restarts import SlotBackoff, restart_reason
 
 ABORT_GRACE = 5.0  # after SIGABRT, how long a hung worker gets before SIGKILL
 BOOT_FAILURES_BEFORE_FATAL = 3
+
+# What a lane's slots hold (jobd_workers' state): a worker that has not reported yet, one per
+# mode it reports, one being aborted for silence, a slot waiting out its restart delay, or a
+# slot of a lane halted for boot failures. Retiring workers count beside their lane's slots.
+WORKER_STATES = ("starting", "running", "draining", "retiring", "hung", "restarting",
+                 "halted")
 
 log = structlog.get_logger("jobd.workerpool")
 
@@ -51,6 +62,7 @@ class WorkerProcess:
     kill_reason: str | None = None
     release_on_exit: bool = False  # killed at the drain deadline: give its jobs back
     retiring: bool = False
+    reported: bool = False  # a status report has arrived
 
     @property
     def lane(self) -> str:
@@ -96,6 +108,7 @@ class Exited:
     pid: int
     reason: str
     crashed: bool  # else we stopped it (or it exited cleanly): its jobs are given back
+    report: StatusReport  # its last report (its final one, after a clean exit)
 
 
 class WorkerPool:
@@ -109,6 +122,7 @@ class WorkerPool:
         self.generation = 0
         # Counters of workers that exited, so a node's totals never go backwards.
         self.exited_counters: dict[str, dict[str, int]] = {}
+        self.restarts: dict[tuple[str, str], int] = {}  # (lane, reason): slot workers replaced
 
     def processes(self) -> list[WorkerProcess]:
         live = [slot.process for slot in self.slots.values() if slot.process is not None]
@@ -189,6 +203,7 @@ class WorkerPool:
             database_url=self.url, schema=config.schema, slot=slot.index,
             generation=slot.generation, status_fd=status_w, wake_fd=wake_r,
             shutdown_timeout=config.shutdown_timeout, log_level=config.log_level,
+            metrics=config.metrics_listen is not None,
         )
         popen = subprocess.Popen(
             [sys.executable, "-m", "jobd.worker"], stdin=subprocess.PIPE,
@@ -217,14 +232,30 @@ class WorkerPool:
             self.loop.unregister(process.status_r)
             return
         process.last_seen = time.monotonic()
+        self._take_reports(process, data)
+
+    def _take_reports(self, process: WorkerProcess, data: bytes) -> None:
         process.buffer += data
         *lines, process.buffer = process.buffer.split(b"\n")
         for line in lines[-1:]:  # only the newest report matters
             try:
                 process.report = StatusReport.parse(line)
                 process.wake_load = 0  # the report counts what it was sent
+                process.reported = True
             except ValueError:
                 log.warning("unreadable worker report", pid=process.pid)
+
+    def _read_final_reports(self, process: WorkerProcess) -> None:
+        """What an exited worker wrote and the loop has not read yet: its final report,
+        after a clean exit. Its totals then count in full."""
+        while True:
+            try:
+                data = os.read(process.status_r, 65536)
+            except (BlockingIOError, OSError):
+                return
+            if not data:
+                return
+            self._take_reports(process, data)
 
     # --- exits and liveness ---------------------------------------------------------------
 
@@ -244,6 +275,7 @@ class WorkerPool:
     def _exited(self, process: WorkerProcess, slot: Slot | None) -> Exited:
         returncode = process.popen.returncode
         uptime = time.monotonic() - process.started
+        self._read_final_reports(process)
         for fd in (process.status_r, process.wake_w):
             self.loop.unregister(fd)
             try:
@@ -259,8 +291,11 @@ class WorkerPool:
             "worker exited", lane=process.lane, pid=process.pid,
             worker=process.spec.worker_id, cause=reason, uptime=round(uptime, 1))
         if slot is not None:
+            key = (process.lane, restart_reason(returncode, process.kill_reason))
+            self.restarts[key] = self.restarts.get(key, 0) + 1
             self._schedule_restart(slot, returncode, uptime)
-        return Exited(process.spec.worker_id, process.lane, process.pid, reason, crashed)
+        return Exited(process.spec.worker_id, process.lane, process.pid, reason, crashed,
+                      process.report)
 
     def _schedule_restart(self, slot: Slot, returncode: int, uptime: float) -> None:
         if returncode == EXIT_BOOT_FAILURE:
@@ -326,6 +361,19 @@ class WorkerPool:
                 lane_counters[key] = lane_counters.get(key, 0) + value
         return workers, counters
 
+    def worker_states(self) -> dict[str, dict[str, int]]:
+        """Per lane, how many of its slots (and retiring workers) are in each state."""
+        states: dict[str, dict[str, int]] = {}
+        for slot in self.slots.values():
+            lane = states.setdefault(slot.lane.name, {})
+            state = _state_of(slot.process) if slot.process is not None else (
+                "halted" if slot.lane.name in self.fatal_lanes else "restarting")
+            lane[state] = lane.get(state, 0) + 1
+        for process in self.retiring:
+            lane = states.setdefault(process.lane, {})
+            lane["retiring"] = lane.get("retiring", 0) + 1
+        return states
+
     def status_parts(self) -> list[str]:
         parts = []
         for name in sorted(self.config.lanes):
@@ -337,6 +385,12 @@ class WorkerPool:
         if self.retiring:
             parts.append(f"{len(self.retiring)} retiring")
         return parts
+
+
+def _state_of(process: WorkerProcess) -> str:
+    if process.kill_reason is not None:
+        return "hung"
+    return str(process.report.mode) if process.reported else "starting"
 
 
 def _settings_differ(new: LaneConfig, old: LaneConfig) -> bool:

@@ -178,3 +178,92 @@ def test_expired_leases_ride_the_lease_index(big_queue: psycopg.Connection) -> N
     assert 0 < analyzed["Actual Rows"] <= CLAIMED_JOBS
     # One heap page per expired job at most, never the million pending rows.
     assert pages(analyzed) < CLAIMED_JOBS + 100
+
+
+# --- the metrics sampler's counts ----------------------------------------------------------
+#
+# Last in this module: they vacuum the table first. A live queue table is vacuumed often
+# (migrations/0001 sets an aggressive autovacuum), which keeps its visibility map set for the
+# pages of waiting jobs; index-only scans rely on it, and before any vacuum the planner
+# rightly prefers reading the heap.
+
+SAMPLED_LANES = ["bulk", "default", "nonexistent", "reports"]
+
+
+DEAD_JOBS = 50_000
+
+
+@pytest.fixture(scope="module")
+def vacuumed_queue(big_queue: psycopg.Connection) -> psycopg.Connection:
+    """The big queue, vacuumed, with a dead-letter queue of DEAD_JOBS over the three lanes."""
+    big_queue.execute(
+        """INSERT INTO dead_letter (id, lane, handler, payload, priority, run_at, attempts,
+                                    created_at, errors)
+           SELECT -i, (ARRAY['default', 'bulk', 'reports'])[1 + i %% 3], 'send_email', '{}',
+                  0, now(), 8, now(), '[]'
+             FROM generate_series(1, %s) AS i""", (DEAD_JOBS,))
+    big_queue.execute("VACUUM (ANALYZE) jobs")
+    big_queue.execute("VACUUM (ANALYZE) dead_letter")
+    return big_queue
+
+
+def scans(plan: Plan) -> list[tuple[str, str, str]]:
+    """(node type, relation, index) of every scan in the plan."""
+    return [(n["Node Type"], n.get("Relation Name", ""), n.get("Index Name", ""))
+            for n in nodes(plan) if "Scan" in n["Node Type"] and "Relation Name" in n]
+
+
+def check_sampler_plan(plan: Plan) -> None:
+    assert seq_scans_on_jobs(plan) == []
+    found = scans(plan)
+    # Waiting and retrying jobs are counted from their indexes alone; claimed ones through
+    # the lease index (one heap row per job in flight); the DLQ from its lane index.
+    assert ("Index Only Scan", "jobs", "jobs_claimable_idx") in found
+    assert ("Index Only Scan", "jobs", "jobs_retrying_idx") in found
+    assert indexes_used(plan) == {"jobs_claimable_idx", "jobs_retrying_idx", "jobs_lease_idx",
+                                  "dead_letter_lane_idx"}
+    # Nothing else is read: no archive, no sequential scan of either table.
+    assert {relation for _type, relation, _index in found} == {"jobs", "dead_letter"}
+    assert all(node_type != "Seq Scan" for node_type, _relation, _index in found)
+
+
+def test_the_sampler_counts_from_indexes(vacuumed_queue: psycopg.Connection) -> None:
+    plan = explain(vacuumed_queue, "metrics_queue_state",
+                   {"lanes": SAMPLED_LANES, "now": None})
+    check_sampler_plan(plan)
+
+
+def test_the_sampler_generic_plan_counts_from_indexes(
+        vacuumed_queue: psycopg.Connection) -> None:
+    # The supervisor runs it every few seconds on one connection: psycopg prepares it.
+    vacuumed_queue.execute("SET plan_cache_mode = force_generic_plan")
+    try:
+        plan = explain(vacuumed_queue, "metrics_queue_state",
+                       {"lanes": SAMPLED_LANES, "now": None})
+    finally:
+        vacuumed_queue.execute("RESET plan_cache_mode")
+    check_sampler_plan(plan)
+
+
+def test_the_sampler_reads_index_pages_not_the_heap(
+        vacuumed_queue: psycopg.Connection) -> None:
+    plan = explain(vacuumed_queue, "metrics_queue_state",
+                   {"lanes": SAMPLED_LANES, "now": None}, analyze=True)
+    rows = {n.get("Index Name"): n for n in nodes(plan)
+            if n["Node Type"] == "Index Only Scan"}
+    claimable = rows["jobs_claimable_idx"]
+    assert claimable["Actual Rows"] == FUTURE_JOBS + DUE_JOBS
+    # A vacuumed table: the counts never visit the heap of the million waiting jobs.
+    assert claimable["Heap Fetches"] == 0
+    # The whole sample reads the two counted indexes once, plus the claimed jobs' heap
+    # pages, the small indexes and the oldest-wait probes of each lane's priorities
+    # (observed: the indexes' pages + ~350); never the table of a million rows.
+    row = vacuumed_queue.execute(
+        "SELECT sum(relpages) FILTER (WHERE relname IN ('jobs_claimable_idx', "
+        "                                               'dead_letter_lane_idx')), "
+        "       sum(relpages) FILTER (WHERE relname = 'jobs') "
+        "  FROM pg_class WHERE relnamespace = 'jobd'::regnamespace").fetchone()
+    assert row is not None
+    index_pages, table_pages = row
+    assert pages(plan) < index_pages + 600
+    assert pages(plan) < table_pages / 2

@@ -27,10 +27,24 @@ class LeaseSweep(Periodic):
         self.policy_for = policy_for
         self.router = router
         self.lanes = lanes
+        # Jobs this node took from expired leases, per lane since it started (the metrics);
+        # the last turn's share is taken back if the shared transaction does not commit.
+        self.expired: dict[str, int] = {}
+        self.last_turn: dict[str, int] = {}
 
     def work(self, conn: psycopg.Connection) -> None:
-        outcome = recovery.expire_leases(conn, self.policy_for)
+        self.last_turn = {}
+        sweep = recovery.sweep_expired_leases(conn, self.policy_for)
+        self.last_turn = sweep.expired_by_lane
+        for lane, count in sweep.expired_by_lane.items():
+            self.expired[lane] = self.expired.get(lane, 0) + count
+        outcome = sweep.failed
         self.router.retries_due(outcome.next_retry_by_lane)
         if outcome.retried or outcome.dead:
             log.warning("expired leases swept", retried=outcome.retried, dead=outcome.dead)
             self.router.due_everywhere(self.lanes())
+
+    def rolled_back(self) -> None:
+        for lane, count in self.last_turn.items():
+            self.expired[lane] -= count
+        self.last_turn = {}

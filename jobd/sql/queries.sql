@@ -379,6 +379,85 @@ SELECT l.lane,
 -- name: database_clock
 SELECT coalesce(%(now)s::timestamptz, now())
 
+-- name: metrics_queue_state
+-- The metrics sampler (jobd/duties/metrics_sampler.py), once per sampling interval for the
+-- configured lanes: live jobs by state, the wait of the oldest due job and the DLQ depth.
+-- due: claimable now; scheduled: pending with a later run_at; retrying: failed, waiting for
+-- its retry; claimed: running or buffered by a worker. One pass per index, all lanes at
+-- once: due and later from jobs_claimable_idx, retrying from jobs_retrying_idx (index-only
+-- where the visibility map allows), claimed through jobs_lease_idx (as many rows as jobs in
+-- flight), dead from dead_letter_lane_idx; the oldest wait is one probe per priority
+-- (lane_head). Finished jobs are never read: their rows are in the archive.
+WITH clock AS (
+    SELECT coalesce(%(now)s::timestamptz, now()) AS at
+),
+waiting AS (
+    SELECT j.lane,
+           count(*) FILTER (WHERE j.run_at <= clock.at) AS due,
+           count(*) FILTER (WHERE j.run_at > clock.at) AS later
+      FROM jobs AS j, clock
+     WHERE j.lane = ANY(%(lanes)s::text[]) AND j.state IN ('pending', 'failed')
+     GROUP BY j.lane
+),
+retrying AS (
+    SELECT j.lane, count(*) AS jobs
+      FROM jobs AS j, clock
+     WHERE j.lane = ANY(%(lanes)s::text[]) AND j.state = 'failed' AND j.run_at > clock.at
+     GROUP BY j.lane
+),
+claimed AS (
+    SELECT j.lane, count(*) AS jobs FROM jobs AS j WHERE j.state = 'claimed' GROUP BY j.lane
+),
+dead AS (
+    SELECT d.lane, count(*) AS jobs
+      FROM dead_letter AS d
+     WHERE d.lane = ANY(%(lanes)s::text[])
+     GROUP BY d.lane
+)
+SELECT l.lane,
+       coalesce(waiting.due, 0) AS due,
+       coalesce(waiting.later, 0) - coalesce(retrying.jobs, 0) AS scheduled,
+       coalesce(retrying.jobs, 0) AS retrying,
+       coalesce(claimed.jobs, 0) AS claimed,
+       coalesce(dead.jobs, 0) AS dead,
+       -- lane_head is NULL for a lane with nothing claimable, and greatest() skips NULLs.
+       greatest(extract(epoch FROM clock.at - lane_head(l.lane)), 0)::float8
+           AS oldest_unclaimed_age
+  FROM unnest(%(lanes)s::text[]) AS l(lane)
+ CROSS JOIN clock
+  LEFT JOIN waiting ON waiting.lane = l.lane
+  LEFT JOIN retrying ON retrying.lane = l.lane
+  LEFT JOIN claimed ON claimed.lane = l.lane
+  LEFT JOIN dead ON dead.lane = l.lane
+ ORDER BY l.lane
+
+-- name: metrics_database_hazards
+-- The metrics sampler: what holds back vacuum of the hot table and what fills the
+-- notification queue. The oldest open transaction of this database (a snapshot or an xid
+-- keeps dead rows alive; autovacuum's own does not hold back other vacuums, so it is left
+-- out) and prepared transactions, in seconds; the oldest xmin among those and the
+-- replication slots (which carry no timestamp), in transaction ids; the dead tuples of
+-- jobd.jobs; pg_notification_queue_usage(). Another role's sessions show their
+-- transaction start only to members of pg_read_all_stats.
+SELECT coalesce(extract(epoch FROM now() - least(
+           (SELECT min(a.xact_start) FROM pg_stat_activity AS a
+             WHERE a.datname = current_database() AND a.pid <> pg_backend_pid()
+               AND a.backend_type <> 'autovacuum worker'
+               AND (a.backend_xmin IS NOT NULL OR a.backend_xid IS NOT NULL)),
+           (SELECT min(p.prepared) FROM pg_prepared_xacts AS p
+             WHERE p.database = current_database()))), 0)::float8
+           AS oldest_transaction_age,
+       coalesce(greatest(
+           (SELECT max(age(coalesce(a.backend_xmin, a.backend_xid))) FROM pg_stat_activity AS a
+             WHERE a.datname = current_database() AND a.pid <> pg_backend_pid()
+               AND a.backend_type <> 'autovacuum worker'),
+           (SELECT max(age(s.xmin)) FROM pg_replication_slots AS s
+             WHERE s.xmin IS NOT NULL),
+           (SELECT max(age(p.transaction)) FROM pg_prepared_xacts AS p
+             WHERE p.database = current_database())), 0)::bigint AS xmin_horizon_age,
+       pg_stat_get_dead_tuples('jobs'::regclass) AS jobs_dead_tuples,
+       pg_notification_queue_usage()::float8 AS notification_queue_usage
+
 -- name: list_dead
 SELECT id, lane, handler, attempts, last_error, died_at, idempotency_key
   FROM dead_letter
@@ -430,9 +509,12 @@ SELECT l.lane, extract(epoch FROM lane_head(l.lane))::float8,
 
 -- name: supervisor_session
 -- Bounds every statement of the supervisor's connection, so a slow or blocked statement
--- cannot hold up its loop (and with it every lane of the node) for longer than this.
+-- cannot hold up its loop (and with it every lane of the node) for longer than this. No JIT:
+-- the metrics sampler's counts over a large backlog pass its cost threshold, and compiling
+-- them took longer than running them; the other duties are short statements anyway.
 SELECT set_config('statement_timeout', %(statement_timeout)s, false),
-       set_config('lock_timeout', %(lock_timeout)s, false)
+       set_config('lock_timeout', %(lock_timeout)s, false),
+       set_config('jit', 'off', false)
 
 -- name: node_heartbeat
 INSERT INTO nodes AS n (instance, node, pid, workers, counters)

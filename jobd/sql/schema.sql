@@ -96,6 +96,10 @@ CREATE INDEX jobs_lease_idx ON jobs (lease_until) WHERE state = 'claimed';
 -- index.
 CREATE INDEX jobs_suspect_idx ON jobs (lane, run_at) WHERE suspect;
 
+-- Failed jobs waiting for their retry, per lane, for the queue-depth metrics: the claim index
+-- holds pending and failed rows alike and has no state column.
+CREATE INDEX jobs_retrying_idx ON jobs (lane, run_at) WHERE state = 'failed';
+
 -- A queue table churns: every job is inserted, updated and deleted within seconds. Vacuum it
 -- early and without throttling so dead index entries don't slow the claim scan.
 ALTER TABLE jobs SET (

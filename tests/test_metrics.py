@@ -1,0 +1,665 @@
+"""The node's Prometheus metrics (jobd.metrics, jobd.worker_metrics, the metrics sampler).
+
+Pure parts first (histograms, the report's wire format, aggregation across worker restarts,
+the families a view exports), then the sampler and the worker's counting against a real
+PostgreSQL, then the daemon: every family exported from the start, a counter that does not
+go backwards when a worker is killed with SIGKILL, and a real Prometheus scraping a running
+daemon while jobs are enqueued, run, fail and dead-letter. ``promtool check metrics`` judges
+the exposition.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import daemon_support
+import psycopg
+import pytest
+from daemon_support import Daemon, db_now, make_config, wait_until
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import CollectorRegistry
+from prometheus_support import Prometheus, check_metrics, fetch
+
+import jobd
+from jobd import protocol, queue, recovery, worker
+from jobd.backoff import Backoff, RetryPolicy
+from jobd.completer import Counters
+from jobd.config import Config, LaneConfig
+from jobd.db import DEFAULT_SCHEMA
+from jobd.duties.lease_sweep import LeaseSweep
+from jobd.duties.metrics_sampler import DEPTH_STATES, take_sample
+from jobd.eventloop import SelectLoop
+from jobd.handler_runner import Outcome
+from jobd.jobs import Job
+from jobd.localpg import free_port
+from jobd.looplag import WINDOW, LoopLag
+from jobd.metrics import (
+    FAMILY_NAMES,
+    NodeCollector,
+    NodeMetrics,
+    NodeView,
+    exposed_name,
+    families,
+    handler_labels,
+)
+from jobd.restarts import RESTART_REASONS, restart_reason
+from jobd.wake_routing import WakeRouter
+from jobd.worker_metrics import (
+    DEAD,
+    DONE,
+    DURATION_BUCKETS,
+    OUTCOMES,
+    UNLISTED,
+    Histogram,
+    WorkObserver,
+    WorkTotals,
+)
+from jobd.workerpool import WORKER_STATES, Slot, WorkerPool, WorkerProcess
+
+daemons = daemon_support.daemons
+Daemons = Callable[..., Daemon]
+
+BOUNDED_LABELS = {"lane", "handler", "outcome", "state", "reason", "le"}
+T0 = datetime(2026, 1, 1, 12, 0, 0).astimezone()
+
+
+def job(handler: str, run_at: datetime, lease_until: datetime, job_id: int = 1,
+        token: int = 7) -> Job:
+    return Job.from_row((job_id, token, "default", handler, "{}", 0, run_at, 1, None, None,
+                         run_at, lease_until))
+
+
+def parsed(exposition: str) -> dict[str, Any]:
+    return {family.name: family for family in text_string_to_metric_families(exposition)}
+
+
+def samples(exposition: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    """{sorted labels: value} of the samples called ``name`` (e.g. jobd_dlq_depth)."""
+    found = {}
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            if sample.name == name:
+                found[tuple(sorted(sample.labels.items()))] = sample.value
+    return found
+
+
+def value(exposition: str, name: str, **labels: str) -> float:
+    return samples(exposition, name)[tuple(sorted(labels.items()))]
+
+
+# --- histograms and the report's wire format -----------------------------------------------
+
+
+def test_a_value_on_a_bucket_bound_counts_in_that_bucket() -> None:
+    histogram = Histogram((0.1, 1.0))
+    for observed in (0.05, 0.1, 0.5, 1.0, 7.0):
+        histogram.observe(observed)
+    assert histogram.cumulative() == [(0.1, 2), (1.0, 4), (float("inf"), 5)]
+    assert histogram.count == 5
+    assert histogram.total == pytest.approx(8.65)
+
+
+def test_histograms_add_up_and_refuse_other_buckets() -> None:
+    a, b = Histogram((1.0,)), Histogram((1.0,))
+    a.observe(0.5)
+    b.observe(2.0)
+    a.add(b)
+    assert a.cumulative() == [(1.0, 1), (float("inf"), 2)]
+    with pytest.raises(ValueError, match="different buckets"):
+        a.add(Histogram((2.0,)))
+
+
+def test_a_report_carries_the_work_totals_through_the_pipe_format() -> None:
+    observer = WorkObserver(["send"], visibility_timeout=30.0)
+    observer.claimed([job("send", T0, T0 + timedelta(seconds=31))])
+    observer.finished("send", DONE, 0.2)
+    report = protocol.StatusReport(1, 4, protocol.WorkerMode.RUNNING, True,
+                                   {"claimed": 1}, observer.totals)
+    back = protocol.StatusReport.parse(report.to_line().rstrip(b"\n"))
+    assert back.work is not None
+    assert back.work.to_json() == observer.totals.to_json()
+    assert back.counters == {"claimed": 1}
+    assert protocol.StatusReport.parse(protocol.StatusReport().to_line()).work is None
+
+
+@pytest.mark.parametrize("work", [
+    {"handlers": {"a": {"claimed": 1, "outcomes": [0, 0], "duration": []}}, "pickup": []},
+    {"handlers": {"a": {"claimed": -1, "outcomes": [0] * 6,
+                        "duration": [0] * (len(DURATION_BUCKETS) + 2)}}},
+    {"handlers": {}, "pickup": "no", "stale_completions": 0},
+    {"handlers": [], "pickup": [], "stale_completions": 0},
+])
+def test_a_report_with_malformed_work_is_refused(work: object) -> None:
+    line = protocol.StatusReport().to_line().replace(
+        b'"work":null', b'"work":' + json.dumps(work).encode())
+    with pytest.raises(ValueError):
+        protocol.StatusReport.parse(line)
+
+
+# --- what a worker counts ------------------------------------------------------------------
+
+
+def test_pickup_delay_is_the_claim_time_minus_run_at_on_the_database_clock() -> None:
+    observer = WorkObserver(["send"], visibility_timeout=30.0)
+    late = job("send", T0, T0 + timedelta(seconds=32.5))  # claimed 2.5 s after run_at
+    observer.claimed([late])
+    assert dict(observer.totals.pickup.cumulative())[2.5] == 1
+    assert dict(observer.totals.pickup.cumulative())[1.0] == 0
+    assert observer.totals.pickup.total == pytest.approx(2.5)
+
+
+def test_a_pickup_before_run_at_by_clock_rounding_counts_as_zero() -> None:
+    observer = WorkObserver(["send"], visibility_timeout=30.0)
+    observer.claimed([job("send", T0, T0 + timedelta(seconds=29.9))])
+    assert observer.totals.pickup.cumulative()[0][1] == 1
+    assert observer.totals.pickup.total == 0.0
+
+
+def test_handlers_outside_the_allow_list_share_one_label() -> None:
+    observer = WorkObserver(["send"], visibility_timeout=30.0)
+    observer.claimed([job(name, T0, T0 + timedelta(seconds=30), job_id=n)
+                      for n, name in enumerate(["send", "typo1", "typo2"])])
+    assert {name: work.claimed for name, work in observer.totals.handlers.items()} == {
+        "send": 1, UNLISTED: 2}
+
+
+# --- aggregation ---------------------------------------------------------------------------
+
+
+def claimed(totals: WorkTotals, handler: str = "send") -> int:
+    return totals.handlers[handler].claimed if handler in totals.handlers else 0
+
+
+def test_a_node_counter_does_not_go_back_when_a_worker_is_replaced() -> None:
+    metrics = NodeMetrics()
+    first = WorkObserver(["send"], 30.0)
+    first.claimed([job("send", T0, T0 + timedelta(seconds=30), n) for n in range(10)])
+    assert claimed(metrics.lane_totals([("default", first.totals)])["default"]) == 10
+    # The worker dies; its last report stays in the lane's retired totals, and the new
+    # worker starts from zero.
+    metrics.retire("default", first.totals)
+    second = WorkObserver(["send"], 30.0)
+    assert claimed(metrics.lane_totals([("default", second.totals)])["default"]) == 10
+    second.claimed([job("send", T0, T0 + timedelta(seconds=30), n) for n in range(3)])
+    assert claimed(metrics.lane_totals([("default", second.totals)])["default"]) == 13
+    # A worker that reported no totals (metrics off when it started) adds nothing.
+    metrics.retire("default", None)
+    assert claimed(metrics.lane_totals([])["default"]) == 10
+
+
+def test_lane_totals_are_copies_not_the_reports_themselves() -> None:
+    metrics = NodeMetrics()
+    live = WorkObserver(["send"], 30.0)
+    live.finished("send", DONE, 1.0)
+    summed = metrics.lane_totals([("default", live.totals)])["default"]
+    live.finished("send", DONE, 1.0)
+    assert summed.handlers["send"].duration.count == 1
+
+
+# --- the exported families -----------------------------------------------------------------
+
+
+def empty_view(lanes: tuple[str, ...] = ("default", "mail"),
+               handlers: tuple[str, ...] = ("send", "report"), **changes: Any) -> NodeView:
+    fields: dict[str, Any] = dict(
+        lanes=lanes, handlers=handler_labels(handlers), work={}, workers={}, restarts={},
+        lease_expiries={}, listener_connected=False, loop_lag=0.0, sample=None, started=0.0)
+    fields.update(changes)
+    return NodeView(**fields)
+
+
+def exposition_of(view: NodeView) -> str:
+    metrics = NodeMetrics()
+    metrics.publish(view)
+    registry = CollectorRegistry()
+    registry.register(NodeCollector(metrics))
+    return generate_latest(registry).decode()
+
+
+def test_every_family_is_exported_in_the_listed_order() -> None:
+    names = [exposed_name(family) for family in families(empty_view(), now=1.0)]
+    assert names == list(FAMILY_NAMES)
+    assert set(parsed(exposition_of(empty_view()))) == {
+        name.removesuffix("_total") for name in FAMILY_NAMES}
+
+
+def test_a_fresh_node_exports_zero_for_every_lane_and_handler() -> None:
+    text = exposition_of(empty_view())
+    lanes, handlers = ("default", "mail"), ("report", "send", UNLISTED)
+    pairs = {(("handler", h), ("lane", lane)) for lane in lanes for h in handlers}
+    assert samples(text, "jobd_jobs_claimed_total") == dict.fromkeys(pairs, 0.0)
+    assert samples(text, "jobd_job_duration_seconds_count") == dict.fromkeys(pairs, 0.0)
+    completed = samples(text, "jobd_jobs_completed_total")
+    assert set(completed) == {tuple(sorted((*p, ("outcome", o)))) for p in pairs
+                              for o in OUTCOMES}
+    assert set(completed.values()) == {0.0}
+    for name, label, values in [("jobd_queue_depth", "state", DEPTH_STATES),
+                                ("jobd_workers", "state", WORKER_STATES),
+                                ("jobd_worker_restarts_total", "reason", RESTART_REASONS)]:
+        assert samples(text, name) == {
+            tuple(sorted([("lane", lane), (label, v)])): 0.0 for lane in lanes for v in values}
+    for name in ("jobd_pickup_delay_seconds_count", "jobd_oldest_unclaimed_age_seconds",
+                 "jobd_dlq_depth", "jobd_lease_expiries_total", "jobd_stale_completions_total"):
+        assert samples(text, name) == {(("lane", lane),): 0.0 for lane in lanes}
+    assert value(text, "jobd_listener_connected") == 0.0
+
+
+def test_labels_are_bounded_and_the_exposition_passes_promtool() -> None:
+    observer = WorkObserver(["send"], 30.0)
+    observer.claimed([job("send", T0, T0 + timedelta(seconds=31), n) for n in range(4)])
+    observer.finished("send", DEAD, 0.003)
+    observer.finished("send", DEAD, 0.003)
+    view = empty_view(work={"default": observer.totals}, restarts={("default", "crash"): 2},
+                      workers={"default": {"running": 2}}, listener_connected=True,
+                      loop_lag=0.25)
+    text = exposition_of(view)
+    assert value(text, "jobd_jobs_claimed_total", lane="default", handler="send") == 4
+    assert value(text, "jobd_jobs_completed_total", lane="default", handler="send",
+                 outcome="dead") == 2
+    assert value(text, "jobd_worker_restarts_total", lane="default", reason="crash") == 2
+    assert value(text, "jobd_workers", lane="default", state="running") == 2
+    assert value(text, "jobd_supervisor_loop_lag_seconds") == 0.25
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            assert set(sample.labels) <= BOUNDED_LABELS, sample
+    checked = check_metrics(text)
+    assert checked.returncode == 0 and checked.stdout + checked.stderr == "", checked
+
+
+def test_a_handler_removed_by_a_reload_keeps_its_series() -> None:
+    observer = WorkObserver(["old"], 30.0)
+    observer.claimed([job("old", T0, T0 + timedelta(seconds=30))])
+    text = exposition_of(empty_view(handlers=("new",), work={"default": observer.totals}))
+    assert value(text, "jobd_jobs_claimed_total", lane="default", handler="old") == 1
+    assert value(text, "jobd_jobs_claimed_total", lane="default", handler="new") == 0
+
+
+@pytest.mark.parametrize(("returncode", "kill_reason", "reason"), [
+    (-signal.SIGKILL, None, "crash"),
+    (1, None, "crash"),
+    (-signal.SIGKILL, "hung: no liveness report for 31s", "timeout"),
+    (3, None, "boot_failure"),
+    (4, None, "wedged"),
+    (0, None, "exited"),
+])
+def test_restart_reasons(returncode: int, kill_reason: str | None, reason: str) -> None:
+    assert restart_reason(returncode, kill_reason) == reason
+    assert reason in RESTART_REASONS
+
+
+def test_loop_lag_is_the_worst_lateness_of_the_last_window_or_two() -> None:
+    lag = LoopLag(now=0.0)
+    lag.woke(due_at=1.0, now=0.5)  # woken early by a pipe: not late
+    assert lag.worst(now=0.5) == 0.0
+    lag.woke(due_at=1.0, now=1.3)
+    lag.woke(due_at=2.0, now=2.1)
+    assert lag.worst(now=2.1) == pytest.approx(0.3)
+    assert lag.worst(now=WINDOW + 1.0) == pytest.approx(0.3)  # still shown one window on
+    assert lag.worst(now=2 * WINDOW + 1.0) == 0.0
+
+
+# --- the pool: final reports, restarts, states ----------------------------------------------
+
+
+def exited_worker(pool: WorkerPool, returncode_signal: int | None, reports: list[bytes]
+                  ) -> WorkerProcess:
+    """A real process that has ended (by ``returncode_signal``, else exit 0) in slot 0 of
+    lane default, whose status pipe holds ``reports`` unread."""
+    status_r, status_w = os.pipe()
+    wake_r, wake_w = os.pipe()
+    for line in reports:
+        os.write(status_w, line)
+    os.close(status_w)
+    os.close(wake_r)
+    os.set_blocking(status_r, False)
+    code = "pass" if returncode_signal is None else "import time; time.sleep(60)"
+    popen = subprocess.Popen([sys.executable, "-c", code])
+    if returncode_signal is not None:
+        popen.send_signal(returncode_signal)
+    popen.wait(timeout=30)
+    lane = pool.config.lanes["default"]
+    spec = protocol.WorkerSpec(
+        worker_id="test-node:default#0:f00d", lane=lane, handlers={}, database_url="",
+        schema=DEFAULT_SCHEMA, slot=0, generation=1, status_fd=-1, wake_fd=-1,
+        shutdown_timeout=1.0, metrics=True)
+    now = time.monotonic()
+    process = WorkerProcess(spec, popen, wake_w, status_r, started=now, last_seen=now)
+    pool.slots[("default", 0)] = Slot(lane, 0, 1, process=process)
+    return process
+
+
+def test_the_final_report_of_a_worker_that_exited_is_read_before_its_pipe_closes() -> None:
+    pool = WorkerPool(Config(lanes={"default": LaneConfig("default")}), "", SelectLoop())
+    final = WorkObserver(["send"], 30.0)
+    final.claimed([job("send", T0, T0 + timedelta(seconds=30), n) for n in range(2)])
+    earlier = protocol.StatusReport(work=WorkTotals()).to_line()
+    last = protocol.StatusReport(work=final.totals).to_line()
+    exited_worker(pool, None, [earlier, last])
+    [exited] = pool.reap(stopping=True)
+    assert exited.report.work is not None
+    assert exited.report.work.to_json() == final.totals.to_json()
+    assert pool.restarts == {}  # stopping: nothing is replaced
+
+
+def test_a_crashed_slot_worker_counts_a_restart_and_its_slot_waits() -> None:
+    pool = WorkerPool(Config(lanes={"default": LaneConfig("default")}), "", SelectLoop())
+    exited_worker(pool, signal.SIGKILL, [])
+    [exited] = pool.reap(stopping=False)
+    assert exited.crashed
+    assert pool.restarts == {("default", "crash"): 1}
+    assert pool.worker_states() == {"default": {"restarting": 1}}
+
+
+# --- the sampler, against PostgreSQL -------------------------------------------------------
+
+
+def claim_one(conn: psycopg.Connection, lane: str, now: datetime | None = None) -> Job:
+    [claimed_job] = queue.claim(conn, lane, "test-worker", 1, 30.0, now=now)
+    return claimed_job
+
+
+def fail(conn: psycopg.Connection, failed: Job, delay: float) -> queue.FailOutcome:
+    return queue.fail(conn, [queue.Failure(failed.lease, "boom", delay, 8)])
+
+
+def test_the_sampler_counts_each_state_of_a_lane(conn: psycopg.Connection) -> None:
+    start = db_now(conn)
+    jobd.enqueue(conn, "h", lane="a", run_at=start - timedelta(seconds=100))
+    fail(conn, claim_one(conn, "a"), delay=3600)  # retrying in an hour
+    jobd.enqueue(conn, "h", lane="a", run_at=start - timedelta(seconds=90), max_attempts=1)
+    assert fail(conn, claim_one(conn, "a"), delay=1).dead  # in the dead-letter queue
+    for seconds in (50, 40, 30):
+        jobd.enqueue(conn, "h", lane="a", run_at=start - timedelta(seconds=seconds))
+    claim_one(conn, "a")  # the one due for 50 s is claimed
+    for _ in range(2):
+        jobd.enqueue(conn, "h", lane="a", run_at=start + timedelta(hours=1))
+    jobd.enqueue(conn, "h", lane="unsampled")
+
+    sample = take_sample(conn, ["a", "b"], now=start)
+    assert set(sample.lanes) == {"a", "b"}
+    a = sample.lanes["a"]
+    assert a.depth == {"due": 2, "scheduled": 2, "retrying": 1, "claimed": 1}
+    assert a.dead == 1
+    assert a.oldest_unclaimed_age == pytest.approx(40.0)
+    b = sample.lanes["b"]
+    assert b.depth == dict.fromkeys(DEPTH_STATES, 0)
+    assert (b.dead, b.oldest_unclaimed_age) == (0, 0.0)
+    # Two hours on, everything waiting is due, the retry included.
+    later = take_sample(conn, ["a"], now=start + timedelta(hours=2)).lanes["a"]
+    assert later.depth == {"due": 5, "scheduled": 0, "retrying": 0, "claimed": 1}
+    assert later.oldest_unclaimed_age == pytest.approx(7240.0)
+
+
+def test_the_sampler_sees_a_transaction_that_holds_back_vacuum(
+        db_url: str, conn: psycopg.Connection) -> None:
+    with psycopg.connect(db_url, autocommit=True) as holder:
+        holder.execute("BEGIN")
+        holder.execute("SELECT txid_current()")
+        for _ in range(5):  # transaction ids spent since the holder took its own
+            conn.execute("SELECT txid_current()")
+        row = conn.execute("SELECT extract(epoch FROM now() - xact_start)::float8 "
+                           "FROM pg_stat_activity WHERE pid = %s",
+                           (holder.info.backend_pid,)).fetchone()
+        assert row is not None
+        held = take_sample(conn, [])
+        assert held.oldest_transaction_age >= row[0] > 0
+        assert held.xmin_horizon_age >= 5
+        holder.execute("COMMIT")
+    assert take_sample(conn, []).oldest_transaction_age == 0.0
+
+
+def test_the_sampler_reports_dead_tuples_and_the_notification_queue(
+        conn: psycopg.Connection) -> None:
+    jobd.enqueue_many(conn, [jobd.JobSpec("h") for _ in range(20)])
+    conn.execute("DELETE FROM jobs")
+    wait_until(lambda: take_sample(conn, []).jobs_dead_tuples >= 20, timeout=20,
+               interval=0.2, message="the deleted rows in pg_stat_user_tables")
+    assert 0.0 <= take_sample(conn, []).notification_queue_usage < 1.0
+
+
+def test_the_lease_sweep_counts_expiries_per_lane_and_forgets_a_rolled_back_turn(
+        conn: psycopg.Connection) -> None:
+    start = db_now(conn)
+    jobd.enqueue(conn, "h", lane="a", run_at=start - timedelta(minutes=5))
+    claim_one(conn, "a", now=start - timedelta(minutes=2))  # leased until 90 s ago
+    policy = RetryPolicy(Backoff(1.0, 1.0), 8)
+    sweep = LeaseSweep(lambda: 10.0, lambda _lane: policy, WakeRouter(), lambda: ["a"])
+    with conn.transaction(force_rollback=True):
+        sweep.run(conn, 0.0)
+    sweep.rolled_back()
+    assert sweep.expired == {"a": 0}
+    sweep.run(conn, 0.0)
+    assert sweep.expired == {"a": 1}
+    assert recovery.sweep_expired_leases(conn, lambda _lane: policy).expired_by_lane == {}
+
+
+# --- the worker's counting, driven in-process ----------------------------------------------
+
+
+@pytest.fixture
+def counting_worker(db_url: str) -> Iterator[worker.Worker]:
+    """A worker loop with metrics on and no handler threads, connected, not started."""
+    fds = [*os.pipe(), *os.pipe()]
+    spec = protocol.WorkerSpec(
+        worker_id="test-node:default#0:beef", lane=LaneConfig("default"),
+        handlers={"send": "x:y"}, database_url=db_url, schema=DEFAULT_SCHEMA, slot=0,
+        generation=1, status_fd=fds[1], wake_fd=fds[2], shutdown_timeout=1.0, metrics=True)
+    subject = worker.Worker(spec, {})
+    subject._ensure_connection()
+    yield subject
+    subject.link.close()
+    for fd in fds:
+        os.close(fd)
+
+
+def test_written_outcomes_count_per_handler_with_their_run_times(
+        counting_worker: worker.Worker, conn: psycopg.Connection) -> None:
+    for handler in ("send", "send", "send", "other"):
+        jobd.enqueue(conn, handler, max_attempts=1)
+    done, dead, lost, unlisted = queue.claim(conn, "default", "test-node:default#0:beef", 4,
+                                             30.0)
+    stale = job(lost.handler, lost.run_at, lost.lease_until, lost.id, token=-1)
+    counting_worker.counters.count_claimed([done, dead, lost, unlisted])
+    for outcome in (Outcome(done, None, seconds=0.002), Outcome(dead, "boom", seconds=0.2),
+                    Outcome(stale, None, seconds=0.02), Outcome(unlisted, None)):
+        counting_worker.completer.add(outcome)
+    counting_worker._settle_and_claim(claim=False)
+    assert counting_worker.completer.pending == []
+    work = counting_worker.counters.work_totals()
+    assert work is not None
+    send = work.handlers["send"]
+    assert send.claimed == 3
+    assert {name: send.outcome(name) for name in OUTCOMES} == {
+        "done": 1, "failed": 0, "dead": 1, "lease_lost": 1, "released": 0, "cancelled": 0}
+    assert send.duration.count == 3
+    assert send.duration.total == pytest.approx(0.222)
+    assert work.handlers[UNLISTED].outcome("done") == 1
+    assert work.stale_completions == 1
+    assert work.pickup.count == 4
+
+
+def test_a_worker_without_metrics_reports_no_work(db_url: str) -> None:
+    spec = protocol.WorkerSpec(
+        worker_id="w", lane=LaneConfig("default"), handlers={}, database_url=db_url,
+        schema=DEFAULT_SCHEMA, slot=0, generation=1, status_fd=-1, wake_fd=-1,
+        shutdown_timeout=1.0)
+    counters = Counters.for_spec(spec)
+    counters.count_claimed([job("send", T0, T0 + timedelta(seconds=30))])
+    assert (counters.claimed, counters.work_totals()) == (1, None)
+
+
+# --- the daemon ----------------------------------------------------------------------------
+
+
+HANDLERS_MODULE = '''\
+"""Handlers for the metrics tests."""
+
+
+def quick(job):
+    pass
+
+
+def boom(job):
+    raise RuntimeError("boom")
+'''
+
+
+def metrics_config(port: int, lanes: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    config = make_config(lanes, handlers={"quick": "metricshandlers:quick",
+                                          "boom": "metricshandlers:boom"})
+    config["metrics"] = {"listen": f"127.0.0.1:{port}"}
+    return config
+
+
+def start_daemon(daemons: Daemons, tmp_path: Path, lanes: dict[str, dict[str, Any]]
+                 ) -> tuple[Daemon, str]:
+    (tmp_path / "metricshandlers.py").write_text(HANDLERS_MODULE)
+    port = free_port()
+    daemon = daemons(metrics_config(port, lanes))
+    daemon.wait_for_log("serving metrics")
+    return daemon, f"127.0.0.1:{port}"
+
+
+def scrape(target: str) -> str:
+    return fetch(f"http://{target}/metrics")
+
+
+@pytest.mark.slow
+def test_a_starting_daemon_exports_every_family_at_zero(daemons: Daemons, tmp_path: Path
+                                                        ) -> None:
+    daemon, target = start_daemon(daemons, tmp_path, {"default": {}, "parked": {"workers": 0}})
+    text = scrape(target)
+    assert set(parsed(text)) == {name.removesuffix("_total") for name in FAMILY_NAMES}
+    for lane in ("default", "parked"):
+        for handler in ("boom", "quick", UNLISTED):
+            assert value(text, "jobd_jobs_claimed_total", lane=lane, handler=handler) == 0
+            for outcome in OUTCOMES:
+                assert value(text, "jobd_jobs_completed_total", lane=lane, handler=handler,
+                             outcome=outcome) == 0
+        for state in DEPTH_STATES:
+            assert value(text, "jobd_queue_depth", lane=lane, state=state) == 0
+        assert value(text, "jobd_dlq_depth", lane=lane) == 0
+    # The worker reports within its first second; the listener is up by then.
+    wait_until(lambda: value(scrape(target), "jobd_workers", lane="default",
+                             state="running") == 1, timeout=15,
+               message=lambda: f"a running worker\n{daemon.tail()}")
+    assert value(scrape(target), "jobd_listener_connected") == 1
+    assert value(scrape(target), "jobd_workers", lane="parked", state="running") == 0
+    assert not daemon.events("metrics are not served by this version; metrics.listen is "
+                             "ignored")
+    # A reload keeps the server where it is: a new address needs a restart.
+    moved = metrics_config(free_port(), {"default": {}, "parked": {"workers": 0}})
+    mark = daemon.reload(moved)
+    daemon.wait_for_log("metrics.listen changes take effect on restart", since=mark)
+    daemon.wait_for_log("config reloaded", since=mark)
+    assert value(scrape(target), "jobd_listener_connected") == 1
+
+
+def test_an_address_in_use_stops_the_start_with_one_line(daemons: Daemons, tmp_path: Path
+                                                          ) -> None:
+    (tmp_path / "metricshandlers.py").write_text(HANDLERS_MODULE)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        daemon = daemons(metrics_config(port, {"default": {}}))
+        assert daemon.wait_exit(timeout=30) == 2
+    lines = daemon.log_path.read_text().splitlines()
+    assert lines == [f"jobd: metrics.listen 127.0.0.1:{port}: cannot listen: "
+                     "Address already in use"]
+
+
+@pytest.mark.slow
+def test_a_counter_does_not_go_back_when_a_worker_is_killed(
+        daemons: Daemons, tmp_path: Path, conn: psycopg.Connection) -> None:
+    daemon, target = start_daemon(daemons, tmp_path, {"default": {}})
+    [pid] = daemon.wait_workers_started("default", 1).values()
+    jobd.enqueue_many(conn, [jobd.JobSpec("quick") for _ in range(5)])
+
+    def claimed_now() -> float:
+        return value(scrape(target), "jobd_jobs_claimed_total", lane="default",
+                     handler="quick")
+
+    wait_until(lambda: claimed_now() == 5, timeout=15,
+               message=lambda: f"5 claims in the metrics\n{daemon.tail()}")
+    mark = daemon.mark()
+    os.kill(pid, signal.SIGKILL)
+    daemon.wait_for_log("worker spawned", since=mark, lane="default")
+    wait_until(lambda: value(scrape(target), "jobd_worker_restarts_total", lane="default",
+                             reason="crash") == 1, timeout=5, message="the restart counted")
+    text = scrape(target)
+    assert value(text, "jobd_jobs_claimed_total", lane="default", handler="quick") == 5
+    assert value(text, "jobd_jobs_completed_total", lane="default", handler="quick",
+                 outcome="done") == 5
+    daemon.wait_workers_started("default", 1, since=mark)
+    jobd.enqueue_many(conn, [jobd.JobSpec("quick") for _ in range(3)])
+    wait_until(lambda: claimed_now() == 8, timeout=15,
+               message=lambda: f"8 claims in the metrics\n{daemon.tail()}")
+
+
+@pytest.mark.slow
+def test_prometheus_scrapes_the_daemon_as_jobs_run_fail_and_die(
+        daemons: Daemons, tmp_path: Path, conn: psycopg.Connection) -> None:
+    lanes = {"default": {"max_attempts": 2}, "parked": {"workers": 0}}
+    daemon, target = start_daemon(daemons, tmp_path, lanes)
+    prometheus = Prometheus(tmp_path, target).start()
+    try:
+        def context() -> str:
+            return f"{prometheus.tail()}\n{daemon.tail()}"
+
+        prometheus.wait_value('up{job="jobd"}', 1, context=context)
+        claimed = 'jobd_jobs_claimed_total{lane="default",handler="quick"}'
+        prometheus.wait_value(claimed, 0, context=context)
+
+        # A due job nobody serves: the depth shows it, and its wait grows.
+        jobd.enqueue(conn, "quick", lane="parked")
+        prometheus.wait_value('jobd_queue_depth{lane="parked",state="due"}', 1,
+                              context=context)
+        age = 'jobd_oldest_unclaimed_age_seconds{lane="parked"}'
+        first = wait_until(lambda: prometheus.value(age), 30, message="a waiting age")
+        wait_until(lambda: (prometheus.value(age) or 0) > first, 30,
+                   message=lambda: f"{age} to grow past {first}\n{context()}")
+        jobd.enqueue(conn, "quick", run_at=db_now(conn) + timedelta(hours=1))
+        prometheus.wait_value('jobd_queue_depth{lane="default",state="scheduled"}', 1,
+                              context=context)
+
+        # Jobs that run: claimed, done, timed, picked up.
+        jobd.enqueue_many(conn, [jobd.JobSpec("quick") for _ in range(5)])
+        prometheus.wait_value(claimed, 5, context=context)
+        prometheus.wait_value(
+            'jobd_jobs_completed_total{lane="default",handler="quick",outcome="done"}', 5,
+            context=context)
+        prometheus.wait_value(
+            'jobd_job_duration_seconds_count{lane="default",handler="quick"}', 5,
+            context=context)
+
+        # A job that fails twice: one retry, then the dead-letter queue.
+        jobd.enqueue(conn, "boom")
+        boom = 'jobd_jobs_completed_total{{lane="default",handler="boom",outcome="{}"}}'
+        prometheus.wait_value(boom.format("failed"), 1, context=context)
+        prometheus.wait_value(boom.format("dead"), 1, context=context)
+        prometheus.wait_value('jobd_jobs_claimed_total{lane="default",handler="boom"}', 2,
+                              context=context)
+        prometheus.wait_value('jobd_dlq_depth{lane="default"}', 1, context=context)
+        prometheus.wait_value('jobd_pickup_delay_seconds_count{lane="default"}', 7,
+                              context=context)
+        assert prometheus.value('jobd_queue_depth{lane="default",state="due"}') == 0
+        assert prometheus.value('sum(jobd_worker_restarts_total)') == 0
+        rate = prometheus.value(f"increase({claimed}[1m])")
+        assert rate is not None and rate > 0
+    finally:
+        prometheus.stop()
+
+    checked = check_metrics(scrape(target))
+    assert checked.returncode == 0 and checked.stdout + checked.stderr == "", checked
