@@ -107,8 +107,9 @@ def phase_figures(run: Run, p: PhaseRecord, pickups: dict[int, dict[str, Any]],
         "heap_mb": p.after["heap_bytes"] / 2**20, "index_mb": p.after["index_bytes"] / 2**20,
         "vacuums": p.after["vacuums"] - p.before["vacuums"],
         "claim": claim_reads(p.before, p.after, run.args.claim_index, claimed),
-        "enqueue": sends, "waits": run.sampler.top(p.index), **p.extra,
+        "enqueue": sends, "waits": run.sampler.top(p.index),
     }
+    figures.update({k: v for k, v in p.extra.items() if k not in figures})
     if p.kind == "held":
         figures["reads_timeline"] = reads_timeline(p, run.args.claim_index)
     return figures
@@ -226,7 +227,7 @@ CLOSED_COLUMNS = ["closed loop", "clients", "round", "tx/s", "latency avg ms", "
 
 
 def closed_rows(closed: list[dict[str, Any]]) -> list[list[str]]:
-    return [[c["kind"], str(c["clients"]), str(c["round"]), _f(c["tps"], 0),
+    return [[c["contender"], str(c["clients"]), str(c["round"]), _f(c["tps"], 0),
              _f(c.get("latency_ms"), 3), _f(c["rows"]), _f(int(c["processed"]))]
             for c in closed]
 
@@ -250,9 +251,14 @@ def verdicts(results: dict[str, dict[str, Any]], rate: float) -> list[dict[str, 
 
     if "enqueue" in results:
         closed = results["enqueue"]["extra"]["closed_loop"]
+        short = [c for c in closed if c["rows"] < c["processed"]]
+        add("enqueue closed loop: every committed transaction left its row", not short,
+            f"{len(closed)} runs, rows >= pgbench's processed in all" if not short else
+            "; ".join(f"{c['contender']} x{c['clients']}: {c['rows']} rows of "
+                      f"{int(c['processed'])}" for c in short))
         for clients in sorted({c["clients"] for c in closed}):
             tps = {kind: statistics.median(c["tps"] for c in closed
-                                           if c["clients"] == clients and c["kind"] == kind)
+                                           if c["clients"] == clients and c["contender"] == kind)
                    for kind in ("enqueue", "insert")}
             ratio = tps["enqueue"] / tps["insert"]
             add(f"enqueue x{clients}: jobd.enqueue >= {ENQUEUE_RATIO:g} x bare INSERT",

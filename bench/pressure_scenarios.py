@@ -213,7 +213,7 @@ def closed_loop(run: Run, kind: str, clients: int, seconds: float,
     assert rows is not None
     for statement in _CLOSED_CLEANUP[kind]:
         run.monitor.conn.execute(statement)
-    result = {"kind": kind, "clients": clients, "round": round_no, "phase": rec.index,
+    result = {"contender": kind, "clients": clients, "round": round_no, "phase_index": rec.index,
               "rows": int(rows[0]), **figures}
     rec.extra.update(result)
     log(f"enqueue closed loop: {kind} x{clients}: {figures['tps']:,.0f}/s "
