@@ -46,7 +46,10 @@ LANGUAGE sql IMMUTABLE PARALLEL SAFE
 SET search_path FROM CURRENT
 AS $$ SELECT hashtextextended(current_schema() || '.' || lane, 0) $$;
 
-CREATE OR REPLACE FUNCTION notify_new_jobs() RETURNS trigger LANGUAGE plpgsql AS $$
+CREATE OR REPLACE FUNCTION notify_new_jobs() RETURNS trigger LANGUAGE plpgsql
+-- It reads jobd's tables: whatever search_path the enqueuing session has (a caller's COPY).
+SET search_path FROM CURRENT
+AS $$
 DECLARE
     entry record;
     -- Outside READ COMMITTED the transaction's snapshot may predate a worker's arming, so

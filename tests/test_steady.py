@@ -224,3 +224,19 @@ def test_the_arming_probe_uses_the_floors(db_url: str, conn: psycopg.Connection)
     jobd.enqueue(conn, "h", run_at=db_now - timedelta(seconds=30))  # below the floor
     assert queue.arm(conn, LANE, "w1", floors.params(0.1)) == "armed"
     assert queue.arm(conn, LANE, "w2", full_scan_params()) == "work"
+
+
+def test_enqueues_from_a_session_without_jobds_schema_on_its_path(
+    db_url: str, conn: psycopg.Connection, listener: psycopg.Connection
+) -> None:
+    # A caller's own connection: the insert trigger must find jobd's tables by itself.
+    assert queue.arm(conn, LANE, "w1", full_scan_params()) == "armed"
+    with psycopg.connect(db_url, autocommit=True) as plain:
+        plain.execute("SET search_path = public")
+        jobd.enqueue_many(plain, [jobd.JobSpec("h", priority=3) for _ in range(3)])
+        jobd.enqueue(plain, "h", priority=4)
+        plain.execute("SELECT jobd.enqueue('h', priority => 5)")
+    got = [n.payload for n in listener.notifies(timeout=1.0, stop_after=3)]
+    assert got == [f"{LANE}#3", f"{LANE}#1", f"{LANE}#1"]
+    rows = conn.execute("SELECT priority FROM lane_priorities ORDER BY 1").fetchall()
+    assert rows == [(3,), (4,), (5,)]

@@ -363,7 +363,10 @@ AS $$ SELECT hashtextextended(current_schema() || '.' || lane, 0) $$;
 -- wakes as many workers as that needs), else 'lane@<epoch seconds>' of the earliest one
 -- (always sent), so it can wake the lane at that instant instead of polling for it. The
 -- channel carries the schema name so several jobd schemas can share a database.
-CREATE FUNCTION notify_new_jobs() RETURNS trigger LANGUAGE plpgsql AS $$
+CREATE FUNCTION notify_new_jobs() RETURNS trigger LANGUAGE plpgsql
+-- It reads jobd's tables: whatever search_path the enqueuing session has (a caller's COPY).
+SET search_path FROM CURRENT
+AS $$
 DECLARE
     entry record;
     -- Outside READ COMMITTED the transaction's snapshot may predate a worker's arming, so
