@@ -13,7 +13,7 @@ from jobd.claim_floors import (
     ClaimFloors,
     full_scan_params,
 )
-from jobd.claimer import LINGER, RETRY_DELAYS, Claimer
+from jobd.claimer import RETRY_DELAYS, Claimer
 from jobd.config import LaneConfig
 from jobd.protocol import WorkerMode
 
@@ -78,10 +78,12 @@ def claim_nothing(claimer: Claimer) -> None:
 def test_a_worker_lingers_then_arms_and_retries_while_enqueues_commit(monkeypatch) -> None:
     clock = [1000.0]
     monkeypatch.setattr(claimer_module.time, "monotonic", lambda: clock[0])
+    linger = (0.001, 0.002, 0.004)  # the default is none; the mechanism is tested with some
+    monkeypatch.setattr(claimer_module, "LINGER", linger)
     claimer = Claimer(LaneConfig("default", concurrency=2), "w")
     claimer.suspects_possible = False
     claim_nothing(claimer)
-    for delay in LINGER:
+    for delay in linger:
         assert not claimer.wants_arm(WorkerMode.RUNNING, clock[0])
         assert claimer.next_try_at == clock[0] + delay
         assert not claimer.try_due(clock[0])  # not yet
@@ -119,7 +121,7 @@ def test_a_worker_lingers_then_arms_and_retries_while_enqueues_commit(monkeypatc
     assert request is not None and request.disarm
     claimer.took(queue.Claimed([]), request)
     assert not claimer.armed
-    assert claimer.next_try_at == clock[0] + LINGER[0]
+    assert claimer.next_try_at == clock[0] + linger[0]
 
 
 def test_a_new_connection_forgets_the_arming() -> None:
@@ -127,3 +129,11 @@ def test_a_new_connection_forgets_the_arming() -> None:
     claimer.arm_result("armed", 0.0, from_head=True)
     claimer.disconnected()
     assert not claimer.armed
+
+
+def test_without_linger_a_short_claim_arms_at_once() -> None:
+    claimer = Claimer(LaneConfig("default"), "w")
+    claimer.suspects_possible = False
+    claim_nothing(claimer)
+    assert claimer.next_try_at is None
+    assert claimer.wants_arm(WorkerMode.RUNNING, 0.0)
