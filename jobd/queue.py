@@ -40,6 +40,8 @@ class FailOutcome:
     retried: list[int] = field(default_factory=list)
     dead: list[int] = field(default_factory=list)
     lease_lost: list[int] = field(default_factory=list)
+    # Asked to stop (jobd.cancel) before they failed: archived as cancelled, not retried.
+    cancelled: list[int] = field(default_factory=list)
     # When each retried job becomes due again (database clock), so callers can wake for it.
     retry_at: dict[int, datetime] = field(default_factory=dict)
     # Filled by the sweeps that know the jobs' lanes: the earliest retry per lane.
@@ -53,6 +55,9 @@ class WriteOutcome:
 
     applied: list[int]
     lease_lost: list[int]
+    # Among the applied ones, the jobs that were asked to stop (jobd.cancel): a completion
+    # archived them as cancelled; a heartbeat tells their worker to stop them.
+    cancelled: list[int] = field(default_factory=list)
 
 
 def _fenced_outcome(leases: Sequence[Lease], applied_ids: Iterable[int]) -> WriteOutcome:
@@ -61,6 +66,22 @@ def _fenced_outcome(leases: Sequence[Lease], applied_ids: Iterable[int]) -> Writ
         applied=[lease.id for lease in leases if lease.id in applied],
         lease_lost=[lease.id for lease in leases if lease.id not in applied],
     )
+
+
+def _flagged_outcome(leases: Sequence[Lease], rows: Iterable[tuple[Any, ...]],
+                     is_cancelled: Any) -> WriteOutcome:
+    """A fenced write whose rows are (id, flag): ``cancelled`` lists the ids whose flag
+    equals ``is_cancelled``."""
+    flags = {row[0]: row[1] for row in rows}
+    outcome = _fenced_outcome(leases, flags)
+    outcome.cancelled = [job_id for job_id in outcome.applied
+                         if flags[job_id] == is_cancelled]
+    return outcome
+
+
+def _completed(leases: Sequence[Lease], rows: Iterable[tuple[Any, ...]]) -> WriteOutcome:
+    """complete_jobs' rows are (id, the state it was archived in)."""
+    return _flagged_outcome(leases, rows, "cancelled")
 
 
 def bigint_array(values: Iterable[int]) -> str:
@@ -143,27 +164,29 @@ def heartbeat(
     visibility_timeout: float,
     now: datetime | None = None,
 ) -> WriteOutcome:
-    """Extend all ``leases`` in one statement; ``stale`` lists the ones already lost."""
+    """Extend all ``leases`` in one statement; ``lease_lost`` lists the ones already lost,
+    ``cancelled`` those that were asked to stop (jobd.cancel)."""
     if not leases:
         return WriteOutcome([], [])
     rows = conn.execute(
         query("heartbeat"),
         {**lease_arrays(leases), "visibility_timeout": float(visibility_timeout), "now": now},
     ).fetchall()
-    return _fenced_outcome(leases, (row[0] for row in rows))
+    return _flagged_outcome(leases, rows, True)
 
 
 def complete(
     conn: psycopg.Connection, leases: Sequence[Lease], now: datetime | None = None,
     *, schema: str | None = None,
 ) -> WriteOutcome:
-    """Mark a batch done: the rows move to the archive in one statement. With ``schema``,
-    the statement names jobd's tables itself (a connection with the user's search_path)."""
+    """Mark a batch done: the rows move to the archive in one statement (``cancelled``: the
+    jobs archived as cancelled, having been asked to stop). With ``schema``, the statement
+    names jobd's tables itself (a connection with the user's search_path)."""
     if not leases:
         return WriteOutcome([], [])
     statement = query("complete_jobs") if schema is None else qualified("complete_jobs", schema)
     rows = conn.execute(statement, {**lease_arrays(leases), "now": now}).fetchall()
-    return _fenced_outcome(leases, (row[0] for row in rows))
+    return _completed(leases, rows)
 
 
 def _fail_params(failures: Sequence[Failure], now: datetime | None,
@@ -192,6 +215,8 @@ def _fail_outcome(failures: Sequence[Failure], rows: Iterable[tuple[Any, ...]]) 
             outcome.retried.append(f.lease.id)
         elif kind == "dead":
             outcome.dead.append(f.lease.id)
+        elif kind == "cancelled":
+            outcome.cancelled.append(f.lease.id)
         else:
             outcome.lease_lost.append(f.lease.id)
     return outcome
@@ -256,8 +281,8 @@ def settle_and_claim(
     results = iter(fastpath.run(conn, steps, binary=_BINARY_RESULTS))
     if outcomes:
         next(results)  # BEGIN
-    completed = (_fenced_outcome(completions, (row[0] for row in next(results)))
-                 if completions else WriteOutcome([], []))
+    completed = (_completed(completions, next(results)) if completions
+                 else WriteOutcome([], []))
     failed = _fail_outcome(failures, next(results)) if failures else FailOutcome()
     if outcomes and not together:
         next(results)  # COMMIT

@@ -178,3 +178,24 @@ def test_expired_leases_ride_the_lease_index(big_queue: psycopg.Connection) -> N
     assert 0 < analyzed["Actual Rows"] <= CLAIMED_JOBS
     # One heap page per expired job at most, never the million pending rows.
     assert pages(analyzed) < CLAIMED_JOBS + 100
+
+
+def test_a_paused_handlers_due_jobs_cost_a_claim_from_the_head_but_not_from_a_floor(
+    big_queue: psycopg.Connection,
+) -> None:
+    # Every job here is send_email's: paused, the lane has nothing to claim. A scan from the
+    # head steps over the 3,000 due jobs (their handler is in the heap, not the index) but
+    # stops at the first future one, as always; a worker's scan from its floor (the lane
+    # came back dry half a second ago) skips them. Workers scan from the head once a second.
+    with big_queue.transaction(force_rollback=True):
+        big_queue.execute("SELECT pause('default', 'send_email')")
+        head = explain(big_queue, "claim_jobs", claim_params("default"), analyze=True)
+        floored = explain(big_queue, "claim_jobs",
+                          {**claim_params("default"), "default_floor_age": 0.5},
+                          analyze=True)
+    assert head["Actual Rows"] == floored["Actual Rows"] == 0
+    # Observed ~290 pages (1.3 ms) from the head, the due jobs lying together in the heap;
+    # scattered among other jobs, each could cost a heap page of its own. ~40 from the floor.
+    stepped_over, from_floor = pages(cte(head, "due")), pages(cte(floored, "due"))
+    assert from_floor < 200
+    assert 3 * from_floor < stepped_over < 4_000
