@@ -5,17 +5,22 @@ text and --json, and their refusals (exit code 2, one line)."""
 from __future__ import annotations
 
 import json
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
-from cli_support import assert_one_line_error, cli, ok
+from cli_support import assert_one_line_error, clean_env, cli, ok
+from readme_support import ROOT, section, shell_blocks
 
 import jobd
 from jobd import pauses, queue
 
 EXAMPLE = str(Path(__file__).resolve().parent.parent / "config" / "jobd.example.yaml")
+JOBD = Path(sys.executable).parent / "jobd"
 
 
 def ok_json(*args: str) -> Any:
@@ -140,3 +145,18 @@ def test_quarantine_matches_payload_fields_and_replay_brings_them_back(
         f"replayed 1 job(s): {spared[1]}\n")
     assert ok("dlq", "replay", "--handler", "echo", "--database-url", db_url) == (
         "no dead job of handler echo; nothing replayed\n")
+
+
+def test_the_readmes_incident_steps_run_as_written(db_url: str) -> None:
+    [block] = shell_blocks(section("During an incident: pause, cancel, quarantine"))
+    script = block.replace(".venv/bin/jobd", shlex.quote(str(JOBD)))
+    result = subprocess.run(
+        ["bash", "-e", "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env=clean_env(JOBD_DATABASE_URL=db_url, JOBD_CONFIG="config/jobd.example.yaml"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("paused handler order in lane default")
+    assert any(line.startswith("quarantined 1 job(s) of handler order") for line in lines)
+    assert "resumed handler order in lane default" in lines
+    assert any(line.startswith("cancelled 1 job(s): ") for line in lines)
+    assert lines[-1].startswith("replayed 1 job(s): ")

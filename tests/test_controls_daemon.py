@@ -153,9 +153,11 @@ def test_a_pause_stops_claims_on_every_node_and_a_resume_restarts_them(
     marks = {node: node.mark() for node in (a, b)}
     assert jobd_cli(a, "lanes", "pause", "default")["changed"] is True
     paused_at = db_now(effects_db)
-    for node, mark in marks.items():  # every node's worker heard of it
-        node.wait_for_log("lane pauses", process="worker default#0", since=mark,
-                          lane_paused=True, timeout=5)
+    for node, mark in marks.items():  # every node's worker heard of it, within a second
+        heard = node.wait_for_log("lane pauses", process="worker default#0", since=mark,
+                                  lane_paused=True, timeout=5)
+        heard_at = datetime.fromisoformat(heard["timestamp"].replace("Z", "+00:00"))
+        assert heard_at - paused_at < timedelta(seconds=1), (heard_at, paused_at)
     # ... and within a second no node claims any; what ran finishes, what was claimed ahead
     # goes back to the queue.
     wait_until(lambda: count(effects_db, "state = 'claimed'") == 0, 5,
