@@ -20,6 +20,10 @@ worker's loop does the round trips.
   buffered jobs of a paused lane or handler go back to the queue unstarted. The claim itself
   skips paused work, so this is what the worker knows, not what decides (see
   :meth:`Claimer.set_controls`).
+- Limits (``max_running``, ``rate``): the claim takes its turn and is capped by the lane's
+  budget across nodes (``claim_jobs_limited``). A short claim may then mean "no budget" as
+  well as "nothing due", so it does not mark the lane dry; with due work left, the worker's
+  arming answers 'work' and it claims again after :data:`RETRY_DELAYS`.
 """
 
 from __future__ import annotations
@@ -108,7 +112,8 @@ class Claimer:
                                   self.lane.visibility_timeout,
                                   suspect_first=self.suspects_possible and not running,
                                   floors=self.floors.params(time.monotonic()),
-                                  disarm=self.armed)
+                                  disarm=self.armed,
+                                  budget=self.lane.budget() if self.lane.limited else None)
 
     def took(self, claimed: queue.Claimed, request: queue.ClaimRequest) -> list[jobs.Job]:
         """Record what a claim brought; returns the jobs to start at once (a suspect)."""
@@ -119,8 +124,12 @@ class Claimer:
             self.armed = False
             self.recheck_at = None
         assert request.floors is not None
-        self.floors.claimed(request.floors, [(job.priority, job.run_at, job.id)
-                                             for job in claimed.jobs], request.limit, now)
+        taken = [(job.priority, job.run_at, job.id) for job in claimed.jobs]
+        if request.budget is None:
+            self.floors.claimed(request.floors, taken, request.limit, now)
+        else:
+            # Capped by the budget, not dry: the positions hold, the rest of the lane waits.
+            self.floors.claimed(request.floors, taken, len(taken), now)
         # A suspect runs alone; once it is done the worker is idle and asks for the next.
         self.maybe_more = (len(claimed.jobs) == request.limit
                            or claimed.suspect is not None)

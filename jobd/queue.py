@@ -119,6 +119,9 @@ class ClaimRequest:
     floors: dict[str, Any] | None = None
     # The worker is armed for wake-ups (lane_waiters); the claim transaction disarms it.
     disarm: bool = False
+    # The lane's limits across nodes (LaneConfig.budget()): the claim takes its turn under
+    # the lane's budget lock and is capped by it (claim_jobs_limited). None: no limits.
+    budget: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +135,16 @@ class Claimed:
 def _claim_params(request: ClaimRequest, now: datetime | None) -> dict[str, Any]:
     floors = claim_floors.full_scan_params() if request.floors is None else request.floors
     return {"lane": request.lane, "worker": request.worker, "limit": request.limit,
-            "visibility_timeout": float(request.visibility_timeout), "now": now, **floors}
+            "visibility_timeout": float(request.visibility_timeout), "now": now, **floors,
+            **(request.budget or {})}
+
+
+def _claim_steps(request: ClaimRequest, now: datetime | None) -> list[fastpath.Step]:
+    """The statements of a claim: under the lane's budget lock for a lane with limits."""
+    if request.budget is None:
+        return [("claim_jobs", _claim_params(request, now))]
+    return [("lock_lane_budget", {"lane": request.lane}),
+            ("claim_jobs_limited", _claim_params(request, now))]
 
 
 def _jobs(rows: Iterable[tuple[Any, ...]]) -> list[Job]:
@@ -146,16 +158,23 @@ def claim(
     limit: int,
     visibility_timeout: float,
     now: datetime | None = None,
+    budget: dict[str, Any] | None = None,
 ) -> list[Job]:
-    """Claim up to ``limit`` due jobs of ``lane`` for ``worker`` in one statement."""
-    params = _claim_params(ClaimRequest(lane, worker, limit, visibility_timeout), now)
+    """Claim up to ``limit`` due jobs of ``lane`` for ``worker`` in one statement (in one
+    transaction with the lane's budget lock, given the lane's ``budget``)."""
+    params = _claim_params(ClaimRequest(lane, worker, limit, visibility_timeout,
+                                        budget=budget), now)
     with conn.cursor(binary=True) as cursor:  # binary: see _BINARY_RESULTS
-        return _jobs(cursor.execute(query("claim_jobs"), params).fetchall())
+        if budget is None:
+            return _jobs(cursor.execute(query("claim_jobs"), params).fetchall())
+        with conn.transaction():
+            cursor.execute(query("lock_lane_budget"), {"lane": lane})
+            return _jobs(cursor.execute(query("claim_jobs_limited"), params).fetchall())
 
 
 # Claimed rows come back in binary: their three timestamps are cheaper to send and to parse as
 # 8-byte integers than as text, on both sides of the connection.
-_BINARY_RESULTS = frozenset({"claim_jobs", "claim_suspect"})
+_BINARY_RESULTS = frozenset({"claim_jobs", "claim_jobs_limited", "claim_suspect"})
 
 
 def heartbeat(
@@ -257,8 +276,11 @@ def settle_and_claim(
     outcomes = bool(completions or failures)
     # One commit for the outcomes and the claim: half the WAL flushes per cycle. Apart (the
     # claim in a transaction of its own after the outcomes' COMMIT) a failing claim cannot
-    # undo the outcomes; the worker asks for that after a failed exchange.
-    together = outcomes and request is not None and not separate
+    # undo the outcomes; the worker asks for that after a failed exchange. A limited lane's
+    # claim is always apart: it commits asynchronously (see lock_lane_budget), the outcomes
+    # must not.
+    together = (outcomes and request is not None and not separate
+                and request.budget is None)
     steps: list[fastpath.Step] = []
     if outcomes:
         steps.append((fastpath.BEGIN, None))
@@ -273,7 +295,7 @@ def settle_and_claim(
             steps.append(("disarm_waiter", {"worker": request.worker}))
         if request.suspect_first:
             steps.append(("claim_suspect", _claim_params(request, now)))
-        steps.append(("claim_jobs", _claim_params(request, now)))
+        steps.extend(_claim_steps(request, now))
         if together:
             steps.append((fastpath.COMMIT, None))
     if not steps:
@@ -291,6 +313,8 @@ def settle_and_claim(
     if request.disarm:
         next(results)
     suspects = _jobs(next(results)) if request.suspect_first else []
+    if request.budget is not None:
+        next(results)  # the budget lock
     return completed, failed, Claimed(_jobs(next(results)), suspects[0] if suspects else None)
 
 

@@ -9,6 +9,8 @@
 --    and is archived as 'cancelled' however its run ends.
 -- 3. Quarantine: every pending or failed job of a handler (optionally of one lane, or whose
 --    payload contains given fields) moves to the dead-letter queue in one statement.
+-- 4. Limits across nodes (max_running, rate): a token bucket per lane in lane_tokens, which
+--    the claims of a limited lane update in turn (claim_jobs_limited in queries.sql).
 
 -- ===========================================================================================
 -- 1. Pauses
@@ -286,3 +288,16 @@ BEGIN
     SELECT b.lane, count(*) FROM buried AS b GROUP BY b.lane ORDER BY b.lane;
 END
 $$;
+
+-- ===========================================================================================
+-- 4. Limits across nodes: lanes.<l>.max_running and lanes.<l>.rate
+-- ===========================================================================================
+
+-- The token bucket of each lane with a rate (claim_jobs_limited), updated by every claim of
+-- the lane in turn. UNLOGGED: the row changes on every claim and writes no WAL; after a
+-- crash of the server the table is empty and each lane starts with a full bucket.
+CREATE UNLOGGED TABLE lane_tokens (
+    lane        text             PRIMARY KEY,
+    tokens      double precision NOT NULL,
+    refilled_at timestamptz      NOT NULL
+);

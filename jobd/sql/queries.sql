@@ -104,6 +104,104 @@ RETURNING jobs.id, jobs.lease_token, jobs.lane, jobs.handler, jobs.payload::text
           jobs.run_at, jobs.attempts, jobs.max_attempts, jobs.idempotency_key,
           jobs.created_at, jobs.lease_until
 
+-- name: claim_jobs_limited
+-- claim_jobs for a lane with limits across all nodes (lanes.<l>.max_running, lanes.<l>.rate):
+-- the same scan, capped by the lane's budget. The worker sends lock_lane_budget first in the
+-- same transaction, so the claims of a limited lane take turns and each one's snapshot sees
+-- every claim before it: the count of claimed jobs (through jobs_lease_idx) and the token
+-- bucket in lane_tokens are exact. The bucket holds up to rate_limit tokens and refills at
+-- rate_limit per rate_per seconds (clock_timestamp(): claims taking turns see their clock
+-- move forward); the claim spends a token per job it takes. A query of its own, so lanes
+-- without limits pay nothing for them. Keep the scan (paused, levels, due) in step with
+-- claim_jobs: tests/test_limits.py compares the two.
+WITH budget AS (
+    SELECT greatest(0, least(%(limit)s::int, %(max_running)s::int - running.n,
+                             floor(tokens.available)::int)) AS cap,
+           tokens.available, tokens.at
+      FROM (SELECT count(*)::int AS n FROM jobs
+             WHERE state = 'claimed' AND lane = %(lane)s
+               AND %(max_running)s::int IS NOT NULL) AS running,
+           (SELECT clock.at,
+                   least(%(rate_limit)s::float8,
+                         t.tokens + %(rate_limit)s::float8 / %(rate_per)s::float8
+                                    * greatest(0, extract(epoch FROM clock.at - t.refilled_at)))
+                       AS available
+              FROM (SELECT coalesce(%(now)s::timestamptz, clock_timestamp()) AS at) AS clock
+              LEFT JOIN lane_tokens AS t ON t.lane = %(lane)s) AS tokens
+),
+paused AS (
+    SELECT coalesce(bool_or(handler IS NULL), false) AS whole_lane,
+           coalesce(array_agg(handler) FILTER (WHERE handler IS NOT NULL), '{}') AS handlers
+      FROM lane_pauses
+     WHERE lane = %(lane)s
+),
+levels AS (
+    SELECT priority, floor_at, floor_id
+      FROM lane_floors(%(lane)s, %(floor_priorities)s::int[], %(floor_run_ats)s::timestamptz[],
+                       %(floor_ids)s::bigint[], %(floor_ages)s::float8[],
+                       %(default_floor_age)s::float8, coalesce(%(now)s::timestamptz, now()))
+     WHERE NOT (SELECT whole_lane FROM paused)
+     ORDER BY priority DESC
+),
+due AS (
+    SELECT d.id
+      FROM levels AS l
+     CROSS JOIN LATERAL (
+           SELECT id FROM jobs
+            WHERE lane = %(lane)s AND state IN ('pending', 'failed')
+              AND priority = l.priority
+              AND (run_at, id) >= (l.floor_at, l.floor_id)
+              AND run_at <= coalesce(%(now)s::timestamptz, now())
+              AND NOT suspect
+              AND handler <> ALL ((SELECT handlers FROM paused)::text[])
+            ORDER BY run_at, id
+            LIMIT %(limit)s
+              FOR UPDATE SKIP LOCKED) AS d
+     -- A worker that holds a suspect runs it alone (claim_suspect); a one-time probe of
+     -- the suspect index, empty but for the rare crash.
+     WHERE NOT EXISTS (SELECT 1 FROM jobs AS s
+                        WHERE s.lane = %(lane)s AND s.suspect AND s.state = 'claimed'
+                          AND s.claimed_by = %(worker)s)
+     LIMIT (SELECT cap FROM budget)
+),
+claimed AS (
+    UPDATE jobs
+       SET state = 'claimed',
+           attempts = jobs.attempts + 1,
+           claimed_by = %(worker)s,
+           claimed_at = coalesce(%(now)s::timestamptz, now()),
+           lease_until = coalesce(%(now)s::timestamptz, now())
+                         + make_interval(secs => %(visibility_timeout)s),
+           lease_token = (SELECT nextval('lease_token_seq'))
+     WHERE jobs.id = ANY(ARRAY(SELECT id FROM due))
+    RETURNING jobs.id, jobs.lease_token, jobs.lane, jobs.handler, jobs.payload::text,
+              jobs.priority, jobs.run_at, jobs.attempts, jobs.max_attempts,
+              jobs.idempotency_key, jobs.created_at, jobs.lease_until
+),
+spent AS (
+    INSERT INTO lane_tokens AS t (lane, tokens, refilled_at)
+    SELECT %(lane)s, coalesce(b.available, %(rate_limit)s) - (SELECT count(*) FROM claimed),
+           b.at
+      FROM budget AS b
+     WHERE %(rate_limit)s::int IS NOT NULL
+    ON CONFLICT (lane) DO UPDATE SET tokens = excluded.tokens, refilled_at = excluded.refilled_at
+)
+SELECT * FROM claimed
+
+-- name: lock_lane_budget
+-- Claims of a lane with limits take turns (claim_jobs_limited): the lock is held until the
+-- claim's transaction commits, so the next claim sees it. The key carries the schema, as
+-- wake_lock_key does. The claim's transaction commits asynchronously (synchronous_commit
+-- off, for this transaction only), so the turn ends when the claim is visible rather than
+-- after its WAL flush: held across flushes, the lock made the lane's claims wait for each
+-- other's fsync, which halved a 2-worker drain. Losing a claim to a crash of the server is
+-- safe: the job is as it was before the claim, and every later write of the claim's worker
+-- is fenced by a lease token that no longer exists (at-least-once: the job runs again).
+-- The worker writes outcomes in a transaction of their own before it (queue.settle_and_claim).
+SELECT pg_advisory_xact_lock(hashtextextended(current_schema() || '.' || %(lane)s || '#budget',
+                                              0)),
+       set_config('synchronous_commit', 'off', true)
+
 -- name: arm_waiter
 -- See arm_waiter() in migrations/0009_steady_claims.sql: 'armed', 'work' or 'contended'.
 SELECT arm_waiter(%(lane)s, %(worker)s, %(floor_priorities)s::int[],

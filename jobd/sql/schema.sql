@@ -202,7 +202,7 @@ CREATE VIEW all_jobs AS
 
 
 -- ===========================================================================================
--- Lane controls: pauses, cancelling jobs, quarantine
+-- Lane controls: pauses, cancelling jobs, quarantine, limits across nodes
 -- ===========================================================================================
 
 -- One row per paused lane (handler NULL) or paused handler of a lane. State in the database,
@@ -394,6 +394,15 @@ BEGIN
     SELECT b.lane, count(*) FROM buried AS b GROUP BY b.lane ORDER BY b.lane;
 END
 $$;
+
+-- The token bucket of each lane with a rate (claim_jobs_limited), updated by every claim of
+-- the lane in turn. UNLOGGED: the row changes on every claim and writes no WAL; after a
+-- crash of the server the table is empty and each lane starts with a full bucket.
+CREATE UNLOGGED TABLE lane_tokens (
+    lane        text             PRIMARY KEY,
+    tokens      double precision NOT NULL,
+    refilled_at timestamptz      NOT NULL
+);
 
 
 -- ===========================================================================================
