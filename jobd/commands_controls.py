@@ -54,9 +54,9 @@ def cmd_lanes_pause(ctx: Context, args: argparse.Namespace) -> int:
         print(f"paused {target}: no node starts its jobs until "
               f"`{_resume_command(args.lane, args.handler)}`; running jobs finish")
     else:
-        [since] = [p for p in now_paused if p.handler == args.handler]
-        print(f"{target} was paused already (since {field(since.paused_at)} "
-              f"by {since.paused_by})")
+        since = next((p for p in now_paused if p.handler == args.handler), None)
+        print(f"{target} was paused already" + (
+            "" if since is None else f" (since {field(since.paused_at)} by {since.paused_by})"))
     return 0
 
 

@@ -11,7 +11,7 @@ import psycopg
 import pytest
 
 import jobd
-from jobd import dlq, pauses, queue, recovery, views
+from jobd import dlq, exactly_once, pauses, queue, recovery, views
 from jobd.backoff import Backoff, RetryPolicy
 from jobd.claim_floors import full_scan_params
 from jobd.db import connect
@@ -218,6 +218,22 @@ def test_a_cancel_waits_for_a_completion_in_flight_and_finds_the_job_done(
                 jobd.cancel(operator, [job_id])
         worker.commit()
     assert jobd.cancel(conn, [job_id]).finished == {job_id: "done"}
+
+
+def test_a_transactional_handler_that_commits_after_a_cancel_is_archived_cancelled(
+    db_url: str, conn: psycopg.Connection,
+) -> None:
+    job_id = jobd.enqueue(conn, "h")
+    [job] = queue.claim(conn, LANE, "w1", 1, 30)
+    jobd.cancel(conn, [job_id])
+    # Its effect commits with the completion, as always; the job is recorded cancelled.
+    with psycopg.connect(db_url, autocommit=True) as handler_conn:
+        result = exactly_once.run_transactional(
+            handler_conn, job, lambda _job, c: c.execute("CREATE TABLE public.effect ()"))
+        assert result == "cancelled"
+    assert state_of(conn, job_id) == "cancelled"
+    assert conn.execute("SELECT to_regclass('public.effect') IS NOT NULL").fetchone() == (
+        True,)
 
 
 def test_crash_attribution_cancels_what_was_asked_to_stop(conn: psycopg.Connection) -> None:
