@@ -220,3 +220,27 @@ def test_a_limited_claim_counts_the_claimed_jobs_through_the_lease_index(
         assert {"jobs_claimable_idx", "jobs_lease_idx"} <= indexes_used(plan)
     assert analyzed["Actual Rows"] == 100
     assert pages(analyzed) < 2_500 + CLAIMED_JOBS
+
+
+@pytest.mark.parametrize("paused", [False, True])
+def test_a_one_handler_lane_full_of_due_jobs_claims_by_an_ordered_index_scan(
+    conn: psycopg.Connection, paused: bool,
+) -> None:
+    # The pause filter must not make the planner expect that no row of a lane with one
+    # handler passes: it then sorted every due job of the lane for each claim.
+    conn.execute("INSERT INTO jobs (lane, handler) SELECT 'default', 'noop'"
+                 " FROM generate_series(1, 15000)")
+    conn.execute("INSERT INTO jobs (lane, handler) SELECT 'default', 'bad'"
+                 " FROM generate_series(1, 100)")
+    conn.execute("ANALYZE jobs")
+    if paused:
+        conn.execute("SELECT pause('default', 'bad')")
+    plan = explain(conn, "claim_jobs", {**claim_params("default"), "limit": 30},
+                   analyze=True)
+    assert plan["Actual Rows"] == 30
+    scans = [n for n in nodes(plan) if n.get("Relation Name") == "jobs"
+             and n.get("Alias") == "jobs_1"]
+    assert [n["Node Type"] for n in scans] == ["Index Scan"]
+    assert scans[0]["Index Name"] == "jobs_claimable_idx"
+    assert not any(n["Node Type"] == "Sort" and "run_at" in str(n.get("Sort Key"))
+                   for n in nodes(plan))

@@ -55,7 +55,8 @@ FROM STDIN (FORMAT BINARY)
 -- kills its worker still spends its budget. Suspects (see claim_suspect) are left out.
 -- claimed_at records the claim for the archive (pickup delay and claim-to-finish time, see
 -- lane_latency). Pauses (jobd.pause, a probe of the tiny lane_pauses): a paused lane claims
--- nothing, a paused handler's jobs are stepped over.
+-- nothing, a paused handler's jobs are stepped over (runnable(), in migrations/0011: a
+-- function the planner does not see into, so that the filter keeps this plan).
 WITH paused AS (
     SELECT coalesce(bool_or(handler IS NULL), false) AS whole_lane,
            coalesce(array_agg(handler) FILTER (WHERE handler IS NOT NULL), '{}') AS handlers
@@ -80,7 +81,7 @@ due AS (
               AND (run_at, id) >= (l.floor_at, l.floor_id)
               AND run_at <= coalesce(%(now)s::timestamptz, now())
               AND NOT suspect
-              AND handler <> ALL ((SELECT handlers FROM paused)::text[])
+              AND runnable(handler, (SELECT handlers FROM paused))
             ORDER BY run_at, id
             LIMIT %(limit)s
               FOR UPDATE SKIP LOCKED) AS d
@@ -153,7 +154,7 @@ due AS (
               AND (run_at, id) >= (l.floor_at, l.floor_id)
               AND run_at <= coalesce(%(now)s::timestamptz, now())
               AND NOT suspect
-              AND handler <> ALL ((SELECT handlers FROM paused)::text[])
+              AND runnable(handler, (SELECT handlers FROM paused))
             ORDER BY run_at, id
             LIMIT %(limit)s
               FOR UPDATE SKIP LOCKED) AS d

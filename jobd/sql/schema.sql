@@ -234,6 +234,20 @@ BEGIN
 END
 $$;
 
+-- Whether a job of this handler may be claimed, given the lane's paused handlers. A plpgsql
+-- function, opaque to the planner, on purpose: written inline in the claim, `handler <> ALL
+-- (paused)` with the array unknown at planning made the planner estimate from the handler
+-- column's statistics that no row of a one-handler lane passes, and it replaced the ordered
+-- index scan that stops after `limit` rows by a bitmap scan and sort of every due job of the
+-- lane (0.8 ms became 6 ms at 15,000 due jobs). Opaque, it gets a default estimate.
+CREATE FUNCTION runnable(handler text, paused_handlers text[]) RETURNS boolean
+LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
+AS $$
+BEGIN
+    RETURN cardinality(paused_handlers) = 0 OR handler <> ALL (paused_handlers);
+END
+$$;
+
 -- Pauses a lane (handler NULL) or one handler of it: from the commit on, no claim on any node
 -- takes its jobs; running jobs finish. The notification 'lane!pause' tells every
 -- supervisor's workers of the lane to look at the lane's pauses again (to stop claiming, or
@@ -699,7 +713,7 @@ BEGIN
                     WHERE j.lane = arm_waiter.lane AND j.state IN ('pending', 'failed')
                       AND j.priority = level AND (j.run_at, j.id) >= (floor_at, floor_id)
                       AND j.run_at <= now() AND NOT j.suspect
-                      AND j.handler <> ALL (paused_handlers)) THEN
+                      AND runnable(j.handler, paused_handlers)) THEN
             RETURN 'work';
         END IF;
     END LOOP;
