@@ -320,8 +320,9 @@ def settle_and_claim(
 
 def arm(conn: psycopg.Connection, lane: str, worker: str, floors: dict[str, Any]) -> str:
     """Arm ``worker`` for wake-ups of ``lane`` unless work may have come since its last
-    claim: 'armed', 'work' (claim again now) or 'contended' (an enqueue is committing: claim
-    again shortly). See ``arm_waiter`` in migrations/0009_steady_claims.sql."""
+    claim: 'armed', 'work' (claim again now), 'contended' (an enqueue is committing: claim
+    again shortly) or 'paused' (the lane is paused: wait, unarmed, for its resume). See
+    ``arm_waiter`` in migrations/0009_steady_claims.sql and 0011_lane_controls.sql."""
     row = conn.execute(query("arm_waiter"), {"lane": lane, "worker": worker, **floors}).fetchone()
     assert row is not None
     return str(row[0])

@@ -194,7 +194,7 @@ def test_a_paused_handlers_due_jobs_cost_a_claim_from_the_head_but_not_from_a_fl
                           {**claim_params("default"), "default_floor_age": 0.5},
                           analyze=True)
     assert head["Actual Rows"] == floored["Actual Rows"] == 0
-    # Observed ~290 pages (1.3 ms) from the head, the due jobs lying together in the heap;
+    # Observed ~290 pages (~2 ms) from the head, the due jobs lying together in the heap;
     # scattered among other jobs, each could cost a heap page of its own. ~40 from the floor.
     stepped_over, from_floor = pages(cte(head, "due")), pages(cte(floored, "due"))
     assert from_floor < 200
@@ -206,7 +206,7 @@ def test_a_limited_claim_counts_the_claimed_jobs_through_the_lease_index(
 ) -> None:
     # max_running counts the lane's claimed jobs: the 2,000 claimed rows of every lane
     # through jobs_lease_idx, the lane checked in the heap (observed ~1,700 buffers and
-    # ~2.7 ms in all against ~1,350 and ~1.3 ms for the plain claim). Never the million.
+    # ~1.5 ms in all against ~1,350 and ~1.2 ms for the plain claim). Never the million.
     params = {**claim_params("default"), "max_running": 100_000, "rate_limit": 1_000_000,
               "rate_per": 1.0}
     big_queue.execute("SET plan_cache_mode = force_generic_plan")

@@ -195,16 +195,18 @@ SELECT * FROM claimed
 -- wake_lock_key does. The claim's transaction commits asynchronously (synchronous_commit
 -- off, for this transaction only), so the turn ends when the claim is visible rather than
 -- after its WAL flush: held across flushes, the lock made the lane's claims wait for each
--- other's fsync, which halved a 2-worker drain. Losing a claim to a crash of the server is
--- safe: the job is as it was before the claim, and every later write of the claim's worker
--- is fenced by a lease token that no longer exists (at-least-once: the job runs again).
+-- other's fsync, which cost a 2-worker drain a quarter. Losing a claim to a crash of the
+-- server is safe: the job is as it was before the claim, and every later write of the
+-- claim's worker is fenced by a lease token that no longer exists (at-least-once: the job
+-- runs again).
 -- The worker writes outcomes in a transaction of their own before it (queue.settle_and_claim).
 SELECT pg_advisory_xact_lock(hashtextextended(current_schema() || '.' || %(lane)s || '#budget',
                                               0)),
        set_config('synchronous_commit', 'off', true)
 
 -- name: arm_waiter
--- See arm_waiter() in migrations/0009_steady_claims.sql: 'armed', 'work' or 'contended'.
+-- See arm_waiter() in migrations/0011_lane_controls.sql: 'armed', 'work', 'contended' or
+-- 'paused'.
 SELECT arm_waiter(%(lane)s, %(worker)s, %(floor_priorities)s::int[],
                   %(floor_run_ats)s::timestamptz[], %(floor_ids)s::bigint[],
                   %(floor_ages)s::float8[], %(default_floor_age)s::float8)
