@@ -140,3 +140,13 @@ def fail_claims_not_held(conn: psycopg.Connection, worker: str, held: Iterable[L
     if not orphans:
         return FailOutcome()
     return _fail_rows(conn, orphans, lambda _worker: error, policy_for, now, False)
+
+
+def finish_cancelled(conn: psycopg.Connection, worker: str, error: str,
+                     policy_for: PolicyLookup, now: datetime | None = None) -> FailOutcome:
+    """The jobs that ``worker`` still holds and that were asked to stop (jobd.cancel),
+    archived as cancelled with ``error``: for a worker that is gone, after its other jobs
+    were given back (release_jobs leaves these, so that they do not run again)."""
+    rows = conn.execute(query("jobs_held_by"), {"worker": worker}).fetchall()
+    return _fail_rows(conn, [row for row in rows if row[5]], lambda _worker: error,
+                      policy_for, now, False)

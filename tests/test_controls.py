@@ -15,8 +15,10 @@ from jobd import dlq, exactly_once, pauses, queue, recovery, views
 from jobd.backoff import Backoff, RetryPolicy
 from jobd.claim_floors import full_scan_params
 from jobd.db import connect
+from jobd.duties.crash_attribution import Attribution, CrashAttribution
 from jobd.queries import query
 from jobd.queue import Failure
+from jobd.wake_routing import WakeRouter
 
 LANE = "default"
 
@@ -327,3 +329,15 @@ def test_the_claim_skips_paused_work_inside_one_statement_at_any_time(
     later = conn.execute("SELECT now() + %s", (timedelta(hours=1),)).fetchone()
     assert later is not None
     assert queue.claim(conn, LANE, "w1", 10, 30, now=later[0]) == []
+
+
+def test_a_stopped_workers_cancelled_job_is_ended_not_given_back(
+    conn: psycopg.Connection,
+) -> None:
+    stop_id, other_id = jobd.enqueue(conn, "h"), jobd.enqueue(conn, "h")
+    queue.claim(conn, LANE, "w1", 10, 30)
+    jobd.cancel(conn, [stop_id])
+    duty = CrashAttribution(policy(), WakeRouter(), lambda: [LANE])
+    duty.add(Attribution("w1", LANE, "worker w1 exited", release=True))
+    duty.run(conn, 0.0)
+    assert (state_of(conn, stop_id), state_of(conn, other_id)) == ("cancelled", "pending")
