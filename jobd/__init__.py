@@ -1,8 +1,11 @@
 """jobd: a durable job scheduler whose queue is a PostgreSQL table."""
 
+from jobd.cancelling import cancel
 from jobd.handlers import transactional
 from jobd.jobs import Job, JobSpec
+from jobd.pauses import pause, resume
 from jobd.producer import enqueue, enqueue_many
 
-__all__ = ["Job", "JobSpec", "enqueue", "enqueue_many", "transactional"]
+__all__ = ["Job", "JobSpec", "cancel", "enqueue", "enqueue_many", "pause", "resume",
+           "transactional"]
 __version__ = "0.1.0"

@@ -77,6 +77,8 @@ class ClaimFloors:
         for priority, (run_at, job_id) in last.items():
             floor = self.by_priority.setdefault(priority, Floor())
             floor.run_at, floor.job_id = run_at, job_id
+        if not last and len(taken) >= limit:
+            return  # nothing taken, nothing asked for (a claim capped at zero)
         if len(taken) < limit:
             # Every priority was scanned to its end: nothing due is left unclaimed.
             self.dry_at = now

@@ -16,6 +16,14 @@ worker's loop does the round trips.
   while some worker is armed. An enqueue in flight at that moment makes the arming
   'contended': the worker claims again after :data:`RETRY_DELAYS` instead of sleeping. A
   claim after a wake-up disarms it.
+- Pauses (``jobd.pause``): a worker of a paused lane claims nothing and does not arm; the
+  buffered jobs of a paused lane or handler go back to the queue unstarted. The claim itself
+  skips paused work, so this is what the worker knows, not what decides (see
+  :meth:`Claimer.set_controls`).
+- Limits (``max_running``, ``rate``): the claim takes its turn and is capped by the lane's
+  budget across nodes (``claim_jobs_limited``). A short claim may then mean "no budget" as
+  well as "nothing due", so it does not mark the lane dry; with due work left, the worker's
+  arming answers 'work' and it claims again after :data:`RETRY_DELAYS`.
 """
 
 from __future__ import annotations
@@ -65,6 +73,8 @@ class Claimer:
         # Armed after a look above the floors only: look from the head of the lane then, so
         # a job that became due below them does not wait for the fallback poll.
         self.recheck_at: float | None = None
+        self.lane_paused = False  # the whole lane is paused (lane_pauses)
+        self.paused_handlers: frozenset[str] = frozenset()
 
     def leases(self) -> list[jobs.Lease]:
         return [job.lease for job, _claimed in self.buffer]
@@ -72,9 +82,23 @@ class Claimer:
     def oldest_claim(self) -> float | None:
         return self.buffer[0][1] if self.buffer else None
 
+    def set_controls(self, lane_paused: bool, paused_handlers: frozenset[str]) -> bool:
+        """The lane's pauses as the database has them now. Returns whether something was
+        resumed: the worker then claims again, from the head of the lane, where the jobs
+        it stepped over while they were paused wait."""
+        resumed = ((self.lane_paused and not lane_paused)
+                   or not paused_handlers >= self.paused_handlers)
+        self.lane_paused = lane_paused
+        self.paused_handlers = paused_handlers
+        if resumed:
+            self.maybe_more = True
+            self.floors.forget()
+        return resumed
+
     def request(self, mode: WorkerMode, running: int) -> queue.ClaimRequest | None:
         """What to claim now, given ``running`` jobs in the slots, or None."""
-        if mode != WorkerMode.RUNNING or not self.maybe_more or self.isolating is not None:
+        if (mode != WorkerMode.RUNNING or not self.maybe_more or self.isolating is not None
+                or self.lane_paused):
             return None
         if self.held_back and running >= self.lane.concurrency:
             return None
@@ -91,7 +115,8 @@ class Claimer:
                                   self.lane.visibility_timeout,
                                   suspect_first=self.suspects_possible and not running,
                                   floors=self.floors.params(time.monotonic()),
-                                  disarm=self.armed)
+                                  disarm=self.armed,
+                                  budget=self.lane.budget() if self.lane.limited else None)
 
     def took(self, claimed: queue.Claimed, request: queue.ClaimRequest) -> list[jobs.Job]:
         """Record what a claim brought; returns the jobs to start at once (a suspect)."""
@@ -102,8 +127,12 @@ class Claimer:
             self.armed = False
             self.recheck_at = None
         assert request.floors is not None
-        self.floors.claimed(request.floors, [(job.priority, job.run_at, job.id)
-                                             for job in claimed.jobs], request.limit, now)
+        taken = [(job.priority, job.run_at, job.id) for job in claimed.jobs]
+        if request.budget is None:
+            self.floors.claimed(request.floors, taken, request.limit, now)
+        else:
+            # Capped by the budget, not dry: the positions hold, the rest of the lane waits.
+            self.floors.claimed(request.floors, taken, len(taken), now)
         # A suspect runs alone; once it is done the worker is idle and asks for the next.
         self.maybe_more = (len(claimed.jobs) == request.limit
                            or claimed.suspect is not None)
@@ -141,14 +170,21 @@ class Claimer:
         return False
 
     def wants_arm(self, mode: WorkerMode, now: float) -> bool:
-        if mode != WorkerMode.RUNNING or self.isolating is not None or self.maybe_more:
+        if (mode != WorkerMode.RUNNING or self.isolating is not None or self.maybe_more
+                or self.lane_paused):
             return False
         if self.armed:
             return self.recheck_at is not None and now >= self.recheck_at
         return self.next_try_at is None and self.lingering == len(LINGER)
 
     def arm_result(self, result: str, now: float, from_head: bool) -> None:
-        """What arming answered: sleep until woken, or claim again (now or shortly)."""
+        """What arming answered: sleep until woken, or claim again (now or shortly), or wait
+        unarmed for the lane's resume ('paused': the worker looks at the lane's pauses)."""
+        if result == "paused":
+            self.lane_paused = True
+            self.recheck_at = None
+            self.lingering = None
+            return
         if result == "armed":
             self.armed = True
             self.lingering = None
@@ -170,16 +206,31 @@ class Claimer:
         self.lingering = None
 
     def next_to_start(self, mode: WorkerMode, running: int) -> jobs.Job | None:
-        if (self.buffer and running < self.lane.concurrency and mode == WorkerMode.RUNNING
-                and self.isolating is None):
+        if (not self.buffer or running >= self.lane.concurrency or mode != WorkerMode.RUNNING
+                or self.isolating is not None or self.lane_paused):
+            return None
+        if not self.paused_handlers:
             return self.buffer.popleft()[0]
+        # Paused jobs stay in the buffer until they are given back (to_release).
+        for index, (job, _claimed) in enumerate(self.buffer):
+            if job.handler not in self.paused_handlers:
+                del self.buffer[index]
+                return job
         return None
+
+    def take(self, ids: set[int]) -> list[jobs.Job]:
+        """Remove the buffered jobs ``ids`` and return them (asked to stop: jobd.cancel)."""
+        taken = [job for job, _claimed in self.buffer if job.id in ids]
+        if taken:
+            self.drop(ids)
+        return taken
 
     def to_release(self, mode: WorkerMode, now: float) -> list[jobs.Job]:
         """Buffered jobs to give back now."""
-        if mode != WorkerMode.RUNNING or self.suspects_possible:
+        if mode != WorkerMode.RUNNING or self.suspects_possible or self.lane_paused:
             return [job for job, _claimed in self.buffer]
-        return [job for job, claimed_at in self.buffer if claimed_at < now - BUFFER_MAX_AGE]
+        return [job for job, claimed_at in self.buffer
+                if claimed_at < now - BUFFER_MAX_AGE or job.handler in self.paused_handlers]
 
     def released(self, mode: WorkerMode, ids: set[int]) -> None:
         self.held_back = mode == WorkerMode.RUNNING and not self.suspects_possible

@@ -1,23 +1,36 @@
-"""The ``jobd`` argument parser: :func:`build_parser`, the argparse types that check each
-argument before any command runs (ids, timestamps, durations, JSON payloads), and the parser
-that reports usage errors in one line with exit code 2.
+"""The ``jobd`` argument parser: :func:`build_parser`, and the parser that reports usage
+errors in one line with exit code 2. The argument types are in :mod:`jobd.cli_types`.
 
 Each subcommand's parser names the function that implements it (``func``), in
-:mod:`jobd.commands`, :mod:`jobd.commands_jobs` or :mod:`jobd.commands_schedules`.
+:mod:`jobd.commands`, :mod:`jobd.commands_jobs`, :mod:`jobd.commands_controls` or
+:mod:`jobd.commands_schedules`.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import math
-from datetime import datetime
 from importlib import metadata
 from typing import Any
 
 import jobd
 from jobd import views
+from jobd.cli_types import (
+    duration,
+    int32,
+    interval,
+    payload,
+    positive_int,
+    timestamp,
+    timestamp_or_age,
+    where,
+)
 from jobd.commands import cmd_enqueue, cmd_migrate, cmd_run, cmd_top
+from jobd.commands_controls import (
+    cmd_dlq_quarantine,
+    cmd_jobs_cancel,
+    cmd_lanes_pause,
+    cmd_lanes_resume,
+)
 from jobd.commands_jobs import (
     PAYLOAD_PREVIEW_CHARS,
     cmd_dlq_list,
@@ -28,7 +41,6 @@ from jobd.commands_jobs import (
     cmd_status,
 )
 from jobd.commands_schedules import cmd_schedules_list, cmd_schedules_next, cmd_schedules_toggle
-from jobd.config import parse_duration
 from jobd.db import DEFAULT_SCHEMA
 
 EPILOG = """\
@@ -36,7 +48,6 @@ connection: --database-url, else $JOBD_DATABASE_URL, else database.url in the co
 (-c FILE or $JOBD_CONFIG), else postgresql://postgres@127.0.0.1:5432/postgres.
 exit codes: 0 ok, 1 runtime failure, 2 usage or input error."""
 
-BIGINT_MAX = 2**63 - 1
 
 
 def version() -> str:
@@ -45,125 +56,6 @@ def version() -> str:
         return metadata.version("jobd")
     except metadata.PackageNotFoundError:
         return str(getattr(jobd, "__version__", "unknown"))
-
-
-# --- argument types ------------------------------------------------------------------------
-
-
-def _positive_int(text: str) -> int:
-    """1 up to the largest bigint: ids and limits go to PostgreSQL as bigint."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text[:40]!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1: {value}")
-    if value > BIGINT_MAX:
-        raise argparse.ArgumentTypeError(f"too large: at most {BIGINT_MAX}")
-    return value
-
-
-def _int32(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if not -(2**31) <= value < 2**31:
-        raise argparse.ArgumentTypeError(f"out of range for a 32-bit integer: {value}")
-    return value
-
-
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON (PostgreSQL refuses it)")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"{text[:40]} is too large for a JSON number (PostgreSQL refuses it)")
-    return value
-
-
-def _contains_nul(value: Any) -> bool:
-    """Whether any string (key or value) holds NUL; iterative, so depth cannot overflow."""
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, str):
-            if "\x00" in item:
-                return True
-        elif isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-    return False
-
-
-def _payload(text: str) -> Any:
-    """The decoded payload: JSON that Python can decode and PostgreSQL can store.
-
-    json.loads accepts NaN and Infinity and turns 1e999 into infinity, none of which jsonb
-    holds; it fails with RecursionError on deep nesting and ValueError on integers of more
-    than 4300 digits. All of these are the user's input, so they are refused here, at
-    argument parsing, with a message instead of a traceback.
-    """
-    try:
-        value = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"payload is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise argparse.ArgumentTypeError(
-            "payload is nested too deeply to be decoded") from None
-    except ValueError as exc:
-        message = str(exc)
-        if "integer string conversion" in message:
-            message = ("an integer has more than 4300 digits, which a handler could not "
-                       "decode")
-        raise argparse.ArgumentTypeError(f"payload refused: {message}") from None
-    if _contains_nul(value):
-        raise argparse.ArgumentTypeError(
-            "payload refused: a string contains NUL (\\u0000), which PostgreSQL cannot store")
-    return value
-
-
-def _timestamp(text: str) -> datetime:
-    try:
-        value = datetime.fromisoformat(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"not an ISO 8601 timestamp: {text!r} (e.g. 2026-12-01T09:30:00+01:00)") from None
-    if value.utcoffset() is None:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} has no UTC offset; add one (e.g. +00:00 or Z) so the instant is exact")
-    return value
-
-
-def _duration(text: str) -> float:
-    try:
-        return parse_duration(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-# A refresh more often than this would load the database for figures no one can read.
-MIN_TOP_INTERVAL = 0.1
-
-
-def _interval(text: str) -> float:
-    seconds = _duration(text)
-    if seconds < MIN_TOP_INTERVAL:
-        raise argparse.ArgumentTypeError(
-            f"must be at least {MIN_TOP_INTERVAL * 1000:.0f}ms, not {text!r}")
-    return seconds
-
-
-def _timestamp_or_age(text: str) -> datetime | float:
-    """An instant, or a duration meaning "that long ago" (e.g. 7d)."""
-    try:
-        return parse_duration(text)
-    except ValueError:
-        return _timestamp(text)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -225,27 +117,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     enqueue_cmd = add("enqueue", "Enqueue one job and print its id.")
     enqueue_cmd.add_argument("handler", help="handler name (from the config's handlers)")
-    enqueue_cmd.add_argument("--payload", type=_payload, default="{}", metavar="JSON",
+    enqueue_cmd.add_argument("--payload", type=payload, default="{}", metavar="JSON",
                              help="JSON payload (default: {})")
     enqueue_cmd.add_argument("--lane", default="default", help="lane (default: default)")
-    enqueue_cmd.add_argument("--priority", type=_int32, default=0,
+    enqueue_cmd.add_argument("--priority", type=int32, default=0,
                              help="higher runs first (default: 0)")
     when = enqueue_cmd.add_mutually_exclusive_group()
-    when.add_argument("--run-at", type=_timestamp, metavar="ISO8601",
+    when.add_argument("--run-at", type=timestamp, metavar="ISO8601",
                       help="when the job becomes due, with a UTC offset (default: now)")
-    when.add_argument("--delay", type=_duration, metavar="DURATION",
+    when.add_argument("--delay", type=duration, metavar="DURATION",
                       help="due after this long by the database clock, e.g. 30s, 5m "
                            "(default: due now)")
     enqueue_cmd.add_argument("--idempotency-key", metavar="KEY",
                              help="enqueue at most once per key; repeats print the first id "
                                   "(default: no key)")
-    enqueue_cmd.add_argument("--max-attempts", type=_positive_int, metavar="N",
+    enqueue_cmd.add_argument("--max-attempts", type=positive_int, metavar="N",
                              help="attempt budget (default: the lane's max_attempts)")
     enqueue_cmd.set_defaults(func=cmd_enqueue)
 
     status_cmd = add("status", "Per lane: jobs by state, oldest unclaimed age, DLQ depth, "
                                "rates and live workers (lanes no live worker serves are "
-                               "marked); live nodes.")
+                               "marked), pauses; live nodes.")
     status_cmd.set_defaults(func=cmd_status)
 
     top_cmd = add("top", "A live view of the queue, refreshed every --interval: per lane "
@@ -254,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "(highlighted when over it), DLQ depth, workers; live nodes. q or "
                          "Ctrl-C quits. Reads the database alone. Prints one plain snapshot "
                          "when stdout is not a terminal, with --once, or as JSON with --json.")
-    top_cmd.add_argument("--interval", type=_interval, default=1.0, metavar="DURATION",
+    top_cmd.add_argument("--interval", type=interval, default=1.0, metavar="DURATION",
                          help="time between refreshes, e.g. 1s, 500ms, 5s (default: 1s, at "
                               "least 100ms)")
     top_cmd.add_argument("--once", action="store_true",
@@ -266,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     jobs_sub = jobs_cmd.add_subparsers(dest="jobs_command", metavar="ACTION", required=True,
                                        parser_class=_Parser, help="what to do with jobs")
     show = jobs_sub.add_parser("show", parents=[common], help="show one job with its history")
-    show.add_argument("id", type=_positive_int, help="the job's id")
+    show.add_argument("id", type=positive_int, help="the job's id")
     show.add_argument("--payload", action="store_true",
                       help=f"print the payload however long (default: only payloads of at "
                            f"most {PAYLOAD_PREVIEW_CHARS} characters, else their size)")
@@ -278,28 +170,76 @@ def build_parser() -> argparse.ArgumentParser:
     listing.add_argument("--state", choices=views.JOB_STATES,
                          help="only jobs in this state (default: any)")
     listing.add_argument("--lane", help="only jobs of this lane (default: any)")
-    listing.add_argument("--limit", type=_positive_int, default=50,
+    listing.add_argument("--limit", type=positive_int, default=50,
                          help="at most this many (default: 50)")
     listing.set_defaults(func=cmd_jobs_list)
+    cancel = jobs_sub.add_parser(
+        "cancel", parents=[common],
+        help="cancel jobs: pending or failed ones become cancelled at once (archived, shown "
+             "by jobs show and all_jobs); running ones are asked to stop and are recorded "
+             "cancelled when their run ends, whatever it returns")
+    cancel.add_argument("ids", type=positive_int, nargs="+", metavar="ID",
+                        help="ids of jobs; an id that names no job cancels nothing at all")
+    cancel.set_defaults(func=cmd_jobs_cancel)
 
     dlq_cmd = add("dlq", "Operate the dead-letter queue.")
     dlq_sub = dlq_cmd.add_subparsers(dest="dlq_command", metavar="ACTION", required=True,
                                      parser_class=_Parser, help="what to do with dead jobs")
     dlq_list = dlq_sub.add_parser("list", parents=[common], help="list dead jobs, newest first")
     dlq_list.add_argument("--lane", help="only dead jobs of this lane (default: any)")
-    dlq_list.add_argument("--limit", type=_positive_int, default=50,
+    dlq_list.add_argument("--limit", type=positive_int, default=50,
                           help="at most this many (default: 50)")
     dlq_list.set_defaults(func=cmd_dlq_list)
-    replay = dlq_sub.add_parser("replay", parents=[common],
-                                help="requeue dead jobs with a fresh attempt budget")
-    replay.add_argument("ids", type=_positive_int, nargs="+", metavar="ID",
+    replay = dlq_sub.add_parser(
+        "replay", parents=[common],
+        help="requeue dead jobs with a fresh attempt budget, by id or every dead job of a "
+             "handler; each is due at once, or at its own run_at if later (a quarantined "
+             "job scheduled for later)")
+    replay.add_argument("ids", type=positive_int, nargs="*", metavar="ID",
                         help="ids of dead jobs; all are replayed or none")
+    replay.add_argument("--handler", metavar="H",
+                        help="replay every dead job of this handler instead of ids "
+                             "(default: by id)")
+    replay.add_argument("--lane", metavar="L",
+                        help="with --handler: only its dead jobs of this lane (default: any)")
     replay.set_defaults(func=cmd_dlq_replay)
+    quarantine = dlq_sub.add_parser(
+        "quarantine", parents=[common],
+        help="move every pending or failed job of a handler to the dead-letter queue in one "
+             "statement (a poison payload that keeps arriving); running jobs are left to "
+             "finish; dlq replay --handler brings them back")
+    quarantine.add_argument("--handler", required=True, metavar="H", help="the handler")
+    quarantine.add_argument("--lane", metavar="L",
+                            help="only its jobs of this lane (default: every lane)")
+    quarantine.add_argument("--where", type=where, action="append", default=[],
+                            metavar="KEY=VALUE",
+                            help="only jobs whose payload has this top-level field (JSON "
+                                 "containment; VALUE is JSON if it parses, else text: "
+                                 "customer=42, email=a@example.com, 'code=\"42\"'); "
+                                 "repeat to require several (default: every payload)")
+    quarantine.set_defaults(func=cmd_dlq_quarantine)
     purge = dlq_sub.add_parser("purge", parents=[common],
                                help="delete dead jobs that died before a time")
-    purge.add_argument("--before", type=_timestamp_or_age, required=True,
+    purge.add_argument("--before", type=timestamp_or_age, required=True,
                        metavar="ISO8601|AGE", help="an instant, or an age such as 30d")
     purge.set_defaults(func=cmd_dlq_purge)
+    lanes_cmd = add("lanes", "Pause and resume a lane, or one handler of a lane, on every "
+                             "node at once (kept in the database: restarts keep it).")
+    lanes_sub = lanes_cmd.add_subparsers(dest="lanes_command", metavar="ACTION",
+                                         required=True, parser_class=_Parser)
+    for action, summary in (
+            ("pause", "stop starting the lane's jobs (or one handler's) on every node within "
+                      "about a second; running jobs finish, jobs claimed ahead go back to "
+                      "the queue"),
+            ("resume", "end a pause made with the same arguments: the lane's own, or with "
+                       "--handler that handler's (other pauses stay)")):
+        control = lanes_sub.add_parser(action, parents=[common], help=summary,
+                                       description=summary)
+        control.add_argument("lane", metavar="LANE", help="the lane")
+        control.add_argument("--handler", metavar="H",
+                             help="only this handler's jobs in the lane (default: the whole "
+                                  "lane)")
+        control.set_defaults(func=cmd_lanes_pause if action == "pause" else cmd_lanes_resume)
     schedules_cmd = add("schedules", "Recurring schedules: list them, disable or enable one, "
                                      "or preview a cron expression's occurrences (DST "
                                      "included).")
@@ -327,8 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help='five fields, e.g. "30 2 * * *", or @daily, @hourly ...')
     preview.add_argument("--tz", default="UTC", metavar="ZONE",
                          help="IANA time zone (default: UTC)")
-    preview.add_argument("--from", dest="start", type=_timestamp, metavar="ISO8601",
+    preview.add_argument("--from", dest="start", type=timestamp, metavar="ISO8601",
                          help="start instant, with a UTC offset (default: now)")
-    preview.add_argument("--count", type=_positive_int, default=10, help="how many (default 10)")
+    preview.add_argument("--count", type=positive_int, default=10, help="how many (default 10)")
     preview.set_defaults(func=cmd_schedules_next)
     return parser

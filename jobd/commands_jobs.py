@@ -1,5 +1,6 @@
 """The ``jobd`` subcommands that inspect and operate the queue: ``status``, ``jobs show``,
-``jobs list`` and the dead-letter queue's ``dlq list``, ``dlq replay`` and ``dlq purge``."""
+``jobs list`` and the dead-letter queue's ``dlq list``, ``dlq replay`` and ``dlq purge``.
+(The incident controls, pause, cancel and quarantine, are in :mod:`jobd.commands_controls`.)"""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import json
 from datetime import datetime, timedelta
 from typing import Any
 
-from jobd import dlq, schedules, views
+from jobd import dlq, pauses, schedules, views
 from jobd.cli_context import Context
 from jobd.cli_output import cell, field, one_line, print_json, print_table
+from jobd.commands_controls import checked_names
 from jobd.config import Config
 from jobd.errors import UsageError
 
@@ -23,9 +25,15 @@ def cmd_status(ctx: Context, _args: argparse.Namespace) -> int:
         lanes = views.lane_status(conn)
         nodes = views.node_status(conn)
         conflicts = schedules.conflicts(conn)
-    # Lanes with no jobs still show when the config or a live node names them.
+        paused = pauses.pauses(conn)
+    # Lanes with no jobs still show when the config, a live node or a pause names them.
     workers = views.live_workers(nodes)
-    lanes = views.with_lanes(lanes, set(ctx.config.lanes) | set(workers))
+    lanes = views.with_lanes(lanes, set(ctx.config.lanes) | set(workers)
+                             | {p.lane for p in paused})
+    paused_lanes = {p.lane for p in paused if p.handler is None}
+
+    def paused_handlers(lane: str) -> list[str]:
+        return sorted(p.handler for p in paused if p.lane == lane and p.handler is not None)
     rates = views.lane_rates(nodes)
 
     def rate(lane: str, *kinds: str) -> float:
@@ -42,8 +50,11 @@ def cmd_status(ctx: Context, _args: argparse.Namespace) -> int:
                        "live_workers": workers.get(s.lane, 0),
                        "served": workers.get(s.lane, 0) > 0,
                        "slo_pickup_seconds": slo(s.lane),
-                       "over_slo": views.over_slo(s, slo(s.lane))} for s in lanes],
+                       "over_slo": views.over_slo(s, slo(s.lane)),
+                       "paused": s.lane in paused_lanes,
+                       "paused_handlers": paused_handlers(s.lane)} for s in lanes],
             "nodes": [n.as_dict() for n in nodes],
+            "pauses": [p.as_dict() for p in paused],
             "schedule_conflicts": [
                 {"schedule": c.schedule_id, "stored_by": list(c.stored_by),
                  "differing": list(c.differing)} for c in conflicts],
@@ -51,14 +62,16 @@ def cmd_status(ctx: Context, _args: argparse.Namespace) -> int:
         return 0
     print_table(
         ["lane", "pending", "claimed", "failed", "dead (DLQ)", "oldest unclaimed",
-         "pickup SLO", "claims/s", "failures/s", "live workers"],
+         "pickup SLO", "claims/s", "failures/s", "paused", "live workers"],
         [[s.lane, s.pending, s.claimed, s.failed, s.dead, _oldest(s, slo(s.lane)),
           "-" if slo(s.lane) is None else f"{slo(s.lane):g}s",
           f"{rate(s.lane, 'claimed'):.1f}", f"{rate(s.lane, 'failed', 'dead'):.1f}",
+          "lane" if s.lane in paused_lanes else ", ".join(paused_handlers(s.lane)) or "-",
           _served(workers.get(s.lane, 0))]
          for s in lanes],
         empty="no jobs and no lanes configured",
     )
+    _print_pauses(paused)
     print()
     print_table(
         ["node", "pid", "workers", "last seen"],
@@ -68,6 +81,17 @@ def cmd_status(ctx: Context, _args: argparse.Namespace) -> int:
     )
     _print_schedule_conflicts(conflicts)
     return 0
+
+
+def _print_pauses(found: list[pauses.Pause]) -> None:
+    if not found:
+        return
+    print()
+    print("paused (on every node, until `jobd lanes resume`):")
+    for pause in found:
+        what = "the whole lane" if pause.handler is None else f"handler {pause.handler}"
+        print(f"  lane {pause.lane}: {what}, since {field(pause.paused_at)} "
+              f"by {pause.paused_by}")
 
 
 def _print_schedule_conflicts(found: list[schedules.Conflict]) -> None:
@@ -173,6 +197,11 @@ def _history_lines(history: list[Any], full: bool) -> list[str]:
         elif isinstance(entry, dict) and "replayed_at" in entry:
             lines.append(f"  replayed at {_when(entry['replayed_at'])} "
                          "with a fresh attempt budget")
+        elif isinstance(entry, dict) and "cancelled_at" in entry:
+            lines.append(f"  cancelled at {_when(entry['cancelled_at'])}")
+        elif isinstance(entry, dict) and "quarantined_at" in entry:
+            lines.append(f"  quarantined at {_when(entry['quarantined_at'])}: "
+                         f"{one_line(str(entry.get('reason') or ''))}")
         else:
             lines.append(f"  {one_line(json.dumps(entry, default=str))}")
     return lines
@@ -212,10 +241,24 @@ def cmd_dlq_list(ctx: Context, args: argparse.Namespace) -> int:
 
 
 def cmd_dlq_replay(ctx: Context, args: argparse.Namespace) -> int:
+    if bool(args.ids) == (args.handler is not None):
+        raise UsageError("give the ids of dead jobs, or --handler H for all of a handler's, "
+                         "not both")
+    if args.lane is not None and args.handler is None:
+        raise UsageError("--lane goes with --handler")
+    checked_names(ctx.config, args.lane, args.handler)
     with ctx.connect() as conn:
-        replayed = dlq.replay(conn, args.ids)
+        if args.handler is None:
+            replayed = dlq.replay(conn, args.ids)
+        else:
+            replayed = dlq.replay_handler(conn, args.handler, args.lane)
     if ctx.as_json:
         print_json({"replayed": replayed})
+    elif args.handler is not None and not replayed:
+        print(f"no dead job of handler {args.handler}"
+              + (f" in lane {args.lane}" if args.lane else "") + "; nothing replayed")
+    elif len(replayed) > 20:
+        print(f"replayed {len(replayed)} job(s): {', '.join(map(str, replayed[:20]))}, ...")
     else:
         print(f"replayed {len(replayed)} job(s): {', '.join(map(str, replayed))}")
     return 0

@@ -36,6 +36,7 @@ class Counters:
     dead: int = 0
     lease_lost: int = 0
     released: int = 0  # claimed into the buffer, then given back unstarted
+    cancelled: int = 0  # asked to stop (jobd.cancel), archived as cancelled however they ended
     work: WorkObserver | None = None
 
     @classmethod
@@ -70,6 +71,7 @@ class Batch:
     successes: list[jobs.Lease] = field(default_factory=list)
     failures: list[queue.Failure] = field(default_factory=list)
     committed: list[int] = field(default_factory=list)  # transactional: completed already
+    committed_cancelled: list[int] = field(default_factory=list)  # ... and archived cancelled
     lost: list[int] = field(default_factory=list)  # transactional: lease lost at commit
     failed_jobs: dict[int, Outcome] = field(default_factory=dict)
 
@@ -103,6 +105,8 @@ class Completer:
         for outcome in self.pending:
             if outcome.committed:
                 batch.committed.append(outcome.job.id)
+                if outcome.cancelled:
+                    batch.committed_cancelled.append(outcome.job.id)
             elif outcome.lease_lost:
                 batch.lost.append(outcome.job.id)
             elif outcome.error is None:
@@ -121,9 +125,14 @@ class Completer:
         (monotonic), for the worker's own timers."""
         written, self.pending = self.pending, []
         self.since = None
-        self.counters.completed += len(completed.applied) + len(batch.committed)
+        cancelled = completed.cancelled + failed.cancelled + batch.committed_cancelled
+        self.counters.completed += (len(completed.applied) + len(batch.committed)
+                                    - len(completed.cancelled) - len(batch.committed_cancelled))
         self.counters.failed += len(failed.retried)
         self.counters.dead += len(failed.dead)
+        self.counters.cancelled += len(cancelled)
+        if cancelled:
+            log.info("jobs cancelled", job_ids=sorted(cancelled), lane=self.lane.name)
         lease_lost = completed.lease_lost + failed.lease_lost + batch.lost
         self.counters.lease_lost += len(lease_lost)
         if self.counters.work is not None:

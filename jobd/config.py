@@ -46,10 +46,29 @@ class LaneConfig:
     # without it. compare=False so that a reload changing only the SLO does not replace the
     # lane's workers (the worker pool compares lane configs to decide that).
     slo_pickup: float | None = field(default=None, compare=False)
+    # Limits across all nodes (the database enforces them in each claim, see
+    # claim_jobs_limited): at most ``max_running`` jobs claimed at once, and at most
+    # ``rate_limit`` jobs claimed per ``rate_per`` seconds (``rate: {limit, per}``).
+    max_running: int | None = None
+    rate_limit: int | None = None
+    rate_per: float = 1.0
 
     @property
     def buffer_size(self) -> int:
-        return 3 * self.concurrency if self.prefetch is None else self.prefetch
+        if self.prefetch is not None:
+            return self.prefetch
+        # Under max_running, jobs claimed ahead would count against the limit while they
+        # wait in one worker's buffer, and other workers' slots would stay empty.
+        return 0 if self.max_running is not None else 3 * self.concurrency
+
+    @property
+    def limited(self) -> bool:
+        return self.max_running is not None or self.rate_limit is not None
+
+    def budget(self) -> dict[str, Any]:
+        """The claim parameters of the lane's limits (claim_jobs_limited)."""
+        return {"max_running": self.max_running, "rate_limit": self.rate_limit,
+                "rate_per": self.rate_per}
 
     @property
     def retry_policy(self) -> RetryPolicy:
@@ -119,6 +138,7 @@ def _lane(name: str, located: yamlcheck.Located, path: str) -> LaneConfig:
     slo_section = section.section("slo")
     slo_pickup = slo_section.take("pickup", yamlcheck.positive_duration, None)
     slo_section.finish()
+    rate_limit, rate_per = _rate(section)
     lane = LaneConfig(
         name=name,
         workers=section.take("workers", yamlcheck.int_between(0, 256), 2),
@@ -131,6 +151,9 @@ def _lane(name: str, located: yamlcheck.Located, path: str) -> LaneConfig:
         poll_interval=section.take("poll_interval", yamlcheck.positive_duration, 5.0),
         prefetch=section.take("prefetch", yamlcheck.int_between(0, 10_000), None),
         slo_pickup=slo_pickup,
+        max_running=section.take("max_running", yamlcheck.int_between(1, 1_000_000), None),
+        rate_limit=rate_limit,
+        rate_per=rate_per,
     )
     section.finish()
     if lane.heartbeat >= lane.visibility_timeout:
@@ -140,6 +163,19 @@ def _lane(name: str, located: yamlcheck.Located, path: str) -> LaneConfig:
             f"({lane.visibility_timeout:g}s), or leases expire between renewals",
         )
     return lane
+
+
+def _rate(lane: yamlcheck.Section) -> tuple[int | None, float]:
+    """``rate: {limit: 100, per: 1s}``: (limit, per seconds), or (None, 1.0) without one."""
+    present = "rate" in lane.items and lane.items["rate"].value is not None
+    rate = lane.section("rate")
+    limit = rate.take("limit", yamlcheck.int_between(1, 1_000_000), None)
+    per = rate.take("per", yamlcheck.positive_duration, 1.0)
+    rate.finish()
+    if present and limit is None:
+        raise yamlcheck.Invalid(rate.line, rate.path,
+                                "needs limit: the jobs claimed per `per` (default 1s)")
+    return limit, per
 
 
 def _schedule(located: yamlcheck.Located, path: str, handlers: dict[str, str]) -> ScheduleConfig:

@@ -35,9 +35,10 @@ class LeaseLost(Exception):
 def run_transactional(
     conn: psycopg.Connection, job: Job, handler: Callable[[Job, psycopg.Connection], Any],
     schema: str = DEFAULT_SCHEMA, timeout: float | None = None,
-) -> Literal["done", "replayed"]:
+) -> Literal["done", "replayed", "cancelled"]:
     """Run ``handler(job, conn)`` exactly-once-in-effect; raises LeaseLost or the handler's
-    exception (after rolling back).
+    exception (after rolling back). "cancelled": the job was asked to stop (jobd.cancel) and
+    is archived as cancelled, its effect committed all the same.
 
     ``conn`` keeps the search_path of its role and database, so the handler's statements
     resolve as the user writes them; jobd's own statements here name ``schema`` themselves.
@@ -53,6 +54,9 @@ def run_transactional(
         }).fetchone()
         if first is not None:
             handler(job, conn)
-        if not complete(conn, [job.lease], schema=schema).applied:
+        completed = complete(conn, [job.lease], schema=schema)
+        if not completed.applied:
             raise LeaseLost(f"job {job.id}: lease lost before commit; effect rolled back")
+    if completed.cancelled:
+        return "cancelled"
     return "done" if first is not None else "replayed"

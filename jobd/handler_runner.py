@@ -30,11 +30,17 @@ class Outcome:
     job: jobs.Job
     error: str | None  # None: success
     committed: bool = False  # a transactional handler already completed the job
+    # A transactional handler's commit archived the job as cancelled (it was asked to stop).
+    cancelled: bool = False
     lease_lost: bool = False  # the lease was lost before the commit; nothing was written
     final: bool = False  # the failure cannot be retried away (an undecodable payload)
     # How long the handler ran (monotonic seconds); None when the worker gave up on it at
     # its timeout (the run then lasted the timeout, at least).
     seconds: float | None = None
+
+
+# The error recorded for an async handler that ended with the CancelledError it was given.
+CANCELLED_ERROR = "CancelledError: the job was asked to stop (jobd.cancel)"
 
 
 class JobTimedOut(Exception):
@@ -92,6 +98,8 @@ class HandlerRunner:
                 min_size=0, max_size=spec.lane.concurrency, open=True,
                 kwargs={"autocommit": True}, name=f"jobd-{spec.lane.name}-handlers")
         self.asyncio_loop: asyncio.AbstractEventLoop | None = None
+        # The tasks of running async jobs, by job id; touched only on the event loop's thread.
+        self._tasks: dict[int, asyncio.Task[Any]] = {}
         if any(h.is_async for h in resolved.values()):
             self.asyncio_loop = asyncio.new_event_loop()
             threading.Thread(target=self.asyncio_loop.run_forever, name="jobd-async",
@@ -133,6 +141,19 @@ class HandlerRunner:
             thread.start()
             self.handler_threads.append(thread)
 
+    def cancel(self, job: jobs.Job) -> None:
+        """The job was asked to stop: sync handlers see ``job.cancelled``; an async handler's
+        task is cancelled (CancelledError at its next await). Its outcome arrives as any
+        other when the run ends."""
+        job.request_cancel()
+        if self.asyncio_loop is not None and self.is_async(job.handler):
+            self.asyncio_loop.call_soon_threadsafe(self._cancel_task, job.id)
+
+    def _cancel_task(self, job_id: int) -> None:
+        task = self._tasks.get(job_id)
+        if task is not None:
+            task.cancel()
+
     def _handler_thread(self) -> None:
         while True:
             resolved, job = self.handler_queue.get()
@@ -140,8 +161,9 @@ class HandlerRunner:
             started = time.monotonic()
             try:
                 if resolved.is_transactional:
-                    self._run_transactional(resolved, job)
-                    outcome = Outcome(job, None, committed=True)
+                    result = self._run_transactional(resolved, job)
+                    outcome = Outcome(job, None, committed=True,
+                                      cancelled=result == "cancelled")
                 else:
                     resolved.func(job)
                     outcome = Outcome(job, None)
@@ -163,6 +185,18 @@ class HandlerRunner:
 
     async def _run_async(self, resolved: handler_registry.ResolvedHandler,
                          job: jobs.Job) -> Any:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks[job.id] = task
+        try:
+            if job.cancelled:  # asked to stop before it started
+                raise asyncio.CancelledError
+            return await self._run_async_within_timeout(resolved, job)
+        finally:
+            del self._tasks[job.id]
+
+    async def _run_async_within_timeout(self, resolved: handler_registry.ResolvedHandler,
+                                        job: jobs.Job) -> Any:
         if not self.lane.timeout:
             return await resolved.func(job)
         scope = asyncio.timeout(self.lane.timeout)
@@ -181,6 +215,8 @@ class HandlerRunner:
             exc = cancelled
         if isinstance(exc, JobTimedOut):
             outcome = Outcome(job, str(exc))
+        elif isinstance(exc, asyncio.CancelledError) and job.cancelled:
+            outcome = Outcome(job, CANCELLED_ERROR)
         elif exc is not None:
             outcome = self._failure(job, exc)
         else:

@@ -71,7 +71,7 @@ class Job:
     row field by field into a frozen dataclass cost it more CPU than the claim's parsing did.
     """
 
-    __slots__ = ("_payload", "_row")
+    __slots__ = ("_cancelled", "_payload", "_row")
 
     id: int
     lease_token: int
@@ -93,6 +93,7 @@ class Job:
         self._row = (id, lease_token, lane, handler, payload_json, priority, run_at, attempt,
                      max_attempts, idempotency_key, created_at, lease_until)
         self._payload = _UNDECODED
+        self._cancelled = False
 
     @classmethod
     def from_row(cls, row: tuple[Any, ...]) -> Job:
@@ -100,6 +101,7 @@ class Job:
         job = cls.__new__(cls)
         job._row = row
         job._payload = _UNDECODED
+        job._cancelled = False
         return job
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -126,6 +128,20 @@ class Job:
         """Whether reading ``payload`` failed: retrying cannot help such a job (whatever
         exception its handler turned the failure into)."""
         return isinstance(self._payload, UndecodablePayload)
+
+    @property
+    def cancelled(self) -> bool:
+        """Whether the job was asked to stop (``jobd jobs cancel``, ``jobd.cancel``). A sync
+        handler that runs long can poll it and return early; an async handler is cancelled
+        (it gets ``asyncio.CancelledError``). Either way the job is recorded as cancelled
+        when the run ends, whatever the handler returns. The worker learns of the request
+        at once when it hears the cancel's notification, else at its next lease renewal
+        (the lane's ``heartbeat``)."""
+        return self._cancelled
+
+    def request_cancel(self) -> None:
+        """Set :attr:`cancelled` (the worker does, when the job was asked to stop)."""
+        self._cancelled = True
 
     @property
     def lease(self) -> Lease:

@@ -6,9 +6,11 @@ stdin, and inherits two pipes:
 - **status** (worker → supervisor): a :class:`StatusReport` JSON line about every second.
   Its arrival is the worker's liveness signal; its content is the worker's own view (the
   supervisor keeps its estimates elsewhere).
-- **wake** (supervisor → worker): single bytes, :data:`WAKE` ("your lane may have due work")
-  or :data:`SUSPECTS` ("a suspect may be due in your lane": a job to run alone, see
-  ``recovery.settle_crashed_worker``). End of file means the supervisor is gone.
+- **wake** (supervisor → worker): single bytes, :data:`WAKE` ("your lane may have due work"),
+  :data:`SUSPECTS` ("a suspect may be due in your lane": a job to run alone, see
+  ``recovery.settle_crashed_worker``), :data:`CONTROLS` ("your lane's pauses changed: look
+  again") or :data:`CANCELS` ("jobs of your lane were asked to stop: renew your leases now,
+  which tells you which"). End of file means the supervisor is gone.
 
 The worker's exit code says how it ended (:data:`EXIT_OK`, :data:`EXIT_BOOT_FAILURE`,
 :data:`EXIT_WEDGED`); :func:`describe_exit` turns one into words for logs and job errors.
@@ -33,6 +35,8 @@ EXIT_WEDGED = 4  # every slot is held by a handler that ignored its timeout
 
 WAKE = b"!"
 SUSPECTS = b"S"
+CONTROLS = b"P"
+CANCELS = b"C"
 
 
 class WorkerMode(enum.StrEnum):

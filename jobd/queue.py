@@ -40,6 +40,8 @@ class FailOutcome:
     retried: list[int] = field(default_factory=list)
     dead: list[int] = field(default_factory=list)
     lease_lost: list[int] = field(default_factory=list)
+    # Asked to stop (jobd.cancel) before they failed: archived as cancelled, not retried.
+    cancelled: list[int] = field(default_factory=list)
     # When each retried job becomes due again (database clock), so callers can wake for it.
     retry_at: dict[int, datetime] = field(default_factory=dict)
     # Filled by the sweeps that know the jobs' lanes: the earliest retry per lane.
@@ -53,6 +55,9 @@ class WriteOutcome:
 
     applied: list[int]
     lease_lost: list[int]
+    # Among the applied ones, the jobs that were asked to stop (jobd.cancel): a completion
+    # archived them as cancelled; a heartbeat tells their worker to stop them.
+    cancelled: list[int] = field(default_factory=list)
 
 
 def _fenced_outcome(leases: Sequence[Lease], applied_ids: Iterable[int]) -> WriteOutcome:
@@ -61,6 +66,22 @@ def _fenced_outcome(leases: Sequence[Lease], applied_ids: Iterable[int]) -> Writ
         applied=[lease.id for lease in leases if lease.id in applied],
         lease_lost=[lease.id for lease in leases if lease.id not in applied],
     )
+
+
+def _flagged_outcome(leases: Sequence[Lease], rows: Iterable[tuple[Any, ...]],
+                     is_cancelled: Any) -> WriteOutcome:
+    """A fenced write whose rows are (id, flag): ``cancelled`` lists the ids whose flag
+    equals ``is_cancelled``."""
+    flags = {row[0]: row[1] for row in rows}
+    outcome = _fenced_outcome(leases, flags)
+    outcome.cancelled = [job_id for job_id in outcome.applied
+                         if flags[job_id] == is_cancelled]
+    return outcome
+
+
+def _completed(leases: Sequence[Lease], rows: Iterable[tuple[Any, ...]]) -> WriteOutcome:
+    """complete_jobs' rows are (id, the state it was archived in)."""
+    return _flagged_outcome(leases, rows, "cancelled")
 
 
 def bigint_array(values: Iterable[int]) -> str:
@@ -98,6 +119,9 @@ class ClaimRequest:
     floors: dict[str, Any] | None = None
     # The worker is armed for wake-ups (lane_waiters); the claim transaction disarms it.
     disarm: bool = False
+    # The lane's limits across nodes (LaneConfig.budget()): the claim takes its turn under
+    # the lane's budget lock and is capped by it (claim_jobs_limited). None: no limits.
+    budget: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +135,16 @@ class Claimed:
 def _claim_params(request: ClaimRequest, now: datetime | None) -> dict[str, Any]:
     floors = claim_floors.full_scan_params() if request.floors is None else request.floors
     return {"lane": request.lane, "worker": request.worker, "limit": request.limit,
-            "visibility_timeout": float(request.visibility_timeout), "now": now, **floors}
+            "visibility_timeout": float(request.visibility_timeout), "now": now, **floors,
+            **(request.budget or {})}
+
+
+def _claim_steps(request: ClaimRequest, now: datetime | None) -> list[fastpath.Step]:
+    """The statements of a claim: under the lane's budget lock for a lane with limits."""
+    if request.budget is None:
+        return [("claim_jobs", _claim_params(request, now))]
+    return [("lock_lane_budget", {"lane": request.lane}),
+            ("claim_jobs_limited", _claim_params(request, now))]
 
 
 def _jobs(rows: Iterable[tuple[Any, ...]]) -> list[Job]:
@@ -125,16 +158,23 @@ def claim(
     limit: int,
     visibility_timeout: float,
     now: datetime | None = None,
+    budget: dict[str, Any] | None = None,
 ) -> list[Job]:
-    """Claim up to ``limit`` due jobs of ``lane`` for ``worker`` in one statement."""
-    params = _claim_params(ClaimRequest(lane, worker, limit, visibility_timeout), now)
+    """Claim up to ``limit`` due jobs of ``lane`` for ``worker`` in one statement (in one
+    transaction with the lane's budget lock, given the lane's ``budget``)."""
+    params = _claim_params(ClaimRequest(lane, worker, limit, visibility_timeout,
+                                        budget=budget), now)
     with conn.cursor(binary=True) as cursor:  # binary: see _BINARY_RESULTS
-        return _jobs(cursor.execute(query("claim_jobs"), params).fetchall())
+        if budget is None:
+            return _jobs(cursor.execute(query("claim_jobs"), params).fetchall())
+        with conn.transaction():
+            cursor.execute(query("lock_lane_budget"), {"lane": lane})
+            return _jobs(cursor.execute(query("claim_jobs_limited"), params).fetchall())
 
 
 # Claimed rows come back in binary: their three timestamps are cheaper to send and to parse as
 # 8-byte integers than as text, on both sides of the connection.
-_BINARY_RESULTS = frozenset({"claim_jobs", "claim_suspect"})
+_BINARY_RESULTS = frozenset({"claim_jobs", "claim_jobs_limited", "claim_suspect"})
 
 
 def heartbeat(
@@ -143,27 +183,29 @@ def heartbeat(
     visibility_timeout: float,
     now: datetime | None = None,
 ) -> WriteOutcome:
-    """Extend all ``leases`` in one statement; ``stale`` lists the ones already lost."""
+    """Extend all ``leases`` in one statement; ``lease_lost`` lists the ones already lost,
+    ``cancelled`` those that were asked to stop (jobd.cancel)."""
     if not leases:
         return WriteOutcome([], [])
     rows = conn.execute(
         query("heartbeat"),
         {**lease_arrays(leases), "visibility_timeout": float(visibility_timeout), "now": now},
     ).fetchall()
-    return _fenced_outcome(leases, (row[0] for row in rows))
+    return _flagged_outcome(leases, rows, True)
 
 
 def complete(
     conn: psycopg.Connection, leases: Sequence[Lease], now: datetime | None = None,
     *, schema: str | None = None,
 ) -> WriteOutcome:
-    """Mark a batch done: the rows move to the archive in one statement. With ``schema``,
-    the statement names jobd's tables itself (a connection with the user's search_path)."""
+    """Mark a batch done: the rows move to the archive in one statement (``cancelled``: the
+    jobs archived as cancelled, having been asked to stop). With ``schema``, the statement
+    names jobd's tables itself (a connection with the user's search_path)."""
     if not leases:
         return WriteOutcome([], [])
     statement = query("complete_jobs") if schema is None else qualified("complete_jobs", schema)
     rows = conn.execute(statement, {**lease_arrays(leases), "now": now}).fetchall()
-    return _fenced_outcome(leases, (row[0] for row in rows))
+    return _completed(leases, rows)
 
 
 def _fail_params(failures: Sequence[Failure], now: datetime | None,
@@ -192,6 +234,8 @@ def _fail_outcome(failures: Sequence[Failure], rows: Iterable[tuple[Any, ...]]) 
             outcome.retried.append(f.lease.id)
         elif kind == "dead":
             outcome.dead.append(f.lease.id)
+        elif kind == "cancelled":
+            outcome.cancelled.append(f.lease.id)
         else:
             outcome.lease_lost.append(f.lease.id)
     return outcome
@@ -232,8 +276,11 @@ def settle_and_claim(
     outcomes = bool(completions or failures)
     # One commit for the outcomes and the claim: half the WAL flushes per cycle. Apart (the
     # claim in a transaction of its own after the outcomes' COMMIT) a failing claim cannot
-    # undo the outcomes; the worker asks for that after a failed exchange.
-    together = outcomes and request is not None and not separate
+    # undo the outcomes; the worker asks for that after a failed exchange. A limited lane's
+    # claim is always apart: it commits asynchronously (see lock_lane_budget), the outcomes
+    # must not.
+    together = (outcomes and request is not None and not separate
+                and request.budget is None)
     steps: list[fastpath.Step] = []
     if outcomes:
         steps.append((fastpath.BEGIN, None))
@@ -248,7 +295,7 @@ def settle_and_claim(
             steps.append(("disarm_waiter", {"worker": request.worker}))
         if request.suspect_first:
             steps.append(("claim_suspect", _claim_params(request, now)))
-        steps.append(("claim_jobs", _claim_params(request, now)))
+        steps.extend(_claim_steps(request, now))
         if together:
             steps.append((fastpath.COMMIT, None))
     if not steps:
@@ -256,8 +303,8 @@ def settle_and_claim(
     results = iter(fastpath.run(conn, steps, binary=_BINARY_RESULTS))
     if outcomes:
         next(results)  # BEGIN
-    completed = (_fenced_outcome(completions, (row[0] for row in next(results)))
-                 if completions else WriteOutcome([], []))
+    completed = (_completed(completions, next(results)) if completions
+                 else WriteOutcome([], []))
     failed = _fail_outcome(failures, next(results)) if failures else FailOutcome()
     if outcomes and not together:
         next(results)  # COMMIT
@@ -266,13 +313,16 @@ def settle_and_claim(
     if request.disarm:
         next(results)
     suspects = _jobs(next(results)) if request.suspect_first else []
+    if request.budget is not None:
+        next(results)  # the budget lock
     return completed, failed, Claimed(_jobs(next(results)), suspects[0] if suspects else None)
 
 
 def arm(conn: psycopg.Connection, lane: str, worker: str, floors: dict[str, Any]) -> str:
     """Arm ``worker`` for wake-ups of ``lane`` unless work may have come since its last
-    claim: 'armed', 'work' (claim again now) or 'contended' (an enqueue is committing: claim
-    again shortly). See ``arm_waiter`` in migrations/0009_steady_claims.sql."""
+    claim: 'armed', 'work' (claim again now), 'contended' (an enqueue is committing: claim
+    again shortly) or 'paused' (the lane is paused: wait, unarmed, for its resume). See
+    ``arm_waiter`` in migrations/0009_steady_claims.sql and 0011_lane_controls.sql."""
     row = conn.execute(query("arm_waiter"), {"lane": lane, "worker": worker, **floors}).fetchone()
     assert row is not None
     return str(row[0])

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 import psycopg
 
@@ -20,7 +21,7 @@ PolicyLookup = Callable[[str], RetryPolicy]
 
 def _fail_rows(
     conn: psycopg.Connection,
-    rows: Sequence[tuple[int, int, str, int, str]],
+    rows: Sequence[tuple[Any, ...]],
     reason: Callable[[str], str],
     policy_for: PolicyLookup,
     now: datetime | None,
@@ -28,7 +29,9 @@ def _fail_rows(
 ) -> FailOutcome:
     failures = []
     lanes = {row[0]: row[2] for row in rows}
-    for job_id, token, lane, attempts, claimed_by in rows:
+    # (id, lease_token, lane, attempts, claimed_by), and from jobs_held_by a cancel flag that
+    # fail_jobs reads for itself.
+    for job_id, token, lane, attempts, claimed_by, *_flags in rows:
         policy = policy_for(lane)
         failures.append(
             Failure(
@@ -123,6 +126,8 @@ def settle_crashed_worker(
     several, nothing says which one killed it: all of them get their attempt back and
     become suspects, each run alone by an idle worker (claim_suspect) until the one that
     kills its worker is found. So only the poison spends its budget, never its neighbours.
+    Jobs that were asked to stop (jobd.cancel) are failed either way, which archives them as
+    cancelled: they are not run again.
     """
     # A statement the worker sent before it died may still be running on its backend (a
     # claim, say), which has not noticed yet that its client is gone; if it committed after
@@ -132,10 +137,12 @@ def settle_crashed_worker(
         conn.execute(query("disarm_waiter"), {"worker": worker})
         rows = conn.execute(query("jobs_held_by"), {"worker": worker}).fetchall()
         if len(rows) > 1:
-            leases = [Lease(row[0], row[1]) for row in rows]
+            cancelled = [row for row in rows if row[5]]
+            leases = [Lease(row[0], row[1]) for row in rows if not row[5]]
             released = conn.execute(query("release_as_suspects"),
                                     lease_arrays(leases)).fetchall()
-            return CrashOutcome(FailOutcome(), sorted(row[0] for row in released))
+            stopped = _fail_rows(conn, cancelled, lambda _worker: error, policy_for, now, False)
+            return CrashOutcome(stopped, sorted(row[0] for row in released))
         failed = _fail_rows(conn, rows, lambda _worker: error, policy_for, now, False)
         if failed.retried:
             conn.execute(query("mark_suspect"), {"ids": bigint_array(failed.retried)})
@@ -156,3 +163,13 @@ def fail_claims_not_held(conn: psycopg.Connection, worker: str, held: Iterable[L
     if not orphans:
         return FailOutcome()
     return _fail_rows(conn, orphans, lambda _worker: error, policy_for, now, False)
+
+
+def finish_cancelled(conn: psycopg.Connection, worker: str, error: str,
+                     policy_for: PolicyLookup, now: datetime | None = None) -> FailOutcome:
+    """The jobs that ``worker`` still holds and that were asked to stop (jobd.cancel),
+    archived as cancelled with ``error``: for a worker that is gone, after its other jobs
+    were given back (release_jobs leaves these, so that they do not run again)."""
+    rows = conn.execute(query("jobs_held_by"), {"worker": worker}).fetchall()
+    return _fail_rows(conn, [row for row in rows if row[5]], lambda _worker: error,
+                      policy_for, now, False)

@@ -3,7 +3,8 @@ duties that learn of due work) and the workers' wake pipes. Pure: no I/O.
 
 Everything that says "lane L may have work" ends here: a notification (``lane#n``: n jobs
 due now; ``lane@t``: the earliest job is due at t), a retry the supervisor recorded, the
-fallback poll, a schedule's fire, suspects left by a crash. :meth:`WakeRouter.route` then
+fallback poll, a schedule's fire, suspects left by a crash; and the news every worker of a
+lane must hear (``lane!pause``, ``lane!cancel``). :meth:`WakeRouter.route` then
 picks the workers to poke: as many as the due jobs need, least loaded first, because waking
 every worker for one job makes all but one claim nothing, and on a small machine those empty
 claims compete with the job for CPU.
@@ -46,6 +47,7 @@ class WakeRouter:
         self._now: dict[str, int | None] = {}  # lane -> jobs due (None: wake every worker)
         self._suspects: set[str] = set()
         self._suspects_at: list[tuple[float, str]] = []  # (monotonic instant, lane), a heap
+        self._news: dict[str, set[bytes]] = {}  # lane -> bytes for every worker of it
 
     # --- what is due ----------------------------------------------------------------------
 
@@ -78,9 +80,22 @@ class WakeRouter:
         else:
             heapq.heappush(self._suspects_at, (self.monotonic_at(at_epoch), lane))
 
+    def controls_changed(self, lane: str) -> None:
+        """The lane's pauses changed: every worker of it must look at them again."""
+        self._news.setdefault(lane, set()).add(protocol.CONTROLS)
+
+    def cancels_requested(self, lane: str) -> None:
+        """Running jobs of the lane were asked to stop: its workers renew their leases now,
+        which tells each of them whether it holds one."""
+        self._news.setdefault(lane, set()).add(protocol.CANCELS)
+
     def notified(self, wakeups: Iterable[Wakeup]) -> None:
         for wakeup in wakeups:
-            if wakeup.at_epoch is None:
+            if wakeup.control == "pause":
+                self.controls_changed(wakeup.lane)
+            elif wakeup.control == "cancel":
+                self.cancels_requested(wakeup.lane)
+            elif wakeup.at_epoch is None:
                 self.due_now(wakeup.lane, wakeup.due)
             else:
                 self.due_at(wakeup.lane, wakeup.at_epoch)
@@ -112,10 +127,13 @@ class WakeRouter:
         pokes: list[tuple[W, bytes]] = []
         for lane in sorted(self._suspects):
             pokes += [(w, protocol.SUSPECTS) for w in _serving(workers, lane)]
+        for lane, news in sorted(self._news.items()):
+            pokes += [(w, byte) for w in _serving(workers, lane) for byte in sorted(news)]
         for lane, due in self._now.items():
             pokes += [(w, protocol.WAKE) for w in choose(_serving(workers, lane), due)]
         self._suspects.clear()
         self._now.clear()
+        self._news.clear()
         return pokes
 
 

@@ -2,8 +2,10 @@
 
 Notifications are a hint, never the only path: if the connection dies the listener
 reconnects with backoff and the supervisor's fallback poll covers the gap. A payload is
-``lane#<n>`` (n jobs due now) or ``lane@<epoch seconds>`` (the earliest job the statement
-scheduled for later), which the supervisor turns into a timer.
+``lane#<n>`` (n jobs due now), ``lane@<epoch seconds>`` (the earliest job the statement
+scheduled for later), which the supervisor turns into a timer, or ``lane!<control>``: the
+lane's pauses changed (``pause``), or some of its running jobs were asked to stop
+(``cancel``).
 """
 
 from __future__ import annotations
@@ -16,16 +18,23 @@ from psycopg import sql
 
 from jobd.db import ManagedConnection
 
+CONTROLS = ("pause", "cancel")
+
 
 @dataclass(frozen=True, slots=True)
 class Wakeup:
     lane: str
     at_epoch: float | None  # None: now
     due: int = 1  # how many jobs became due (when at_epoch is None)
+    control: str | None = None  # one of CONTROLS: not work, news for the lane's workers
 
 
 def parse_payload(payload: str) -> Wakeup | None:
-    """``lane#<due count>``, ``lane@<epoch>``, or a bare ``lane`` (one due job)."""
+    """``lane#<due count>``, ``lane@<epoch>``, ``lane!<control>``, or a bare ``lane`` (one
+    due job)."""
+    if "!" in payload:
+        lane, _, control = payload.partition("!")
+        return Wakeup(lane, None, 0, control) if lane and control in CONTROLS else None
     if "@" in payload:
         lane, _, at = payload.partition("@")
         try:

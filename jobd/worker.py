@@ -10,6 +10,12 @@ thread pool of the lane's ``concurrency``, ``async def`` ones on an event loop t
 sleeps in ``select`` until the supervisor wakes it (new work in the lane), a handler finishes,
 a signal arrives, or a timer is due; the jittered ``poll_interval`` is only a safety net.
 
+Controls: the worker reads its lane's pauses when it connects and whenever the supervisor
+says they changed (``jobd.claimer`` decides what a pause means for claiming and the buffer).
+A job asked to stop (``jobd.cancel``) shows in the heartbeat's result: the worker tells its
+handler (``job.cancelled``, or CancelledError for an async one), or finishes it unstarted if
+it was still in the buffer.
+
 Signals: SIGTERM drains (stop claiming, let jobs finish up to ``shutdown_timeout``, release
 the rest); SIGUSR2 retires (finish every job, however long, then exit: used when a reload
 replaces the worker); SIGQUIT or a second SIGTERM stops at once, releasing what it holds.
@@ -32,7 +38,7 @@ import setproctitle
 import structlog
 
 from jobd import handlers as handler_registry
-from jobd import jobs, logs, outbox, pipes, protocol, queue, recovery
+from jobd import jobs, logs, outbox, pauses, pipes, protocol, queue, recovery
 from jobd.claim_floors import full_scan_params
 from jobd.claimer import BUFFER_MAX_AGE, Claimer
 from jobd.completer import Completer, Counters
@@ -61,6 +67,7 @@ class Running:
     deadline: float | None
     abandoned: bool = False  # failed for its timeout; the thread has not returned yet
     lease_lost: bool = False  # a heartbeat found it expired and swept, or claimed again
+    cancel_sent: bool = False  # the handler was told to stop (jobd.cancel)
 
 
 @dataclass(slots=True)
@@ -93,6 +100,9 @@ class Worker:
         # broke, or the rows could not be loaded): the loop then checks the jobs claimed in
         # our name against the ones it holds.
         self.claims_unknown = False
+        # The lane's pauses must be read (again): at start, on a new connection, when the
+        # supervisor says they changed, and at the safety poll while the lane is paused.
+        self.controls_stale = True
         self.counters = Counters.for_spec(spec)
         self.completer = Completer(spec.lane, self.counters)
         self.timers = _Timers()
@@ -150,6 +160,7 @@ class Worker:
             self._ensure_connection()
             if self.claims_unknown and self.conn is not None:
                 self._fail_claims_not_held()
+            self._refresh_controls()
             self._collect_outcomes()
             self._fill_slots()
             self._expire_timeouts()
@@ -228,6 +239,10 @@ class Worker:
         self.claimer.maybe_more = True
         if protocol.SUSPECTS in data:
             self.claimer.suspects_possible = True
+        if protocol.CONTROLS in data:
+            self.controls_stale = True
+        if protocol.CANCELS in data:
+            self.timers.next_heartbeat = 0.0  # the renewal's result names the jobs
 
     # --- database --------------------------------------------------------------------------
 
@@ -235,6 +250,31 @@ class Worker:
         if self.link.ensure():
             self.claimer.maybe_more = True
             self.claimer.disconnected()
+            self.controls_stale = True
+
+    def _refresh_controls(self) -> None:
+        """Read the lane's pauses when they may have changed. While the lane is paused the
+        worker claims nothing, so its safety poll becomes a look at the pauses instead."""
+        now = time.monotonic()
+        if self.claimer.lane_paused and now >= self.timers.next_poll:
+            self.controls_stale = True
+        if not self.controls_stale or self.conn is None:
+            return
+        state = self._db(lambda conn: pauses.lane_controls(conn, self.lane.name))
+        if state is None:
+            return  # tried again next turn
+        self.controls_stale = False
+        self.timers.next_poll = now + self._poll_delay()
+        lane_paused, handlers = state
+        was_paused = (self.claimer.lane_paused, self.claimer.paused_handlers)
+        resumed = self.claimer.set_controls(lane_paused, handlers)
+        if (lane_paused, handlers) != was_paused:
+            log.info("lane pauses", lane=self.lane.name, lane_paused=lane_paused,
+                     paused_handlers=sorted(handlers), resumed=resumed)
+        # Armed, the worker would make every enqueue into the paused lane notify.
+        if (lane_paused and self.claimer.armed and self._db(
+                lambda conn: queue.disarm(conn, self.spec.worker_id)) is not None):
+            self.claimer.armed = False
 
     def _db(self, operation: Callable[[psycopg.Connection], Any], what: str = "queue") -> Any:
         """Run ``operation`` on the connection; None when there is none or it failed."""
@@ -287,6 +327,8 @@ class Worker:
         if result is not None:
             self.claimer.arm_result(result, time.monotonic(),
                                     from_head=floors == full_scan_params())
+            if result == "paused":
+                self.controls_stale = True  # learn which pauses, and whether still so
 
     def _started(self, claimed: queue.Claimed, request: queue.ClaimRequest) -> None:
         self.timers.next_poll = time.monotonic() + self._poll_delay()
@@ -395,6 +437,8 @@ class Worker:
         gone = set(renewed.lease_lost)
         # Buffered and swept (a worker too slow to renew): never started, just dropped.
         self.claimer.drop(gone)
+        if renewed.cancelled:
+            self._stop_cancelled(set(renewed.cancelled))
         for job_id in renewed.lease_lost:
             running = self.inflight.get(job_id)
             if running is None:
@@ -406,6 +450,21 @@ class Worker:
                 lost.append(job_id)
         if lost:
             log.warning("lease lost while running (expired and swept?)", job_ids=lost)
+
+    def _stop_cancelled(self, ids: set[int]) -> None:
+        """Jobs asked to stop (jobd.cancel): a buffered one is finished unstarted (its
+        completion archives it as cancelled), a running one's handler is told."""
+        for job in self.claimer.take(ids):
+            self.completer.add(Outcome(job, None))
+        told = []
+        for job_id in sorted(ids):
+            running = self.inflight.get(job_id)
+            if running is not None and not running.cancel_sent and not running.abandoned:
+                running.cancel_sent = True
+                self.runner.cancel(running.job)
+                told.append(job_id)
+        if told:
+            log.info("asked handlers to stop (cancel requested)", job_ids=told)
 
     # --- reporting and shutdown ------------------------------------------------------------
 

@@ -514,7 +514,9 @@ def test_every_option_has_help_that_states_its_default() -> None:
 
 HELP_COMMANDS = [
     [], ["migrate"], ["enqueue"], ["status"], ["top"], ["jobs"], ["jobs", "show"],
-    ["jobs", "list"], ["dlq"], ["dlq", "list"], ["dlq", "replay"], ["dlq", "purge"],
+    ["jobs", "list"], ["jobs", "cancel"], ["dlq"], ["dlq", "list"], ["dlq", "replay"],
+    ["dlq", "purge"], ["dlq", "quarantine"], ["lanes"], ["lanes", "pause"],
+    ["lanes", "resume"],
 ]
 
 

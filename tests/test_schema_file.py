@@ -175,16 +175,21 @@ def test_the_comparison_sees_what_it_compares(
     assert {"enqueue", "check_job", "check_payload_size", "lane_head", "fire_schedule",
             "declare_schedule", "reconcile_schedule", "schedule_definition", "outbox_add",
             "outbox_mark_dead", "notify_new_jobs", "ensure_archive_partitions",
-            "drop_archive_partitions"} <= set(functions)
+            "drop_archive_partitions", "pause", "resume", "cancel", "quarantine",
+            "check_name"} <= set(functions)
+    assert "lane_pauses" in str(functions["arm_waiter"])  # the body of 0011, not 0009
     assert "PERFORM check_job(" in str(functions["enqueue"])  # the body of 0006, not 0001
     assert f"SET search_path TO '{PLACEHOLDER}'" in str(functions["enqueue"])
     relations = {row[0]: row for row in migrated["relations"]}
     assert "autovacuum_vacuum_cost_delay=0" in str(relations["jobs"][3])
     assert relations["jobs_archive_default"][5] == "DEFAULT"
     assert "schema_migrations" not in relations
-    # Columns in order: suspect and claimed_at, added last by migrations, are last.
-    assert [row[2] for row in migrated["columns"] if row[0] == "jobs"][-2:] == [
-        "suspect", "claimed_at"]
+    # Columns in order: those added last by migrations are last.
+    assert [row[2] for row in migrated["columns"] if row[0] == "jobs"][-3:] == [
+        "suspect", "claimed_at", "cancel_requested_at"]
+    archive_checks = {row[1]: row for row in migrated["constraints"]
+                      if row[0] == "jobs_archive" and row[2] == "c"}
+    assert "'cancelled'" in archive_checks["jobs_archive_state_check"][3]
     assert [row[2] for row in migrated["columns"]
             if row[0] == "jobs_archive"][-2:] == ["finished_at", "claimed_at"]
     assert ("settings", '[{"name": "max_payload_bytes", "value": 1048576}]') in migrated["rows"]
@@ -214,6 +219,7 @@ def function_source(conn: psycopg.Connection, name: str) -> str:
 
 def test_sql_checks_names_by_the_rule_python_checks(conn: psycopg.Connection) -> None:
     assert f"'{validation.NAME_RULE.pattern}'" in function_source(conn, "check_job")
+    assert f"'{validation.NAME_RULE.pattern}'" in function_source(conn, "check_name")
 
 
 def test_sql_reserves_the_key_prefix_python_reserves(conn: psycopg.Connection) -> None:

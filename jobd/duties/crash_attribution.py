@@ -69,6 +69,9 @@ class CrashAttribution(Duty):
             log.info("released the jobs of a stopped worker", worker=worker_id,
                      job_ids=released.applied)
             self.router.due_everywhere(self.lanes())
+        if any(r[5] for r in rows):  # asked to stop: not given back, but ended
+            recovery.finish_cancelled(conn, worker_id, "cancelled: its worker stopped first",
+                                      self.policy_for)
 
     def _settle_crash(self, conn: psycopg.Connection, attribution: Attribution) -> None:
         worker_id, reason = attribution.worker_id, attribution.reason

@@ -1,6 +1,7 @@
-"""The fallback poll: one statement tells, per lane, whether work is due or when, and
-whether a suspect is due. Notifications are the fast path; this catches what they miss (the
-LISTEN connection was down, another node retried a job, a timer was lost in a reload)."""
+"""The fallback poll: one statement tells, per lane, whether work is due or when, whether a
+suspect is due, and what is paused. Notifications are the fast path; this catches what they
+miss (the LISTEN connection was down, another node retried a job, a timer was lost in a
+reload, a pause or resume happened while this node was not listening)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ class LanePoll(Duty):
         super().__init__()
         self.config = config
         self.router = router
+        self.pauses: dict[str, str] = {}  # lane -> its pauses as lane_heads names them
 
     def poll_now(self) -> None:
         self.next_at = 0.0
@@ -36,7 +38,12 @@ class LanePoll(Duty):
         # Jitter keeps the supervisors of a fleet from polling in lockstep.
         self.next_at = now + interval * random.uniform(0.8, 1.2)
         rows = conn.execute(query("lane_heads"), {"lanes": list(lanes), "now": None}).fetchall()
-        for lane, head, db_now, suspects in rows:
+        for lane, head, db_now, suspects, pauses in rows:
+            if pauses != self.pauses.get(lane, ""):
+                # Workers read their lane's pauses when they start; a change since that no
+                # notification announced reaches them this way.
+                self.router.controls_changed(lane)
+                self.pauses[lane] = pauses
             if suspects:
                 self.router.suspects_due(lane)
             if head is None:

@@ -54,12 +54,21 @@ FROM STDIN (FORMAT BINARY)
 -- lets concurrent claimers pass each other. The attempt is counted here, so a job that
 -- kills its worker still spends its budget. Suspects (see claim_suspect) are left out.
 -- claimed_at records the claim for the archive (pickup delay and claim-to-finish time, see
--- lane_latency).
-WITH levels AS (
+-- lane_latency). Pauses (jobd.pause, a probe of the tiny lane_pauses): a paused lane claims
+-- nothing, a paused handler's jobs are stepped over (runnable(), in migrations/0011: a
+-- function the planner does not see into, so that the filter keeps this plan).
+WITH paused AS (
+    SELECT coalesce(bool_or(handler IS NULL), false) AS whole_lane,
+           coalesce(array_agg(handler) FILTER (WHERE handler IS NOT NULL), '{}') AS handlers
+      FROM lane_pauses
+     WHERE lane = %(lane)s
+),
+levels AS (
     SELECT priority, floor_at, floor_id
       FROM lane_floors(%(lane)s, %(floor_priorities)s::int[], %(floor_run_ats)s::timestamptz[],
                        %(floor_ids)s::bigint[], %(floor_ages)s::float8[],
                        %(default_floor_age)s::float8, coalesce(%(now)s::timestamptz, now()))
+     WHERE NOT (SELECT whole_lane FROM paused)
      ORDER BY priority DESC
 ),
 due AS (
@@ -72,6 +81,7 @@ due AS (
               AND (run_at, id) >= (l.floor_at, l.floor_id)
               AND run_at <= coalesce(%(now)s::timestamptz, now())
               AND NOT suspect
+              AND runnable(handler, (SELECT handlers FROM paused))
             ORDER BY run_at, id
             LIMIT %(limit)s
               FOR UPDATE SKIP LOCKED) AS d
@@ -95,8 +105,108 @@ RETURNING jobs.id, jobs.lease_token, jobs.lane, jobs.handler, jobs.payload::text
           jobs.run_at, jobs.attempts, jobs.max_attempts, jobs.idempotency_key,
           jobs.created_at, jobs.lease_until
 
+-- name: claim_jobs_limited
+-- claim_jobs for a lane with limits across all nodes (lanes.<l>.max_running, lanes.<l>.rate):
+-- the same scan, capped by the lane's budget. The worker sends lock_lane_budget first in the
+-- same transaction, so the claims of a limited lane take turns and each one's snapshot sees
+-- every claim before it: the count of claimed jobs (through jobs_lease_idx) and the token
+-- bucket in lane_tokens are exact. The bucket holds up to rate_limit tokens and refills at
+-- rate_limit per rate_per seconds (clock_timestamp(): claims taking turns see their clock
+-- move forward); the claim spends a token per job it takes. A query of its own, so lanes
+-- without limits pay nothing for them. Keep the scan (paused, levels, due) in step with
+-- claim_jobs: tests/test_limits.py compares the two.
+WITH budget AS (
+    SELECT greatest(0, least(%(limit)s::int, %(max_running)s::int - running.n,
+                             floor(tokens.available)::int)) AS cap,
+           tokens.available, tokens.at
+      FROM (SELECT count(*)::int AS n FROM jobs
+             WHERE state = 'claimed' AND lane = %(lane)s
+               AND %(max_running)s::int IS NOT NULL) AS running,
+           (SELECT clock.at,
+                   least(%(rate_limit)s::float8,
+                         t.tokens + %(rate_limit)s::float8 / %(rate_per)s::float8
+                                    * greatest(0, extract(epoch FROM clock.at - t.refilled_at)))
+                       AS available
+              FROM (SELECT coalesce(%(now)s::timestamptz, clock_timestamp()) AS at) AS clock
+              LEFT JOIN lane_tokens AS t ON t.lane = %(lane)s) AS tokens
+),
+paused AS (
+    SELECT coalesce(bool_or(handler IS NULL), false) AS whole_lane,
+           coalesce(array_agg(handler) FILTER (WHERE handler IS NOT NULL), '{}') AS handlers
+      FROM lane_pauses
+     WHERE lane = %(lane)s
+),
+levels AS (
+    SELECT priority, floor_at, floor_id
+      FROM lane_floors(%(lane)s, %(floor_priorities)s::int[], %(floor_run_ats)s::timestamptz[],
+                       %(floor_ids)s::bigint[], %(floor_ages)s::float8[],
+                       %(default_floor_age)s::float8, coalesce(%(now)s::timestamptz, now()))
+     WHERE NOT (SELECT whole_lane FROM paused)
+     ORDER BY priority DESC
+),
+due AS (
+    SELECT d.id
+      FROM levels AS l
+     CROSS JOIN LATERAL (
+           SELECT id FROM jobs
+            WHERE lane = %(lane)s AND state IN ('pending', 'failed')
+              AND priority = l.priority
+              AND (run_at, id) >= (l.floor_at, l.floor_id)
+              AND run_at <= coalesce(%(now)s::timestamptz, now())
+              AND NOT suspect
+              AND runnable(handler, (SELECT handlers FROM paused))
+            ORDER BY run_at, id
+            LIMIT %(limit)s
+              FOR UPDATE SKIP LOCKED) AS d
+     -- A worker that holds a suspect runs it alone (claim_suspect); a one-time probe of
+     -- the suspect index, empty but for the rare crash.
+     WHERE NOT EXISTS (SELECT 1 FROM jobs AS s
+                        WHERE s.lane = %(lane)s AND s.suspect AND s.state = 'claimed'
+                          AND s.claimed_by = %(worker)s)
+     LIMIT (SELECT cap FROM budget)
+),
+claimed AS (
+    UPDATE jobs
+       SET state = 'claimed',
+           attempts = jobs.attempts + 1,
+           claimed_by = %(worker)s,
+           claimed_at = coalesce(%(now)s::timestamptz, now()),
+           lease_until = coalesce(%(now)s::timestamptz, now())
+                         + make_interval(secs => %(visibility_timeout)s),
+           lease_token = (SELECT nextval('lease_token_seq'))
+     WHERE jobs.id = ANY(ARRAY(SELECT id FROM due))
+    RETURNING jobs.id, jobs.lease_token, jobs.lane, jobs.handler, jobs.payload::text,
+              jobs.priority, jobs.run_at, jobs.attempts, jobs.max_attempts,
+              jobs.idempotency_key, jobs.created_at, jobs.lease_until
+),
+spent AS (
+    INSERT INTO lane_tokens AS t (lane, tokens, refilled_at)
+    SELECT %(lane)s, coalesce(b.available, %(rate_limit)s) - (SELECT count(*) FROM claimed),
+           b.at
+      FROM budget AS b
+     WHERE %(rate_limit)s::int IS NOT NULL
+    ON CONFLICT (lane) DO UPDATE SET tokens = excluded.tokens, refilled_at = excluded.refilled_at
+)
+SELECT * FROM claimed
+
+-- name: lock_lane_budget
+-- Claims of a lane with limits take turns (claim_jobs_limited): the lock is held until the
+-- claim's transaction commits, so the next claim sees it. The key carries the schema, as
+-- wake_lock_key does. The claim's transaction commits asynchronously (synchronous_commit
+-- off, for this transaction only), so the turn ends when the claim is visible rather than
+-- after its WAL flush: held across flushes, the lock made the lane's claims wait for each
+-- other's fsync, which cost a 2-worker drain a quarter. Losing a claim to a crash of the
+-- server is safe: the job is as it was before the claim, and every later write of the
+-- claim's worker is fenced by a lease token that no longer exists (at-least-once: the job
+-- runs again).
+-- The worker writes outcomes in a transaction of their own before it (queue.settle_and_claim).
+SELECT pg_advisory_xact_lock(hashtextextended(current_schema() || '.' || %(lane)s || '#budget',
+                                              0)),
+       set_config('synchronous_commit', 'off', true)
+
 -- name: arm_waiter
--- See arm_waiter() in migrations/0009_steady_claims.sql: 'armed', 'work' or 'contended'.
+-- See arm_waiter() in migrations/0011_lane_controls.sql: 'armed', 'work', 'contended' or
+-- 'paused'.
 SELECT arm_waiter(%(lane)s, %(worker)s, %(floor_priorities)s::int[],
                   %(floor_run_ats)s::timestamptz[], %(floor_ids)s::bigint[],
                   %(floor_ages)s::float8[], %(default_floor_age)s::float8)
@@ -110,7 +220,7 @@ DELETE FROM lane_waiters WHERE worker_id = %(worker)s
 -- a worker that died while running several of them, each run alone until the one that kills
 -- its worker is found (it then spends an attempt; the others keep theirs). A worker idle
 -- enough to ask sends this before claim_jobs in the same transaction, and claim_jobs then
--- takes nothing while the suspect is held.
+-- takes nothing while the suspect is held. Pauses apply as in claim_jobs.
 UPDATE jobs
    SET state = 'claimed',
        attempts = jobs.attempts + 1,
@@ -122,6 +232,9 @@ UPDATE jobs
  WHERE jobs.id = (SELECT id FROM jobs
                    WHERE lane = %(lane)s AND suspect AND state IN ('pending', 'failed')
                      AND run_at <= coalesce(%(now)s::timestamptz, now())
+                     AND NOT EXISTS (SELECT 1 FROM lane_pauses AS p
+                                      WHERE p.lane = %(lane)s
+                                        AND (p.handler IS NULL OR p.handler = jobs.handler))
                    ORDER BY run_at
                    LIMIT 1
                      FOR UPDATE SKIP LOCKED)
@@ -131,16 +244,20 @@ RETURNING jobs.id, jobs.lease_token, jobs.lane, jobs.handler, jobs.payload::text
 
 -- name: heartbeat
 -- Extends every lease a worker still holds, in one statement. Returns the jobs whose lease was
--- extended; a job missing from the result was lost (expired and swept or re-claimed).
+-- extended, and whether each was asked to stop (jobd.cancel): so the worker learns of a
+-- cancellation without a round trip of its own. A job missing from the result was lost
+-- (expired and swept or re-claimed).
 UPDATE jobs
    SET lease_until = coalesce(%(now)s::timestamptz, now())
                      + make_interval(secs => %(visibility_timeout)s)
  WHERE jobs.id = ANY(%(ids)s::bigint[])
    AND jobs.lease_token = (%(tokens)s::bigint[])[array_position(%(ids)s::bigint[], jobs.id)]
-RETURNING jobs.id
+RETURNING jobs.id, jobs.cancel_requested_at IS NOT NULL
 
 -- name: complete_jobs
--- Finishes a batch: the rows leave the hot table and enter the archive in one statement.
+-- Finishes a batch: the rows leave the hot table and enter the archive in one statement. A
+-- job that was asked to stop (jobd.cancel) is archived as 'cancelled' however it ended;
+-- each row comes back with the state it was archived in.
 -- It also runs inside transactional handlers' transactions, on connections whose search_path
 -- is the user's: hence {schema}. (see jobd/queries.py).
 WITH finished AS (
@@ -152,11 +269,12 @@ WITH finished AS (
 INSERT INTO {schema}.jobs_archive (id, lane, handler, payload, state, priority, run_at, attempts,
                           max_attempts, claimed_by, idempotency_key, created_at, last_error,
                           errors, finished_at, claimed_at)
-SELECT id, lane, handler, payload, 'done', priority, run_at, attempts, max_attempts,
-       claimed_by, idempotency_key, created_at, last_error, errors,
-       coalesce(%(now)s::timestamptz, now()), claimed_at
+SELECT id, lane, handler, payload,
+       CASE WHEN cancel_requested_at IS NULL THEN 'done' ELSE 'cancelled' END, priority,
+       run_at, attempts, max_attempts, claimed_by, idempotency_key, created_at, last_error,
+       errors, coalesce(%(now)s::timestamptz, now()), claimed_at
   FROM finished
-RETURNING id
+RETURNING id, state
 
 -- name: fail_jobs
 -- Records a failed attempt for a batch. Each row carries its retry delay (computed by
@@ -165,9 +283,12 @@ RETURNING id
 -- with budget left waits as 'failed' until run_at; a job without is moved to the dead-letter
 -- queue in the same statement. With %(expired_only)s, only rows whose lease has run out are
 -- touched (the sweep must not fail a job whose worker renewed its lease in the meantime).
+-- A job that was asked to stop (jobd.cancel) is archived as 'cancelled' instead, its error
+-- (the handler's CancelledError, say) recorded: it is not retried, whatever its budget.
 WITH failure AS (
     SELECT jobs.id,
            array_position(%(ids)s::bigint[], jobs.id) AS position,
+           jobs.cancel_requested_at IS NOT NULL AS cancelled,
            (%(final)s::bool[])[array_position(%(ids)s::bigint[], jobs.id)]
            OR jobs.attempts >= coalesce(
                jobs.max_attempts,
@@ -192,13 +313,13 @@ retried AS (
                'attempt', jobs.attempts, 'at', coalesce(%(now)s::timestamptz, now()),
                'error', (%(errors)s::text[])[f.position], 'worker', jobs.claimed_by)
       FROM failure AS f
-     WHERE jobs.id = f.id AND NOT f.spent
+     WHERE jobs.id = f.id AND NOT f.spent AND NOT f.cancelled
     RETURNING jobs.id, jobs.run_at
 ),
 died AS (
     DELETE FROM jobs
      USING failure AS f
-     WHERE jobs.id = f.id AND f.spent
+     WHERE jobs.id = f.id AND f.spent AND NOT f.cancelled
     RETURNING jobs.*, (%(errors)s::text[])[f.position] AS final_error
 ),
 buried AS (
@@ -213,15 +334,39 @@ buried AS (
            coalesce(%(now)s::timestamptz, now())
       FROM died
     RETURNING id
+),
+stopped AS (
+    DELETE FROM jobs
+     USING failure AS f
+     WHERE jobs.id = f.id AND f.cancelled
+    RETURNING jobs.*, (%(errors)s::text[])[f.position] AS final_error
+),
+cancelled AS (
+    INSERT INTO jobs_archive (id, lane, handler, payload, state, priority, run_at, attempts,
+                              max_attempts, claimed_by, idempotency_key, created_at,
+                              last_error, errors, finished_at, claimed_at)
+    SELECT id, lane, handler, payload, 'cancelled', priority, run_at, attempts, max_attempts,
+           claimed_by, idempotency_key, created_at, final_error,
+           errors || jsonb_build_object(
+               'attempt', attempts, 'at', coalesce(%(now)s::timestamptz, now()),
+               'error', final_error, 'worker', claimed_by),
+           coalesce(%(now)s::timestamptz, now()), claimed_at
+      FROM stopped
+    RETURNING id
 )
 SELECT id, 'failed' AS outcome, run_at FROM retried
 UNION ALL
 SELECT id, 'dead', NULL FROM buried
+UNION ALL
+SELECT id, 'cancelled', NULL FROM cancelled
 
 -- name: release_jobs
 -- Gives claimed jobs back without spending their attempt (a drain, a worker's buffer): they
 -- are claimable again at once, by any node, and their lanes are woken as an enqueue would
--- wake them (the insert trigger does not see an UPDATE).
+-- wake them (the insert trigger does not see an UPDATE). A job asked to stop (jobd.cancel)
+-- is not given back: its worker finishes it as cancelled when it learns of the request at
+-- its next renewal, which the cancel's notification makes immediate, else the lease sweep
+-- does.
 WITH released AS (
     UPDATE jobs
        SET state = 'pending',
@@ -231,6 +376,7 @@ WITH released AS (
            claimed_by = NULL
      WHERE jobs.id = ANY(%(ids)s::bigint[])
        AND jobs.lease_token = (%(tokens)s::bigint[])[array_position(%(ids)s::bigint[], jobs.id)]
+       AND jobs.cancel_requested_at IS NULL
     RETURNING jobs.id, jobs.lane
 ),
 woken AS (
@@ -241,7 +387,8 @@ SELECT id FROM released WHERE (SELECT count(*) FROM woken) >= 0
 
 -- name: release_as_suspects
 -- Crash attribution for a worker that died holding several jobs: each gets its attempt back
--- and becomes a suspect, to be run alone (claim_suspect).
+-- and becomes a suspect, to be run alone (claim_suspect). Jobs asked to stop are not among
+-- them: crash attribution fails those (fail_jobs archives them as cancelled).
 UPDATE jobs
    SET state = 'pending',
        attempts = greatest(jobs.attempts - 1, 0),
@@ -251,6 +398,7 @@ UPDATE jobs
        suspect = true
  WHERE jobs.id = ANY(%(ids)s::bigint[])
    AND jobs.lease_token = (%(tokens)s::bigint[])[array_position(%(ids)s::bigint[], jobs.id)]
+   AND jobs.cancel_requested_at IS NULL
 RETURNING jobs.id
 
 -- name: mark_suspect
@@ -288,14 +436,15 @@ SELECT id, lease_token, lane, attempts, claimed_by
 -- name: jobs_held_by
 -- The jobs a worker holds: failed at once when the supervisor sees it die, or by the worker
 -- itself when a claim took jobs whose rows it never received. Rare, so no index of its own:
--- it reads the live jobs table.
-SELECT id, lease_token, lane, attempts, claimed_by
+-- it reads the live jobs table. The last column says whether the job was asked to stop.
+SELECT id, lease_token, lane, attempts, claimed_by, cancel_requested_at IS NOT NULL
   FROM jobs
  WHERE state = 'claimed' AND claimed_by = %(worker)s
 
 -- name: get_job
 SELECT id, lane, handler, payload, state, priority, run_at, attempts, max_attempts,
-       lease_until, claimed_by, idempotency_key, created_at, last_error, errors, finished_at
+       lease_until, claimed_by, idempotency_key, created_at, last_error, errors, finished_at,
+       cancel_requested_at
   FROM all_jobs
  WHERE id = %(id)s
 
@@ -471,17 +620,64 @@ SELECT id, lane, handler, attempts, last_error, died_at, idempotency_key
 -- name: replay_dead
 -- Moves dead jobs back to the queue with a fresh attempt budget, keeping their error history.
 -- The job keeps its id (so its idempotency key still points at it); the lease token sequence
--- guarantees that a worker from before its death can never write to it again.
+-- guarantees that a worker from before its death can never write to it again. It is due at
+-- once, or at its own run_at if that is later (a quarantined job scheduled for later).
 WITH revived AS (
     DELETE FROM dead_letter WHERE id = ANY(%(ids)s::bigint[]) RETURNING *
 )
 INSERT INTO jobs (id, lane, handler, payload, state, priority, run_at, attempts, max_attempts,
                   idempotency_key, created_at, last_error, errors)
-SELECT id, lane, handler, payload, 'pending', priority, coalesce(%(now)s::timestamptz, now()),
+SELECT id, lane, handler, payload, 'pending', priority,
+       greatest(run_at, coalesce(%(now)s::timestamptz, now())),
        0, max_attempts, idempotency_key, created_at, last_error,
        errors || jsonb_build_object('replayed_at', coalesce(%(now)s::timestamptz, now()))
   FROM revived
 RETURNING id
+
+-- name: replay_dead_of_handler
+-- replay_dead for every dead job of a handler (in one lane, when given): after a fix, what
+-- quarantine or the failures moved to the dead-letter queue comes back in one statement.
+WITH revived AS (
+    DELETE FROM dead_letter
+     WHERE handler = %(handler)s AND (%(lane)s::text IS NULL OR lane = %(lane)s)
+    RETURNING *
+)
+INSERT INTO jobs (id, lane, handler, payload, state, priority, run_at, attempts, max_attempts,
+                  idempotency_key, created_at, last_error, errors)
+SELECT id, lane, handler, payload, 'pending', priority,
+       greatest(run_at, coalesce(%(now)s::timestamptz, now())),
+       0, max_attempts, idempotency_key, created_at, last_error,
+       errors || jsonb_build_object('replayed_at', coalesce(%(now)s::timestamptz, now()))
+  FROM revived
+RETURNING id
+
+-- name: quarantine
+-- See quarantine() in migrations/0011_lane_controls.sql: the number moved per lane.
+SELECT lane_name, moved FROM quarantine(%(handler)s, %(lane)s, %(payload_match)s)
+
+-- name: cancel_jobs
+-- See cancel() in migrations/0011_lane_controls.sql.
+SELECT id, outcome, state FROM cancel(%(ids)s::bigint[])
+
+-- name: pause
+SELECT pause(%(lane)s, %(handler)s)
+
+-- name: resume
+SELECT resume(%(lane)s, %(handler)s)
+
+-- name: list_pauses
+SELECT lane, handler, paused_at, paused_by
+  FROM lane_pauses
+ WHERE %(lane)s::text IS NULL OR lane = %(lane)s
+ ORDER BY lane, handler NULLS FIRST
+
+-- name: lane_controls
+-- What a worker needs to know of its lane's pauses: whether the lane is paused, and which of
+-- its handlers are.
+SELECT coalesce(bool_or(handler IS NULL), false),
+       coalesce(array_agg(handler ORDER BY handler) FILTER (WHERE handler IS NOT NULL), '{}')
+  FROM lane_pauses
+ WHERE lane = %(lane)s
 
 -- name: purge_dead
 WITH purged AS (
@@ -502,13 +698,24 @@ SELECT drop_archive_partitions(%(cutoff)s::timestamptz)
 -- Per lane, the earliest run_at of its claimable jobs (epoch seconds, NULL when it has none),
 -- the database clock, and whether suspects are due (made by any node's crash attribution): the
 -- supervisor wakes lanes with due work, sets timers for the rest, and tells the workers of a
--- lane with suspects to look for them when idle.
-SELECT l.lane, extract(epoch FROM lane_head(l.lane))::float8,
+-- lane with suspects to look for them when idle. A paused lane has nothing due. The last
+-- column names the lane's pauses ('*' for the lane's own): a change the supervisor did not
+-- hear of (its LISTEN connection was down) shows there, and it tells the lane's workers.
+SELECT l.lane,
+       CASE WHEN NOT c.lane_paused THEN extract(epoch FROM lane_head(l.lane))::float8 END,
        extract(epoch FROM coalesce(%(now)s::timestamptz, now()))::float8,
-       EXISTS (SELECT 1 FROM jobs AS j
-                WHERE j.lane = l.lane AND j.suspect AND j.state IN ('pending', 'failed')
-                  AND j.run_at <= coalesce(%(now)s::timestamptz, now()))
+       NOT c.lane_paused
+       AND EXISTS (SELECT 1 FROM jobs AS j
+                    WHERE j.lane = l.lane AND j.suspect AND j.state IN ('pending', 'failed')
+                      AND j.run_at <= coalesce(%(now)s::timestamptz, now())),
+       c.pauses
   FROM unnest(%(lanes)s::text[]) AS l(lane)
+ CROSS JOIN LATERAL (
+       SELECT coalesce(bool_or(p.handler IS NULL), false) AS lane_paused,
+              coalesce(string_agg(coalesce(p.handler, '*'), ',' ORDER BY p.handler NULLS FIRST),
+                       '') AS pauses
+         FROM lane_pauses AS p
+        WHERE p.lane = l.lane) AS c
 
 -- name: supervisor_session
 -- Bounds every statement of the supervisor's connection, so a slow or blocked statement

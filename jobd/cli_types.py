@@ -1,0 +1,146 @@
+"""The argparse types of the ``jobd`` command line: each checks one argument before any
+command runs (ids, integers, JSON payloads and payload fields, timestamps, durations) and
+turns what the user got wrong into a one-line usage error."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from datetime import datetime
+from typing import Any
+
+from jobd.config import parse_duration
+
+BIGINT_MAX = 2**63 - 1
+
+
+def positive_int(text: str) -> int:
+    """1 up to the largest bigint: ids and limits go to PostgreSQL as bigint."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text[:40]!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: {value}")
+    if value > BIGINT_MAX:
+        raise argparse.ArgumentTypeError(f"too large: at most {BIGINT_MAX}")
+    return value
+
+
+def int32(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not -(2**31) <= value < 2**31:
+        raise argparse.ArgumentTypeError(f"out of range for a 32-bit integer: {value}")
+    return value
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON (PostgreSQL refuses it)")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:40]} is too large for a JSON number (PostgreSQL refuses it)")
+    return value
+
+
+def _contains_nul(value: Any) -> bool:
+    """Whether any string (key or value) holds NUL; iterative, so depth cannot overflow."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if "\x00" in item:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
+
+
+def payload(text: str) -> Any:
+    """The decoded payload: JSON that Python can decode and PostgreSQL can store.
+
+    json.loads accepts NaN and Infinity and turns 1e999 into infinity, none of which jsonb
+    holds; it fails with RecursionError on deep nesting and ValueError on integers of more
+    than 4300 digits. All of these are the user's input, so they are refused here, at
+    argument parsing, with a message instead of a traceback.
+    """
+    try:
+        value = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"payload is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise argparse.ArgumentTypeError(
+            "payload is nested too deeply to be decoded") from None
+    except ValueError as exc:
+        message = str(exc)
+        if "integer string conversion" in message:
+            message = ("an integer has more than 4300 digits, which a handler could not "
+                       "decode")
+        raise argparse.ArgumentTypeError(f"payload refused: {message}") from None
+    if _contains_nul(value):
+        raise argparse.ArgumentTypeError(
+            "payload refused: a string contains NUL (\\u0000), which PostgreSQL cannot store")
+    return value
+
+
+def where(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE``: a payload field to match. VALUE is JSON when it parses as JSON (42,
+    true, "42", {"a": 1}), else the text itself (a@example.com)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, not {text[:40]!r}")
+    try:
+        json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+    except (ValueError, RecursionError):
+        pass  # a number too long, nested too deeply: payload says which
+    return key, payload(value)
+
+
+def timestamp(text: str) -> datetime:
+    try:
+        value = datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not an ISO 8601 timestamp: {text!r} (e.g. 2026-12-01T09:30:00+01:00)") from None
+    if value.utcoffset() is None:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} has no UTC offset; add one (e.g. +00:00 or Z) so the instant is exact")
+    return value
+
+
+def duration(text: str) -> float:
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+# A refresh more often than this would load the database for figures no one can read.
+MIN_TOP_INTERVAL = 0.1
+
+
+def interval(text: str) -> float:
+    seconds = duration(text)
+    if seconds < MIN_TOP_INTERVAL:
+        raise argparse.ArgumentTypeError(
+            f"must be at least {MIN_TOP_INTERVAL * 1000:.0f}ms, not {text!r}")
+    return seconds
+
+
+def timestamp_or_age(text: str) -> datetime | float:
+    """An instant, or a duration meaning "that long ago" (e.g. 7d)."""
+    try:
+        return parse_duration(text)
+    except ValueError:
+        return timestamp(text)

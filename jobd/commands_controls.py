@@ -1,0 +1,137 @@
+"""The ``jobd`` subcommands an operator reaches for during an incident: ``lanes pause`` and
+``lanes resume``, ``jobs cancel`` and ``dlq quarantine``. With a config (``-c``), lanes and
+handlers it does not name are refused (exit code 2), as ``enqueue`` refuses them."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from jobd import cancelling, dlq, pauses, validation
+from jobd.cli_context import Context
+from jobd.cli_output import field, print_json
+from jobd.config import Config
+from jobd.errors import UsageError
+
+
+def checked_names(config: Config, lane: str | None, handler: str | None) -> None:
+    """UsageError for a name that breaks the name rule, or that the config does not know."""
+    try:
+        if lane is not None:
+            validation.name("lane", lane)
+        if handler is not None:
+            validation.name("handler", handler)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if lane is not None and config.lanes and lane not in config.lanes:
+        raise UsageError(f"unknown lane {lane!r}; the config has: "
+                         + ", ".join(sorted(config.lanes)))
+    known = config.worker_handlers()
+    if handler is not None and config.handlers and handler not in known:
+        raise UsageError(f"unknown handler {handler!r}; the config allows: "
+                         + ", ".join(sorted(known)))
+
+
+def _target(lane: str, handler: str | None) -> str:
+    return f"lane {lane}" if handler is None else f"handler {handler} in lane {lane}"
+
+
+def _resume_command(lane: str, handler: str | None) -> str:
+    return f"jobd lanes resume {lane}" + ("" if handler is None else f" --handler {handler}")
+
+
+def cmd_lanes_pause(ctx: Context, args: argparse.Namespace) -> int:
+    checked_names(ctx.config, args.lane, args.handler)
+    with ctx.connect() as conn:
+        changed = pauses.pause(conn, args.lane, args.handler)
+        now_paused = pauses.pauses(conn, args.lane)
+    if ctx.as_json:
+        print_json({"lane": args.lane, "handler": args.handler, "paused": True,
+                    "changed": changed, "pauses": [p.as_dict() for p in now_paused]})
+        return 0
+    target = _target(args.lane, args.handler)
+    if changed:
+        print(f"paused {target}: no node starts its jobs until "
+              f"`{_resume_command(args.lane, args.handler)}`; running jobs finish")
+    else:
+        since = next((p for p in now_paused if p.handler == args.handler), None)
+        print(f"{target} was paused already" + (
+            "" if since is None else f" (since {field(since.paused_at)} by {since.paused_by})"))
+    return 0
+
+
+def cmd_lanes_resume(ctx: Context, args: argparse.Namespace) -> int:
+    checked_names(ctx.config, args.lane, args.handler)
+    with ctx.connect() as conn:
+        changed = pauses.resume(conn, args.lane, args.handler)
+        left = pauses.pauses(conn, args.lane)
+    if ctx.as_json:
+        print_json({"lane": args.lane, "handler": args.handler, "paused": False,
+                    "changed": changed, "pauses": [p.as_dict() for p in left]})
+        return 0
+    target = _target(args.lane, args.handler)
+    print(f"resumed {target}" if changed else f"{target} was not paused")
+    if left:
+        print(f"still paused in lane {args.lane}: "
+              + ", ".join("the whole lane" if p.handler is None else f"handler {p.handler}"
+                          for p in left))
+    return 0
+
+
+def cmd_jobs_cancel(ctx: Context, args: argparse.Namespace) -> int:
+    with ctx.connect(autocommit=False) as conn:
+        result = cancelling.cancel(conn, args.ids)
+        if result.unknown:
+            conn.rollback()
+            raise UsageError("no job " + ", ".join(map(str, result.unknown))
+                             + " (live, finished or dead); nothing cancelled")
+        conn.commit()
+    if ctx.as_json:
+        print_json({"cancelled": result.cancelled, "requested": result.requested,
+                    "finished": [{"id": job_id, "state": state}
+                                 for job_id, state in sorted(result.finished.items())]})
+        return 0
+    if result.cancelled:
+        print(f"cancelled {len(result.cancelled)} job(s): "
+              + ", ".join(map(str, result.cancelled)))
+    if result.requested:
+        print(f"asked {len(result.requested)} running job(s) to stop: "
+              + ", ".join(map(str, result.requested))
+              + " (recorded cancelled when their run ends)")
+    if result.finished:
+        print("finished already, left as they are: "
+              + ", ".join(f"{job_id} ({state})"
+                          for job_id, state in sorted(result.finished.items())))
+    return 0
+
+
+def _payload_match(pairs: list[tuple[str, Any]]) -> dict[str, Any] | None:
+    match: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in match:
+            raise UsageError(f"--where {key}: given twice")
+        match[key] = value
+    return match or None
+
+
+def cmd_dlq_quarantine(ctx: Context, args: argparse.Namespace) -> int:
+    checked_names(ctx.config, args.lane, args.handler)
+    match = _payload_match(args.where)
+    with ctx.connect() as conn:
+        moved = dlq.quarantine(conn, args.handler, args.lane, match)
+    total = sum(moved.values())
+    if ctx.as_json:
+        print_json({"handler": args.handler, "lane": args.lane, "where": match,
+                    "quarantined": total, "by_lane": moved})
+        return 0
+    scope = f"handler {args.handler}" + (f" in lane {args.lane}" if args.lane else "")
+    if match:
+        scope += " with payload " + ", ".join(f"{k}={v!r}" for k, v in match.items())
+    if not total:
+        print(f"no pending or failed job of {scope}; nothing quarantined")
+        return 0
+    print(f"quarantined {total} job(s) of {scope} into the dead-letter queue: "
+          + ", ".join(f"{lane} {count}" for lane, count in sorted(moved.items())))
+    print(f"running jobs of it finish (cancel them with `jobd jobs cancel ID`); bring "
+          f"them back after the fix with `jobd dlq replay --handler {args.handler}`")
+    return 0

@@ -1,0 +1,162 @@
+"""The lane controls' commands (`jobd lanes`, `jobd jobs cancel`, `jobd dlq quarantine`,
+`jobd dlq replay --handler`) run as subprocesses against a real database: their output,
+text and --json, and their refusals (exit code 2, one line)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from cli_support import assert_one_line_error, clean_env, cli, ok
+from readme_support import ROOT, section, shell_blocks
+
+import jobd
+from jobd import pauses, queue
+
+EXAMPLE = str(Path(__file__).resolve().parent.parent / "config" / "jobd.example.yaml")
+JOBD = Path(sys.executable).parent / "jobd"
+
+
+def ok_json(*args: str) -> Any:
+    return json.loads(ok(*args, "--json"))
+
+
+def test_pause_and_resume_print_what_changed(db_url: str, conn: psycopg.Connection) -> None:
+    text = ok("lanes", "pause", "default", "--database-url", db_url)
+    assert text.startswith("paused lane default: no node starts its jobs until "
+                           "`jobd lanes resume default`")
+    assert "was paused already (since " in ok("lanes", "pause", "default",
+                                              "--database-url", db_url)
+    shown = ok_json("lanes", "pause", "default", "--handler", "send_email",
+                    "--database-url", db_url)
+    assert (shown["changed"], [(p["lane"], p["handler"]) for p in shown["pauses"]]) == (
+        True, [("default", None), ("default", "send_email")])
+    text = ok("lanes", "resume", "default", "--database-url", db_url)
+    assert text.splitlines() == ["resumed lane default",
+                                 "still paused in lane default: handler send_email"]
+    assert ok_json("lanes", "resume", "default", "--database-url", db_url)["changed"] is False
+    assert pauses.lane_controls(conn, "default") == (False, frozenset({"send_email"}))
+
+
+def test_status_lists_the_pauses(db_url: str, conn: psycopg.Connection) -> None:
+    pauses.pause(conn, "reports")
+    pauses.pause(conn, "default", "fail")
+    text = ok("status", "-c", EXAMPLE, "--database-url", db_url)
+    assert "paused (on every node, until `jobd lanes resume`):" in text
+    assert "  lane reports: the whole lane, since " in text
+    assert "  lane default: handler fail, since " in text
+    lanes = {s["lane"]: s for s in ok_json("status", "-c", EXAMPLE, "--database-url", db_url)
+             ["lanes"]}
+    assert (lanes["reports"]["paused"], lanes["default"]["paused_handlers"]) == (True, ["fail"])
+    assert (lanes["critical"]["paused"], lanes["critical"]["paused_handlers"]) == (False, [])
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["lanes", "pause", "nope"], "unknown lane 'nope'; the config has: critical, default"),
+    (["lanes", "resume", "default", "--handler", "ecko"], "unknown handler 'ecko'"),
+    (["dlq", "quarantine", "--handler", "ecko"], "unknown handler 'ecko'"),
+    (["dlq", "replay", "--handler", "echo", "--lane", "nope"], "unknown lane 'nope'"),
+])
+def test_with_a_config_unknown_lanes_and_handlers_are_refused(
+    db_url: str, args: list[str], expected: str
+) -> None:
+    line = assert_one_line_error(cli(*args, "-c", EXAMPLE, "--database-url", db_url), 2)
+    assert expected in line
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["lanes", "pause", "a lane"], "invalid lane name 'a lane'"),
+    (["lanes", "pause", "default", "--handler", "x/y"], "invalid handler name 'x/y'"),
+    (["dlq", "quarantine", "--handler", "h", "--where", "nokey"], "expected KEY=VALUE"),
+    (["dlq", "quarantine", "--handler", "h", "--where", "a=NaN"], "NaN is not JSON"),
+    (["dlq", "quarantine", "--handler", "h", "--where", "a=1", "--where", "a=2"],
+     "--where a: given twice"),
+    (["dlq", "replay"], "give the ids of dead jobs, or --handler H"),
+    (["dlq", "replay", "1", "--handler", "h"], "not both"),
+    (["dlq", "replay", "1", "--lane", "l"], "--lane goes with --handler"),
+    (["jobs", "cancel"], "the following arguments are required: ID"),
+])
+def test_malformed_controls_are_refused(db_url: str, args: list[str], expected: str) -> None:
+    line = assert_one_line_error(cli(*args, "--database-url", db_url), 2)
+    assert expected in line
+
+
+def test_cancel_reports_each_job_and_refuses_unknown_ids_entirely(
+    db_url: str, conn: psycopg.Connection
+) -> None:
+    later, running, done = (jobd.enqueue(conn, "h", delay=d) for d in (60, 0, 0))
+    jobs = {job.id: job for job in queue.claim(conn, "default", "w", 10, 30)}
+    queue.complete(conn, [jobs[done].lease])
+    line = assert_one_line_error(cli("jobs", "cancel", str(later), "424242",
+                                     "--database-url", db_url), 2)
+    assert line == "jobd: no job 424242 (live, finished or dead); nothing cancelled"
+    assert conn.execute("SELECT state FROM jobs WHERE id = %s", (later,)).fetchone() == (
+        "pending",)
+    text = ok("jobs", "cancel", str(later), str(running), str(done), "--database-url", db_url)
+    assert text.splitlines() == [
+        f"cancelled 1 job(s): {later}",
+        f"asked 1 running job(s) to stop: {running} (recorded cancelled when their run ends)",
+        f"finished already, left as they are: {done} (done)"]
+    again = ok_json("jobs", "cancel", str(later), "--database-url", db_url)
+    assert again == {"cancelled": [], "requested": [],
+                     "finished": [{"id": later, "state": "cancelled"}]}
+    shown = ok("jobs", "show", str(later), "--database-url", db_url)
+    assert "state: cancelled" in shown and "  cancelled at " in shown
+    listed = ok_json("jobs", "list", "--state", "cancelled", "--database-url", db_url)
+    assert [row["id"] for row in listed] == [later]
+    asked = ok_json("jobs", "show", str(running), "--database-url", db_url)
+    assert (asked["state"], asked["cancel_requested_at"] is not None) == ("claimed", True)
+
+
+def test_quarantine_matches_payload_fields_and_replay_brings_them_back(
+    db_url: str, conn: psycopg.Connection
+) -> None:
+    bad = [jobd.enqueue(conn, "echo", {"customer": 7, "email": "a@example.com", "code": "42"})
+           for _ in range(3)]
+    spared = [jobd.enqueue(conn, "echo", {"customer": 7, "email": "a@example.com", "code": 42}),
+              jobd.enqueue(conn, "echo", {"customer": 8}, lane="critical")]
+    moved = ok_json("dlq", "quarantine", "--handler", "echo", "--where", "customer=7",
+                    "--where", "email=a@example.com", "--where", 'code="42"',
+                    "-c", EXAMPLE, "--database-url", db_url)
+    assert moved == {"handler": "echo", "lane": None,
+                     "where": {"customer": 7, "email": "a@example.com", "code": "42"},
+                     "quarantined": 3, "by_lane": {"default": 3}}
+    dead = ok_json("dlq", "list", "--database-url", db_url)
+    assert sorted(row["id"] for row in dead) == bad
+    shown = ok("jobs", "show", str(bad[0]), "--database-url", db_url)
+    assert "  quarantined at " in shown
+    text = ok("dlq", "quarantine", "--handler", "echo", "--lane", "critical",
+              "--database-url", db_url)
+    assert text.splitlines()[0] == ("quarantined 1 job(s) of handler echo in lane critical "
+                                    "into the dead-letter queue: critical 1")
+    assert ok("dlq", "quarantine", "--handler", "echo", "--lane", "critical",
+              "--database-url", db_url) == (
+        "no pending or failed job of handler echo in lane critical; nothing quarantined\n")
+    replayed = ok_json("dlq", "replay", "--handler", "echo", "--lane", "default",
+                       "--database-url", db_url)
+    assert sorted(replayed["replayed"]) == bad
+    assert ok("dlq", "replay", "--handler", "echo", "--database-url", db_url) == (
+        f"replayed 1 job(s): {spared[1]}\n")
+    assert ok("dlq", "replay", "--handler", "echo", "--database-url", db_url) == (
+        "no dead job of handler echo; nothing replayed\n")
+
+
+def test_the_readmes_incident_steps_run_as_written(db_url: str) -> None:
+    [block] = shell_blocks(section("During an incident: pause, cancel, quarantine"))
+    script = block.replace(".venv/bin/jobd", shlex.quote(str(JOBD)))
+    result = subprocess.run(
+        ["bash", "-e", "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env=clean_env(JOBD_DATABASE_URL=db_url, JOBD_CONFIG="config/jobd.example.yaml"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("paused handler order in lane default")
+    assert any(line.startswith("quarantined 1 job(s) of handler order") for line in lines)
+    assert "resumed handler order in lane default" in lines
+    assert any(line.startswith("cancelled 1 job(s): ") for line in lines)
+    assert lines[-1].startswith("replayed 1 job(s): ")
