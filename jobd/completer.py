@@ -18,7 +18,15 @@ from jobd import jobs, queue
 from jobd.config import LaneConfig
 from jobd.handler_runner import Outcome, first_line_of
 from jobd.protocol import WorkerSpec
-from jobd.worker_metrics import DEAD, DONE, FAILED, LEASE_LOST, WorkObserver, WorkTotals
+from jobd.worker_metrics import (
+    CANCELLED,
+    DEAD,
+    DONE,
+    FAILED,
+    LEASE_LOST,
+    WorkObserver,
+    WorkTotals,
+)
 
 SETTLE_DELAY = 0.002  # seconds an outcome waits for company when no claim goes out
 
@@ -47,7 +55,8 @@ class Counters:
 
     def as_dict(self) -> dict[str, int]:
         return {"claimed": self.claimed, "completed": self.completed, "failed": self.failed,
-                "dead": self.dead, "lease_lost": self.lease_lost, "released": self.released}
+                "dead": self.dead, "lease_lost": self.lease_lost, "released": self.released,
+                "cancelled": self.cancelled}
 
     def count_claimed(self, taken: list[jobs.Job]) -> None:
         self.claimed += len(taken)
@@ -136,7 +145,7 @@ class Completer:
         lease_lost = completed.lease_lost + failed.lease_lost + batch.lost
         self.counters.lease_lost += len(lease_lost)
         if self.counters.work is not None:
-            self._observe(self.counters.work, written, failed, lease_lost)
+            self._observe(self.counters.work, written, failed, lease_lost, cancelled)
         if lease_lost:
             log.warning("lost the lease before finishing; result discarded", job_ids=lease_lost)
         self._log_failures(batch, failed)
@@ -145,16 +154,18 @@ class Completer:
         return [now + f.retry_delay for f in batch.failures if f.lease.id in retried]
 
     def _observe(self, work: WorkObserver, written: list[Outcome], failed: queue.FailOutcome,
-                 lease_lost: list[int]) -> None:
+                 lease_lost: list[int], cancelled: list[int]) -> None:
         """Each written outcome with its run time, per handler; one pass, as the batch's
         outcomes are mostly successes."""
-        lost, dead = set(lease_lost), set(failed.dead)
+        lost, dead, stopped = set(lease_lost), set(failed.dead), set(cancelled)
         # No measured time: the worker gave up on the run at the lane's timeout.
         timeout = self.lane.timeout or 0.0
         for outcome in written:
             job_id = outcome.job.id
             if job_id in lost:
                 kind = LEASE_LOST
+            elif job_id in stopped:
+                kind = CANCELLED
             elif outcome.error is None:
                 kind = DONE
             else:
