@@ -472,7 +472,9 @@ def test_a_job_due_below_an_idle_workers_claim_floors_still_starts_within_second
     # The fallback poll is a minute away: only the worker's own look from the head of the
     # lane (jobd/claim_floors.py) can find a job that became due below its floors.
     daemon = idle_daemon(daemons, effects_db)
-    time.sleep(0.2)  # it lingers, then arms with floors past the warm-up job
+    # Out of work, it arms itself with floors past the warm-up job.
+    wait_until(lambda: effects_db.execute("SELECT count(*) FROM lane_waiters").fetchone()
+               == (1,), 10, message=lambda: f"the worker to arm\n{daemon.tail()}")
     # What an enqueue looks like whose transaction began long before it committed.
     straggler = jobd.enqueue(effects_db, "ok", run_at=db_now(effects_db) - timedelta(seconds=30))
     wait_state(effects_db, straggler, "done", 5, daemon)

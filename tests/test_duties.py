@@ -9,6 +9,7 @@ from datetime import datetime, timedelta
 import psycopg
 import pytest
 import structlog
+from daemon_support import wait_until
 
 import jobd
 from jobd import queue
@@ -208,7 +209,10 @@ def test_the_horizon_watch_names_the_transaction_that_holds_vacuum_back(
         holder.execute("SET application_name = 'nightly report'")
         holder.execute("SELECT txid_current()")
         [[pid]] = holder.execute("SELECT pg_backend_pid()").fetchall()
-        holder.execute("SELECT pg_sleep(0.6)")  # older than the threshold
+        wait_until(lambda: conn.execute(  # older than the threshold
+            "SELECT now() - xact_start >= interval '0.5 s' FROM pg_stat_activity"
+            " WHERE pid = %s", (pid,)).fetchone() == (True,), 10, interval=0.05,
+            message=lambda: "the holder to be half a second old")
         with structlog.testing.capture_logs() as logged:
             watch.run(conn, 0.0)
             watch.run(conn, 10.0)  # the same holder: not repeated every turn
