@@ -8,7 +8,9 @@ job claimed since, and claims slow down as the horizon ages (docs/design/queue.m
 floors"). A floor keeps the scan above them:
 
 - a claim stopped, in each priority it took from, at the last job it took: the scan of that
-  priority starts there next time;
+  priority starts there next time, and no earlier dry instant counts for it (the jobs it
+  took may lie below one: a herd due in the past, found by a scan from the head, is then
+  followed claim after claim rather than one full scan a second);
 - a claim that came back short left nothing due unclaimed in any priority: every priority is
   dry as of "now, less :data:`CAUGHT_UP_MARGIN`" (a claim that came back full, each priority
   above the lowest it took from); the scan starts at the later of the two;
@@ -31,6 +33,10 @@ from typing import Any
 CAUGHT_UP_MARGIN = 0.5
 # The longest a job below a floor waits for a claim that scans from the head.
 FULL_SCAN_INTERVAL = 1.0
+# A priority's dry instant when a claim took jobs from it: not dry at all below its position
+# (the age sent makes the dry floor decades old, so the position alone counts).
+NOT_DRY = -math.inf
+NOT_DRY_AGE = 1e9
 
 
 @dataclass(slots=True)
@@ -61,7 +67,8 @@ class ClaimFloors:
             priorities.append(priority)
             run_ats.append(floor.run_at)
             ids.append(floor.job_id)
-            ages.append(None if floor.dry_at is None else _age(floor.dry_at, now))
+            ages.append(None if floor.dry_at is None else
+                        NOT_DRY_AGE if floor.dry_at == NOT_DRY else _age(floor.dry_at, now))
         return {"floor_priorities": priorities, "floor_run_ats": run_ats, "floor_ids": ids,
                 "floor_ages": ages,
                 "default_floor_age": None if self.dry_at is None else _age(self.dry_at, now)}
@@ -83,13 +90,20 @@ class ClaimFloors:
         if fair:
             if len(taken) < limit:
                 self._all_dry(now)
+            elif taken:
+                # Work was found, maybe below the dry floor (a herd due in the past): scan
+                # from the head until a claim comes back short.
+                self.dry_at = None
             return
         last: dict[int, tuple[datetime, int]] = {}
         for priority, run_at, job_id in taken:
             last[priority] = max(last.get(priority, (run_at, job_id)), (run_at, job_id))
         for priority, (run_at, job_id) in last.items():
             floor = self.by_priority.setdefault(priority, Floor())
-            floor.run_at, floor.job_id = run_at, job_id
+            # The priority had due work up to here, maybe below its dry floor (jobs due in
+            # the past: a backfill, a herd whose run_at the clock passed, jobs given back):
+            # from now on the position alone says where its scan starts.
+            floor.run_at, floor.job_id, floor.dry_at = run_at, job_id, NOT_DRY
         if not last and len(taken) >= limit:
             return  # nothing taken, nothing asked for (a claim capped at zero)
         if len(taken) < limit:

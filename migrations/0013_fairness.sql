@@ -265,13 +265,16 @@ AS $$
     )
     SELECT coalesce(array_agg(d.key), '{}')
       FROM (SELECT w.key FROM walk AS w
+             -- A probe per key (LIMIT 1 in a lateral: never a hash of a key's every job).
+             CROSS JOIN LATERAL (
+                   SELECT 1 FROM jobs AS j
+                    WHERE j.lane = due_keys.lane AND j.state IN ('pending', 'failed')
+                      AND j.priority = level
+                      AND coalesce(j.fairness_key, j.handler) COLLATE "C" = w.key
+                      AND (j.run_at, j.id) >= (floor_at, floor_id)
+                      AND j.run_at > after AND j.run_at <= up_to
+                    LIMIT 1) AS due
              WHERE w.key IS NOT NULL AND (to_key IS NULL OR w.key <= to_key)
-               AND EXISTS (SELECT 1 FROM jobs AS j
-                            WHERE j.lane = due_keys.lane AND j.state IN ('pending', 'failed')
-                              AND j.priority = level
-                              AND coalesce(j.fairness_key, j.handler) COLLATE "C" = w.key
-                              AND (j.run_at, j.id) >= (floor_at, floor_id)
-                              AND j.run_at > after AND j.run_at <= up_to)
              LIMIT wanted) AS d
 $$;
 

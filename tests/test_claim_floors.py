@@ -10,6 +10,7 @@ from jobd import queue
 from jobd.claim_floors import (
     CAUGHT_UP_MARGIN,
     FULL_SCAN_INTERVAL,
+    NOT_DRY_AGE,
     ClaimFloors,
     full_scan_params,
 )
@@ -52,10 +53,34 @@ def test_a_full_claim_stops_at_the_last_job_of_the_lowest_priority_it_reached() 
     by_priority = dict(zip(params["floor_priorities"],
                            zip(params["floor_run_ats"], params["floor_ids"],
                                params["floor_ages"], strict=True), strict=True))
-    assert by_priority[0] == (at(4), 12, None)  # the last by (run_at, id), not by arrival
+    # The last by (run_at, id), not by arrival; no dry instant below it holds.
+    assert by_priority[0] == (at(4), 12, NOT_DRY_AGE)
     run_at, job_id, age = by_priority[5]
     assert (run_at, job_id) == (at(1), 3)
     assert age is not None and abs(age - (CAUGHT_UP_MARGIN + 0.1)) < 1e-9  # exhausted
+
+
+def test_work_found_below_the_dry_floor_is_followed_from_its_position() -> None:
+    """A lane seen dry, then a herd due in the past (a backfill, a clock that passed the
+    run_at of delayed jobs): the full scan finds it below the dry floor, and the claims after
+    it go on from the herd's position instead of waiting for the next full scan."""
+    floors = ClaimFloors()
+    floors.claimed(full_scan_params(), [], 10, 0.0)  # dry at 0
+    herd = [(0, at(-60), n) for n in range(1, 11)]
+    floors.claimed(full_scan_params(), herd, 10, FULL_SCAN_INTERVAL)  # a full claim
+    params = floors.params(FULL_SCAN_INTERVAL + 0.1)
+    assert params["floor_priorities"] == [0] and params["floor_run_ats"] == [at(-60)]
+    assert params["floor_ids"] == [10] and params["floor_ages"] == [NOT_DRY_AGE]
+
+
+def test_a_fair_claim_that_finds_work_scans_from_the_head_until_it_comes_back_short() -> None:
+    floors = ClaimFloors()
+    floors.claimed(full_scan_params(), [], 10, 0.0, fair=True)
+    assert floors.params(0.1)["default_floor_age"] is not None  # dry
+    floors.claimed(full_scan_params(), [(0, at(-60), 1)] * 10, 10, 1.0, fair=True)
+    assert floors.params(1.1) == full_scan_params()
+    floors.claimed(full_scan_params(), [(0, at(-60), 1)], 10, 1.2, fair=True)
+    assert floors.params(1.3)["default_floor_age"] is not None
 
 
 def test_giving_jobs_back_sends_the_next_claim_to_the_head() -> None:
