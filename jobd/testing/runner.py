@@ -1,0 +1,251 @@
+"""``run_jobs``: a lane's due jobs, run in the test's process through the queue's real
+statements, one job at a time.
+
+Each job is claimed with the worker's claim (lane pauses and limits included), its handler
+called, and its outcome written with the worker's statements: a success completes it (the
+archive), a failure records the attempt with the lane's backoff (``failed`` until its retry
+is due) or, with its attempts spent, moves it to the dead-letter queue. A ``@jobd.transactional``
+handler runs through :func:`jobd.exactly_once.run_transactional`, as on a worker: its writes,
+its effect key and the completion commit together. On the test's own connection that
+transaction is a savepoint in the test's transaction, so the test sees the handler's writes
+and rolls everything back at its end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+from collections.abc import Callable, Coroutine, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from jobd import config as config_module
+from jobd import exactly_once, handlers, outbox, queue
+from jobd.backoff import RetryPolicy
+from jobd.config import Config, LaneConfig
+from jobd.handler_runner import first_line_of, format_error
+from jobd.jobs import Job
+from jobd.testing.clock import Clock
+from jobd.testing.session import Session, Target, open_session
+
+HandlerMap = Mapping[str, Callable[..., Any] | str]
+
+
+@dataclass(frozen=True, slots=True)
+class JobRun:
+    """One job that :func:`run_jobs` ran, and how its attempt ended: ``done``, ``failed``
+    (to be retried at ``retry_at``), ``dead`` (moved to the dead-letter queue),
+    ``cancelled`` (asked to stop) or ``lease_lost``."""
+
+    job: Job
+    outcome: str
+    error: str | None = None  # the stored error text: its headline, then the traceback
+    retry_at: datetime | None = None
+    # What the handler raised (JobFailed's __cause__).
+    exception: BaseException | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def id(self) -> int:
+        return self.job.id
+
+    @property
+    def handler(self) -> str:
+        return self.job.handler
+
+
+@dataclass(slots=True)
+class RunSummary:
+    """What one :func:`run_jobs` call did, in the order the jobs ran."""
+
+    runs: list[JobRun] = field(default_factory=list)
+
+    def _count(self, outcome: str) -> int:
+        return sum(1 for run in self.runs if run.outcome == outcome)
+
+    @property
+    def ran(self) -> int:
+        return len(self.runs)
+
+    @property
+    def done(self) -> int:
+        return self._count("done")
+
+    @property
+    def failed(self) -> int:
+        """Failed attempts that will be retried."""
+        return self._count("failed")
+
+    @property
+    def dead(self) -> int:
+        return self._count("dead")
+
+    @property
+    def cancelled(self) -> int:
+        return self._count("cancelled")
+
+    @property
+    def errors(self) -> list[str]:
+        """The error text (headline and traceback) of every failed attempt."""
+        return [run.error for run in self.runs if run.error is not None]
+
+    def __str__(self) -> str:
+        counts = ", ".join(f"{self._count(o)} {o}" for o in
+                           ("done", "failed", "dead", "cancelled", "lease_lost") if self._count(o))
+        lines = [f"ran {self.ran} job(s)" + (f": {counts}" if counts else "")]
+        lines += [f"  job {run.id} {run.handler!r} attempt {run.job.attempt}: "
+                  f"{first_line_of(run.error)}" for run in self.runs if run.error]
+        return "\n".join(lines)
+
+
+class JobFailed(Exception):
+    """A job's attempt failed under ``run_jobs(..., raise_errors=True)``. The failure is
+    recorded in the database first; the handler's exception is the ``__cause__``."""
+
+    def __init__(self, run: JobRun, summary: RunSummary) -> None:
+        assert run.error is not None
+        super().__init__(f"job {run.id} ({run.handler!r}, attempt {run.job.attempt}) "
+                         f"failed and is {run.outcome}:\n{run.error}")
+        self.run = run
+        self.summary = summary
+
+
+# The name claims carry (jobs.claimed_by), so a job a test left claimed is easy to tell.
+WORKER_PREFIX = "jobd.testing"
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    lane: LaneConfig
+    handlers: dict[str, handlers.ResolvedHandler]
+    worker: str
+
+
+def _config(config: Config | str | Path | None) -> Config | None:
+    if config is None or isinstance(config, Config):
+        return config
+    return config_module.load(config)
+
+
+def _resolve(name: str, target: Callable[..., Any] | str) -> handlers.ResolvedHandler:
+    if isinstance(target, str):
+        return handlers.resolve(name, target)
+    if not callable(target):
+        raise TypeError(f"handler {name!r}: expected a function or a 'module:function' "
+                        f"path, not {target!r}")
+    return handlers.resolved(name, target)
+
+
+def _plan(lane: str, given: HandlerMap | None, config: Config | None,
+          retry: RetryPolicy | None) -> _Plan:
+    lane_config = (config.lanes.get(lane) if config else None) or LaneConfig(lane)
+    if retry is not None:
+        lane_config = dataclasses.replace(lane_config, backoff=retry.backoff,
+                                          max_attempts=retry.max_attempts)
+    resolved = dict(handlers.resolve_all(config.worker_handlers())) if config else {}
+    resolved.update({name: _resolve(name, target) for name, target in (given or {}).items()})
+    if not resolved:
+        raise ValueError("run_jobs needs handlers: handlers={name: function} or a config")
+    if config is not None and config.outbox_senders:
+        senders = handlers.resolve_all(config.outbox_senders)
+        outbox.install({name: r.func for name, r in senders.items()}, config.outbox_lane,
+                       config.schema)
+    return _Plan(lane_config, resolved, f"{WORKER_PREFIX}:{os.getpid()}:{lane}")
+
+
+def run_jobs(target: Target, lane: str = "default", *, handlers: HandlerMap | None = None,
+             config: Config | str | Path | None = None, limit: int | None = None,
+             clock: Clock | None = None, raise_errors: bool = False,
+             retry: RetryPolicy | None = None, schema: str | None = None) -> RunSummary:
+    """Run the due jobs of ``lane``, one at a time, until none is due (or ``limit`` ran).
+
+    ``target`` is the test's psycopg connection (the jobs its open transaction enqueued
+    run inside it) or a database URL (committed jobs; every write commits). ``handlers``
+    maps handler names to functions or ``module:function`` paths; ``config`` (a
+    :class:`jobd.config.Config` or a YAML path) gives its handler allow-list, outbox
+    senders, schema and the lane's settings (backoff, attempts, lease, limits); ``retry``
+    overrides the lane's retry policy. ``clock`` decides what is due (default: the
+    database clock). A retry that falls due during the call is run again in it, as a worker
+    would. With ``raise_errors`` the first failed attempt raises :class:`JobFailed` once the
+    failure is recorded.
+    """
+    if limit is not None and limit < 0:
+        raise ValueError(f"limit must not be negative, not {limit!r}")
+    loaded = _config(config)
+    plan = _plan(lane, handlers, loaded, retry)
+    clock = clock or Clock()
+    summary = RunSummary()
+    with open_session(target, schema or (loaded.schema if loaded else None)) as session:
+        while limit is None or summary.ran < limit:
+            now = clock.parameter(session.conn)
+            claimed = _claim_one(session, plan, now)
+            if claimed is None:
+                break
+            run = _run(session, plan, claimed, now)
+            summary.runs.append(run)
+            if raise_errors and run.error is not None:
+                raise JobFailed(run, summary) from run.exception
+    return summary
+
+
+def _claim_one(session: Session, plan: _Plan, now: datetime | None) -> Job | None:
+    lane = plan.lane
+    with session.jobd_statements() as conn:
+        jobs = queue.claim(conn, lane.name, plan.worker, 1, lane.visibility_timeout, now,
+                           budget=lane.budget() if lane.limited else None)
+    return jobs[0] if jobs else None
+
+
+def _run(session: Session, plan: _Plan, job: Job, now: datetime | None) -> JobRun:
+    resolved = plan.handlers.get(job.handler)
+    try:
+        if resolved is None:
+            raise LookupError(f"no handler named {job.handler!r} in run_jobs' handlers "
+                              f"(lane {job.lane!r})")
+        if resolved.is_transactional:
+            return _transactional(session, plan, resolved, job)
+        _call(resolved, job, plan.lane.timeout)
+    except exactly_once.LeaseLost:
+        return JobRun(job, "lease_lost")
+    except Exception as exc:  # the handler's failure is the job's, recorded below
+        return _failed(session, plan, job, exc, now)
+    with session.jobd_statements() as conn:
+        written = queue.complete(conn, [job.lease], now)
+    if not written.applied:
+        return JobRun(job, "lease_lost")
+    return JobRun(job, "cancelled" if written.cancelled else "done")
+
+
+def _transactional(session: Session, plan: _Plan, resolved: handlers.ResolvedHandler,
+                   job: Job) -> JobRun:
+    with session.handler_connection() as conn:
+        result = exactly_once.run_transactional(conn, job, resolved.func, session.schema,
+                                                plan.lane.timeout)
+    return JobRun(job, "cancelled" if result == "cancelled" else "done")
+
+
+def _call(resolved: handlers.ResolvedHandler, job: Job, timeout: float | None) -> None:
+    if not resolved.is_async:
+        resolved.func(job)
+        return
+    coroutine: Coroutine[Any, Any, Any] = resolved.func(job)
+    if timeout:
+        asyncio.run(asyncio.wait_for(coroutine, timeout))
+    else:
+        asyncio.run(coroutine)
+
+
+def _failed(session: Session, plan: _Plan, job: Job, exc: BaseException,
+            now: datetime | None) -> JobRun:
+    error = format_error(exc)
+    policy = plan.lane.retry_policy
+    failure = queue.Failure(job.lease, error, policy.backoff.delay(job.attempt),
+                            policy.max_attempts, final=job.undecodable)
+    with session.jobd_statements() as conn:
+        outcome = queue.fail(conn, [failure], now)
+    if outcome.retried:
+        return JobRun(job, "failed", error, outcome.retry_at.get(job.id), exc)
+    kind = "dead" if outcome.dead else "cancelled" if outcome.cancelled else "lease_lost"
+    return JobRun(job, kind, error, None, exc)
