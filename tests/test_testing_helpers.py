@@ -8,6 +8,7 @@ search_path, not autocommit, rolled back when the test ends.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -223,6 +224,28 @@ def test_async_handlers_run_to_success_and_failure(user_conn: psycopg.Connection
     summary = run_jobs(user_conn, handlers=HANDLERS)
     assert [(r.id, r.outcome) for r in summary.runs] == [(ok, "done"), (failing, "failed")]
     assert summary.errors[0].startswith("RuntimeError: async handler failed")
+
+
+def test_run_jobs_works_when_called_from_async_code(user_conn: psycopg.Connection) -> None:
+    jobd.enqueue(user_conn, "notify_async", {})
+
+    async def an_async_test() -> int:
+        return run_jobs(user_conn, handlers=HANDLERS).done
+
+    assert asyncio.run(an_async_test()) == 1
+
+
+def test_a_replayed_effect_key_skips_the_handler_and_says_so(
+    user_conn: psycopg.Connection,
+) -> None:
+    first = jobd.enqueue(user_conn, "charge", {"order": 4}, idempotency_key="charge-4")
+    # A second delivery of the same effect (the key ledger bypassed, as a replay would).
+    user_conn.execute("DELETE FROM jobd.job_keys WHERE idempotency_key = 'charge-4'")
+    second = jobd.enqueue(user_conn, "charge", {"order": 4}, idempotency_key="charge-4")
+    summary = run_jobs(user_conn, handlers=HANDLERS)
+    assert [(r.id, r.outcome, r.replayed) for r in summary.runs] == [
+        (first, "done", False), (second, "done", True)]
+    assert one(user_conn, "SELECT count(*) FROM calls") == 1
 
 
 def test_run_jobs_on_a_database_url_commits_as_a_worker_does(

@@ -14,6 +14,7 @@ and rolls everything back at its end.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import os
 from collections.abc import Callable, Coroutine, Mapping
@@ -44,6 +45,9 @@ class JobRun:
     outcome: str
     error: str | None = None  # the stored error text: its headline, then the traceback
     retry_at: datetime | None = None
+    # A transactional job whose effect key had already committed: the handler was skipped
+    # and the job completed (jobd.exactly_once).
+    replayed: bool = False
     # What the handler raised (JobFailed's __cause__).
     exception: BaseException | None = field(default=None, repr=False, compare=False)
 
@@ -223,7 +227,8 @@ def _transactional(session: Session, plan: _Plan, resolved: handlers.ResolvedHan
     with session.handler_connection() as conn:
         result = exactly_once.run_transactional(conn, job, resolved.func, session.schema,
                                                 plan.lane.timeout)
-    return JobRun(job, "cancelled" if result == "cancelled" else "done")
+    return JobRun(job, "cancelled" if result == "cancelled" else "done",
+                  replayed=result == "replayed")
 
 
 def _call(resolved: handlers.ResolvedHandler, job: Job, timeout: float | None) -> None:
@@ -232,9 +237,15 @@ def _call(resolved: handlers.ResolvedHandler, job: Job, timeout: float | None) -
         return
     coroutine: Coroutine[Any, Any, Any] = resolved.func(job)
     if timeout:
-        asyncio.run(asyncio.wait_for(coroutine, timeout))
-    else:
+        coroutine = asyncio.wait_for(coroutine, timeout)
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:  # no loop in this thread: the usual case
         asyncio.run(coroutine)
+        return
+    # Called from async code (an async test): asyncio.run needs a thread without a loop.
+    with concurrent.futures.ThreadPoolExecutor(1, "jobd-testing-async") as executor:
+        executor.submit(asyncio.run, coroutine).result()
 
 
 def _failed(session: Session, plan: _Plan, job: Job, exc: BaseException,
@@ -246,6 +257,6 @@ def _failed(session: Session, plan: _Plan, job: Job, exc: BaseException,
     with session.jobd_statements() as conn:
         outcome = queue.fail(conn, [failure], now)
     if outcome.retried:
-        return JobRun(job, "failed", error, outcome.retry_at.get(job.id), exc)
+        return JobRun(job, "failed", error, outcome.retry_at.get(job.id), exception=exc)
     kind = "dead" if outcome.dead else "cancelled" if outcome.cancelled else "lease_lost"
-    return JobRun(job, kind, error, None, exc)
+    return JobRun(job, kind, error, exception=exc)
