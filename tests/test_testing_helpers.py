@@ -276,6 +276,18 @@ def test_run_jobs_takes_handlers_and_the_lanes_retry_policy_from_a_config_file(
     assert one(user_conn, "SELECT count(*) FROM jobd.dead_letter WHERE id = %s", (job_id,)) == 1
 
 
+def test_an_async_handler_past_the_lanes_timeout_fails_as_on_a_worker(
+    user_conn: psycopg.Connection, tmp_path: Path
+) -> None:
+    config = tmp_path / "jobd.yaml"
+    config.write_text(yaml.safe_dump({
+        "handlers": {"sleep_async": "testing_app:sleep_async"},
+        "lanes": {"default": {"timeout": "100ms"}}}))
+    jobd.enqueue(user_conn, "sleep_async", {"seconds": 60})
+    summary = run_jobs(user_conn, config=config)
+    assert summary.errors == ["timed out after 0.1s"]
+
+
 def test_run_jobs_refuses_to_run_without_handlers(user_conn: psycopg.Connection) -> None:
     with pytest.raises(ValueError, match="needs handlers"):
         run_jobs(user_conn)

@@ -66,3 +66,7 @@ async def notify_async(job: jobd.Job) -> Any:
     await asyncio.sleep(0)
     if job.payload.get("fail"):
         raise RuntimeError("async handler failed")
+
+
+async def sleep_async(job: jobd.Job) -> None:
+    await asyncio.sleep(job.payload["seconds"])

@@ -27,7 +27,7 @@ from jobd import config as config_module
 from jobd import exactly_once, handlers, outbox, queue
 from jobd.backoff import RetryPolicy
 from jobd.config import Config, LaneConfig
-from jobd.handler_runner import first_line_of, format_error
+from jobd.handler_runner import JobTimedOut, first_line_of, format_error
 from jobd.jobs import Job
 from jobd.testing.clock import Clock
 from jobd.testing.session import Session, Target, open_session
@@ -213,7 +213,7 @@ def _run(session: Session, plan: _Plan, job: Job, now: datetime | None) -> JobRu
         _call(resolved, job, plan.lane.timeout)
     except exactly_once.LeaseLost:
         return JobRun(job, "lease_lost")
-    except Exception as exc:  # the handler's failure is the job's, recorded below
+    except (Exception, SystemExit) as exc:  # as on a worker: a sys.exit() fails the job
         return _failed(session, plan, job, exc, now)
     with session.jobd_statements() as conn:
         written = queue.complete(conn, [job.lease], now)
@@ -237,7 +237,7 @@ def _call(resolved: handlers.ResolvedHandler, job: Job, timeout: float | None) -
         return
     coroutine: Coroutine[Any, Any, Any] = resolved.func(job)
     if timeout:
-        coroutine = asyncio.wait_for(coroutine, timeout)
+        coroutine = _within(coroutine, timeout)
     try:
         asyncio.get_running_loop()
     except RuntimeError:  # no loop in this thread: the usual case
@@ -248,9 +248,22 @@ def _call(resolved: handlers.ResolvedHandler, job: Job, timeout: float | None) -
         executor.submit(asyncio.run, coroutine).result()
 
 
+async def _within(coroutine: Coroutine[Any, Any, Any], timeout: float) -> Any:
+    """The lane's ``timeout`` for an async handler, failing as on a worker."""
+    scope = asyncio.timeout(timeout)
+    try:
+        async with scope:
+            return await coroutine
+    except TimeoutError:
+        if scope.expired():  # the lane's deadline, not a TimeoutError of the handler's
+            raise JobTimedOut(f"timed out after {timeout:g}s") from None
+        raise
+
+
 def _failed(session: Session, plan: _Plan, job: Job, exc: BaseException,
             now: datetime | None) -> JobRun:
-    error = format_error(exc)
+    # A timeout is recorded as the worker records it: the deadline, no traceback.
+    error = str(exc) if isinstance(exc, JobTimedOut) else format_error(exc)
     policy = plan.lane.retry_policy
     failure = queue.Failure(job.lease, error, policy.backoff.delay(job.attempt),
                             policy.max_attempts, final=job.undecodable)
