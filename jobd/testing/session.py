@@ -32,6 +32,10 @@ class Session:
     schema: str
     # The database URL when the helpers opened their own connections; None on a test's.
     url: str | None
+    # The test connection's own search_path, read once (see jobd_statements).
+    callers_path: str | None = None
+    # With a URL: the transactional handlers' connection, opened on first use.
+    handler_conn: psycopg.Connection | None = None
 
     @property
     def on_callers_connection(self) -> bool:
@@ -43,8 +47,10 @@ class Session:
         if not self.on_callers_connection:
             yield self.conn
             return
-        row = self.conn.execute(query("testing_session_settings")).fetchone()
-        assert row is not None
+        if self.callers_path is None:
+            row = self.conn.execute(query("testing_session_settings")).fetchone()
+            assert row is not None
+            self.callers_path = str(row[0])
         self.conn.execute(query("testing_set_search_path"), {"path": self.schema})
         try:
             yield self.conn
@@ -52,21 +58,27 @@ class Session:
             # An aborted transaction refuses every statement; its rollback restores the
             # search_path by itself.
             if self.conn.info.transaction_status != pq.TransactionStatus.INERROR:
-                self.conn.execute(query("testing_set_search_path"), {"path": row[0]})
+                self.conn.execute(query("testing_set_search_path"),
+                                  {"path": self.callers_path})
 
     @contextlib.contextmanager
     def handler_connection(self) -> Iterator[psycopg.Connection]:
         """The connection a transactional handler runs on: the test's own (its transaction
-        becomes a savepoint in the test's), else a fresh one with the role's search_path,
-        as the worker's handler pool opens them."""
+        becomes a savepoint in the test's), else one with the role's search_path, as the
+        worker's handler pool opens them, kept for the session."""
         if self.on_callers_connection:
             with _settings_kept(self.conn):
                 yield self.conn
             return
         assert self.url is not None
-        with psycopg.connect(conninfo(self.url, None, "jobd.testing handler"),
-                             autocommit=True) as conn:
-            yield conn
+        if self.handler_conn is None or self.handler_conn.closed or self.handler_conn.broken:
+            self.handler_conn = psycopg.connect(
+                conninfo(self.url, None, "jobd.testing handler"), autocommit=True)
+        yield self.handler_conn
+
+    def close(self) -> None:
+        if self.handler_conn is not None:
+            self.handler_conn.close()
 
 
 @contextlib.contextmanager
@@ -98,4 +110,8 @@ def open_session(target: Target, schema: str | None = None) -> Iterator[Session]
     if not isinstance(target, str):
         raise TypeError(f"expected a psycopg connection or a database URL, not {target!r}")
     with connect(target, schema, autocommit=True) as conn:
-        yield Session(conn, schema, target)
+        session = Session(conn, schema, target)
+        try:
+            yield session
+        finally:
+            session.close()
