@@ -263,6 +263,18 @@ def test_run_jobs_on_a_database_url_commits_as_a_worker_does(
     assert state == "done" and claimed_by.startswith("jobd.testing:")
 
 
+def test_on_an_autocommit_connection_every_run_commits(
+    app_url: str, observer: psycopg.Connection
+) -> None:
+    with psycopg.connect(app_url, autocommit=True) as app:
+        order_id = testing_app.place_order(app, "d@example.com", 10)
+        settings = session_settings(app)
+        assert run_jobs(app, handlers=HANDLERS).done == 1
+        assert session_settings(app) == settings
+    assert one(observer, "SELECT receipt_sent FROM public.orders WHERE id = %s",
+               (order_id,)) is True
+
+
 def test_run_jobs_takes_handlers_and_the_lanes_retry_policy_from_a_config_file(
     user_conn: psycopg.Connection, tmp_path: Path
 ) -> None:
