@@ -300,6 +300,32 @@ def test_an_async_handler_past_the_lanes_timeout_fails_as_on_a_worker(
     assert summary.errors == ["timed out after 0.1s"]
 
 
+def test_an_outbox_entry_is_delivered_by_running_the_configured_outbox_lane(
+    user_conn: psycopg.Connection, tmp_path: Path
+) -> None:
+    config = tmp_path / "jobd.yaml"
+    config.write_text(yaml.safe_dump({
+        "handlers": {"confirm_order": "testing_app:confirm_order"},
+        "lanes": {"default": {}, "mail": {}},
+        "outbox": {"lane": "mail", "senders": {"mail": "testing_app:send_mail"}}}))
+    sent = testing_app.SENT
+    sent.clear()
+    order_id = one(user_conn, "INSERT INTO orders (email, total) VALUES ('e@example.com', 10)"
+                              " RETURNING id")
+    job_id = jobd.enqueue(user_conn, "confirm_order", {"order": order_id})
+    assert run_jobs(user_conn, config=config, raise_errors=True).done == 1
+    [delivery] = assert_enqueued(user_conn, "jobd.outbox", lane="mail")
+    assert sent == []  # delivered only when the outbox lane runs
+    summary = run_jobs(user_conn, "mail", config=config, raise_errors=True)
+    assert [run.id for run in summary.runs] == [delivery.id]
+    assert sent == [(f"jobd:job:{job_id}:mail", {"order": order_id})]
+    assert one(user_conn, "SELECT state FROM jobd.outbox") == "delivered"
+    # The config's outbox settings were the runs' only: without it, the default lane.
+    jobd.enqueue(user_conn, "confirm_order", {"order": order_id})
+    run_jobs(user_conn, handlers={"confirm_order": testing_app.confirm_order})
+    assert_enqueued(user_conn, "jobd.outbox", lane="outbox", count=1)
+
+
 def test_run_jobs_refuses_to_run_without_handlers(user_conn: psycopg.Connection) -> None:
     with pytest.raises(ValueError, match="needs handlers"):
         run_jobs(user_conn)

@@ -9,6 +9,7 @@ from typing import Any
 import psycopg
 
 import jobd
+from jobd import outbox
 
 SCHEMA = """
 CREATE TABLE orders (id bigserial PRIMARY KEY, email text NOT NULL, total int NOT NULL,
@@ -70,3 +71,17 @@ async def notify_async(job: jobd.Job) -> Any:
 
 async def sleep_async(job: jobd.Job) -> None:
     await asyncio.sleep(job.payload["seconds"])
+
+
+@jobd.transactional
+def confirm_order(job: jobd.Job, conn: psycopg.Connection) -> None:
+    """Writes the order's state and records the mail to send about it (jobd.outbox)."""
+    conn.execute("UPDATE orders SET receipt_sent = true WHERE id = %s", (job.payload["order"],))
+    outbox.add(conn, job, "mail", {"order": job.payload["order"]})
+
+
+SENT: list[tuple[str, Any]] = []  # what send_mail was given: (key, payload)
+
+
+def send_mail(entry: outbox.OutboxEntry) -> None:
+    SENT.append((entry.key, entry.payload))

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import os
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -125,6 +126,19 @@ class _Plan:
     lane: LaneConfig
     handlers: dict[str, handlers.ResolvedHandler]
     worker: str
+    config: Config | None
+
+    @contextlib.contextmanager
+    def outbox(self) -> Iterator[None]:
+        """The config's outbox senders and lane, as a worker installs them, for the run
+        only: the next test may run with another config, or none."""
+        if self.config is None or not self.config.outbox_senders:
+            yield
+            return
+        senders = handlers.resolve_all(self.config.outbox_senders)
+        with outbox.installed({name: r.func for name, r in senders.items()},
+                              self.config.outbox_lane, self.config.schema):
+            yield
 
 
 def _config(config: Config | str | Path | None) -> Config | None:
@@ -152,11 +166,7 @@ def _plan(lane: str, given: HandlerMap | None, config: Config | None,
     resolved.update({name: _resolve(name, target) for name, target in (given or {}).items()})
     if not resolved:
         raise ValueError("run_jobs needs handlers: handlers={name: function} or a config")
-    if config is not None and config.outbox_senders:
-        senders = handlers.resolve_all(config.outbox_senders)
-        outbox.install({name: r.func for name, r in senders.items()}, config.outbox_lane,
-                       config.schema)
-    return _Plan(lane_config, resolved, f"{WORKER_PREFIX}:{os.getpid()}:{lane}")
+    return _Plan(lane_config, resolved, f"{WORKER_PREFIX}:{os.getpid()}:{lane}", config)
 
 
 def run_jobs(target: Target, lane: str = "default", *, handlers: HandlerMap | None = None,
@@ -181,7 +191,8 @@ def run_jobs(target: Target, lane: str = "default", *, handlers: HandlerMap | No
     plan = _plan(lane, handlers, loaded, retry)
     clock = clock or Clock()
     summary = RunSummary()
-    with open_session(target, schema or (loaded.schema if loaded else None)) as session:
+    with open_session(target, schema or (loaded.schema if loaded else None)) as session, \
+            plan.outbox():
         while limit is None or summary.ran < limit:
             now = clock.parameter(session.conn)
             claimed = _claim_one(session, plan, now)
