@@ -353,6 +353,24 @@ def test_a_schedule_fires_at_the_frozen_clock_and_its_job_runs(
     assert one(user_conn, "SELECT array_agg(day) FROM reports") == ["2027-03-01"]
 
 
+def test_schedules_from_a_config_file_fire_through_a_database_url(
+    app_url: str, observer: psycopg.Connection, tmp_path: Path
+) -> None:
+    config = tmp_path / "jobd.yaml"
+    config.write_text(yaml.safe_dump({
+        "handlers": {"nightly_report": "testing_app:nightly_report"},
+        "schedules": [{"id": "hourly", "cron": "0 * * * *", "handler": "nightly_report"}]}))
+    clock = Clock(datetime(2027, 6, 1, 9, 59, tzinfo=UTC))
+    assert materialize_schedules(app_url, config, clock=clock) == []
+    [fired] = materialize_schedules(app_url, config, clock=clock.advance(timedelta(hours=3)))
+    # Three occurrences passed; the default catch-up (latest) fires the newest only.
+    assert fired.occurrence.startswith("2027-06-01T12:00")
+    assert one(observer, "SELECT run_at FROM jobs WHERE id = %s", (fired.job_id,)) == datetime(
+        2027, 6, 1, 12, 0, tzinfo=UTC)
+    assert run_jobs(app_url, config=config, clock=clock).done == 1
+    assert one(observer, "SELECT array_agg(day) FROM public.reports") == ["2027-06-01"]
+
+
 def test_the_clock_follows_the_database_until_moved_or_frozen(
     user_conn: psycopg.Connection,
 ) -> None:
