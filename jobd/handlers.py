@@ -55,6 +55,11 @@ def resolve(name: str, path: str) -> ResolvedHandler:
         ) from exc
     if not callable(target):
         raise HandlerImportError(f"handler {name!r} ({path}) is not callable")
+    return resolved(name, target)
+
+
+def resolved(name: str, target: Handler) -> ResolvedHandler:
+    """A callable as a handler named ``name``: async or not, transactional or not."""
     # A class instance with an ``async def __call__`` is an async handler too.
     is_async = inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(
         type(target).__call__)

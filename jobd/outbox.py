@@ -13,7 +13,8 @@ it retries the delivery).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +54,19 @@ def install(senders: Mapping[str, Sender], lane: str, schema: str = DEFAULT_SCHE
     _settings.senders = dict(senders)
     _settings.lane = lane
     _settings.schema = schema
+
+
+@contextlib.contextmanager
+def installed(senders: Mapping[str, Sender], lane: str,
+              schema: str = DEFAULT_SCHEMA) -> Iterator[None]:
+    """:func:`install` for the length of a block, then the settings from before it (for
+    in-process runs, jobd.testing, which must not leave a test's config behind)."""
+    before = _Settings(dict(_settings.senders), _settings.lane, _settings.schema)
+    install(senders, lane, schema)
+    try:
+        yield
+    finally:
+        install(before.senders, before.lane, before.schema)
 
 
 def add(conn: psycopg.Connection, job: Job, sender: str, payload: Any, *,

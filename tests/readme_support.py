@@ -36,3 +36,7 @@ def localize(command: str, root: Path) -> str:
     for system_dir in ("/etc/jobd", "/opt/jobd"):
         command = command.replace(system_dir, f"{root}{system_dir}")
     return command
+
+
+def python_blocks(text: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", text, re.DOTALL)

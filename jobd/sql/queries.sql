@@ -1002,3 +1002,32 @@ SELECT id, key, sender, payload, state FROM {schema}.outbox WHERE id = %(id)s FO
 -- name: outbox_delivered
 UPDATE {schema}.outbox SET state = 'delivered', delivered_at = now(), last_error = NULL
  WHERE id = %(id)s
+
+-- name: testing_enqueued_jobs_qualified
+-- jobd.testing: the live jobs a test asserts on, on the test's own connection (so it sees
+-- jobs its open transaction inserted), hence {schema}. Payload matching is JSON containment:
+-- the job's payload holds every key and value of %(payload)s.
+SELECT id, handler, lane, payload, state, priority, run_at, attempts, max_attempts,
+       idempotency_key, created_at
+  FROM {schema}.jobs
+ WHERE (%(handler)s::text IS NULL OR handler = %(handler)s)
+   AND (%(lane)s::text IS NULL OR lane = %(lane)s)
+   AND (%(payload)s::jsonb IS NULL OR payload @> %(payload)s::jsonb)
+ ORDER BY id
+
+-- name: testing_session_settings
+-- jobd.testing runs jobd's statements on a test's own connection: what it changes there (the
+-- search_path for jobd's unqualified statements; what record_effect_key sets for the rest of
+-- an open transaction) it reads first, to put back afterwards.
+SELECT current_setting('search_path'), current_setting('application_name'),
+       current_setting('idle_in_transaction_session_timeout'),
+       current_setting('statement_timeout')
+
+-- name: testing_set_search_path
+SELECT set_config('search_path', %(path)s, false)
+
+-- name: testing_restore_session_settings
+-- Local (is_local): record_effect_key's settings were local to the open transaction too.
+SELECT set_config('application_name', %(application_name)s, true),
+       set_config('idle_in_transaction_session_timeout', %(idle_timeout)s, true),
+       set_config('statement_timeout', %(statement_timeout)s, true)

@@ -1,0 +1,206 @@
+"""``run_jobs``: a lane's due jobs, run in the test's process through the queue's real
+statements, one job at a time.
+
+Each job is claimed with the worker's claim (lane pauses and limits included), its handler
+called, and its outcome written with the worker's statements: a success completes it (the
+archive), a failure records the attempt with the lane's backoff (``failed`` until its retry
+is due) or, with its attempts spent, moves it to the dead-letter queue. A ``@jobd.transactional``
+handler runs through :func:`jobd.exactly_once.run_transactional`, as on a worker: its writes,
+its effect key and the completion commit together. On the test's own connection that
+transaction is a savepoint in the test's transaction, so the test sees the handler's writes
+and rolls everything back at its end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import os
+from collections.abc import Callable, Coroutine, Iterator, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from jobd import config as config_module
+from jobd import exactly_once, handlers, outbox, queue
+from jobd.backoff import RetryPolicy
+from jobd.config import Config, LaneConfig
+from jobd.handler_runner import JobTimedOut, format_error
+from jobd.jobs import Job
+from jobd.testing.clock import Clock
+from jobd.testing.results import JobFailed, JobRun, RunSummary
+from jobd.testing.session import Session, Target, open_session
+
+HandlerMap = Mapping[str, Callable[..., Any] | str]
+
+
+# The name claims carry (jobs.claimed_by), so a job a test left claimed is easy to tell.
+WORKER_PREFIX = "jobd.testing"
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    lane: LaneConfig
+    handlers: dict[str, handlers.ResolvedHandler]
+    worker: str
+    config: Config | None
+
+    @contextlib.contextmanager
+    def outbox(self) -> Iterator[None]:
+        """The config's outbox senders and lane, as a worker installs them, for the run
+        only: the next test may run with another config, or none."""
+        if self.config is None or not self.config.outbox_senders:
+            yield
+            return
+        senders = handlers.resolve_all(self.config.outbox_senders)
+        with outbox.installed({name: r.func for name, r in senders.items()},
+                              self.config.outbox_lane, self.config.schema):
+            yield
+
+
+def _config(config: Config | str | Path | None) -> Config | None:
+    if config is None or isinstance(config, Config):
+        return config
+    return config_module.load(config)
+
+
+def _resolve(name: str, target: Callable[..., Any] | str) -> handlers.ResolvedHandler:
+    if isinstance(target, str):
+        return handlers.resolve(name, target)
+    if not callable(target):
+        raise TypeError(f"handler {name!r}: expected a function or a 'module:function' "
+                        f"path, not {target!r}")
+    return handlers.resolved(name, target)
+
+
+def _plan(lane: str, given: HandlerMap | None, config: Config | None,
+          retry: RetryPolicy | None) -> _Plan:
+    lane_config = (config.lanes.get(lane) if config else None) or LaneConfig(lane)
+    if retry is not None:
+        lane_config = dataclasses.replace(lane_config, backoff=retry.backoff,
+                                          max_attempts=retry.max_attempts)
+    resolved = dict(handlers.resolve_all(config.worker_handlers())) if config else {}
+    resolved.update({name: _resolve(name, target) for name, target in (given or {}).items()})
+    if not resolved:
+        raise ValueError("run_jobs needs handlers: handlers={name: function} or a config")
+    return _Plan(lane_config, resolved, f"{WORKER_PREFIX}:{os.getpid()}:{lane}", config)
+
+
+def run_jobs(target: Target, lane: str = "default", *, handlers: HandlerMap | None = None,
+             config: Config | str | Path | None = None, limit: int | None = None,
+             clock: Clock | None = None, raise_errors: bool = False,
+             retry: RetryPolicy | None = None, schema: str | None = None) -> RunSummary:
+    """Run the due jobs of ``lane``, one at a time, until none is due (or ``limit`` ran).
+
+    ``target`` is the test's psycopg connection (the jobs its open transaction enqueued
+    run inside it) or a database URL (committed jobs; every write commits). ``handlers``
+    maps handler names to functions or ``module:function`` paths; ``config`` (a
+    :class:`jobd.config.Config` or a YAML path) gives its handler allow-list, outbox
+    senders, schema and the lane's settings (backoff, attempts, lease, limits); ``retry``
+    overrides the lane's retry policy. ``clock`` decides what is due (default: the
+    database clock). A retry that falls due during the call is run again in it, as a worker
+    would. With ``raise_errors`` the first failed attempt raises :class:`JobFailed` once the
+    failure is recorded.
+    """
+    if limit is not None and limit < 0:
+        raise ValueError(f"limit must not be negative, not {limit!r}")
+    loaded = _config(config)
+    plan = _plan(lane, handlers, loaded, retry)
+    clock = clock or Clock()
+    summary = RunSummary()
+    with open_session(target, schema or (loaded.schema if loaded else None)) as session, \
+            plan.outbox():
+        while limit is None or summary.ran < limit:
+            now = clock.parameter(session.conn)
+            claimed = _claim_one(session, plan, now)
+            if claimed is None:
+                break
+            run = _run(session, plan, claimed, now)
+            summary.runs.append(run)
+            if raise_errors and run.error is not None:
+                raise JobFailed(run, summary) from run.exception
+    return summary
+
+
+def _claim_one(session: Session, plan: _Plan, now: datetime | None) -> Job | None:
+    lane = plan.lane
+    with session.jobd_statements() as conn:
+        jobs = queue.claim(conn, lane.name, plan.worker, 1, lane.visibility_timeout, now,
+                           budget=lane.budget() if lane.limited else None)
+    return jobs[0] if jobs else None
+
+
+def _run(session: Session, plan: _Plan, job: Job, now: datetime | None) -> JobRun:
+    resolved = plan.handlers.get(job.handler)
+    try:
+        if resolved is None:
+            raise LookupError(f"no handler named {job.handler!r} in run_jobs' handlers "
+                              f"(lane {job.lane!r})")
+        if resolved.is_transactional:
+            return _transactional(session, plan, resolved, job)
+        _call(resolved, job, plan.lane.timeout)
+    except exactly_once.LeaseLost:
+        return JobRun(job, "lease_lost")
+    except (Exception, SystemExit) as exc:  # as on a worker: a sys.exit() fails the job
+        return _failed(session, plan, job, exc, now)
+    with session.jobd_statements() as conn:
+        written = queue.complete(conn, [job.lease], now)
+    if not written.applied:
+        return JobRun(job, "lease_lost")
+    return JobRun(job, "cancelled" if written.cancelled else "done")
+
+
+def _transactional(session: Session, plan: _Plan, resolved: handlers.ResolvedHandler,
+                   job: Job) -> JobRun:
+    with session.handler_connection() as conn:
+        result = exactly_once.run_transactional(conn, job, resolved.func, session.schema,
+                                                plan.lane.timeout)
+    return JobRun(job, "cancelled" if result == "cancelled" else "done",
+                  replayed=result == "replayed")
+
+
+def _call(resolved: handlers.ResolvedHandler, job: Job, timeout: float | None) -> None:
+    if not resolved.is_async:
+        resolved.func(job)
+        return
+    coroutine: Coroutine[Any, Any, Any] = resolved.func(job)
+    if timeout:
+        coroutine = _within(coroutine, timeout)
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:  # no loop in this thread: the usual case
+        asyncio.run(coroutine)
+        return
+    # Called from async code (an async test): asyncio.run needs a thread without a loop.
+    with concurrent.futures.ThreadPoolExecutor(1, "jobd-testing-async") as executor:
+        executor.submit(asyncio.run, coroutine).result()
+
+
+async def _within(coroutine: Coroutine[Any, Any, Any], timeout: float) -> Any:
+    """The lane's ``timeout`` for an async handler, failing as on a worker."""
+    scope = asyncio.timeout(timeout)
+    try:
+        async with scope:
+            return await coroutine
+    except TimeoutError:
+        if scope.expired():  # the lane's deadline, not a TimeoutError of the handler's
+            raise JobTimedOut(f"timed out after {timeout:g}s") from None
+        raise
+
+
+def _failed(session: Session, plan: _Plan, job: Job, exc: BaseException,
+            now: datetime | None) -> JobRun:
+    # A timeout is recorded as the worker records it: the deadline, no traceback.
+    error = str(exc) if isinstance(exc, JobTimedOut) else format_error(exc)
+    policy = plan.lane.retry_policy
+    failure = queue.Failure(job.lease, error, policy.backoff.delay(job.attempt),
+                            policy.max_attempts, final=job.undecodable)
+    with session.jobd_statements() as conn:
+        outcome = queue.fail(conn, [failure], now)
+    if outcome.retried:
+        return JobRun(job, "failed", error, outcome.retry_at.get(job.id), exception=exc)
+    kind = "dead" if outcome.dead else "cancelled" if outcome.cancelled else "lease_lost"
+    return JobRun(job, kind, error, exception=exc)

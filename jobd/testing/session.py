@@ -1,0 +1,117 @@
+"""Where jobd.testing's helpers run jobd's statements: on the test's own connection, or on
+connections of their own to a database URL.
+
+On the test's connection they see, and write into, the test's open transaction: jobs its
+code enqueued without committing are there to assert on and to run, and the test's rollback
+undoes everything the helpers did. jobd's queue statements are written for connections whose
+search_path is the jobd schema (jobd/queries.py); on a test's connection the helpers switch
+the search_path for those statements alone and put the test's own back before any handler
+runs, so handler code resolves names exactly as the test's code does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import psycopg
+from psycopg import pq
+
+from jobd.db import DEFAULT_SCHEMA, connect, conninfo, validate_schema
+from jobd.queries import query
+
+Target = psycopg.Connection | str
+
+
+@dataclass
+class Session:
+    """The connection jobd's statements run on, and how handlers get theirs."""
+
+    conn: psycopg.Connection
+    schema: str
+    # The database URL when the helpers opened their own connections; None on a test's.
+    url: str | None
+    # The test connection's own search_path, read once (see jobd_statements).
+    callers_path: str | None = None
+    # With a URL: the transactional handlers' connection, opened on first use.
+    handler_conn: psycopg.Connection | None = None
+
+    @property
+    def on_callers_connection(self) -> bool:
+        return self.url is None
+
+    @contextlib.contextmanager
+    def jobd_statements(self) -> Iterator[psycopg.Connection]:
+        """``conn`` with the jobd schema as its search_path, for jobd's own statements."""
+        if not self.on_callers_connection:
+            yield self.conn
+            return
+        if self.callers_path is None:
+            row = self.conn.execute(query("testing_session_settings")).fetchone()
+            assert row is not None
+            self.callers_path = str(row[0])
+        self.conn.execute(query("testing_set_search_path"), {"path": self.schema})
+        try:
+            yield self.conn
+        finally:
+            # An aborted transaction refuses every statement; its rollback restores the
+            # search_path by itself.
+            if self.conn.info.transaction_status != pq.TransactionStatus.INERROR:
+                self.conn.execute(query("testing_set_search_path"),
+                                  {"path": self.callers_path})
+
+    @contextlib.contextmanager
+    def handler_connection(self) -> Iterator[psycopg.Connection]:
+        """The connection a transactional handler runs on: the test's own (its transaction
+        becomes a savepoint in the test's), else one with the role's search_path, as the
+        worker's handler pool opens them, kept for the session."""
+        if self.on_callers_connection:
+            with _settings_kept(self.conn):
+                yield self.conn
+            return
+        assert self.url is not None
+        if self.handler_conn is None or self.handler_conn.closed or self.handler_conn.broken:
+            self.handler_conn = psycopg.connect(
+                conninfo(self.url, None, "jobd.testing handler"), autocommit=True)
+        yield self.handler_conn
+
+    def close(self) -> None:
+        if self.handler_conn is not None:
+            self.handler_conn.close()
+
+
+@contextlib.contextmanager
+def _settings_kept(conn: psycopg.Connection) -> Iterator[None]:
+    """Inside an open transaction, what a transactional run sets for the rest of it
+    (record_effect_key: application_name and two timeouts, all local) is put back after."""
+    if conn.info.transaction_status != pq.TransactionStatus.INTRANS:
+        yield  # the run's own transaction ends its local settings
+        return
+    row = conn.execute(query("testing_session_settings")).fetchone()
+    assert row is not None
+    try:
+        yield
+    finally:
+        if conn.info.transaction_status == pq.TransactionStatus.INTRANS:
+            conn.execute(query("testing_restore_session_settings"), {
+                "application_name": row[1], "idle_timeout": row[2],
+                "statement_timeout": row[3]})
+
+
+@contextlib.contextmanager
+def open_session(target: Target, schema: str | None = None) -> Iterator[Session]:
+    """A session on ``target``: a psycopg connection (used as it is, in whatever
+    transaction it has open) or a database URL (an autocommit connection of its own)."""
+    schema = validate_schema(schema or DEFAULT_SCHEMA)
+    if isinstance(target, psycopg.Connection):
+        yield Session(target, schema, None)
+        return
+    if not isinstance(target, str):
+        raise TypeError(f"expected a psycopg connection or a database URL, not {target!r}")
+    with connect(target, schema, autocommit=True) as conn:
+        session = Session(conn, schema, target)
+        try:
+            yield session
+        finally:
+            session.close()

@@ -1,0 +1,407 @@
+"""jobd.testing as an application's own test suite uses it: the application's tables live in
+the public schema (tests/testing_app.py), its code enqueues on the test's connection inside
+the test's open transaction, and its handlers write unqualified table names.
+
+``user_conn`` is the connection such a suite's conftest hands out: the database's default
+search_path, not autocommit, rolled back when the test ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+import readme_support
+import testing_app
+import yaml
+
+import jobd
+from jobd.config import ScheduleConfig
+from jobd.db import connect
+from jobd.testing import (
+    Clock,
+    Fired,
+    JobFailed,
+    assert_enqueued,
+    enqueued_jobs,
+    materialize_schedules,
+    refute_enqueued,
+    run_jobs,
+)
+
+HANDLERS = {"send_receipt": testing_app.send_receipt, "charge": testing_app.charge,
+            "review_order": testing_app.review_order,
+            "nightly_report": testing_app.nightly_report,
+            "notify_async": testing_app.notify_async}
+
+
+@pytest.fixture
+def app_url(db_url: str) -> str:
+    """The test database with the application's tables (committed, as its migrations would)."""
+    with psycopg.connect(db_url, autocommit=True) as setup:
+        testing_app.create_tables(setup)
+    return db_url
+
+
+@pytest.fixture
+def user_conn(app_url: str) -> Iterator[psycopg.Connection]:
+    with psycopg.connect(app_url) as conn:
+        yield conn
+        conn.rollback()
+
+
+@pytest.fixture
+def observer(app_url: str) -> Iterator[psycopg.Connection]:
+    """Another connection: it sees only what committed."""
+    with connect(app_url, "jobd", autocommit=True) as conn:
+        yield conn
+
+
+def one(conn: psycopg.Connection, statement: str, params: Any = None) -> Any:
+    row = conn.execute(statement, params).fetchone()
+    assert row is not None
+    return row[0] if len(row) == 1 else row
+
+
+def db_now(conn: psycopg.Connection) -> datetime:
+    return one(conn, "SELECT now()")
+
+
+def session_settings(conn: psycopg.Connection) -> tuple[str, str, str]:
+    return one(conn, "SELECT current_setting('search_path'), current_setting('application_name'),"
+                     " current_setting('statement_timeout')")
+
+
+# --- asserting what was enqueued -----------------------------------------------------------
+
+
+def test_assert_enqueued_sees_the_tests_uncommitted_job_and_matches_a_payload_subset(
+    user_conn: psycopg.Connection, observer: psycopg.Connection
+) -> None:
+    order_id = testing_app.place_order(user_conn, "a@example.com", 42)
+    [job] = assert_enqueued(user_conn, "send_receipt", payload={"order": order_id})
+    assert (job.payload, job.lane, job.state, job.idempotency_key) == (
+        {"order": order_id, "email": "a@example.com"}, "default", "pending",
+        f"receipt-{order_id}")
+    assert enqueued_jobs(observer) == []  # not committed: only the test's transaction sees it
+    assert_enqueued(user_conn, "send_receipt", lane="default", count=1)
+    refute_enqueued(user_conn, "review_order")
+
+    with pytest.raises(AssertionError) as missing:
+        assert_enqueued(user_conn, "send_receipt", payload={"order": order_id + 1})
+    # The message shows what the code did enqueue.
+    assert f'"order": {order_id}' in str(missing.value)
+    assert "send_receipt" in str(missing.value)
+    with pytest.raises(AssertionError, match="lane 'fraud'"):
+        assert_enqueued(user_conn, "send_receipt", lane="fraud")
+    with pytest.raises(AssertionError, match="expected 2 job"):
+        assert_enqueued(user_conn, "send_receipt", count=2)
+    with pytest.raises(AssertionError, match=f"job {job.id} 'send_receipt'"):
+        refute_enqueued(user_conn, "send_receipt", payload={"email": "a@example.com"})
+
+
+# --- running jobs --------------------------------------------------------------------------
+
+
+def test_run_jobs_runs_a_transactional_handler_inside_the_tests_transaction(
+    user_conn: psycopg.Connection, observer: psycopg.Connection
+) -> None:
+    order_id = testing_app.place_order(user_conn, "a@example.com", 42)
+    settings = session_settings(user_conn)
+    summary = run_jobs(user_conn, handlers=HANDLERS)
+    assert (summary.ran, summary.done, summary.errors) == (1, 1, [])
+    assert one(user_conn, "SELECT receipt_sent FROM orders WHERE id = %s", (order_id,)) is True
+    job_id = summary.runs[0].id
+    assert one(user_conn, "SELECT state FROM jobd.all_jobs WHERE id = %s", (job_id,)) == "done"
+    assert one(user_conn, "SELECT job_id FROM jobd.processed_keys WHERE idempotency_key = %s",
+               (f"receipt-{order_id}",)) == job_id
+    refute_enqueued(user_conn, "send_receipt")
+    # The test's connection is as it was: its search_path, its name, its timeout.
+    assert session_settings(user_conn) == settings
+
+    user_conn.rollback()  # the test's end: the order, the job and its run are gone
+    assert one(observer, "SELECT count(*) FROM public.orders") == 0
+    assert one(observer, "SELECT count(*) FROM all_jobs") == 0
+
+
+def test_a_failing_handler_is_retried_after_its_backoff_and_dead_when_spent(
+    user_conn: psycopg.Connection,
+) -> None:
+    job_id = jobd.enqueue(user_conn, "charge", {"order": 7, "declined": True}, max_attempts=2)
+    clock = Clock()
+    first = run_jobs(user_conn, handlers=HANDLERS, clock=clock)
+    assert (first.ran, first.done, first.failed, first.dead) == (1, 0, 1, 0)
+    [run] = first.runs
+    assert run.error is not None and run.retry_at is not None
+    assert run.error.startswith("PaymentDeclined: card of order 7 declined\n")
+    assert "Traceback (most recent call last)" in run.error and "in charge" in run.error
+    state, last_error, run_at = one(
+        user_conn, "SELECT state, last_error, run_at FROM jobd.jobs WHERE id = %s", (job_id,))
+    assert (state, last_error, run_at) == ("failed", run.error, run.retry_at)
+    # The failed transactional run wrote nothing: its savepoint was rolled back.
+    assert one(user_conn, "SELECT count(*) FROM calls") == 0
+
+    # The retry is not due yet; at its run_at it is.
+    assert run_jobs(user_conn, handlers=HANDLERS, clock=clock).ran == 0
+    clock.advance(run.retry_at - db_now(user_conn))
+    second = run_jobs(user_conn, handlers=HANDLERS, clock=clock)
+    assert (second.ran, second.failed, second.dead) == (1, 0, 1)
+    attempts, errors = one(user_conn, "SELECT attempts, jsonb_array_length(errors) "
+                                      "FROM jobd.dead_letter WHERE id = %s", (job_id,))
+    assert (attempts, errors) == (2, 2)
+    refute_enqueued(user_conn, "charge")
+
+
+def test_raise_errors_fails_the_test_with_the_handlers_exception_once_recorded(
+    user_conn: psycopg.Connection,
+) -> None:
+    job_id = jobd.enqueue(user_conn, "charge", {"order": 8, "declined": True})
+    jobd.enqueue(user_conn, "charge", {"order": 9})
+    with pytest.raises(JobFailed) as raised:
+        run_jobs(user_conn, handlers=HANDLERS, raise_errors=True)
+    assert isinstance(raised.value.__cause__, testing_app.PaymentDeclined)
+    assert "card of order 8 declined" in str(raised.value)
+    assert "Traceback (most recent call last)" in str(raised.value)
+    assert raised.value.run.id == job_id and raised.value.summary.ran == 1
+    [job] = assert_enqueued(user_conn, "charge", payload={"order": 8})
+    assert (job.state, job.attempts) == ("failed", 1)
+    assert_enqueued(user_conn, "charge", payload={"order": 9})  # not run: the raise stopped it
+
+
+def test_a_delayed_job_runs_once_the_clock_is_advanced_past_it(
+    user_conn: psycopg.Connection,
+) -> None:
+    testing_app.place_order(user_conn, "big@example.com", 5000)
+    [review] = assert_enqueued(user_conn, "review_order", lane="fraud")
+    assert run_jobs(user_conn, "fraud", handlers=HANDLERS).ran == 0
+    just_before = review.run_at - db_now(user_conn) - timedelta(seconds=1)
+    clock = Clock().advance(just_before)
+    assert run_jobs(user_conn, "fraud", handlers=HANDLERS, clock=clock).ran == 0
+    summary = run_jobs(user_conn, "fraud", handlers=HANDLERS, clock=clock.advance(1))
+    assert (summary.ran, summary.done, [r.id for r in summary.runs]) == (1, 1, [review.id])
+    assert_enqueued(user_conn, "send_receipt")  # another lane: run_jobs left it alone
+
+
+def test_limit_runs_due_jobs_one_at_a_time_in_queue_order(
+    user_conn: psycopg.Connection,
+) -> None:
+    ids = [jobd.enqueue(user_conn, "charge", {"order": n}) for n in range(3)]
+    assert [r.id for r in run_jobs(user_conn, handlers=HANDLERS, limit=1).runs] == ids[:1]
+    assert [r.id for r in run_jobs(user_conn, handlers=HANDLERS).runs] == ids[1:]
+    assert one(user_conn, "SELECT array_agg(job_id ORDER BY id) FROM calls") == ids
+
+
+def test_a_paused_lane_runs_nothing_as_on_a_worker(
+    user_conn: psycopg.Connection, observer: psycopg.Connection
+) -> None:
+    jobd.enqueue(user_conn, "charge", {"order": 1})
+    jobd.pause(observer, "default")  # an operator's pause, committed
+    assert run_jobs(user_conn, handlers=HANDLERS).ran == 0
+    jobd.resume(observer, "default")
+    assert run_jobs(user_conn, handlers=HANDLERS).done == 1
+
+
+def test_an_unknown_handler_fails_its_job_as_a_worker_would(
+    user_conn: psycopg.Connection,
+) -> None:
+    jobd.enqueue(user_conn, "refund", {"order": 3})
+    summary = run_jobs(user_conn, handlers=HANDLERS)
+    assert summary.failed == 1
+    assert summary.errors[0].startswith("LookupError: no handler named 'refund'")
+
+
+def test_async_handlers_run_to_success_and_failure(user_conn: psycopg.Connection) -> None:
+    ok = jobd.enqueue(user_conn, "notify_async", {})
+    failing = jobd.enqueue(user_conn, "notify_async", {"fail": True})
+    summary = run_jobs(user_conn, handlers=HANDLERS)
+    assert [(r.id, r.outcome) for r in summary.runs] == [(ok, "done"), (failing, "failed")]
+    assert summary.errors[0].startswith("RuntimeError: async handler failed")
+
+
+def test_run_jobs_works_when_called_from_async_code(user_conn: psycopg.Connection) -> None:
+    jobd.enqueue(user_conn, "notify_async", {})
+
+    async def an_async_test() -> int:
+        return run_jobs(user_conn, handlers=HANDLERS).done
+
+    assert asyncio.run(an_async_test()) == 1
+
+
+def test_a_replayed_effect_key_skips_the_handler_and_says_so(
+    user_conn: psycopg.Connection,
+) -> None:
+    first = jobd.enqueue(user_conn, "charge", {"order": 4}, idempotency_key="charge-4")
+    # A second delivery of the same effect (the key ledger bypassed, as a replay would).
+    user_conn.execute("DELETE FROM jobd.job_keys WHERE idempotency_key = 'charge-4'")
+    second = jobd.enqueue(user_conn, "charge", {"order": 4}, idempotency_key="charge-4")
+    summary = run_jobs(user_conn, handlers=HANDLERS)
+    assert [(r.id, r.outcome, r.replayed) for r in summary.runs] == [
+        (first, "done", False), (second, "done", True)]
+    assert one(user_conn, "SELECT count(*) FROM calls") == 1
+
+
+def test_run_jobs_on_a_database_url_commits_as_a_worker_does(
+    app_url: str, observer: psycopg.Connection
+) -> None:
+    with psycopg.connect(app_url, autocommit=True) as app:
+        order_id = testing_app.place_order(app, "c@example.com", 10)
+    # Handlers by import path, as a config's allow-list names them.
+    summary = run_jobs(app_url, handlers={"send_receipt": "testing_app:send_receipt"})
+    assert (summary.ran, summary.done) == (1, 1)
+    assert one(observer, "SELECT receipt_sent FROM public.orders WHERE id = %s",
+               (order_id,)) is True
+    state, claimed_by = one(observer, "SELECT state, claimed_by FROM all_jobs WHERE id = %s",
+                            (summary.runs[0].id,))
+    assert state == "done" and claimed_by.startswith("jobd.testing:")
+
+
+def test_on_an_autocommit_connection_every_run_commits(
+    app_url: str, observer: psycopg.Connection
+) -> None:
+    with psycopg.connect(app_url, autocommit=True) as app:
+        order_id = testing_app.place_order(app, "d@example.com", 10)
+        settings = session_settings(app)
+        assert run_jobs(app, handlers=HANDLERS).done == 1
+        assert session_settings(app) == settings
+    assert one(observer, "SELECT receipt_sent FROM public.orders WHERE id = %s",
+               (order_id,)) is True
+
+
+def test_run_jobs_takes_handlers_and_the_lanes_retry_policy_from_a_config_file(
+    user_conn: psycopg.Connection, tmp_path: Path
+) -> None:
+    config = tmp_path / "jobd.yaml"
+    config.write_text(yaml.safe_dump({
+        "handlers": {"charge": "testing_app:charge"},
+        "lanes": {"default": {"max_attempts": 1}}}))
+    job_id = jobd.enqueue(user_conn, "charge", {"order": 5, "declined": True})
+    summary = run_jobs(user_conn, config=config)
+    assert (summary.dead, summary.failed) == (1, 0)
+    assert one(user_conn, "SELECT count(*) FROM jobd.dead_letter WHERE id = %s", (job_id,)) == 1
+
+
+def test_an_async_handler_past_the_lanes_timeout_fails_as_on_a_worker(
+    user_conn: psycopg.Connection, tmp_path: Path
+) -> None:
+    config = tmp_path / "jobd.yaml"
+    config.write_text(yaml.safe_dump({
+        "handlers": {"sleep_async": "testing_app:sleep_async"},
+        "lanes": {"default": {"timeout": "100ms"}}}))
+    jobd.enqueue(user_conn, "sleep_async", {"seconds": 60})
+    summary = run_jobs(user_conn, config=config)
+    assert summary.errors == ["timed out after 0.1s"]
+
+
+def test_an_outbox_entry_is_delivered_by_running_the_configured_outbox_lane(
+    user_conn: psycopg.Connection, tmp_path: Path
+) -> None:
+    config = tmp_path / "jobd.yaml"
+    config.write_text(yaml.safe_dump({
+        "handlers": {"confirm_order": "testing_app:confirm_order"},
+        "lanes": {"default": {}, "mail": {}},
+        "outbox": {"lane": "mail", "senders": {"mail": "testing_app:send_mail"}}}))
+    sent = testing_app.SENT
+    sent.clear()
+    order_id = one(user_conn, "INSERT INTO orders (email, total) VALUES ('e@example.com', 10)"
+                              " RETURNING id")
+    job_id = jobd.enqueue(user_conn, "confirm_order", {"order": order_id})
+    assert run_jobs(user_conn, config=config, raise_errors=True).done == 1
+    [delivery] = assert_enqueued(user_conn, "jobd.outbox", lane="mail")
+    assert sent == []  # delivered only when the outbox lane runs
+    summary = run_jobs(user_conn, "mail", config=config, raise_errors=True)
+    assert [run.id for run in summary.runs] == [delivery.id]
+    assert sent == [(f"jobd:job:{job_id}:mail", {"order": order_id})]
+    assert one(user_conn, "SELECT state FROM jobd.outbox") == "delivered"
+    # The config's outbox settings were the runs' only: without it, the default lane.
+    jobd.enqueue(user_conn, "confirm_order", {"order": order_id})
+    run_jobs(user_conn, handlers={"confirm_order": testing_app.confirm_order})
+    assert_enqueued(user_conn, "jobd.outbox", lane="outbox", count=1)
+
+
+def test_run_jobs_refuses_to_run_without_handlers(user_conn: psycopg.Connection) -> None:
+    with pytest.raises(ValueError, match="needs handlers"):
+        run_jobs(user_conn)
+
+
+# --- the clock and schedules ---------------------------------------------------------------
+
+
+def test_a_schedule_fires_at_the_frozen_clock_and_its_job_runs(
+    user_conn: psycopg.Connection,
+) -> None:
+    nightly = ScheduleConfig("nightly", "30 2 * * *", "nightly_report",
+                             timezone="Europe/Berlin")
+    clock = Clock(datetime(2027, 3, 1, 0, 0, tzinfo=UTC))
+    assert materialize_schedules(user_conn, [nightly], clock=clock) == []
+    clock.advance(timedelta(hours=1))  # 02:00 in Berlin
+    assert materialize_schedules(user_conn, [nightly], clock=clock) == []
+    clock.advance(timedelta(hours=1))  # 03:00 in Berlin: 02:30 has passed
+    [fired] = materialize_schedules(user_conn, [nightly], clock=clock)
+    assert isinstance(fired, Fired) and fired.schedule_id == "nightly"
+    [job] = assert_enqueued(user_conn, "nightly_report")
+    assert (job.id, job.run_at) == (fired.job_id, datetime(2027, 3, 1, 1, 30, tzinfo=UTC))
+    assert materialize_schedules(user_conn, [nightly], clock=clock) == []  # once only
+    assert run_jobs(user_conn, handlers=HANDLERS, clock=clock).done == 1
+    assert one(user_conn, "SELECT array_agg(day) FROM reports") == ["2027-03-01"]
+
+
+def test_schedules_from_a_config_file_fire_through_a_database_url(
+    app_url: str, observer: psycopg.Connection, tmp_path: Path
+) -> None:
+    config = tmp_path / "jobd.yaml"
+    config.write_text(yaml.safe_dump({
+        "handlers": {"nightly_report": "testing_app:nightly_report"},
+        "schedules": [{"id": "hourly", "cron": "0 * * * *", "handler": "nightly_report"}]}))
+    clock = Clock(datetime(2027, 6, 1, 9, 59, tzinfo=UTC))
+    assert materialize_schedules(app_url, config, clock=clock) == []
+    [fired] = materialize_schedules(app_url, config, clock=clock.advance(timedelta(hours=3)))
+    # Three occurrences passed; the default catch-up (latest) fires the newest only.
+    assert fired.occurrence.startswith("2027-06-01T12:00")
+    assert one(observer, "SELECT run_at FROM jobs WHERE id = %s", (fired.job_id,)) == datetime(
+        2027, 6, 1, 12, 0, tzinfo=UTC)
+    assert run_jobs(app_url, config=config, clock=clock).done == 1
+    assert one(observer, "SELECT array_agg(day) FROM public.reports") == ["2027-06-01"]
+
+
+def test_the_clock_follows_the_database_until_moved_or_frozen(
+    user_conn: psycopg.Connection,
+) -> None:
+    clock = Clock()
+    assert clock.parameter(user_conn) is None  # jobd's statements read now() themselves
+    assert clock.now(user_conn) == db_now(user_conn)  # one transaction: one now()
+    clock.advance(timedelta(minutes=5))
+    assert clock.now(user_conn) == db_now(user_conn) + timedelta(minutes=5)
+    at = datetime(2030, 1, 1, tzinfo=UTC)
+    assert clock.freeze(at).advance(90).now(user_conn) == at + timedelta(seconds=90)
+    assert clock.reset().parameter(user_conn) is None
+    with pytest.raises(ValueError, match="aware"):
+        Clock(datetime(2030, 1, 1))
+    with pytest.raises(ValueError, match="forward"):
+        clock.advance(-1)
+
+
+# --- the README's example ------------------------------------------------------------------
+
+
+def test_the_readme_example_suite_passes(db_url: str, tmp_path: Path) -> None:
+    """The README's testing section as a user's files (the application module, its conftest
+    and its test module), run with pytest against a database that jobd migrated."""
+    blocks = readme_support.python_blocks(readme_support.section("Testing your handlers"))
+    files = {block.splitlines()[0].removeprefix("# ").split()[0]: block for block in blocks}
+    assert set(files) == {"myshop.py", "conftest.py", "test_orders.py"}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "DATABASE_URL": db_url, "PYTHONPATH": str(tmp_path)})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 passed" in result.stdout
