@@ -15,8 +15,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import psycopg
+from psycopg.rows import tuple_row
 
-from jobd.queries import query
+from jobd.db import DEFAULT_SCHEMA
+from jobd.queries import qualified
 
 
 @dataclass(slots=True)
@@ -30,12 +32,14 @@ class CancelResult:
         return asdict(self)
 
 
-def cancel(conn: psycopg.Connection, ids: Sequence[int]) -> CancelResult:
+def cancel(conn: psycopg.Connection, ids: Sequence[int], *,
+           schema: str = DEFAULT_SCHEMA) -> CancelResult:
     """Cancel the jobs ``ids``: see the module. Takes effect when the caller's transaction
     commits; ids that name no job are listed in ``unknown``, the others are cancelled
     regardless (roll back to undo)."""
     result = CancelResult()
-    rows = conn.execute(query("cancel_jobs"), {"ids": list(ids)}).fetchall()
+    rows = conn.cursor(row_factory=tuple_row).execute(
+        qualified("cancel_jobs_qualified", schema), {"ids": list(ids)}).fetchall()
     for job_id, outcome, state in rows:
         if outcome == "cancelled":
             result.cancelled.append(job_id)

@@ -43,7 +43,7 @@ def _resume_command(lane: str, handler: str | None) -> str:
 def cmd_lanes_pause(ctx: Context, args: argparse.Namespace) -> int:
     checked_names(ctx.config, args.lane, args.handler)
     with ctx.connect() as conn:
-        changed = pauses.pause(conn, args.lane, args.handler)
+        changed = pauses.pause(conn, args.lane, args.handler, schema=ctx.schema)
         now_paused = pauses.pauses(conn, args.lane)
     if ctx.as_json:
         print_json({"lane": args.lane, "handler": args.handler, "paused": True,
@@ -63,7 +63,7 @@ def cmd_lanes_pause(ctx: Context, args: argparse.Namespace) -> int:
 def cmd_lanes_resume(ctx: Context, args: argparse.Namespace) -> int:
     checked_names(ctx.config, args.lane, args.handler)
     with ctx.connect() as conn:
-        changed = pauses.resume(conn, args.lane, args.handler)
+        changed = pauses.resume(conn, args.lane, args.handler, schema=ctx.schema)
         left = pauses.pauses(conn, args.lane)
     if ctx.as_json:
         print_json({"lane": args.lane, "handler": args.handler, "paused": False,
@@ -80,7 +80,7 @@ def cmd_lanes_resume(ctx: Context, args: argparse.Namespace) -> int:
 
 def cmd_jobs_cancel(ctx: Context, args: argparse.Namespace) -> int:
     with ctx.connect(autocommit=False) as conn:
-        result = cancelling.cancel(conn, args.ids)
+        result = cancelling.cancel(conn, args.ids, schema=ctx.schema)
         if result.unknown:
             conn.rollback()
             raise UsageError("no job " + ", ".join(map(str, result.unknown))

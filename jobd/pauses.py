@@ -14,9 +14,11 @@ from datetime import datetime
 from typing import Any
 
 import psycopg
+from psycopg.rows import tuple_row
 
 from jobd import validation
-from jobd.queries import query
+from jobd.db import DEFAULT_SCHEMA
+from jobd.queries import qualified, query
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,20 +38,24 @@ def _checked(lane: str, handler: str | None) -> None:
         validation.name("handler", handler)
 
 
-def pause(conn: psycopg.Connection, lane: str, handler: str | None = None) -> bool:
+def pause(conn: psycopg.Connection, lane: str, handler: str | None = None, *,
+          schema: str = DEFAULT_SCHEMA) -> bool:
     """Pause ``lane``, or only ``handler``'s jobs in it; False if it was paused already.
     Takes effect when the caller's transaction commits."""
     _checked(lane, handler)
-    row = conn.execute(query("pause"), {"lane": lane, "handler": handler}).fetchone()
+    row = conn.cursor(row_factory=tuple_row).execute(
+        qualified("pause_qualified", schema), {"lane": lane, "handler": handler}).fetchone()
     assert row is not None
     return bool(row[0])
 
 
-def resume(conn: psycopg.Connection, lane: str, handler: str | None = None) -> bool:
+def resume(conn: psycopg.Connection, lane: str, handler: str | None = None, *,
+           schema: str = DEFAULT_SCHEMA) -> bool:
     """End the pause that :func:`pause` with the same arguments made (the lane's own, or
     one handler's: the others stay); False if there was none."""
     _checked(lane, handler)
-    row = conn.execute(query("resume"), {"lane": lane, "handler": handler}).fetchone()
+    row = conn.cursor(row_factory=tuple_row).execute(
+        qualified("resume_qualified", schema), {"lane": lane, "handler": handler}).fetchone()
     assert row is not None
     return bool(row[0])
 

@@ -9,6 +9,7 @@ from datetime import datetime
 from typing import Any
 
 import psycopg
+from psycopg.rows import tuple_row
 from psycopg.types.json import Jsonb
 
 from jobd.db import DEFAULT_SCHEMA
@@ -22,6 +23,11 @@ def _stored_json(text: str) -> Jsonb:
 
 
 _NO_PAYLOAD: Any = object()
+
+
+def _tuples(conn: psycopg.Connection) -> psycopg.Cursor[tuple[Any, ...]]:
+    """A cursor of plain tuples, whatever row factory the caller's connection has."""
+    return conn.cursor(row_factory=tuple_row)
 
 
 def enqueue(
@@ -60,7 +66,7 @@ def enqueue(
         idempotency_key, max_attempts, fairness_key,
     )
     encoded = spec.encoded_payload()
-    row = conn.execute(
+    row = _tuples(conn).execute(
         qualified("enqueue_qualified", schema),
         {
             "handler": spec.handler,
@@ -101,7 +107,7 @@ def enqueue_many(
         unkeyed = [i for i, spec in enumerate(specs) if spec.idempotency_key is None]
         # COPY cannot evaluate now(), so the database clock is read here: within a
         # transaction now() is fixed, the same value the column default would give.
-        row = conn.execute(
+        row = _tuples(conn).execute(
             qualified("reserve_ids_qualified", schema),
             {"count": len(unkeyed), "largest_payload": largest},
         ).fetchone()
@@ -134,13 +140,13 @@ def _resolve_keys(
 ) -> None:
     keys = list(dict.fromkeys(specs[i].idempotency_key for i in keyed))
     reserved = dict(
-        conn.execute(qualified("reserve_keys_qualified", schema), {"keys": keys})
+        _tuples(conn).execute(qualified("reserve_keys_qualified", schema), {"keys": keys})
     )
     # A separate statement takes a fresh snapshot and sees keys that concurrent transactions
     # committed while the INSERT ... ON CONFLICT waited for them.
     taken = [key for key in keys if key not in reserved]
     existing = (
-        dict(conn.execute(qualified("lookup_keys_qualified", schema), {"keys": taken}))
+        dict(_tuples(conn).execute(qualified("lookup_keys_qualified", schema), {"keys": taken}))
         if taken
         else {}
     )

@@ -9,6 +9,7 @@ from datetime import timedelta
 
 import psycopg
 import pytest
+from psycopg.rows import dict_row
 
 import jobd
 from jobd import dlq, exactly_once, pauses, queue, recovery, views
@@ -341,3 +342,13 @@ def test_a_stopped_workers_cancelled_job_is_ended_not_given_back(
     duty.add(Attribution("w1", LANE, "worker w1 exited", release=True))
     duty.run(conn, 0.0)
     assert (state_of(conn, stop_id), state_of(conn, other_id)) == ("cancelled", "pending")
+
+
+def test_the_python_api_works_on_a_users_own_connection(db_url: str) -> None:
+    """An application's connection: the default search_path (no jobd on it) and dict rows."""
+    with psycopg.connect(db_url, autocommit=True, row_factory=dict_row) as app:
+        job_id = jobd.enqueue(app, "h", {"n": 1})
+        assert jobd.enqueue_many(app, [jobd.JobSpec("h", idempotency_key="k")])
+        assert jobd.pause(app, "default", "h") is True
+        assert jobd.resume(app, "default", "h") is True
+        assert jobd.cancel(app, [job_id]).cancelled == [job_id]

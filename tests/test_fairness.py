@@ -260,3 +260,18 @@ def test_fairness_comes_from_the_lane_config() -> None:
 def test_bad_fairness_settings_are_refused(text: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         parse(f"lanes:\n  a: {text}\n", "jobd.yaml")
+
+
+def test_run_jobs_takes_a_fair_lanes_turns(conn: psycopg.Connection) -> None:
+    """jobd.testing runs a fair lane's jobs one at a time, and the keys still take turns."""
+    from jobd.testing import run_jobs
+
+    t0 = db_now(conn)
+    bulk(conn, 10, "herd", t0 - timedelta(minutes=1))
+    bulk(conn, 2, "mail", t0)
+    config = parse("handlers: {herd: 'jobd.examples:echo', mail: 'jobd.examples:echo'}\n"
+                   "lanes:\n  default: {fair_by: handler}\n", "jobd.yaml")
+    summary = run_jobs(conn, config=config, limit=4)
+    handlers = [row[0] for row in conn.execute(
+        "SELECT handler FROM jobs_archive ORDER BY claimed_at, id").fetchall()]
+    assert summary.done == 4 and sorted(handlers) == ["herd", "herd", "mail", "mail"]

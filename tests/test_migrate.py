@@ -264,10 +264,12 @@ def function_signature(conn: psycopg.Connection, schema: str, name: str
 
 def test_the_enqueue_function_matches_the_contract(conn: psycopg.Connection) -> None:
     assert function_signature(conn, "jobd", "enqueue") == [(
-        ["handler", "payload", "lane", "run_at", "priority", "idempotency_key", "max_attempts"],
-        ["text", "jsonb", "text", "timestamp with time zone", "integer", "text", "integer"],
+        ["handler", "payload", "lane", "run_at", "priority", "idempotency_key", "max_attempts",
+         "fairness_key"],
+        ["text", "jsonb", "text", "timestamp with time zone", "integer", "text", "integer",
+         "text"],
         "bigint",
-        6,
+        7,
     )]
     # The contract's defaults, and a named argument.
     row = conn.execute("SELECT enqueue('send_email', max_attempts => 3)").fetchone()
@@ -286,6 +288,8 @@ def test_indexes_the_queries_rely_on(conn: psycopg.Connection) -> None:
     assert "WHERE (state = ANY (ARRAY['pending'::text, 'failed'::text]))" in claimable
     assert "(lease_until) WHERE (state = 'claimed'::text)" in definitions["jobs_lease_idx"]
     assert "jobs_archive_id_idx" in definitions
+    fair = definitions["jobs_fair_idx"]
+    assert '(lane, priority DESC, COALESCE(fairness_key, handler) COLLATE "C", run_at, id)' in fair
 
 
 def test_fresh_template_and_fresh_migration_build_the_same_schema(

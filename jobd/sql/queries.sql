@@ -712,15 +712,17 @@ RETURNING id
 -- See quarantine() in migrations/0011_lane_controls.sql: the number moved per lane.
 SELECT lane_name, moved FROM quarantine(%(handler)s, %(lane)s, %(payload_match)s)
 
--- name: cancel_jobs
--- See cancel() in migrations/0011_lane_controls.sql.
-SELECT id, outcome, state FROM cancel(%(ids)s::bigint[])
+-- name: cancel_jobs_qualified
+-- See cancel() in migrations/0013_fairness.sql. Qualified: jobd.cancel runs on callers' own
+-- connections, whatever their search_path.
+SELECT id, outcome, state FROM {schema}.cancel(%(ids)s::bigint[])
 
--- name: pause
-SELECT pause(%(lane)s, %(handler)s)
+-- name: pause_qualified
+-- jobd.pause and jobd.resume run on callers' own connections too: qualified.
+SELECT {schema}.pause(%(lane)s, %(handler)s)
 
--- name: resume
-SELECT resume(%(lane)s, %(handler)s)
+-- name: resume_qualified
+SELECT {schema}.resume(%(lane)s, %(handler)s)
 
 -- name: list_pauses
 SELECT lane, handler, paused_at, paused_by

@@ -27,6 +27,7 @@ from typing import Any
 from jobd import config as config_module
 from jobd import exactly_once, handlers, outbox, queue
 from jobd.backoff import RetryPolicy
+from jobd.claimer import next_key_cursor
 from jobd.config import Config, LaneConfig
 from jobd.handler_runner import JobTimedOut, format_error
 from jobd.jobs import Job
@@ -41,12 +42,15 @@ HandlerMap = Mapping[str, Callable[..., Any] | str]
 WORKER_PREFIX = "jobd.testing"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Plan:
     lane: LaneConfig
     handlers: dict[str, handlers.ResolvedHandler]
     worker: str
     config: Config | None
+    # A fair lane's share cursor (jobd.claimer.next_key_cursor): one job at a time, the keys
+    # still take turns.
+    key_cursor: str | None = None
 
     @contextlib.contextmanager
     def outbox(self) -> Iterator[None]:
@@ -129,7 +133,10 @@ def _claim_one(session: Session, plan: _Plan, now: datetime | None) -> Job | Non
     lane = plan.lane
     with session.jobd_statements() as conn:
         jobs = queue.claim(conn, lane.name, plan.worker, 1, lane.visibility_timeout, now,
-                           budget=lane.budget() if lane.limited else None)
+                           budget=lane.budget() if lane.limited else None,
+                           order=lane.claim_order(plan.key_cursor) if lane.ordered else None)
+    if jobs and lane.fair_by != "none":
+        plan.key_cursor = next_key_cursor(plan.key_cursor, jobs)
     return jobs[0] if jobs else None
 
 
