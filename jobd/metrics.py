@@ -59,6 +59,7 @@ FAMILY_NAMES = (
     "jobd_oldest_unclaimed_age_seconds",
     "jobd_dlq_depth",
     "jobd_lane_slo_pickup_seconds",
+    "jobd_lane_paused",
     # process health
     "jobd_workers",
     "jobd_worker_restarts_total",
@@ -204,6 +205,16 @@ def _queue_state(view: NodeView) -> list[Metric]:
                             "within this long. Only lanes that declare one.", labels=["lane"])
     for lane, seconds in sorted(view.slo_pickup.items()):
         slo.add_metric([lane], seconds)
+    paused = GaugeMetricFamily(
+        "jobd_lane_paused",
+        "1 while a lane (handler=\"\") or one handler of it is paused (jobd lanes pause), on "
+        "every node; 0 for the configured lanes that are not.", labels=["lane", "handler"])
+    pauses = set(view.sample.pauses) if view.sample is not None else set()
+    for lane, handler in sorted(pauses, key=lambda p: (p[0], p[1] or "")):
+        paused.add_metric([lane, handler or ""], 1)
+    for lane in view.lanes:
+        if (lane, None) not in pauses:
+            paused.add_metric([lane, ""], 0)
     lanes = view.sample.lanes if view.sample is not None else {}
     for lane in view.lanes:
         state = lanes.get(lane)
@@ -211,7 +222,7 @@ def _queue_state(view: NodeView) -> list[Metric]:
             depth.add_metric([lane, name], state.depth[name] if state else 0)
         oldest.add_metric([lane], state.oldest_unclaimed_age if state else 0.0)
         dlq.add_metric([lane], state.dead if state else 0)
-    return [depth, oldest, dlq, slo]
+    return [depth, oldest, dlq, slo, paused]
 
 
 def _health(view: NodeView) -> list[Metric]:

@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import psycopg
 
-from jobd import views
+from jobd import pauses, views
 from jobd.config import Config
 
 LATENCY_WINDOW = 60.0
@@ -49,6 +49,9 @@ class LaneRow:
     rates: dict[str, float] | None
     workers: int
     slo_pickup: float | None
+    # jobd.pause: the whole lane, and the handlers paused in it.
+    paused: bool = False
+    paused_handlers: tuple[str, ...] = ()
 
     @property
     def over_slo(self) -> bool | None:
@@ -71,6 +74,7 @@ class LaneRow:
             "claimed": s.claimed, "retrying": s.retrying, "dead": s.dead,
             "oldest_unclaimed_age": s.oldest_unclaimed_age,
             "slo_pickup_seconds": self.slo_pickup, "over_slo": self.over_slo,
+            "paused": self.paused, "paused_handlers": list(self.paused_handlers),
             "live_workers": self.workers, "claim_rate": self.rate("claimed"),
             "completion_rate": self.rate("completed"),
             "failure_rate": self.rate("failed", "dead"),
@@ -120,9 +124,13 @@ def collect(conn: psycopg.Connection, config: Config, *, window: float = LATENCY
     latency = views.lane_latency(conn, [s.lane for s in statuses], window, sample, now)
     at = views.database_clock(conn, now)
     rates = views.lane_rates(nodes)
+    paused = pauses.pauses(conn)
     lanes = tuple(
         LaneRow(s, latency.get(s.lane), rates.get(s.lane), workers.get(s.lane, 0),
-                config.lanes[s.lane].slo_pickup if s.lane in config.lanes else None)
+                config.lanes[s.lane].slo_pickup if s.lane in config.lanes else None,
+                paused=any(p.lane == s.lane and p.handler is None for p in paused),
+                paused_handlers=tuple(p.handler for p in paused
+                                      if p.lane == s.lane and p.handler is not None))
         for s in statuses)
     node_rows = tuple(NodeRow(n.node, n.instance, n.pid, n.workers,
                               max(0.0, (at - n.seen_at).total_seconds())) for n in nodes)
@@ -166,7 +174,9 @@ NODE_COLUMNS = ("NODE", "PID", "SEEN", "WORKERS")
 
 def _lane_cells(row: LaneRow) -> list[str]:
     s, latency = row.status, row.latency
-    notes = (["OVER SLO"] if row.over_slo else []) + (["no worker"] if row.unserved else [])
+    notes = ((["OVER SLO"] if row.over_slo else []) + (["PAUSED"] if row.paused else [])
+             + ([f"paused: {', '.join(row.paused_handlers)}"] if row.paused_handlers else [])
+             + (["no worker"] if row.unserved else []))
     return [s.lane, str(s.depth), str(s.due), str(s.scheduled), str(s.claimed), str(s.retrying),
             seconds(s.oldest_unclaimed_age) if s.due else "-", seconds(row.slo_pickup),
             str(s.dead), rate(row.rate("claimed")), rate(row.rate("completed")),

@@ -401,6 +401,19 @@ def test_the_sampler_counts_each_state_of_a_lane(conn: psycopg.Connection) -> No
     assert later.oldest_unclaimed_age == pytest.approx(7240.0)
 
 
+def test_pauses_are_exported_per_lane_and_handler(conn: psycopg.Connection) -> None:
+    jobd.pause(conn, "default")
+    jobd.pause(conn, "mail", "report")
+    text = exposition_of(empty_view(sample=take_sample(conn, ["default", "mail"])))
+    assert samples(text, "jobd_lane_paused") == {
+        (("handler", ""), ("lane", "default")): 1.0,
+        (("handler", ""), ("lane", "mail")): 0.0,
+        (("handler", "report"), ("lane", "mail")): 1.0}
+    jobd.resume(conn, "default")
+    text = exposition_of(empty_view(sample=take_sample(conn, ["default", "mail"])))
+    assert value(text, "jobd_lane_paused", lane="default", handler="") == 0.0
+
+
 def test_the_sampler_sees_a_transaction_that_holds_back_vacuum(
         db_url: str, conn: psycopg.Connection) -> None:
     with psycopg.connect(db_url, autocommit=True) as holder:

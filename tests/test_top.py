@@ -407,6 +407,23 @@ def test_a_config_without_lanes_shows_the_lanes_with_jobs(conn: psycopg.Connecti
     assert shot.lanes[0].slo_pickup is None
 
 
+def test_pauses_are_shown_per_lane(conn: psycopg.Connection) -> None:
+    for name in ("stopped", "partly", "running"):
+        jobd.enqueue(conn, "h", lane=name)
+    jobd.pause(conn, "stopped")
+    jobd.pause(conn, "partly", "h")
+    jobd.pause(conn, "partly", "g")
+    shot = top.collect(conn, Config())
+    rows = {row.status.lane: row for row in shot.lanes}
+    assert (rows["stopped"].paused, rows["stopped"].paused_handlers) == (True, ())
+    assert (rows["partly"].paused, rows["partly"].paused_handlers) == (False, ("g", "h"))
+    assert rows["running"].as_dict()["paused"] is False
+    lines = top.lane_table(shot)
+    assert "PAUSED" in row_of(lines, "stopped").text
+    assert "paused: g, h" in row_of(lines, "partly").text
+    assert "paus" not in row_of(lines, "running").text
+
+
 def test_slow_reads_stretch_the_refresh_and_say_so() -> None:
     assert top_screen.paced(1.0, 0.01) == 1.0
     assert top_screen.paced(1.0, 0.4) == pytest.approx(0.4 * top_screen.READ_SHARE)

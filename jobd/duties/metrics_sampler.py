@@ -2,11 +2,12 @@
 metrics, measured once per sampling interval on the supervisor's connection, never per
 scrape (a scrape reads the last sample; ``jobd.metrics``).
 
-One transaction, two statements (``metrics_queue_state``, ``metrics_database_hazards``):
+One transaction, three statements (``metrics_queue_state``, ``metrics_database_hazards``,
+``list_pauses``):
 per configured lane the live jobs by state, the oldest due job's wait and the DLQ depth, from
 index scans of the live table and the dead-letter queue (the archive is never read); then the
 oldest open transaction, the xmin horizon, the hot table's dead tuples and the notification
-queue's fill. Its cost grows with the number of live jobs of the lanes, not with history, and
+queue's fill; then the lanes and handlers paused. Its cost grows with the number of live jobs of the lanes, not with history, and
 is bounded in time: after a sample that took long, the next waits :data:`DUTY_CYCLE_FACTOR`
 times as long, so sampling never takes more than 5 % of one backend.
 """
@@ -45,6 +46,8 @@ class Sample:
     xmin_horizon_age: int  # transaction ids
     jobs_dead_tuples: int
     notification_queue_usage: float  # 0..1
+    # The pauses in force (jobd.pause): (lane, handler), handler None for the whole lane.
+    pauses: tuple[tuple[str, str | None], ...]
     taken_at: float  # monotonic
     duration: float  # seconds the sample took, round trips included
 
@@ -57,6 +60,8 @@ def take_sample(conn: psycopg.Connection, lanes: Iterable[str],
         rows = conn.execute(query("metrics_queue_state"),
                             {"lanes": list(lanes), "now": now}).fetchall()
         hazards = conn.execute(query("metrics_database_hazards")).fetchone()
+        pauses = tuple((lane, handler) for lane, handler, _at, _by
+                       in conn.execute(query("list_pauses"), {"lane": None}))
     assert hazards is not None
     states = {}
     for lane, due, scheduled, retrying, claimed, dead, oldest in rows:
@@ -64,7 +69,7 @@ def take_sample(conn: psycopg.Connection, lanes: Iterable[str],
         states[lane] = LaneState(depth, dead, oldest)
     finished = time.monotonic()
     oldest_transaction, xmin_age, dead_tuples, queue_usage = hazards
-    return Sample(states, oldest_transaction, xmin_age, dead_tuples, queue_usage,
+    return Sample(states, oldest_transaction, xmin_age, dead_tuples, queue_usage, pauses,
                   taken_at=finished, duration=finished - started)
 
 
