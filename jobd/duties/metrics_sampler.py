@@ -8,8 +8,9 @@ per configured lane the live jobs by state, the oldest due job's wait and the DL
 index scans of the live table and the dead-letter queue (the archive is never read); then the
 oldest open transaction, the xmin horizon, the hot table's dead tuples and the notification
 queue's fill; then the lanes and handlers paused. Its cost grows with the number of live
-jobs of the lanes, not with history, and is bounded in time: after a sample that took long, the next waits :data:`DUTY_CYCLE_FACTOR`
-times as long, so sampling never takes more than 5 % of one backend.
+jobs of the lanes, not with history, and is bounded in time: after a sample that took long,
+the next waits :data:`DUTY_CYCLE_FACTOR` times as long, so sampling never takes more than 5 %
+of one backend.
 """
 
 from __future__ import annotations
