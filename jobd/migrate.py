@@ -2,19 +2,23 @@
 
 All pending migrations run in one transaction under a transaction-level advisory lock keyed
 by the schema name, so any number of nodes may run ``jobd migrate`` at once: the first applies,
-the others wait and then find nothing to do. A migration that fails rolls back entirely.
+the others wait and then find nothing to do. A migration that fails rolls back entirely. The
+same transaction grants the runtime and producer roles their privileges (:mod:`jobd.grants`),
+so a role never sees a schema it lacks the privileges for.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from importlib import resources
 
 import psycopg
 from psycopg import sql
 
+from jobd import grants
 from jobd.db import validate_schema
 
 _FILE_NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
@@ -64,6 +68,14 @@ class MigrationMismatch(RuntimeError):
     """An applied migration differs from the file that ships now."""
 
 
+@dataclass(frozen=True, slots=True)
+class Upgrade:
+    """What one ``jobd migrate`` did."""
+
+    applied: list[Migration] = field(default_factory=list)
+    roles: grants.Granted = field(default_factory=grants.Granted)
+
+
 def migrate(conn: psycopg.Connection, schema: str, *,
             max_payload_bytes: int | None = None) -> list[Migration]:
     """Bring ``schema`` up to date; returns the migrations this call applied.
@@ -71,6 +83,14 @@ def migrate(conn: psycopg.Connection, schema: str, *,
     ``max_payload_bytes`` (the config's ``limits.max_payload_bytes``), when given, becomes the
     database's payload limit, which every entry point enforces.
     """
+    return upgrade(conn, schema, max_payload_bytes=max_payload_bytes).applied
+
+
+def upgrade(conn: psycopg.Connection, schema: str, *, max_payload_bytes: int | None = None,
+            grant_runtime: Sequence[str] = (), grant_producer: Sequence[str] = ()) -> Upgrade:
+    """:func:`migrate`, then grant the roles named here and every role granted before
+    (:func:`jobd.grants.apply`), all in one transaction. A role that does not exist raises
+    :class:`jobd.grants.MissingRole` and nothing changes."""
     validate_schema(schema)
     applied_now: list[Migration] = []
     with conn.transaction():
@@ -94,7 +114,8 @@ def migrate(conn: psycopg.Connection, schema: str, *,
         conn.execute(_PARTITIONS)
         if max_payload_bytes is not None:
             conn.execute(_SET_PAYLOAD_LIMIT, (max_payload_bytes,))
-    return applied_now
+        granted = grants.apply(conn, schema, runtime=grant_runtime, producer=grant_producer)
+    return Upgrade(applied_now, granted)
 
 
 def schema_problem(conn: psycopg.Connection) -> str | None:

@@ -945,3 +945,34 @@ SELECT id, key, sender, payload, state FROM {schema}.outbox WHERE id = %(id)s FO
 -- name: outbox_delivered
 UPDATE {schema}.outbox SET state = 'delivered', delivered_at = now(), last_error = NULL
  WHERE id = %(id)s
+
+-- name: role_exists
+SELECT to_regrole(%(role)s) IS NOT NULL
+
+-- name: record_role_grant
+INSERT INTO role_grants (role, kind) VALUES (%(role)s, %(kind)s) ON CONFLICT DO NOTHING
+
+-- name: recorded_role_grants
+SELECT role::text, kind, to_regrole(role) IS NOT NULL FROM role_grants ORDER BY role, kind
+
+-- name: forget_role_grant
+DELETE FROM role_grants WHERE role = %(role)s AND kind = %(kind)s
+
+-- name: grant_runtime_qualified
+-- The daemon, the CLI and enqueue: reading and writing rows of every table, drawing ids and
+-- lease tokens, calling every function. No CREATE on the schema and no ownership, so it
+-- cannot create, alter or drop anything. The migration ledger, the settings `jobd migrate`
+-- writes and the grants themselves are read-only to it (the daemon reads the first two).
+GRANT USAGE ON SCHEMA {schema} TO {role};
+GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA {schema} TO {role};
+GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA {schema} TO {role};
+GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA {schema} TO {role};
+REVOKE INSERT, UPDATE, DELETE ON {schema}.schema_migrations, {schema}.settings FROM {role};
+REVOKE ALL ON {schema}.role_grants FROM {role};
+
+-- name: grant_producer_qualified
+-- Only enqueue, which runs as the owner (migration 0013): no privilege on any table, so a
+-- producer cannot read the queue's payloads or write a row but through enqueue's checks.
+-- Named without its arguments (there is one enqueue), so a new optional argument keeps it.
+GRANT USAGE ON SCHEMA {schema} TO {role};
+GRANT EXECUTE ON FUNCTION {schema}.enqueue TO {role};
