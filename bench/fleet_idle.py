@@ -108,7 +108,10 @@ def measure(admin_url: str, url: str, directory: Path, size: int, settle: float,
         deadline = time.monotonic() + 60
         while live_nodes(url) < size:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"only {live_nodes(url)} of {size} nodes came up")
+                tails = "\n".join(
+                    f"--- {path.name}\n" + "\n".join(path.read_text().splitlines()[-5:])
+                    for path in sorted(directory.glob("*.stderr")))
+                raise RuntimeError(f"only {live_nodes(url)} of {size} nodes came up\n{tails}")
             time.sleep(0.2)
         log(f"{size} node(s) up (pids {pids}); settling {settle:g}s")
         time.sleep(settle)

@@ -727,14 +727,17 @@ SELECT set_config('statement_timeout', %(statement_timeout)s, false),
        set_config('jit', 'off', false)
 
 -- name: node_heartbeat
-INSERT INTO nodes AS n (instance, node, pid, workers, counters)
-VALUES (%(instance)s, %(node)s, %(pid)s, %(workers)s, %(counters)s)
+-- Keyed by the instance (node name, pid, random suffix), never by the node name: two daemons
+-- configured with one node.name keep a row each.
+INSERT INTO nodes AS n (instance, node, pid, workers, counters, heartbeat_interval)
+VALUES (%(instance)s, %(node)s, %(pid)s, %(workers)s, %(counters)s, %(interval)s)
 ON CONFLICT (instance) DO UPDATE
    SET seen_at = now(),
        workers = excluded.workers,
        prev_counters = n.counters,
        prev_seen_at = n.seen_at,
-       counters = excluded.counters
+       counters = excluded.counters,
+       heartbeat_interval = excluded.heartbeat_interval
 RETURNING extract(epoch FROM now())::float8
 
 -- name: node_leave
@@ -779,11 +782,18 @@ UNION ALL
 DELETE FROM nodes WHERE seen_at < now() - make_interval(secs => %(older_than)s)
 
 -- name: live_nodes
--- Nodes seen recently, with per-lane rates per second over their last two samples.
+-- Every node that has a row (rows of nodes gone for an hour are pruned), with per-lane rates
+-- per second over its last two samples, its heartbeat's age by the database clock, and
+-- whether it is gone: no heartbeat for %(misses)s of its intervals and at least %(grace)s
+-- seconds, or, for a node that does not state its interval (older daemons), %(unknown)s.
 SELECT instance, node, pid, started_at, seen_at, workers, counters, prev_counters,
-       extract(epoch FROM seen_at - prev_seen_at)::float8 AS sample_seconds
+       extract(epoch FROM seen_at - prev_seen_at)::float8 AS sample_seconds,
+       extract(epoch FROM now() - seen_at)::float8 AS heartbeat_age,
+       heartbeat_interval,
+       now() - seen_at > make_interval(secs => coalesce(
+           greatest(%(misses)s * heartbeat_interval, heartbeat_interval + %(grace)s),
+           %(unknown)s)) AS gone
   FROM nodes
- WHERE seen_at >= now() - make_interval(secs => %(within)s)
  ORDER BY node, instance
 
 -- name: declare_schedule
