@@ -77,7 +77,7 @@ def cmd_status(ctx: Context, _args: argparse.Namespace) -> int:
     print_table(
         ["node", "pid", "lanes (live workers)", "last heartbeat", "state"],
         [[n.node, n.pid, ", ".join(f"{lane}: {n.workers[lane]}" for lane in n.lanes) or "-",
-          f"{n.heartbeat_age:.1f}s ago", _node_state(n)] for n in every_node],
+          f"{n.last_heartbeat_age_seconds:.1f}s ago", _node_state(n)] for n in every_node],
         empty="no nodes (no daemon runs, or has run in the last hour)",
     )
     _print_schedule_conflicts(conflicts)

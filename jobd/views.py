@@ -115,8 +115,8 @@ class NodeStatus:
     # node's last two heartbeats; empty until it has sent two.
     rates: dict[str, dict[str, float]]
     started_at: datetime | None = None
-    heartbeat_age: float = 0.0  # seconds since its last heartbeat, by the database clock
-    heartbeat_interval: float | None = None  # None: a daemon that does not state it
+    last_heartbeat_age_seconds: float = 0.0  # by the database clock
+    heartbeat_interval_seconds: float | None = None  # None: a daemon that does not state it
     gone: bool = False  # stopped beating without leaving (killed, frozen, cut off)
 
     @property
