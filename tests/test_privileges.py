@@ -14,13 +14,30 @@ from pathlib import Path
 import psycopg
 import pytest
 from cli_support import assert_one_line_error, cli
-from daemon_support import Daemon, create_effects_table, job_state, make_config, wait_until
+from daemon_support import (
+    HANDLERS,
+    Daemon,
+    create_effects_table,
+    job_row,
+    job_state,
+    make_config,
+    wait_until,
+)
 from psycopg import sql
 
 import jobd
 from jobd.db import connect
 
 SCHEMA = "jobd"
+
+TRANSACTIONAL_HANDLER = '''\
+import jobd
+
+
+@jobd.transactional
+def charge(job, conn):
+    conn.execute("INSERT INTO public.ledger (job_id) VALUES (%s)", (job.id,))
+'''
 
 
 class Roles:
@@ -84,34 +101,51 @@ def test_the_daemon_runs_as_the_runtime_role(granted: Roles, tmp_path: Path) -> 
         admin.execute(sql.SQL("GRANT INSERT ON public.test_effects TO {role};"
                               " GRANT USAGE ON SEQUENCE public.test_effects_id_seq TO {role}")
                       .format(role=sql.Identifier(granted.runtime)))
-        # Drop today's archive partitions: the daemon's maintenance (a SECURITY DEFINER
+        # Drop every archive partition: the daemon's maintenance (a SECURITY DEFINER
         # function) must create them again, without any DDL privilege of its own.
         for (name,) in admin.execute(
                 "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid"
                 " WHERE i.inhparent = 'jobd.jobs_archive'::regclass"
                 "   AND c.relname <> 'jobs_archive_default'").fetchall():
             admin.execute(sql.SQL("DROP TABLE {}").format(sql.Identifier(SCHEMA, name)))
+        admin.execute("CREATE TABLE public.ledger (job_id bigint PRIMARY KEY)")
+        admin.execute(sql.SQL("GRANT INSERT ON public.ledger TO {}").format(
+            sql.Identifier(granted.runtime)))
+    (tmp_path / "privhandlers.py").write_text(TRANSACTIONAL_HANDLER)
     daemon = Daemon(tmp_path, granted.url(granted.runtime))
+    config = make_config({"default": {"max_attempts": 2}},
+                         handlers={**HANDLERS, "charge": "privhandlers:charge"})
     try:
-        daemon.start(make_config({"default": {"max_attempts": 2}}))
+        daemon.start(config)
         daemon.wait_workers_started("default", 1)
         with granted.connect(granted.producer) as producer:
             done = jobd.enqueue(producer, "ok", {"n": 1})
             failing = jobd.enqueue(producer, "nosuch", {"n": 2})
+            charged = jobd.enqueue(producer, "charge", {"n": 3})
+            # Crash attribution ends the dead worker's backends: the role's own, so allowed.
+            poison = jobd.enqueue(producer, "suicide", {"n": 4})
         with psycopg.connect(granted.db_url, autocommit=True) as admin:
             admin.execute("SET search_path TO jobd")
-            wait_until(lambda: job_state(admin, done) == "done", 30,
-                       message=lambda: f"job {done} to finish\n{daemon.tail()}")
-            wait_until(lambda: job_state(admin, failing) == "dead", 30,
-                       message=lambda: f"job {failing} to die\n{daemon.tail()}")
+            for job, state in ((done, "done"), (failing, "dead"), (charged, "done"),
+                               (poison, "dead")):
+                wait_until(lambda job=job, state=state: job_state(admin, job) == state, 40,
+                           message=lambda job=job, state=state:
+                               f"job {job} to be {state}\n{daemon.tail()}")
+            assert admin.execute("SELECT job_id FROM public.ledger").fetchall() == [(charged,)]
+            assert all("died: killed by SIGKILL" in e["error"]
+                       for e in job_row(admin, poison)["errors"])
+
             # Yesterday to a week ahead, owned by the owner like the rest of the schema.
-            partitions = admin.execute(
-                "SELECT count(*), bool_and(c.relowner = p.relowner)"
-                "  FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid"
-                "  JOIN pg_class p ON p.oid = i.inhparent"
-                " WHERE i.inhparent = 'jobd.jobs_archive'::regclass"
-                "   AND c.relname <> 'jobs_archive_default'").fetchone()
-            assert partitions == (9, True)
+            def partitions() -> tuple[int, bool] | None:
+                return admin.execute(
+                    "SELECT count(*), bool_and(c.relowner = p.relowner)"
+                    "  FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid"
+                    "  JOIN pg_class p ON p.oid = i.inhparent"
+                    " WHERE i.inhparent = 'jobd.jobs_archive'::regclass"
+                    "   AND c.relname <> 'jobs_archive_default'").fetchone()
+
+            wait_until(lambda: partitions() == (9, True), 30,
+                       message=lambda: f"the archive partitions (now {partitions()})")
         # The CLI's reads and controls work as the runtime role too.
         url = granted.url(granted.runtime)
         status = cli("status", "--json", "--database-url", url)
