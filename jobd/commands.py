@@ -18,7 +18,7 @@ from jobd.cli_context import Context
 from jobd.cli_output import print_json
 from jobd.errors import UsageError
 from jobd.grants import MissingRole
-from jobd.migrate import schema_problem, upgrade
+from jobd.migrate import NotOwner, schema_problem, upgrade
 from jobd.supervisor import Supervisor
 
 
@@ -40,7 +40,7 @@ def cmd_migrate(ctx: Context, args: argparse.Namespace) -> int:
         try:
             done = upgrade(conn, ctx.schema, max_payload_bytes=ctx.config.max_payload_bytes,
                            grant_runtime=runtime, grant_producer=producer)
-        except MissingRole as exc:
+        except (MissingRole, NotOwner) as exc:
             raise UsageError(str(exc)) from None
         except psycopg.errors.InsufficientPrivilege as exc:
             raise UsageError(

@@ -20,6 +20,7 @@ from psycopg import sql
 
 from jobd import grants
 from jobd.db import validate_schema
+from jobd.queries import query
 
 _FILE_NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
 
@@ -68,6 +69,10 @@ class MigrationMismatch(RuntimeError):
     """An applied migration differs from the file that ships now."""
 
 
+class NotOwner(RuntimeError):
+    """The schema needs a change that only its owner may make."""
+
+
 @dataclass(frozen=True, slots=True)
 class Upgrade:
     """What one ``jobd migrate`` did."""
@@ -90,32 +95,68 @@ def upgrade(conn: psycopg.Connection, schema: str, *, max_payload_bytes: int | N
             grant_runtime: Sequence[str] = (), grant_producer: Sequence[str] = ()) -> Upgrade:
     """:func:`migrate`, then grant the roles named here and every role granted before
     (:func:`jobd.grants.apply`), all in one transaction. A role that does not exist raises
-    :class:`jobd.grants.MissingRole` and nothing changes."""
+    :class:`jobd.grants.MissingRole` and nothing changes.
+
+    A role that does not own the schema (the runtime role, running ``jobd migrate`` before
+    the daemon as the systemd unit does) may run it while there is nothing to change: it
+    tops up the archive partitions and returns. If there is something to change it raises
+    :class:`NotOwner` before trying.
+    """
     validate_schema(schema)
     applied_now: list[Migration] = []
     with conn.transaction():
         conn.execute(_LOCK, (schema,))
-        conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)))
+        row = conn.execute(query("schema_ownership"), {"schema": schema}).fetchone()
+        owner = row is None or bool(row[0])  # a schema about to be created is its creator's
+        if row is None:
+            conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
         conn.execute(sql.SQL("SET LOCAL search_path TO {}").format(sql.Identifier(schema)))
-        conn.execute(_LEDGER)
+        exists = conn.execute(query("migration_ledger_exists")).fetchone()
+        if not (exists and exists[0]):
+            conn.execute(_LEDGER)
         done = {version: (name, checksum) for version, name, checksum in conn.execute(_APPLIED)}
-        for migration in available():
-            if migration.version in done:
-                if done[migration.version][1] != migration.checksum:
-                    raise MigrationMismatch(
-                        f"migration {migration.version:04d}_{migration.name} was changed "
-                        "after it was applied; add a new migration instead"
-                    )
-                continue
+        pending = _pending(available(), done)
+        if not owner and (pending or grant_runtime or grant_producer
+                          or _limit_differs(conn, max_payload_bytes)):
+            raise NotOwner(
+                f"schema {schema} needs changes ({_what_changes(pending)}) that only its "
+                "owner may make: run jobd migrate as the role that owns it (the runtime "
+                "and producer roles cannot change it)")
+        for migration in pending:
             conn.execute(migration.text)
             conn.execute(_RECORD, (migration.version, migration.name, migration.checksum))
             applied_now.append(migration)
         # Archive partitions are dated; every migrate run tops them up.
         conn.execute(_PARTITIONS)
-        if max_payload_bytes is not None:
+        if _limit_differs(conn, max_payload_bytes):
             conn.execute(_SET_PAYLOAD_LIMIT, (max_payload_bytes,))
-        granted = grants.apply(conn, schema, runtime=grant_runtime, producer=grant_producer)
+        granted = grants.Granted()
+        if owner:
+            granted = grants.apply(conn, schema, runtime=grant_runtime,
+                                   producer=grant_producer)
     return Upgrade(applied_now, granted)
+
+
+def _pending(shipped: list[Migration], done: dict[int, tuple[str, str]]) -> list[Migration]:
+    for migration in shipped:
+        if migration.version in done and done[migration.version][1] != migration.checksum:
+            raise MigrationMismatch(
+                f"migration {migration.version:04d}_{migration.name} was changed "
+                "after it was applied; add a new migration instead")
+    return [m for m in shipped if m.version not in done]
+
+
+def _limit_differs(conn: psycopg.Connection, max_payload_bytes: int | None) -> bool:
+    if max_payload_bytes is None:
+        return False
+    row = conn.execute(query("payload_limit")).fetchone()
+    return row is None or row[0] != max_payload_bytes
+
+
+def _what_changes(pending: list[Migration]) -> str:
+    if pending:
+        return "migrations " + ", ".join(f"{m.version:04d}_{m.name}" for m in pending)
+    return "grants or the payload limit"
 
 
 def schema_problem(conn: psycopg.Connection) -> str | None:

@@ -175,9 +175,26 @@ def test_the_runtime_role_cannot_change_the_schema(granted: Roles) -> None:
         # What it does need: rows, ids, the functions.
         assert conn.execute("SELECT count(*) FROM jobd.all_jobs").fetchone() is not None
         assert conn.execute("SELECT max(version) FROM jobd.schema_migrations").fetchone()
-    result = cli("migrate", "--database-url", granted.url(granted.runtime))
-    line = assert_one_line_error(result)
-    assert "run jobd migrate as the role that owns schema jobd" in line
+
+
+def test_migrate_as_the_runtime_role_changes_nothing_and_says_who_may(granted: Roles) -> None:
+    url = granted.url(granted.runtime)
+    # Up to date: nothing to change, so the systemd unit's `jobd migrate` before `jobd run`
+    # succeeds as the runtime role.
+    result = cli("migrate", "--database-url", url)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "schema jobd is up to date\n"
+    line = assert_one_line_error(cli("migrate", "--database-url", url, "--grant-producer",
+                                     granted.runtime))
+    assert "only its owner may make: run jobd migrate as the role that owns it" in line
+    with psycopg.connect(granted.db_url, autocommit=True) as admin:
+        # As if this jobd were newer than the schema: its last migration is pending.
+        admin.execute("DELETE FROM jobd.schema_migrations"
+                      " WHERE version = (SELECT max(version) FROM jobd.schema_migrations)")
+    line = assert_one_line_error(cli("migrate", "--database-url", url))
+    assert "needs changes (migrations 0" in line and "run jobd migrate as the role" in line
+    with granted.connect(granted.producer) as conn:
+        refused(conn, "SELECT * FROM jobd.schema_migrations")
 
 
 # --- the producer role -----------------------------------------------------------------------

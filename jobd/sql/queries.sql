@@ -986,3 +986,14 @@ REVOKE ALL ON {schema}.role_grants FROM {role};
 -- Named without its arguments (there is one enqueue), so a new optional argument keeps it.
 GRANT USAGE ON SCHEMA {schema} TO {role};
 GRANT EXECUTE ON FUNCTION {schema}.enqueue TO {role};
+
+-- name: schema_ownership
+-- Whether the schema exists, and whether the current role may act as its owner (is it, is a
+-- member of it, or is a superuser): only then may `jobd migrate` change it.
+SELECT pg_has_role(n.nspowner, 'USAGE') FROM pg_namespace AS n WHERE n.nspname = %(schema)s
+
+-- name: migration_ledger_exists
+SELECT to_regclass('schema_migrations') IS NOT NULL
+
+-- name: payload_limit
+SELECT value::bigint FROM settings WHERE name = 'max_payload_bytes'
