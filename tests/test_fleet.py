@@ -104,6 +104,7 @@ def test_a_fleet_of_eight_lists_every_node_and_sweeps_the_one_that_disappears(
     assert f"lease expired (held by {holder_worker})" in row["errors"][0]["error"]
     starts = effects(effects_db, job, "start")
     assert len(starts) == 2 and starts[0]["pid"] != starts[1]["pid"]
-    sweepers = [name for name, d in fleet.items()
-                if name != victim and d.events("expired leases swept")]
-    assert len(sweepers) == 1
+    sweeps = [entry for name, d in fleet.items() if name != victim
+              for entry in d.events("expired leases swept")]
+    assert len(sweeps) == 1
+    assert sweeps[0]["holders"] == {holder_worker: 1}
