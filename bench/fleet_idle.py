@@ -3,7 +3,7 @@
 Usage::
 
     .venv/bin/python bench/fleet_idle.py [--sizes 1,4,8] [--settle 15] [--window 60]
-                                         [--duty-interval 10s]
+                                         [--duty-interval 10s] [--metrics] [--backlog N]
 
 A throwaway PostgreSQL cluster (jobd.localpg: a free port, a temp directory) holds one
 migrated database. For each fleet size the benchmark starts that many daemons (``python -m
@@ -13,6 +13,10 @@ xact_rollback`` of that database in ``pg_stat_database`` over the window, sample
 connection to *another* database so the sampling is not counted. Autovacuum is off in the
 throwaway cluster meanwhile (each of its visits costs transactions that no daemon made). The
 fleet is stopped with SIGTERM (exit code 0 required) before the next size starts.
+
+``--metrics`` gives every daemon a metrics endpoint (so each runs the metrics sampler);
+``--backlog N`` enqueues N jobs due a day later first, which no daemon runs but every sampler
+counts: what that sampling costs a fleet shows in the rows read.
 
 Printed: one line per size with transactions/s in all, per node, and rows read per second
 (``tup_returned + tup_fetched``: what the duties scan), then one JSON line per size.
@@ -36,8 +40,9 @@ from typing import Any
 import psycopg
 import yaml
 
+import jobd
 from jobd.db import connect
-from jobd.localpg import throwaway_cluster
+from jobd.localpg import free_port, throwaway_cluster
 from jobd.migrate import migrate
 
 DBNAME = "jobd_fleet_idle"
@@ -48,19 +53,23 @@ def log(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def write_config(directory: Path, node: str, duty_interval: str) -> Path:
+def write_config(directory: Path, node: str, duty_interval: str, metrics: bool) -> Path:
     path = directory / f"{node}.yaml"
-    path.write_text(yaml.safe_dump({
+    config: dict[str, Any] = {
         "node": {"name": node},
         "handlers": {"noop": "fleethandlers:noop"},
         "supervisor": {"duty_interval": duty_interval, "shutdown_timeout": "5s"},
         "lanes": {"default": {"workers": 1, "concurrency": 1}},
-    }))
+    }
+    if metrics:
+        config["metrics"] = {"listen": f"127.0.0.1:{free_port()}"}
+    path.write_text(yaml.safe_dump(config))
     return path
 
 
 @contextmanager
-def fleet(directory: Path, url: str, size: int, duty_interval: str) -> Iterator[list[int]]:
+def fleet(directory: Path, url: str, size: int, duty_interval: str,
+          metrics: bool) -> Iterator[list[int]]:
     """``size`` daemons running; stopped with SIGTERM on the way out (exit 0 required)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("JOBD_")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(directory),
@@ -68,7 +77,7 @@ def fleet(directory: Path, url: str, size: int, duty_interval: str) -> Iterator[
     procs = []
     try:
         for index in range(size):
-            config = write_config(directory, f"node-{index + 1}", duty_interval)
+            config = write_config(directory, f"node-{index + 1}", duty_interval, metrics)
             stderr = open(directory / f"node-{index + 1}.stderr", "ab")  # noqa: SIM115
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "jobd", "run", "-c", str(config), "--database-url", url],
@@ -103,8 +112,8 @@ def live_nodes(url: str) -> int:
 
 
 def measure(admin_url: str, url: str, directory: Path, size: int, settle: float,
-            window: float, duty_interval: str) -> dict[str, Any]:
-    with fleet(directory, url, size, duty_interval) as pids:
+            window: float, duty_interval: str, metrics: bool) -> dict[str, Any]:
+    with fleet(directory, url, size, duty_interval, metrics) as pids:
         deadline = time.monotonic() + 60
         while live_nodes(url) < size:
             if time.monotonic() > deadline:
@@ -128,7 +137,7 @@ def measure(admin_url: str, url: str, directory: Path, size: int, settle: float,
               "txn_per_s": round((tx1 - tx0) / seconds, 3),
               "txn_per_s_per_node": round((tx1 - tx0) / seconds / size, 3),
               "rows_read_per_s": round((rows1 - rows0) / seconds, 1),
-              "duty_interval": duty_interval}
+              "duty_interval": duty_interval, "metrics": metrics}
     log(f"{size} node(s): {result['txn_per_s']:.2f} txn/s, {result['txn_per_s_per_node']:.3f}"
         f" per node, {result['rows_read_per_s']:.0f} rows read/s")
     return result
@@ -141,6 +150,10 @@ def main() -> int:
     parser.add_argument("--window", type=float, default=60.0, help="seconds (default 60)")
     parser.add_argument("--duty-interval", default="10s", help="supervisor.duty_interval "
                         "(default 10s, the shipped default)")
+    parser.add_argument("--metrics", action="store_true",
+                        help="a metrics endpoint on every daemon (default: none)")
+    parser.add_argument("--backlog", type=int, default=0,
+                        help="jobs due a day later, enqueued first (default 0)")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     results = []
@@ -155,9 +168,16 @@ def main() -> int:
         url = psycopg.conninfo.make_conninfo(cluster.url, dbname=DBNAME)
         with connect(url) as conn:
             migrate(conn, "jobd")
+            if args.backlog:
+                later = conn.execute("SELECT now() + interval '1 day'").fetchone()
+                assert later is not None
+                jobd.enqueue_many(conn, [jobd.JobSpec("noop", {}, run_at=later[0])
+                                         for _ in range(args.backlog)])
+                conn.execute("VACUUM ANALYZE jobs")
         for size in sizes:
-            results.append(measure(cluster.url, url, directory, size, args.settle,
-                                   args.window, args.duty_interval))
+            result = measure(cluster.url, url, directory, size, args.settle, args.window,
+                             args.duty_interval, args.metrics)
+            results.append({**result, "backlog": args.backlog})
     print(f"{'nodes':>5}  {'txn/s':>7}  {'per node':>8}  {'rows read/s':>11}")
     for r in results:
         print(f"{r['nodes']:>5}  {r['txn_per_s']:>7.2f}  {r['txn_per_s_per_node']:>8.3f}"

@@ -2,12 +2,14 @@
 lists every one with its lanes, workers and last heartbeat; one that disappears is marked
 gone, and the others sweep its leases so its job runs elsewhere.
 
-(What an idle fleet costs the database is measured by bench/fleet_idle.py, not here: a test
-asserts behaviour, not figures.)"""
+The metrics sampler counts the backlog once per interval for the whole fleet, not once per
+node. (What an idle fleet costs the database is measured by bench/fleet_idle.py, not here: a
+test asserts behaviour, not figures.)"""
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -18,11 +20,11 @@ from cli_support import cli
 from daemon_support import Daemon, effects, job_row, job_state, make_config, wait_until
 
 import jobd
+from jobd.duties.metrics_sampler import SAMPLE_INTERVAL, take_sample
 
 daemons = daemon_support.daemons
 effects_db = daemon_support.effects_db
 
-pytestmark = pytest.mark.slow
 
 Daemons = Callable[..., Daemon]
 
@@ -42,6 +44,7 @@ def status(db_url: str) -> dict[str, Any]:
     return json.loads(result.stdout)
 
 
+@pytest.mark.slow
 def test_a_fleet_of_eight_lists_every_node_and_sweeps_the_one_that_disappears(
     daemons: Daemons, effects_db: psycopg.Connection, db_url: str
 ) -> None:
@@ -108,3 +111,29 @@ def test_a_fleet_of_eight_lists_every_node_and_sweeps_the_one_that_disappears(
               for entry in d.events("expired leases swept")]
     assert len(sweeps) == 1
     assert sweeps[0]["holders"] == {holder_worker: 1}
+
+
+def test_the_metrics_sampler_counts_the_backlog_once_for_the_fleet(
+    conn: psycopg.Connection,
+) -> None:
+    jobd.enqueue_many(conn, [jobd.JobSpec("h", {}, lane="a") for _ in range(5)])
+    first = take_sample(conn, ["a"], max_age=SAMPLE_INTERVAL)  # nothing shared yet: counts
+    assert first.lanes["a"].depth["due"] == 5
+    jobd.enqueue(conn, "h", lane="a")
+    # Another node within the interval: the stored counts, as old as they are.
+    second = take_sample(conn, ["a"], max_age=SAMPLE_INTERVAL)
+    assert second.lanes["a"].depth["due"] == 5
+    # The sample's age (jobd_metrics_sample_age_seconds) is that of the counts it shares.
+    conn.execute("UPDATE queue_samples SET taken_at = now() - interval '3 seconds'")
+    aged = take_sample(conn, ["a"], max_age=SAMPLE_INTERVAL)
+    assert aged.lanes["a"].depth["due"] == 5
+    assert time.monotonic() - aged.taken_at >= 3.0
+    # A lane nobody counted yet makes the node count all its lanes, and share them.
+    third = take_sample(conn, ["a", "b"], max_age=SAMPLE_INTERVAL)
+    assert third.lanes["a"].depth["due"] == 6 and third.lanes["b"].depth["due"] == 0
+    stored = conn.execute("SELECT lane, due FROM queue_samples ORDER BY lane").fetchall()
+    assert stored == [("a", 6), ("b", 0)]
+    # Counts older than the interval are counted again.
+    conn.execute("UPDATE queue_samples SET taken_at = now() - interval '1 minute'")
+    jobd.enqueue(conn, "h", lane="a")
+    assert take_sample(conn, ["a"], max_age=SAMPLE_INTERVAL).lanes["a"].depth["due"] == 7

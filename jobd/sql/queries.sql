@@ -583,6 +583,30 @@ SELECT l.lane,
   LEFT JOIN dead ON dead.lane = l.lane
  ORDER BY l.lane
 
+-- name: shared_queue_state
+-- The counts of metrics_queue_state that any node stored less than %(max_age)s seconds ago,
+-- for the lanes asked, with their age in seconds (see migrations/0015).
+SELECT lane, due, scheduled, retrying, claimed, dead, oldest_unclaimed_age,
+       extract(epoch FROM coalesce(%(now)s::timestamptz, now()) - taken_at)::float8
+  FROM queue_samples
+ WHERE lane = ANY(%(lanes)s::text[])
+   AND taken_at > coalesce(%(now)s::timestamptz, now()) - make_interval(secs => %(max_age)s)
+
+-- name: store_queue_state
+-- What this node just counted, for the others to use within the sampling interval.
+INSERT INTO queue_samples AS q (lane, due, scheduled, retrying, claimed, dead,
+                                oldest_unclaimed_age, taken_at)
+SELECT s.lane, s.due, s.scheduled, s.retrying, s.claimed, s.dead, s.oldest,
+       coalesce(%(now)s::timestamptz, now())
+  FROM unnest(%(lanes)s::text[], %(due)s::bigint[], %(scheduled)s::bigint[],
+              %(retrying)s::bigint[], %(claimed)s::bigint[], %(dead)s::bigint[],
+              %(oldest)s::float8[])
+       AS s(lane, due, scheduled, retrying, claimed, dead, oldest)
+ON CONFLICT (lane) DO UPDATE
+   SET due = excluded.due, scheduled = excluded.scheduled, retrying = excluded.retrying,
+       claimed = excluded.claimed, dead = excluded.dead,
+       oldest_unclaimed_age = excluded.oldest_unclaimed_age, taken_at = excluded.taken_at
+
 -- name: metrics_database_hazards
 -- The metrics sampler: what holds back vacuum of the hot table and what fills the
 -- notification queue. The oldest open transaction of this database (a snapshot or an xid

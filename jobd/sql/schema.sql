@@ -1157,6 +1157,25 @@ CREATE TRIGGER dead_letter_outbox AFTER INSERT ON dead_letter
 
 
 -- ===========================================================================================
+-- Metrics
+-- ===========================================================================================
+
+-- The metrics sampler's per-lane counts, shared by the fleet: a node uses the counts another
+-- took within the sampling interval instead of counting the backlog again. UNLOGGED: a cache
+-- of what can be counted again (empty after a crash of the server).
+CREATE UNLOGGED TABLE queue_samples (
+    lane                 text        PRIMARY KEY,
+    due                  bigint      NOT NULL,
+    scheduled            bigint      NOT NULL,
+    retrying             bigint      NOT NULL,
+    claimed              bigint      NOT NULL,
+    dead                 bigint      NOT NULL,
+    oldest_unclaimed_age float8      NOT NULL,
+    taken_at             timestamptz NOT NULL
+);
+
+
+-- ===========================================================================================
 -- Roles
 -- ===========================================================================================
 
