@@ -113,6 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     migrate_cmd = add("migrate", "Create or upgrade jobd's schema (safe to run on many nodes at "
                                  "once).")
+    migrate_cmd.add_argument(
+        "--grant-runtime", action="append", metavar="ROLE",
+        help="give ROLE what the daemon and the CLI need: rows, sequences, functions; no "
+             "DDL (repeatable; default: none). Every later migrate grants it again")
+    migrate_cmd.add_argument(
+        "--grant-producer", action="append", metavar="ROLE",
+        help="let ROLE call enqueue and nothing else (repeatable; default: none)")
     migrate_cmd.set_defaults(func=cmd_migrate)
 
     enqueue_cmd = add("enqueue", "Enqueue one job and print its id.")

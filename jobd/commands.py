@@ -11,11 +11,14 @@ import argparse
 import sys
 from dataclasses import replace
 
+import psycopg
+
 from jobd import jobs, logs, producer, top, top_screen
 from jobd.cli_context import Context
 from jobd.cli_output import print_json
 from jobd.errors import UsageError
-from jobd.migrate import migrate, schema_problem
+from jobd.grants import MissingRole
+from jobd.migrate import NotOwner, schema_problem, upgrade
 from jobd.supervisor import Supervisor
 
 
@@ -31,17 +34,37 @@ def cmd_run(ctx: Context, _args: argparse.Namespace) -> int:
     return Supervisor(config, ctx.url).run()
 
 
-def cmd_migrate(ctx: Context, _args: argparse.Namespace) -> int:
+def cmd_migrate(ctx: Context, args: argparse.Namespace) -> int:
+    runtime, producer = args.grant_runtime or [], args.grant_producer or []
     with ctx.connect() as conn:
-        applied = migrate(conn, ctx.schema, max_payload_bytes=ctx.config.max_payload_bytes)
-    names = [f"{m.version:04d}_{m.name}" for m in applied]
+        try:
+            done = upgrade(conn, ctx.schema, max_payload_bytes=ctx.config.max_payload_bytes,
+                           grant_runtime=runtime, grant_producer=producer)
+        except (MissingRole, NotOwner) as exc:
+            raise UsageError(str(exc)) from None
+        except psycopg.errors.InsufficientPrivilege as exc:
+            raise UsageError(
+                f"{_server_message(exc)}: run jobd migrate as the role that owns schema "
+                f"{ctx.schema} (the runtime and producer roles cannot change it)") from None
+    names = [f"{m.version:04d}_{m.name}" for m in done.applied]
     if ctx.as_json:
-        print_json({"schema": ctx.schema, "applied": names})
-    elif names:
+        print_json({"schema": ctx.schema, "applied": names,
+                    "granted": [{"role": r, "kind": k} for r, k in done.roles.granted],
+                    "forgotten": [{"role": r, "kind": k} for r, k in done.roles.forgotten]})
+        return 0
+    if names:
         print(f"applied to schema {ctx.schema}: {', '.join(names)}")
     else:
         print(f"schema {ctx.schema} is up to date")
+    for role, kind in done.roles.granted:
+        print(f"granted {kind} privileges to {role}")
+    for role, kind in done.roles.forgotten:
+        print(f"forgot the {kind} grant of {role}: the role no longer exists")
     return 0
+
+
+def _server_message(exc: psycopg.Error) -> str:
+    return exc.diag.message_primary or str(exc).strip().splitlines()[0]
 
 
 def cmd_enqueue(ctx: Context, args: argparse.Namespace) -> int:

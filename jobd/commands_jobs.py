@@ -23,9 +23,10 @@ PAYLOAD_PREVIEW_CHARS = 2000
 def cmd_status(ctx: Context, _args: argparse.Namespace) -> int:
     with ctx.connect() as conn:
         lanes = views.lane_status(conn)
-        nodes = views.node_status(conn)
+        every_node = views.node_status(conn, include_gone=True)
         conflicts = schedules.conflicts(conn)
         paused = pauses.pauses(conn)
+    nodes = [n for n in every_node if not n.gone]
     # Lanes with no jobs still show when the config, a live node or a pause names them.
     workers = views.live_workers(nodes)
     lanes = views.with_lanes(lanes, set(ctx.config.lanes) | set(workers)
@@ -53,7 +54,7 @@ def cmd_status(ctx: Context, _args: argparse.Namespace) -> int:
                        "over_slo": views.over_slo(s, slo(s.lane)),
                        "paused": s.lane in paused_lanes,
                        "paused_handlers": paused_handlers(s.lane)} for s in lanes],
-            "nodes": [n.as_dict() for n in nodes],
+            "nodes": [n.as_dict() for n in every_node],
             "pauses": [p.as_dict() for p in paused],
             "schedule_conflicts": [
                 {"schedule": c.schedule_id, "stored_by": list(c.stored_by),
@@ -74,13 +75,20 @@ def cmd_status(ctx: Context, _args: argparse.Namespace) -> int:
     _print_pauses(paused)
     print()
     print_table(
-        ["node", "pid", "workers", "last seen"],
-        [[n.node, n.pid, ", ".join(f"{lane}: {count}" for lane, count in n.workers.items()),
-          n.seen_at] for n in nodes],
-        empty="no live nodes (no daemon has reported in the last minute)",
+        ["node", "pid", "lanes (live workers)", "last heartbeat", "state"],
+        [[n.node, n.pid, ", ".join(f"{lane}: {n.workers[lane]}" for lane in n.lanes) or "-",
+          f"{n.last_heartbeat_age_seconds:.1f}s ago", _node_state(n)] for n in every_node],
+        empty="no nodes (no daemon runs, or has run in the last hour)",
     )
     _print_schedule_conflicts(conflicts)
     return 0
+
+
+def _node_state(node: views.NodeStatus) -> str:
+    if not node.gone:
+        return "live"
+    # Its claimed jobs come back when their leases expire: every live node sweeps them.
+    return "gone (its leases are swept by the others)"
 
 
 def _print_pauses(found: list[pauses.Pause]) -> None:

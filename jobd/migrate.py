@@ -2,20 +2,25 @@
 
 All pending migrations run in one transaction under a transaction-level advisory lock keyed
 by the schema name, so any number of nodes may run ``jobd migrate`` at once: the first applies,
-the others wait and then find nothing to do. A migration that fails rolls back entirely.
+the others wait and then find nothing to do. A migration that fails rolls back entirely. The
+same transaction grants the runtime and producer roles their privileges (:mod:`jobd.grants`),
+so a role never sees a schema it lacks the privileges for.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from importlib import resources
 
 import psycopg
 from psycopg import sql
 
+from jobd import grants
 from jobd.db import validate_schema
+from jobd.queries import query
 
 _FILE_NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
 
@@ -64,6 +69,18 @@ class MigrationMismatch(RuntimeError):
     """An applied migration differs from the file that ships now."""
 
 
+class NotOwner(RuntimeError):
+    """The schema needs a change that only its owner may make."""
+
+
+@dataclass(frozen=True, slots=True)
+class Upgrade:
+    """What one ``jobd migrate`` did."""
+
+    applied: list[Migration] = field(default_factory=list)
+    roles: grants.Granted = field(default_factory=grants.Granted)
+
+
 def migrate(conn: psycopg.Connection, schema: str, *,
             max_payload_bytes: int | None = None) -> list[Migration]:
     """Bring ``schema`` up to date; returns the migrations this call applied.
@@ -71,30 +88,75 @@ def migrate(conn: psycopg.Connection, schema: str, *,
     ``max_payload_bytes`` (the config's ``limits.max_payload_bytes``), when given, becomes the
     database's payload limit, which every entry point enforces.
     """
+    return upgrade(conn, schema, max_payload_bytes=max_payload_bytes).applied
+
+
+def upgrade(conn: psycopg.Connection, schema: str, *, max_payload_bytes: int | None = None,
+            grant_runtime: Sequence[str] = (), grant_producer: Sequence[str] = ()) -> Upgrade:
+    """:func:`migrate`, then grant the roles named here and every role granted before
+    (:func:`jobd.grants.apply`), all in one transaction. A role that does not exist raises
+    :class:`jobd.grants.MissingRole` and nothing changes.
+
+    A role that does not own the schema (the runtime role, running ``jobd migrate`` before
+    the daemon as the systemd unit does) may run it while there is nothing to change: it
+    tops up the archive partitions and returns. If there is something to change it raises
+    :class:`NotOwner` before trying.
+    """
     validate_schema(schema)
     applied_now: list[Migration] = []
     with conn.transaction():
         conn.execute(_LOCK, (schema,))
-        conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)))
+        row = conn.execute(query("schema_ownership"), {"schema": schema}).fetchone()
+        owner = row is None or bool(row[0])  # a schema about to be created is its creator's
+        if row is None:
+            conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
         conn.execute(sql.SQL("SET LOCAL search_path TO {}").format(sql.Identifier(schema)))
-        conn.execute(_LEDGER)
+        exists = conn.execute(query("migration_ledger_exists")).fetchone()
+        if not (exists and exists[0]):
+            conn.execute(_LEDGER)
         done = {version: (name, checksum) for version, name, checksum in conn.execute(_APPLIED)}
-        for migration in available():
-            if migration.version in done:
-                if done[migration.version][1] != migration.checksum:
-                    raise MigrationMismatch(
-                        f"migration {migration.version:04d}_{migration.name} was changed "
-                        "after it was applied; add a new migration instead"
-                    )
-                continue
+        pending = _pending(available(), done)
+        if not owner and (pending or grant_runtime or grant_producer
+                          or _limit_differs(conn, max_payload_bytes)):
+            raise NotOwner(
+                f"schema {schema} needs changes ({_what_changes(pending)}) that only its "
+                "owner may make: run jobd migrate as the role that owns it (the runtime "
+                "and producer roles cannot change it)")
+        for migration in pending:
             conn.execute(migration.text)
             conn.execute(_RECORD, (migration.version, migration.name, migration.checksum))
             applied_now.append(migration)
         # Archive partitions are dated; every migrate run tops them up.
         conn.execute(_PARTITIONS)
-        if max_payload_bytes is not None:
+        if _limit_differs(conn, max_payload_bytes):
             conn.execute(_SET_PAYLOAD_LIMIT, (max_payload_bytes,))
-    return applied_now
+        granted = grants.Granted()
+        if owner:
+            granted = grants.apply(conn, schema, runtime=grant_runtime,
+                                   producer=grant_producer)
+    return Upgrade(applied_now, granted)
+
+
+def _pending(shipped: list[Migration], done: dict[int, tuple[str, str]]) -> list[Migration]:
+    for migration in shipped:
+        if migration.version in done and done[migration.version][1] != migration.checksum:
+            raise MigrationMismatch(
+                f"migration {migration.version:04d}_{migration.name} was changed "
+                "after it was applied; add a new migration instead")
+    return [m for m in shipped if m.version not in done]
+
+
+def _limit_differs(conn: psycopg.Connection, max_payload_bytes: int | None) -> bool:
+    if max_payload_bytes is None:
+        return False
+    row = conn.execute(query("payload_limit")).fetchone()
+    return row is None or row[0] != max_payload_bytes
+
+
+def _what_changes(pending: list[Migration]) -> str:
+    if pending:
+        return "migrations " + ", ".join(f"{m.version:04d}_{m.name}" for m in pending)
+    return "grants or the payload limit"
 
 
 def schema_problem(conn: psycopg.Connection) -> str | None:

@@ -60,3 +60,11 @@ def qualified(name: str, schema: str) -> sql.Composed:
     sequence = sql.SQL("{}::regclass").format(
         sql.Literal(sql.Identifier(schema, "job_id_seq").as_string()))
     return sql.SQL(_all()[name]).format(schema=sql.Identifier(schema), job_id_seq=sequence)
+
+
+def with_identifiers(name: str, **identifiers: str) -> sql.Composed:
+    """A named query whose ``{placeholders}`` are all identifiers (a schema, a role), each
+    bound with :class:`psycopg.sql.Identifier`: for statements, such as GRANT, that take no
+    parameters."""
+    return sql.SQL(_all()[name]).format(
+        **{key: sql.Identifier(value) for key, value in identifiers.items()})

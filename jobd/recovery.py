@@ -4,7 +4,7 @@ claims a worker made but never received. Each decides what a job's attempt count
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -57,6 +57,8 @@ class Sweep:
 
     failed: FailOutcome
     expired_by_lane: dict[str, int]
+    # The workers whose leases were taken (their ids name their node), with how many each.
+    holders: dict[str, int] = field(default_factory=dict)
 
 
 def expire_leases(
@@ -93,10 +95,12 @@ def sweep_expired_leases(
         conn.execute(query("terminate_stale_handlers"),
                      {"names": [handler_application_name(lease) for lease in stale]})
     expired: dict[str, int] = {}
+    holders: dict[str, int] = {}
     for row in rows:
         if row[0] in swept:
             expired[row[2]] = expired.get(row[2], 0) + 1
-    return Sweep(outcome, expired)
+            holders[row[4]] = holders.get(row[4], 0) + 1
+    return Sweep(outcome, expired, holders)
 
 
 def handler_application_name(lease: Lease) -> str:

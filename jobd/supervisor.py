@@ -84,7 +84,7 @@ class Supervisor:
             # In this order in the transaction they share every duty_interval.
             self.lease_sweep,
             NodeHeartbeat(self._duty_interval, self.instance, lambda: self.config.node_name,
-                          self.pool.snapshot, self.router),
+                          self.pool.snapshot, self.router, self._lanes),
             self.materializer,
             self.crashes,
             self.lane_poll,

@@ -97,30 +97,51 @@ def database_clock(conn: psycopg.Connection, now: datetime | None = None) -> dat
     return row[0]
 
 
+# A node is gone when it missed this many heartbeats and at least GRACE seconds passed; a
+# node that does not state its interval (a daemon older than migration 0015) after UNKNOWN.
+NODE_GONE_MISSES = 3
+NODE_GONE_GRACE = 10.0
+NODE_GONE_UNKNOWN = 60.0
+
+
 @dataclass(frozen=True, slots=True)
 class NodeStatus:
-    instance: str
+    instance: str  # unique per supervisor process: node name, pid, random suffix
     node: str
     pid: int
     seen_at: datetime
-    workers: dict[str, int]
+    workers: dict[str, int]  # per configured lane: live workers
     # Per lane: {"claimed": per second, "completed": ..., "failed": ..., "dead": ...} over the
     # node's last two heartbeats; empty until it has sent two.
     rates: dict[str, dict[str, float]]
+    started_at: datetime | None = None
+    last_heartbeat_age_seconds: float = 0.0  # by the database clock
+    heartbeat_interval_seconds: float | None = None  # None: a daemon that does not state it
+    gone: bool = False  # stopped beating without leaving (killed, frozen, cut off)
+
+    @property
+    def lanes(self) -> list[str]:
+        return sorted(self.workers)
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "lanes": self.lanes}
 
 
-def node_status(conn: psycopg.Connection, within_seconds: float = 60.0) -> list[NodeStatus]:
-    """Supervisors seen in the last ``within_seconds``, with their workers and rates."""
-    rows = conn.execute(query("live_nodes"), {"within": within_seconds}).fetchall()
-    return [
+def node_status(conn: psycopg.Connection, include_gone: bool = False) -> list[NodeStatus]:
+    """The supervisors that beat recently, with their workers and rates; with
+    ``include_gone``, also those that stopped beating without leaving (their rows stay for an
+    hour), marked ``gone``."""
+    rows = conn.execute(query("live_nodes"), {
+        "misses": NODE_GONE_MISSES, "grace": NODE_GONE_GRACE,
+        "unknown": NODE_GONE_UNKNOWN}).fetchall()
+    nodes = [
         NodeStatus(instance, node, pid, seen_at, workers,
-                   _rates(counters, previous, sample_seconds))
-        for instance, node, pid, _started, seen_at, workers, counters, previous, sample_seconds
-        in rows
+                   _rates(counters, previous, sample_seconds) if not gone else {},
+                   started, age, interval, gone)
+        for (instance, node, pid, started, seen_at, workers, counters, previous,
+             sample_seconds, age, interval, gone) in rows
     ]
+    return [n for n in nodes if include_gone or not n.gone]
 
 
 def _rates(counters: dict[str, dict[str, int]], previous: dict[str, dict[str, int]],

@@ -11,6 +11,10 @@ queue's fill; then the lanes and handlers paused. Its cost grows with the number
 jobs of the lanes, not with history, and is bounded in time: after a sample that took long,
 the next waits :data:`DUTY_CYCLE_FACTOR` times as long, so sampling never takes more than 5 %
 of one backend.
+
+The per-lane counts are shared by the fleet (``queue_samples``, migration 0016): a node
+whose lanes another node counted within the sampling interval uses those counts, so the
+backlog is counted about once per interval however many nodes export the gauges.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 import psycopg
 
@@ -54,12 +59,22 @@ class Sample:
 
 
 def take_sample(conn: psycopg.Connection, lanes: Iterable[str],
-                now: datetime | None = None) -> Sample:
-    """Measure now: one transaction (so an idle node pays one per interval)."""
+                now: datetime | None = None, max_age: float = 0.0) -> Sample:
+    """Measure now: one transaction (so an idle node pays one per interval).
+
+    With ``max_age``, the lanes' counts that any node stored less than that many seconds ago
+    are used instead of counting again (the fleet shares them: ``queue_samples``); what this
+    call counts it stores for the others. The database hazards are always this node's own
+    reading (they are cheap and per backend)."""
+    wanted = list(lanes)
     started = time.monotonic()
     with conn.transaction():
-        rows = conn.execute(query("metrics_queue_state"),
-                            {"lanes": list(lanes), "now": now}).fetchall()
+        rows, age = _shared_counts(conn, wanted, now, max_age)
+        if rows is None:
+            rows = conn.execute(query("metrics_queue_state"),
+                                {"lanes": wanted, "now": now}).fetchall()
+            _store_counts(conn, rows, now)
+            age = 0.0
         hazards = conn.execute(query("metrics_database_hazards")).fetchone()
         pauses = tuple((lane, handler) for lane, handler, _at, _by
                        in conn.execute(query("list_pauses"), {"lane": None}))
@@ -70,8 +85,33 @@ def take_sample(conn: psycopg.Connection, lanes: Iterable[str],
         states[lane] = LaneState(depth, dead, oldest)
     finished = time.monotonic()
     oldest_transaction, xmin_age, dead_tuples, queue_usage = hazards
+    # A shared count is as old as when it was taken: the sample age gauge says so.
     return Sample(states, oldest_transaction, xmin_age, dead_tuples, queue_usage, pauses,
-                  taken_at=finished, duration=finished - started)
+                  taken_at=finished - age, duration=finished - started)
+
+
+def _shared_counts(conn: psycopg.Connection, lanes: list[str], now: datetime | None,
+                   max_age: float) -> tuple[list[tuple[Any, ...]] | None, float]:
+    """Every lane's counts from another node's recent sample, and the oldest one's age; or
+    None when any lane has none recent enough (then the node counts them all itself)."""
+    if max_age <= 0 or not lanes:
+        return None, 0.0
+    found = conn.execute(query("shared_queue_state"),
+                         {"lanes": lanes, "now": now, "max_age": max_age}).fetchall()
+    if {row[0] for row in found} != set(lanes):
+        return None, 0.0
+    return sorted(row[:7] for row in found), max(row[7] for row in found)
+
+
+def _store_counts(conn: psycopg.Connection, rows: list[tuple[Any, ...]],
+                  now: datetime | None) -> None:
+    if not rows:
+        return
+    columns = list(zip(*rows, strict=True))
+    conn.execute(query("store_queue_state"), {
+        "lanes": list(columns[0]), "due": list(columns[1]), "scheduled": list(columns[2]),
+        "retrying": list(columns[3]), "claimed": list(columns[4]), "dead": list(columns[5]),
+        "oldest": list(columns[6]), "now": now})
 
 
 class MetricsSampler(Duty):
@@ -87,6 +127,7 @@ class MetricsSampler(Duty):
 
     def run(self, conn: psycopg.Connection, now: float) -> None:
         self.next_at = now + self.interval  # a failed sample waits for the next turn
-        sample = take_sample(conn, self.lanes())
+        # Counts another node took within the interval are as good as this node's own.
+        sample = take_sample(conn, self.lanes(), max_age=self.interval)
         self.latest = sample
         self.next_at = now + max(self.interval, sample.duration * DUTY_CYCLE_FACTOR)

@@ -1,12 +1,15 @@
 """The node heartbeat: this supervisor's row in ``jobd.nodes`` (live workers and counters
-per lane, for `jobd status`), and the offset of the database clock from the node's, which
-turns database instants into timers."""
+per lane, for `jobd status`, and how often it beats, so others can tell when it is gone), and
+the offset of the database clock from the node's, which turns database instants into timers.
+
+The row is this process's alone: it is keyed by the supervisor's instance (node name, pid and
+a random suffix), so two daemons given the same ``node.name`` never share one."""
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import psycopg
 from psycopg.types.json import Jsonb
@@ -24,18 +27,23 @@ class NodeHeartbeat(Periodic):
 
     def __init__(self, interval: Callable[[], float], instance: str,
                  node_name: Callable[[], str], snapshot: Callable[[], Snapshot],
-                 router: WakeRouter) -> None:
+                 router: WakeRouter, lanes: Callable[[], Iterable[str]] = tuple) -> None:
         super().__init__(interval)
         self.instance = instance
+        self.lanes = lanes
         self.node_name = node_name
         self.snapshot = snapshot
         self.router = router
 
     def work(self, conn: psycopg.Connection) -> None:
-        workers, counters = self.snapshot()
+        live, counters = self.snapshot()
+        # Every configured lane is listed, with 0 while none of its workers runs (restarting,
+        # or unable to start), so status shows what the node serves, not only what is up.
+        workers = {lane: 0 for lane in self.lanes()} | live
         row = conn.execute(query("node_heartbeat"), {
             "instance": self.instance, "node": self.node_name(), "pid": os.getpid(),
-            "workers": Jsonb(workers), "counters": Jsonb(counters)}).fetchone()
+            "workers": Jsonb(workers), "counters": Jsonb(counters),
+            "interval": self.interval()}).fetchone()
         if row is not None:
             self.router.db_clock_offset = float(row[0]) - time.time()
 

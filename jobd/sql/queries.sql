@@ -638,6 +638,30 @@ SELECT l.lane,
   LEFT JOIN dead ON dead.lane = l.lane
  ORDER BY l.lane
 
+-- name: shared_queue_state
+-- The counts of metrics_queue_state that any node stored less than %(max_age)s seconds ago,
+-- for the lanes asked, with their age in seconds (see migrations/0016).
+SELECT lane, due, scheduled, retrying, claimed, dead, oldest_unclaimed_age,
+       extract(epoch FROM coalesce(%(now)s::timestamptz, now()) - taken_at)::float8
+  FROM queue_samples
+ WHERE lane = ANY(%(lanes)s::text[])
+   AND taken_at > coalesce(%(now)s::timestamptz, now()) - make_interval(secs => %(max_age)s)
+
+-- name: store_queue_state
+-- What this node just counted, for the others to use within the sampling interval.
+INSERT INTO queue_samples AS q (lane, due, scheduled, retrying, claimed, dead,
+                                oldest_unclaimed_age, taken_at)
+SELECT s.lane, s.due, s.scheduled, s.retrying, s.claimed, s.dead, s.oldest,
+       coalesce(%(now)s::timestamptz, now())
+  FROM unnest(%(lanes)s::text[], %(due)s::bigint[], %(scheduled)s::bigint[],
+              %(retrying)s::bigint[], %(claimed)s::bigint[], %(dead)s::bigint[],
+              %(oldest)s::float8[])
+       AS s(lane, due, scheduled, retrying, claimed, dead, oldest)
+ON CONFLICT (lane) DO UPDATE
+   SET due = excluded.due, scheduled = excluded.scheduled, retrying = excluded.retrying,
+       claimed = excluded.claimed, dead = excluded.dead,
+       oldest_unclaimed_age = excluded.oldest_unclaimed_age, taken_at = excluded.taken_at
+
 -- name: metrics_database_hazards
 -- The metrics sampler: what holds back vacuum of the hot table and what fills the
 -- notification queue. The oldest open transaction of this database (a snapshot or an xid
@@ -786,14 +810,17 @@ SELECT set_config('statement_timeout', %(statement_timeout)s, false),
        set_config('jit', 'off', false)
 
 -- name: node_heartbeat
-INSERT INTO nodes AS n (instance, node, pid, workers, counters)
-VALUES (%(instance)s, %(node)s, %(pid)s, %(workers)s, %(counters)s)
+-- Keyed by the instance (node name, pid, random suffix), never by the node name: two daemons
+-- configured with one node.name keep a row each.
+INSERT INTO nodes AS n (instance, node, pid, workers, counters, heartbeat_interval)
+VALUES (%(instance)s, %(node)s, %(pid)s, %(workers)s, %(counters)s, %(interval)s)
 ON CONFLICT (instance) DO UPDATE
    SET seen_at = now(),
        workers = excluded.workers,
        prev_counters = n.counters,
        prev_seen_at = n.seen_at,
-       counters = excluded.counters
+       counters = excluded.counters,
+       heartbeat_interval = excluded.heartbeat_interval
 RETURNING extract(epoch FROM now())::float8
 
 -- name: node_leave
@@ -838,11 +865,18 @@ UNION ALL
 DELETE FROM nodes WHERE seen_at < now() - make_interval(secs => %(older_than)s)
 
 -- name: live_nodes
--- Nodes seen recently, with per-lane rates per second over their last two samples.
+-- Every node that has a row (rows of nodes gone for an hour are pruned), with per-lane rates
+-- per second over its last two samples, its heartbeat's age by the database clock, and
+-- whether it is gone: no heartbeat for %(misses)s of its intervals and at least %(grace)s
+-- seconds, or, for a node that does not state its interval (older daemons), %(unknown)s.
 SELECT instance, node, pid, started_at, seen_at, workers, counters, prev_counters,
-       extract(epoch FROM seen_at - prev_seen_at)::float8 AS sample_seconds
+       extract(epoch FROM seen_at - prev_seen_at)::float8 AS sample_seconds,
+       extract(epoch FROM now() - seen_at)::float8 AS heartbeat_age,
+       heartbeat_interval,
+       now() - seen_at > make_interval(secs => coalesce(
+           greatest(%(misses)s * heartbeat_interval, heartbeat_interval + %(grace)s),
+           %(unknown)s)) AS gone
   FROM nodes
- WHERE seen_at >= now() - make_interval(secs => %(within)s)
  ORDER BY node, instance
 
 -- name: declare_schedule
@@ -1033,3 +1067,45 @@ SELECT set_config('search_path', %(path)s, false)
 SELECT set_config('application_name', %(application_name)s, true),
        set_config('idle_in_transaction_session_timeout', %(idle_timeout)s, true),
        set_config('statement_timeout', %(statement_timeout)s, true)
+
+-- name: role_exists
+SELECT to_regrole(%(role)s) IS NOT NULL
+
+-- name: record_role_grant
+INSERT INTO role_grants (role, kind) VALUES (%(role)s, %(kind)s) ON CONFLICT DO NOTHING
+
+-- name: recorded_role_grants
+SELECT role::text, kind, to_regrole(role) IS NOT NULL FROM role_grants ORDER BY role, kind
+
+-- name: forget_role_grant
+DELETE FROM role_grants WHERE role = %(role)s AND kind = %(kind)s
+
+-- name: grant_runtime_qualified
+-- The daemon, the CLI and enqueue: reading and writing rows of every table, drawing ids and
+-- lease tokens, calling every function. No CREATE on the schema and no ownership, so it
+-- cannot create, alter or drop anything. The migration ledger, the settings `jobd migrate`
+-- writes and the grants themselves are read-only to it (the daemon reads the first two).
+GRANT USAGE ON SCHEMA {schema} TO {role};
+GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA {schema} TO {role};
+GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA {schema} TO {role};
+GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA {schema} TO {role};
+REVOKE INSERT, UPDATE, DELETE ON {schema}.schema_migrations, {schema}.settings FROM {role};
+REVOKE ALL ON {schema}.role_grants FROM {role};
+
+-- name: grant_producer_qualified
+-- Only enqueue, which runs as the owner (migration 0014): no privilege on any table, so a
+-- producer cannot read the queue's payloads or write a row but through enqueue's checks.
+-- Named without its arguments (there is one enqueue), so a new optional argument keeps it.
+GRANT USAGE ON SCHEMA {schema} TO {role};
+GRANT EXECUTE ON FUNCTION {schema}.enqueue TO {role};
+
+-- name: schema_ownership
+-- Whether the schema exists, and whether the current role may act as its owner (is it, is a
+-- member of it, or is a superuser): only then may `jobd migrate` change it.
+SELECT pg_has_role(n.nspowner, 'USAGE') FROM pg_namespace AS n WHERE n.nspname = %(schema)s
+
+-- name: migration_ledger_exists
+SELECT to_regclass('schema_migrations') IS NOT NULL
+
+-- name: payload_limit
+SELECT value::bigint FROM settings WHERE name = 'max_payload_bytes'

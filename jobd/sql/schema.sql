@@ -1048,7 +1048,11 @@ CREATE TABLE nodes (
     -- the previous sample is kept so rates need only this row.
     counters        jsonb       NOT NULL DEFAULT '{}',
     prev_counters   jsonb       NOT NULL DEFAULT '{}',
-    prev_seen_at    timestamptz
+    prev_seen_at    timestamptz,
+    -- seconds between the node's heartbeats (its duty_interval), so `jobd status` can tell a
+    -- node that stopped writing (gone) from one whose next beat is not due; NULL from daemons
+    -- older than migration 0015, which are judged by a fixed window
+    heartbeat_interval float8
 );
 
 -- The earliest run_at of a lane's claimable jobs: one index probe per listed priority.
@@ -1368,3 +1372,65 @@ $$;
 CREATE TRIGGER dead_letter_outbox AFTER INSERT ON dead_letter
     REFERENCING NEW TABLE AS new_dead
     FOR EACH STATEMENT EXECUTE FUNCTION outbox_mark_dead();
+
+
+-- ===========================================================================================
+-- Metrics
+-- ===========================================================================================
+
+-- The metrics sampler's per-lane counts, shared by the fleet: a node uses the counts another
+-- took within the sampling interval instead of counting the backlog again. UNLOGGED: a cache
+-- of what can be counted again (empty after a crash of the server).
+CREATE UNLOGGED TABLE queue_samples (
+    lane                 text        PRIMARY KEY,
+    due                  bigint      NOT NULL,
+    scheduled            bigint      NOT NULL,
+    retrying             bigint      NOT NULL,
+    claimed              bigint      NOT NULL,
+    dead                 bigint      NOT NULL,
+    oldest_unclaimed_age float8      NOT NULL,
+    taken_at             timestamptz NOT NULL
+);
+
+
+-- ===========================================================================================
+-- Roles
+-- ===========================================================================================
+
+-- The owner (whoever runs `jobd migrate`) owns every object. The roles granted with `jobd
+-- migrate --grant-runtime ROLE` / `--grant-producer ROLE`, granted again by every later run
+-- so that what a later migration adds reaches them.
+CREATE TABLE role_grants (
+    role       name        NOT NULL,
+    kind       text        NOT NULL CHECK (kind IN ('runtime', 'producer')),
+    granted_at timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (role, kind)
+);
+
+-- enqueue and the archive partition maintenance run as the owner: a producer needs no table
+-- privilege to enqueue, the daemon no DDL privilege for its hourly maintenance. search_path
+-- pinned with pg_temp last, so no caller's temporary table stands in for one of jobd's.
+DO $$
+DECLARE
+    schema_oid oid := (SELECT n.oid FROM pg_namespace AS n WHERE n.nspname = current_schema());
+    fn         regprocedure;
+BEGIN
+    -- Every function that pins a search_path, not the three alone: each one enqueue calls
+    -- (check_job reads the payload limit from settings) would otherwise put pg_temp first
+    -- again for its own statements.
+    FOR fn IN SELECT p.oid::regprocedure FROM pg_proc AS p
+               WHERE p.pronamespace = schema_oid
+                 AND EXISTS (SELECT 1 FROM unnest(p.proconfig) AS c WHERE c LIKE 'search_path=%')
+    LOOP
+        EXECUTE format('ALTER FUNCTION %s SET search_path = %I, pg_temp', fn, current_schema());
+    END LOOP;
+    ALTER FUNCTION enqueue(text, jsonb, text, timestamptz, integer, text, integer, text)
+        SECURITY DEFINER;
+    ALTER FUNCTION ensure_archive_partitions(integer) SECURITY DEFINER;
+    ALTER FUNCTION drop_archive_partitions(timestamptz) SECURITY DEFINER;
+END
+$$;
+
+-- A producer has USAGE on the schema (for enqueue); it must not run the archive's DDL.
+REVOKE EXECUTE ON FUNCTION ensure_archive_partitions(integer) FROM PUBLIC;
+REVOKE EXECUTE ON FUNCTION drop_archive_partitions(timestamptz) FROM PUBLIC;

@@ -1,0 +1,66 @@
+"""The roles that use jobd without owning it: privileges granted by ``jobd migrate``.
+
+Three roles (docs/operations.md, "Roles"):
+
+- the **owner** runs ``jobd migrate`` and owns every object in the schema;
+- a **runtime** role (``--grant-runtime ROLE``) runs the daemon and the CLI: rows of every
+  table, sequences, functions; no DDL, read-only ledger and settings;
+- a **producer** role (``--grant-producer ROLE``) can only call ``enqueue``, which runs
+  as the owner (SECURITY DEFINER, migration 0014), so it needs no privilege on any table.
+
+The roles granted are recorded in ``role_grants``; every ``jobd migrate`` grants them again
+after applying its migrations, so the objects a new migration adds reach them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import psycopg
+
+from jobd.queries import query, with_identifiers
+
+KINDS = ("runtime", "producer")
+
+
+class MissingRole(ValueError):
+    """A role named for a grant does not exist (roles are the cluster's; jobd creates none)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Granted:
+    """What one ``jobd migrate`` did to roles."""
+
+    granted: list[tuple[str, str]] = field(default_factory=list)  # (role, kind), in order
+    forgotten: list[tuple[str, str]] = field(default_factory=list)  # roles dropped since
+
+
+def check_roles(conn: psycopg.Connection, roles: Iterable[str]) -> None:
+    for role in roles:
+        row = conn.execute(query("role_exists"), {"role": role}).fetchone()
+        if row is None or not row[0]:
+            raise MissingRole(
+                f"role {role!r} does not exist; create it first (e.g. CREATE ROLE "
+                f"{role} LOGIN PASSWORD '...'), then run jobd migrate again")
+
+
+def apply(conn: psycopg.Connection, schema: str, *, runtime: Iterable[str] = (),
+          producer: Iterable[str] = ()) -> Granted:
+    """Record the roles named now, then grant every recorded role that still exists its
+    privileges on ``schema``. Runs inside the caller's (migrate's) transaction, with
+    search_path set to ``schema``."""
+    wanted = [(role, "runtime") for role in runtime] + [(role, "producer") for role in producer]
+    check_roles(conn, [role for role, _kind in wanted])
+    for role, kind in wanted:
+        conn.execute(query("record_role_grant"), {"role": role, "kind": kind})
+    result = Granted()
+    for role, kind, exists in conn.execute(query("recorded_role_grants")).fetchall():
+        if not exists:
+            # Dropped since (DROP OWNED BY took its privileges with it): nothing to grant.
+            conn.execute(query("forget_role_grant"), {"role": role, "kind": kind})
+            result.forgotten.append((role, kind))
+            continue
+        conn.execute(with_identifiers(f"grant_{kind}_qualified", schema=schema, role=role))
+        result.granted.append((role, kind))
+    return result
