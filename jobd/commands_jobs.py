@@ -74,9 +74,9 @@ def cmd_status(ctx: Context, _args: argparse.Namespace) -> int:
     _print_pauses(paused)
     print()
     print_table(
-        ["node", "pid", "workers", "last seen"],
+        ["node", "pid", "workers", "last seen", "wake-ups"],
         [[n.node, n.pid, ", ".join(f"{lane}: {count}" for lane, count in n.workers.items()),
-          n.seen_at] for n in nodes],
+          n.seen_at, _wakeups(n.listening)] for n in nodes],
         empty="no live nodes (no daemon has reported in the last minute)",
     )
     _print_schedule_conflicts(conflicts)
@@ -107,6 +107,13 @@ def _print_schedule_conflicts(found: list[schedules.Conflict]) -> None:
 def _oldest(status: views.LaneStatus, slo_pickup: float | None) -> str:
     text = f"{status.oldest_unclaimed_age:.1f}s"
     return text + " OVER SLO" if views.over_slo(status, slo_pickup) else text
+
+
+def _wakeups(listening: bool | None) -> str:
+    """How a node learns of new work: notifications, or (LISTEN unavailable) its poll."""
+    if listening is None:
+        return "-"
+    return "listen" if listening else "poll only (LISTEN unavailable)"
 
 
 def _served(count: int) -> str:

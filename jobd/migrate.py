@@ -77,6 +77,9 @@ def migrate(conn: psycopg.Connection, schema: str, *,
         conn.execute(_LOCK, (schema,))
         conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)))
         conn.execute(sql.SQL("SET LOCAL search_path TO {}").format(sql.Identifier(schema)))
+        # A migration may rewrite a large table: database.statement_timeout is for the
+        # statements of a running node, not for this.
+        conn.execute("SET LOCAL statement_timeout = 0")
         conn.execute(_LEDGER)
         done = {version: (name, checksum) for version, name, checksum in conn.execute(_APPLIED)}
         for migration in available():

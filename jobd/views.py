@@ -107,6 +107,9 @@ class NodeStatus:
     # Per lane: {"claimed": per second, "completed": ..., "failed": ..., "dead": ...} over the
     # node's last two heartbeats; empty until it has sent two.
     rates: dict[str, dict[str, float]]
+    # Whether its supervisor holds its LISTEN connection (False: its workers wake on the
+    # fallback poll only); None for a node that does not report it.
+    listening: bool | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -117,9 +120,9 @@ def node_status(conn: psycopg.Connection, within_seconds: float = 60.0) -> list[
     rows = conn.execute(query("live_nodes"), {"within": within_seconds}).fetchall()
     return [
         NodeStatus(instance, node, pid, seen_at, workers,
-                   _rates(counters, previous, sample_seconds))
-        for instance, node, pid, _started, seen_at, workers, counters, previous, sample_seconds
-        in rows
+                   _rates(counters, previous, sample_seconds), listening)
+        for (instance, node, pid, _started, seen_at, workers, counters, previous,
+             sample_seconds, listening) in rows
     ]
 
 

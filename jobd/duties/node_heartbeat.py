@@ -24,8 +24,9 @@ class NodeHeartbeat(Periodic):
 
     def __init__(self, interval: Callable[[], float], instance: str,
                  node_name: Callable[[], str], snapshot: Callable[[], Snapshot],
-                 router: WakeRouter) -> None:
+                 router: WakeRouter, listening: Callable[[], bool] = lambda: True) -> None:
         super().__init__(interval)
+        self.listening = listening  # whether notifications reach this node (LISTEN)
         self.instance = instance
         self.node_name = node_name
         self.snapshot = snapshot
@@ -35,7 +36,8 @@ class NodeHeartbeat(Periodic):
         workers, counters = self.snapshot()
         row = conn.execute(query("node_heartbeat"), {
             "instance": self.instance, "node": self.node_name(), "pid": os.getpid(),
-            "workers": Jsonb(workers), "counters": Jsonb(counters)}).fetchone()
+            "workers": Jsonb(workers), "counters": Jsonb(counters),
+            "listening": self.listening()}).fetchone()
         if row is not None:
             self.router.db_clock_offset = float(row[0]) - time.time()
 

@@ -830,7 +830,10 @@ CREATE TABLE nodes (
     -- the previous sample is kept so rates need only this row.
     counters        jsonb       NOT NULL DEFAULT '{}',
     prev_counters   jsonb       NOT NULL DEFAULT '{}',
-    prev_seen_at    timestamptz
+    prev_seen_at    timestamptz,
+    -- whether its supervisor holds its LISTEN connection (else its workers wake on the
+    -- fallback poll only); NULL: a node that does not report it
+    listening       boolean
 );
 
 -- The earliest run_at of a lane's claimable jobs: one index probe per listed priority.
