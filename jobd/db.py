@@ -227,8 +227,8 @@ def connect(
         except psycopg.OperationalError as exc:
             if session.pooler == "none" or _REFUSED_PARAMETER not in str(exc):
                 raise _unavailable(url, exc) from None
-            log.info("the server refused startup parameters; treating it as a "
-                     "transaction-mode pooler", url=redact(url), error=first_line(exc))
+            # No log here: the CLI's output is its own. The daemon's connections say it
+            # (ManagedConnection).
             _refusing_urls.add(url)
     return _connect_pooled(url, application_name, autocommit, gucs)
 
@@ -351,6 +351,10 @@ class ManagedConnection:
             return False
         self.conn = conn
         self.delay = RECONNECT_DELAY
+        if not self.connected_once and is_pooled(conn):
+            log.info("connected through a transaction-mode pooler: session settings apply "
+                     "per transaction", connection=self.application_name,
+                     pooler=self.session.pooler)
         if self.connected_once:
             log.info(f"{self.label} restored", connection=self.application_name)
         self.connected_once = True

@@ -6,7 +6,9 @@ server (``* =``), ``pool_mode = transaction``, trust auth for the server's user 
 auth_file, as PgBouncer wants), a free port on 127.0.0.1, and PgBouncer's defaults for
 everything else: in particular no ``ignore_startup_parameters``, so it refuses ``options``
 the way a stock install does. PgBouncer refuses to run as root; as root it is started with
-``-u`` and the user that owns the PostgreSQL install (or ``nobody``).
+``-u`` and the user that owns the PostgreSQL install (or ``nobody``), so its directory is a
+fresh one under the system's temporary directory (a user that is not root could not reach
+one under pytest's), removed when it stops.
 
 :class:`TcpRelay` is a plain TCP forwarder on a port of its own, to make a direct connection
 disappear and come back (the listener tests): closed, nothing listens on its port.
@@ -20,6 +22,7 @@ import pwd
 import shutil
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -71,8 +74,9 @@ class PgBouncer:
         return make_conninfo(**params)
 
     def log(self) -> str:
-        path = self.directory / "pgbouncer.log"
-        return path.read_text(errors="replace") if path.exists() else "(no log)"
+        texts = [path.read_text(errors="replace") for name in ("stderr.log", "pgbouncer.log")
+                 if (path := self.directory / name).exists()]
+        return "\n".join(texts) or "(no log)"
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -82,6 +86,7 @@ class PgBouncer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(timeout=10)
+        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 def _ini(port: int, server: dict[str, str], directory: Path, pool_mode: str) -> str:
@@ -102,13 +107,12 @@ def _ini(port: int, server: dict[str, str], directory: Path, pool_mode: str) -> 
     ])
 
 
-def start_pgbouncer(server_url: str, directory: Path, *,
-                    pool_mode: str = "transaction") -> PgBouncer:
+def start_pgbouncer(server_url: str, *, pool_mode: str = "transaction") -> PgBouncer:
     """A PgBouncer on a free port in front of ``server_url``'s server; waits until it answers."""
     binary = pgbouncer_binary()
     if binary is None:
         raise FileNotFoundError(f"pgbouncer is not installed (Debian package {PACKAGE})")
-    directory.mkdir(parents=True, exist_ok=True)
+    directory = Path(tempfile.mkdtemp(prefix="jobd-pgbouncer-"))
     server = {k: str(v) for k, v in conninfo_to_dict(server_url).items()}
     server.setdefault("host", "127.0.0.1")
     server.setdefault("port", "5432")
@@ -124,8 +128,10 @@ def start_pgbouncer(server_url: str, directory: Path, *,
         for path in directory.iterdir():
             shutil.chown(path, user)
         command[1:1] = ["-u", user]
-    process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, start_new_session=True)
+    with open(directory / "stderr.log", "wb") as stderr:
+        process = subprocess.Popen(command, stdin=subprocess.DEVNULL,
+                                   stdout=subprocess.DEVNULL, stderr=stderr,
+                                   start_new_session=True)
     bouncer = PgBouncer(port, directory, process, server_url)
     probe = bouncer.url_for(make_conninfo(server_url, dbname="postgres"))
     deadline = time.monotonic() + 15
@@ -202,8 +208,8 @@ class TcpRelay:
 
 
 @contextlib.contextmanager
-def running_pgbouncer(server_url: str, directory: Path) -> Iterator[PgBouncer]:
-    bouncer = start_pgbouncer(server_url, directory)
+def running_pgbouncer(server_url: str) -> Iterator[PgBouncer]:
+    bouncer = start_pgbouncer(server_url)
     try:
         yield bouncer
     finally:
