@@ -157,17 +157,24 @@ def conninfo(url: str, schema: str | None, application_name: str = "jobd",
 
 
 class PooledCursor(psycopg.Cursor[Any]):
-    """A cursor of a :class:`PooledConnection`: a statement that starts a transaction (any
-    statement on an idle autocommit connection, the first one on an idle connection that is
-    not) goes in one pipeline after ``set_config(..., true)`` of the session's settings, so
-    both run in that transaction on whichever server session the pooler lends it."""
+    """A cursor of a :class:`PooledConnection`: a statement that starts a transaction runs
+    after ``set_config(..., true)`` of the session's settings, in that transaction, on
+    whichever server session the pooler lends it.
+
+    On an autocommit connection both go in one pipeline (one round trip; the statement is
+    the whole transaction). A transaction that stays open (a connection that is not
+    autocommit) gets the settings in a round trip of their own: left idle after a pipeline,
+    PostgreSQL 15 does not arm the idle_in_transaction_session_timeout it sets."""
 
     def execute(self, query: Any, params: Any = None, **kwargs: Any) -> PooledCursor:
         conn = self.connection
         if not isinstance(conn, PooledConnection) or not conn.starts_transaction():
             super().execute(query, params, **kwargs)
-            return self
-        with conn.pipeline():
+        elif conn.autocommit:
+            with conn.pipeline():
+                conn.apply_settings()
+                super().execute(query, params, **kwargs)
+        else:
             conn.apply_settings()
             super().execute(query, params, **kwargs)
         return self
