@@ -89,12 +89,10 @@ class NodeRow:
     pid: int
     workers: dict[str, int]
     seen_ago: float  # seconds since its last heartbeat, by the database clock
-    listening: bool | None = None  # False: woken by the fallback poll only (no LISTEN)
 
     def as_dict(self) -> dict[str, Any]:
         return {"node": self.node, "instance": self.instance, "pid": self.pid,
-                "workers": self.workers, "seen_seconds_ago": self.seen_ago,
-                "listening": self.listening}
+                "workers": self.workers, "seen_seconds_ago": self.seen_ago}
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,8 +125,7 @@ def collect(conn: psycopg.Connection, config: Config, *, window: float = LATENCY
                 config.lanes[s.lane].slo_pickup if s.lane in config.lanes else None)
         for s in statuses)
     node_rows = tuple(NodeRow(n.node, n.instance, n.pid, n.workers,
-                              max(0.0, (at - n.seen_at).total_seconds()), n.listening)
-                      for n in nodes)
+                              max(0.0, (at - n.seen_at).total_seconds())) for n in nodes)
     return Snapshot(at, lanes, node_rows, window, sample)
 
 
@@ -164,9 +161,7 @@ def rate(value: float | None) -> str:
 LANE_COLUMNS = ("LANE", "DEPTH", "DUE", "SCHED", "CLAIMED", "RETRY", "OLDEST", "SLO", "DLQ",
                 "CLAIM/s", "DONE/s", "FAIL/s", "RUN p50", "RUN p99", "PICK p50", "PICK p99",
                 "WORKERS", "")
-NODE_COLUMNS = ("NODE", "PID", "SEEN", "WAKE-UPS", "WORKERS")
-# How a node's workers learn of new work: notifications (LISTEN), or the fallback poll alone.
-_WAKEUPS = {True: "listen", False: "poll only", None: "-"}
+NODE_COLUMNS = ("NODE", "PID", "SEEN", "WORKERS")
 
 
 def _lane_cells(row: LaneRow) -> list[str]:
@@ -191,8 +186,7 @@ def _lane_style(row: LaneRow) -> Style:
 
 def _node_cells(row: NodeRow) -> list[str]:
     workers = ", ".join(f"{lane} {count}" for lane, count in sorted(row.workers.items()))
-    return [row.node, str(row.pid), seconds(row.seen_ago) + " ago", _WAKEUPS[row.listening],
-            workers or "-"]
+    return [row.node, str(row.pid), seconds(row.seen_ago) + " ago", workers or "-"]
 
 
 def _table(headers: tuple[str, ...], rows: list[tuple[list[str], Style]]) -> list[Line]:
@@ -216,8 +210,7 @@ def lane_table(snapshot: Snapshot) -> list[Line]:
 def node_table(snapshot: Snapshot) -> list[Line]:
     if not snapshot.nodes:
         return [Line("no live nodes (no daemon has reported in the last minute)", "dim")]
-    return _table(NODE_COLUMNS, [(_node_cells(n), "normal" if n.listening is not False
-                                  else "warn") for n in snapshot.nodes])
+    return _table(NODE_COLUMNS, [(_node_cells(n), "normal") for n in snapshot.nodes])
 
 
 def footnote(snapshot: Snapshot) -> Line:

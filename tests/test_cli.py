@@ -230,7 +230,8 @@ def test_status_of_an_empty_queue(db_url: str) -> None:
 def report_node(conn: psycopg.Connection, instance: str, workers: dict[str, int]) -> None:
     """A live node's heartbeat, as a running supervisor writes it."""
     conn.execute(query("node_heartbeat"), {"instance": instance, "node": "web-1", "pid": 4242,
-                                           "workers": Jsonb(workers), "counters": Jsonb({})})
+                                           "workers": Jsonb(workers), "counters": Jsonb({}),
+                                           "listening": True})
 
 
 def test_status_marks_lanes_no_live_worker_serves(db_url: str, conn: psycopg.Connection

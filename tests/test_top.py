@@ -238,7 +238,8 @@ def test_jobs_without_a_claim_time_count_in_no_percentile(conn: psycopg.Connecti
 def report_node(conn: psycopg.Connection, instance: str, workers: dict[str, int],
                 counters: dict[str, dict[str, int]]) -> None:
     conn.execute(query("node_heartbeat"), {"instance": instance, "node": "web-1", "pid": 4242,
-                                           "workers": Jsonb(workers), "counters": Jsonb(counters)})
+                                           "workers": Jsonb(workers), "counters": Jsonb(counters),
+                                           "listening": True})
 
 
 def test_collect_reads_depth_by_state_rates_and_nodes(conn: psycopg.Connection) -> None:
