@@ -7,15 +7,24 @@ Usage::
 A private PostgreSQL cluster (bench/daemon_bench.py's environment: synchronous_commit=on, a
 migrated database) and a PgBouncer 1.18+ in front of it (tests/pgbouncer_support.py: pool_mode
 transaction, PgBouncer's defaults otherwise). Each round runs every setting, workers x
-concurrency 1x10 and 2x10, once directly (``database.pooler: none``) and once through
-PgBouncer (``database.pooler: transaction``, ``database.listen_url`` direct), in alternating
-order, so both see the same machine. Each drain starts its own daemon, waits until its
-workers have started and its listener is connected, commits ``--jobs`` no-op jobs in one
-``jobd.enqueue_many`` (visible at once, one notification), waits until every job is archived
-done, and stops the daemon with SIGTERM (exit 0 required). Jobs/s is the job count over the
-span from the first claim to the last finish (``claimed_at``, ``finished_at`` in
-``jobd.jobs_archive``: the database clock). Output: progress on stderr, a table of the median
-and every round, then one JSON line per drain.
+concurrency 1x10 and 2x10, against three targets:
+
+direct
+    the server, ``database.pooler: none``: named prepared statements, settings at connect;
+pgbouncer
+    PgBouncer, ``database.pooler: transaction``, ``database.listen_url`` direct;
+direct-unnamed
+    the server with ``pooler: transaction``: unnamed statements and the per-transaction
+    settings without the hop through PgBouncer (what the mode itself costs).
+
+The order of the targets rotates per round, so all see the same machine. Each drain starts
+its own daemon, waits until its workers have started and its listener holds its LISTEN,
+commits ``--jobs`` no-op jobs in one ``jobd.enqueue_many`` (visible at once, one
+notification), waits until every job is archived done, and stops the daemon with SIGTERM
+(exit 0 required). Jobs/s is the job count over the span from the first claim to the last
+finish (``claimed_at``, ``finished_at`` in ``jobd.jobs_archive``: the database clock).
+Output: progress on stderr, a table of the median and every round, then one JSON line per
+drain.
 """
 
 from __future__ import annotations
@@ -40,7 +49,9 @@ from pgbouncer_support import PgBouncer, pgbouncer_binary, running_pgbouncer
 import jobd
 
 SETTINGS = [(1, 10), (2, 10)]  # workers x concurrency
-TARGETS = ("direct", "pgbouncer")
+# direct-unnamed: the server itself with pooler: transaction (what the mode costs without
+# the hop through PgBouncer).
+TARGETS = ("direct", "pgbouncer", "direct-unnamed")
 DEFAULT_ROUNDS = 3
 DEFAULT_JOBS = 10_000
 READY_TIMEOUT_S = 60.0
@@ -52,11 +63,10 @@ HANDLER_SOURCE = '"""A handler that does nothing (bench/pooler_bench.py)."""\n\n
 
 def write_config(env: bench.Env, name: str, workers: int, concurrency: int,
                  pooled: bool) -> Path:
-    database = ["database:", f"  schema: {bench.SCHEMA}"]
+    database = ["database:", f"  schema: {bench.SCHEMA}",
+                f"  pooler: {'transaction' if pooled else 'none'}"]
     if pooled:
-        database += ["  pooler: transaction", f"  listen_url: '{env.url}'"]
-    else:
-        database += ["  pooler: none"]
+        database += [f"  listen_url: {json.dumps(env.url)}"]
     lines = [*database, "node:", "  name: bench", "supervisor:", "  shutdown_timeout: 30s",
              "  log_level: info", "handlers:", f"  noop: {HANDLER_MODULE}:noop", "lanes:",
              f"  {bench.LANE}:", f"    workers: {workers}", f"    concurrency: {concurrency}",
@@ -137,10 +147,9 @@ class Daemon:
 def drain(env: bench.Env, bouncer: PgBouncer, target: str, workers: int, concurrency: int,
           jobs: int, round_no: int) -> dict[str, Any]:
     bench.reset_queue(env)
-    pooled = target == "pgbouncer"
     name = f"{target}-{workers}x{concurrency}"
-    config = write_config(env, name, workers, concurrency, pooled)
-    url = bouncer.url_for(env.url) if pooled else env.url
+    config = write_config(env, name, workers, concurrency, target != "direct")
+    url = bouncer.url_for(env.url) if target == "pgbouncer" else env.url
     scratch = env.scratch(f"{name}-{round_no}")
     daemon = Daemon(config, url, scratch / "daemon.log", env.handler_dir)
     try:
@@ -172,17 +181,18 @@ def drain(env: bench.Env, bouncer: PgBouncer, target: str, workers: int, concurr
 
 
 def table(results: list[dict[str, Any]]) -> None:
-    print(f"{'setting':<8} {'target':<10} {'median jobs/s':>14}  rounds")
+    print(f"{'setting':<8} {'target':<14} {'median jobs/s':>14}  rounds")
     for workers, concurrency in SETTINGS:
         medians = {}
         for target in TARGETS:
             rates = [r["jobs_per_s"] for r in results if r["target"] == target
                      and (r["workers"], r["concurrency"]) == (workers, concurrency)]
             medians[target] = statistics.median(rates)
-            print(f"{workers}x{concurrency:<6} {target:<10} {medians[target]:>14,.0f}  "
+            print(f"{workers}x{concurrency:<6} {target:<14} {medians[target]:>14,.0f}  "
                   + ", ".join(f"{rate:,.0f}" for rate in rates))
-        print(f"{'':<8} {'ratio':<10} {medians['pgbouncer'] / medians['direct']:>14.2f}"
-              "  (pgbouncer / direct)")
+        for target in TARGETS[1:]:
+            print(f"{'':<8} {'ratio':<14} {medians[target] / medians['direct']:>14.2f}"
+                  f"  ({target} / direct)")
 
 
 def main() -> int:
@@ -202,9 +212,9 @@ def main() -> int:
             bench.log(f"{version} on port {bouncer.port}; server {env.settings['server_version']}")
             for round_no in range(1, args.rounds + 1):
                 for workers, concurrency in SETTINGS:
-                    # Alternate which target goes first, so neither always follows the other.
-                    order = TARGETS if round_no % 2 else tuple(reversed(TARGETS))
-                    for target in order:
+                    # Rotate which target goes first, so none always follows another.
+                    shift = (round_no - 1) % len(TARGETS)
+                    for target in TARGETS[shift:] + TARGETS[:shift]:
                         results.append(drain(env, bouncer, target, workers, concurrency,
                                              args.jobs, round_no))
     table(results)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shlex
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
@@ -242,16 +243,41 @@ def connect(
 
 def _connect_pooled(url: str, application_name: str, autocommit: bool,
                     gucs: dict[str, str]) -> PooledConnection:
+    # The URL's own `options` would be refused like jobd's: its settings join the ones
+    # applied per transaction (jobd's win where both set one).
+    params = conninfo_to_dict(conninfo(url, None, application_name))
+    gucs = {**options_settings(str(params.pop("options", ""))), **gucs}
     # No prepare_threshold: psycopg's automatic prepared statements live on a server
     # session, and the next transaction may run on another one ("_pg3_0 does not exist").
     try:
         conn = PooledConnection.connect(
-            conninfo(url, None, application_name), autocommit=autocommit,
+            make_conninfo(**params), autocommit=autocommit,
             prepare_threshold=None, cursor_factory=PooledCursor)
     except psycopg.OperationalError as exc:
         raise _unavailable(url, exc) from None
     conn.session_gucs = gucs
     return conn
+
+
+def options_settings(options: str) -> dict[str, str]:
+    """The server settings of a libpq ``options`` value (``-c name=value``, ``-cname=value``,
+    ``--name=value``); anything else there has no per-transaction equivalent."""
+    settings: dict[str, str] = {}
+    tokens = iter(shlex.split(options))
+    for token in tokens:
+        if token == "-c":
+            token = next(tokens, "")
+        elif token.startswith("-c") or token.startswith("--"):
+            token = token[2:]
+        else:
+            raise UsageError(f"the database URL's options {options!r} cannot pass a "
+                             "transaction-mode pooler: use -c name=value settings only")
+        name, sep, value = token.partition("=")
+        if not sep or not name:
+            raise UsageError(f"the database URL's options {options!r}: expected "
+                             "-c name=value")
+        settings[name.replace("-", "_")] = value
+    return settings
 
 
 def users_connection_setup(url: str, session: SessionSettings

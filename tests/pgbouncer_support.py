@@ -71,6 +71,7 @@ class PgBouncer:
         params = conninfo_to_dict(direct_url)
         params.update(host="127.0.0.1", port=str(self.port))
         params.pop("password", None)  # trust between client and PgBouncer
+        params.pop("options", None)  # PgBouncer refuses it (jobd moves it, plain clients fail)
         return make_conninfo(**params)
 
     def log(self) -> str:
