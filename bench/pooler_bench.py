@@ -23,8 +23,12 @@ commits ``--jobs`` no-op jobs in one ``jobd.enqueue_many`` (visible at once, one
 notification), waits until every job is archived done, and stops the daemon with SIGTERM
 (exit 0 required). Jobs/s is the job count over the span from the first claim to the last
 finish (``claimed_at``, ``finished_at`` in ``jobd.jobs_archive``: the database clock).
-Output: progress on stderr, a table of the median and every round, then one JSON line per
-drain.
+
+Beside the drains, one exchange of the worker's fast path, timed in this process: an empty
+claim (``queue.settle_and_claim`` on an empty lane) and an empty exchange (no statements:
+in the pooler's mode, the session settings alone), median over EXCHANGES runs after a
+warm-up, per target. Output: progress on stderr, the tables, then one JSON line per drain
+and per exchange measurement.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ import daemon_bench as bench
 from pgbouncer_support import PgBouncer, pgbouncer_binary, running_pgbouncer
 
 import jobd
+from jobd import db, fastpath, queue
 
 SETTINGS = [(1, 10), (2, 10)]  # workers x concurrency
 # direct-unnamed: the server itself with pooler: transaction (what the mode costs without
@@ -54,6 +59,7 @@ SETTINGS = [(1, 10), (2, 10)]  # workers x concurrency
 TARGETS = ("direct", "pgbouncer", "direct-unnamed")
 DEFAULT_ROUNDS = 3
 DEFAULT_JOBS = 10_000
+EXCHANGES = 500
 READY_TIMEOUT_S = 60.0
 DRAIN_TIMEOUT_S = 300.0
 HANDLER_MODULE = "pooler_bench_handlers"
@@ -180,6 +186,39 @@ def drain(env: bench.Env, bouncer: PgBouncer, target: str, workers: int, concurr
     return result
 
 
+def exchange_cost(env: bench.Env, bouncer: PgBouncer, target: str) -> dict[str, Any]:
+    """Median milliseconds of an empty claim and of an empty exchange on ``target``."""
+    bench.reset_queue(env)
+    url = bouncer.url_for(env.url) if target == "pgbouncer" else env.url
+    session = db.SessionSettings(pooler="none" if target == "direct" else "transaction")
+    request = queue.ClaimRequest(bench.LANE, "bench-exchange", 10, 30.0)
+    result: dict[str, Any] = {"target": target, "exchanges": EXCHANGES}
+    with db.connect(url, bench.SCHEMA, session=session) as conn:
+        for name, exchange in (
+                ("empty_claim_ms", lambda: queue.settle_and_claim(conn, [], [], request)),
+                ("empty_exchange_ms", lambda: fastpath.run(conn, []))):
+            for _ in range(20):  # warm-up: prepared statements, caches
+                exchange()
+            times = []
+            for _ in range(EXCHANGES):
+                started = time.perf_counter()
+                exchange()
+                times.append(time.perf_counter() - started)
+            result[name] = round(statistics.median(times) * 1000, 3)
+    bench.log(f"exchange {target}: empty claim {result['empty_claim_ms']} ms, "
+              f"empty exchange {result['empty_exchange_ms']} ms")
+    return result
+
+
+def exchange_table(costs: list[dict[str, Any]]) -> None:
+    print(f"{'target':<14} {'empty claim ms':>14} {'empty exchange ms':>18}")
+    for target in TARGETS:
+        claims = [c["empty_claim_ms"] for c in costs if c["target"] == target]
+        empties = [c["empty_exchange_ms"] for c in costs if c["target"] == target]
+        print(f"{target:<14} {statistics.median(claims):>14.3f} "
+              f"{statistics.median(empties):>18.3f}")
+
+
 def table(results: list[dict[str, Any]]) -> None:
     print(f"{'setting':<8} {'target':<14} {'median jobs/s':>14}  rounds")
     for workers, concurrency in SETTINGS:
@@ -204,6 +243,7 @@ def main() -> int:
         print("pooler_bench: needs pgbouncer (Debian package pgbouncer)", file=sys.stderr)
         return 2
     results: list[dict[str, Any]] = []
+    costs: list[dict[str, Any]] = []
     with bench.environment(statements=False, keep=False) as env:
         (env.handler_dir / f"{HANDLER_MODULE}.py").write_text(HANDLER_SOURCE)
         with running_pgbouncer(env.admin_url) as bouncer:
@@ -217,8 +257,11 @@ def main() -> int:
                     for target in TARGETS[shift:] + TARGETS[:shift]:
                         results.append(drain(env, bouncer, target, workers, concurrency,
                                              args.jobs, round_no))
+                costs += [exchange_cost(env, bouncer, target) for target in TARGETS]
     table(results)
-    for result in results:
+    print()
+    exchange_table(costs)
+    for result in results + costs:
         print(json.dumps(result))
     return 0
 
