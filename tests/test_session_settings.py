@@ -24,9 +24,10 @@ from jobd.db import (
     application_name,
     connect,
     is_pooled,
+    options_settings,
     supervisor_session,
 )
-from jobd.errors import ConfigError
+from jobd.errors import ConfigError, UsageError
 
 daemons = daemon_support.daemons  # the fixture
 
@@ -104,6 +105,14 @@ def test_application_names_name_role_detail_and_node_within_63_characters() -> N
     assert len(protocol.backend_name("x", "l" * 80 + " node=web-1")) == APPLICATION_NAME_MAX
 
 
+def test_the_urls_own_options_become_settings() -> None:
+    assert options_settings("-c work_mem=8MB -cjit=off --geqo-threshold=9") == {
+        "work_mem": "8MB", "jit": "off", "geqo_threshold": "9"}
+    assert options_settings("") == {}
+    with pytest.raises(UsageError, match="-c name=value"):
+        options_settings("-v 3")
+
+
 # --- on the server: direct and through PgBouncer --------------------------------------------
 
 
@@ -132,6 +141,14 @@ def test_settings_are_in_force(target: str) -> None:
             "idle_in_transaction_session_timeout", "jit")} == {
             "search_path": "jobd", "statement_timeout": "10s", "lock_timeout": "2s",
             "idle_in_transaction_session_timeout": "1min", "jit": "off"}
+
+
+def test_settings_in_the_url_apply_too(target: str) -> None:
+    url = psycopg.conninfo.make_conninfo(target, options="-c work_mem=7MB -c lock_timeout=3s")
+    # pooler: auto, so through PgBouncer the refusal of `options` is what makes it pooled.
+    with connect(url, "jobd", session=DEFAULT_SESSION) as conn:
+        # The URL's own settings, except where jobd's session settings name the same one.
+        assert (show(conn, "work_mem"), show(conn, "lock_timeout")) == ("7MB", "10s")
 
 
 def test_code_that_connects_gets_the_servers_own_timeouts(target: str) -> None:
