@@ -180,13 +180,24 @@ class PooledCursor(psycopg.Cursor[Any]):
             super().execute(query, params, **kwargs)
         return self
 
+    def executemany(self, query: Any, params_seq: Any, **kwargs: Any) -> None:
+        conn = self.connection
+        if not isinstance(conn, PooledConnection) or not conn.starts_transaction():
+            super().executemany(query, params_seq, **kwargs)
+        elif conn.autocommit:
+            # Its statements as one transaction, so that they all run with the settings.
+            with conn.transaction():
+                super().executemany(query, params_seq, **kwargs)
+        else:
+            conn.apply_settings()
+            super().executemany(query, params_seq, **kwargs)
+
 
 class PooledConnection(psycopg.Connection[Any]):
     """A connection through a transaction-mode pooler (``database.pooler``). Its server
     settings are applied per transaction (:class:`PooledCursor`, :meth:`transaction`), as
     the pooler may hand the next transaction to a server session another client set up."""
 
-    pooled = True
     session_gucs: dict[str, str]
 
     def starts_transaction(self) -> bool:

@@ -106,6 +106,9 @@ def test_jobd_connections_through_the_pooler_carry_their_settings(pooled_url: st
     with connect(pooled_url, "jobd", session=DEFAULT_SESSION) as conn:
         assert is_pooled(conn)
         assert conn.execute("SHOW search_path").fetchone() == ("jobd",)
+        conn.cursor().executemany("INSERT INTO lane_pauses (lane, paused_by) VALUES (%s, 't')",
+                                  [("a",), ("b",)])
+        assert conn.execute("SELECT count(*) FROM lane_pauses").fetchone() == (2,)
         assert conn.execute("SHOW lock_timeout").fetchone() == ("10s",)
         with conn.transaction():
             assert conn.execute("SHOW search_path").fetchone() == ("jobd",)
