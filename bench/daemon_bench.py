@@ -460,8 +460,8 @@ class Daemon:
                                        f"starting:\n{self.tail()}")
                 row = admin.execute(
                     "SELECT count(*) FILTER (WHERE application_name LIKE 'jobd worker %%'), "
-                    "       count(*) FILTER (WHERE application_name IN "
-                    "                        ('jobd supervisor', 'jobd listener')) "
+                    "       count(*) FILTER (WHERE application_name LIKE 'jobd supervisor%%'"
+                    "                        OR application_name LIKE 'jobd listener%%') "
                     "  FROM pg_stat_activity WHERE datname = %s AND state = 'idle'",
                     (self.env.dbname,)).fetchone()
                 assert row is not None

@@ -71,7 +71,7 @@ from bench.daemon_bench import (
 from bench.settings import Setting, parse_settings
 from jobd.completer import Completer, Counters
 from jobd.config import LaneConfig
-from jobd.db import bound_session, connect
+from jobd.db import DEFAULT_SESSION, connect, supervisor_session
 from jobd.duties.metrics_sampler import SAMPLE_INTERVAL, take_sample
 from jobd.handler_runner import Outcome
 from jobd.jobs import Job
@@ -241,7 +241,9 @@ def sample_cost(env: Env, title: str, samples: int) -> dict[str, Any]:
     with connect(env.url, "jobd", application_name="jobd supervisor") as conn:
         conn.execute("VACUUM (ANALYZE) jobs")
         conn.execute("VACUUM (ANALYZE) dead_letter")
-        bound_session(conn)  # the supervisor's session: timeouts, no JIT
+    # The supervisor's session: timeouts, no JIT.
+    with connect(env.url, "jobd", application_name="jobd supervisor",
+                 session=supervisor_session(DEFAULT_SESSION)) as conn:
         counts = conn.execute(
             "SELECT (SELECT count(*) FROM jobs), (SELECT count(*) FROM jobs_archive), "
             "(SELECT count(*) FROM dead_letter)").fetchone()

@@ -299,8 +299,8 @@ class Fleet:
             if self.system == "jobd":
                 rows = self.env.sql("jobd", (
                     "SELECT count(*) FILTER (WHERE application_name LIKE 'jobd worker %%'), "
-                    "count(*) FILTER (WHERE application_name IN ('jobd supervisor', "
-                    "'jobd listener')) FROM pg_stat_activity "
+                    "count(*) FILTER (WHERE application_name LIKE 'jobd supervisor%%' "
+                    "OR application_name LIKE 'jobd listener%%') FROM pg_stat_activity "
                     "WHERE datname = current_database() AND state = 'idle'"))
                 ready = rows[0][0] >= self.setting.workers and rows[0][1] >= 2
             else:

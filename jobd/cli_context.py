@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import psycopg
 
 from jobd.config import Config
-from jobd.db import connect
+from jobd.db import application_name, connect
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,4 +20,6 @@ class Context:
     as_json: bool
 
     def connect(self, autocommit: bool = True) -> psycopg.Connection:
-        return connect(self.url, self.schema, autocommit=autocommit)
+        return connect(self.url, self.schema, autocommit=autocommit,
+                       application_name=application_name("cli", node=self.config.node_name),
+                       session=self.config.session)

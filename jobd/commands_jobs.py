@@ -75,9 +75,10 @@ def cmd_status(ctx: Context, _args: argparse.Namespace) -> int:
     _print_pauses(paused)
     print()
     print_table(
-        ["node", "pid", "lanes (live workers)", "last heartbeat", "state"],
+        ["node", "pid", "lanes (live workers)", "last heartbeat", "state", "wake-ups"],
         [[n.node, n.pid, ", ".join(f"{lane}: {n.workers[lane]}" for lane in n.lanes) or "-",
-          f"{n.last_heartbeat_age_seconds:.1f}s ago", _node_state(n)] for n in every_node],
+          f"{n.last_heartbeat_age_seconds:.1f}s ago", _node_state(n), _wakeups(n.listening)]
+         for n in every_node],
         empty="no nodes (no daemon runs, or has run in the last hour)",
     )
     _print_schedule_conflicts(conflicts)
@@ -115,6 +116,13 @@ def _print_schedule_conflicts(found: list[schedules.Conflict]) -> None:
 def _oldest(status: views.LaneStatus, slo_pickup: float | None) -> str:
     text = f"{status.oldest_unclaimed_age:.1f}s"
     return text + " OVER SLO" if views.over_slo(status, slo_pickup) else text
+
+
+def _wakeups(listening: bool | None) -> str:
+    """How a node learns of new work: notifications, or (LISTEN unavailable) its poll."""
+    if listening is None:
+        return "-"
+    return "listen" if listening else "poll only (LISTEN unavailable)"
 
 
 def _served(count: int) -> str:

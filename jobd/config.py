@@ -16,7 +16,7 @@ import yaml
 
 from jobd import validation, yamlcheck
 from jobd.backoff import Backoff, RetryPolicy
-from jobd.db import DEFAULT_SCHEMA
+from jobd.db import DEFAULT_SCHEMA, DEFAULT_SESSION, POOLER_MODES, SessionSettings
 from jobd.errors import ConfigError
 from jobd.yamlcheck import parse_duration
 
@@ -113,6 +113,11 @@ class Config:
     path: str | None = None
     database_url: str | None = None
     schema: str = DEFAULT_SCHEMA
+    # A direct connection for LISTEN when database_url goes through a transaction-mode
+    # pooler, which cannot hold one (None: database_url).
+    listen_url: str | None = None
+    # database.pooler and the session settings of jobd's own connections (jobd.db).
+    session: SessionSettings = DEFAULT_SESSION
     node_name: str = field(default_factory=socket.gethostname)
     metrics_listen: str | None = None
     handlers: dict[str, str] = field(default_factory=dict)
@@ -276,6 +281,8 @@ def _build(root: yamlcheck.Located, path: str | None) -> Config:
         path=path,
         database_url=database.take("url", yamlcheck.string),
         schema=database.take("schema", yamlcheck.schema_name, DEFAULT_SCHEMA),
+        listen_url=database.take("listen_url", yamlcheck.string),
+        session=_session(database),
         node_name=node.take("name", yamlcheck.name("node")) or socket.gethostname(),
         metrics_listen=metrics.take("listen", yamlcheck.listen),
         handlers=handlers,
@@ -301,6 +308,21 @@ def _build(root: yamlcheck.Located, path: str | None) -> Config:
         yamlcheck.fail(outbox.line, "outbox.lane", "outbox senders are configured but lane "
                        f"{config.outbox_lane!r} is not in lanes")
     return config
+
+
+def _session(database: yamlcheck.Section) -> SessionSettings:
+    """``database.pooler`` and the timeouts of jobd's sessions (0 turns one off)."""
+    default = DEFAULT_SESSION
+    return SessionSettings(
+        pooler=database.take("pooler", yamlcheck.choice(*POOLER_MODES), default.pooler),
+        statement_timeout=database.take("statement_timeout", yamlcheck.parse_duration,
+                                        default.statement_timeout),
+        lock_timeout=database.take("lock_timeout", yamlcheck.parse_duration,
+                                   default.lock_timeout),
+        idle_in_transaction_session_timeout=database.take(
+            "idle_in_transaction_session_timeout", yamlcheck.parse_duration,
+            default.idle_in_transaction_session_timeout),
+    )
 
 
 def _restart_backoff(section: yamlcheck.Section) -> Backoff:

@@ -1,16 +1,32 @@
-"""Opening connections to the jobd schema.
+"""Opening connections to the jobd schema, directly or through a transaction-mode pooler.
 
-jobd's own connections set ``search_path`` to the jobd schema at connect time, so the named
-queries in ``jobd/sql/queries.sql`` use unqualified names and work for any schema name.
+jobd's own connections run with ``search_path`` set to the jobd schema, so the named queries
+in ``jobd/sql/queries.sql`` use unqualified names and work for any schema name, and with the
+session settings of :class:`SessionSettings` (timeouts). How they get there depends on what
+is at the other end of the URL (``database.pooler``, docs/pooler.md):
+
+* a PostgreSQL server (``none``): as startup parameters (``options=-c name=value``), once per
+  connection, at no cost per statement;
+* a transaction-mode pooler such as PgBouncer (``transaction``), which refuses ``options`` and
+  hands each transaction a server session another client may have used: as
+  ``set_config(name, value, true)`` at the start of every transaction, the same exchange as
+  the transaction's first statement (:class:`PooledConnection`). Nothing lives on the session:
+  no prepared statements (psycopg's automatic ones are off, the fast path sends unnamed
+  ones), no session-level ``SET``;
+* ``auto`` (the default): directly, unless the server refuses the startup parameters the way
+  a pooler does, after which that URL is treated as pooled for the life of the process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shlex
 import time
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
 
 import psycopg
 import structlog
@@ -30,8 +46,73 @@ DEFAULT_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
 CONNECT_TIMEOUT_SECONDS = 5
 KEEPALIVE = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5,
              "keepalives_count": 3, "tcp_user_timeout": 30_000}
+APPLICATION_NAME_MAX = 63  # PostgreSQL keeps NAMEDATALEN - 1 bytes of it
 
 _SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+
+POOLER_MODES = ("auto", "none", "transaction")
+# How PgBouncer (and poolers modelled on it) refuse a startup parameter they do not track.
+_REFUSED_PARAMETER = "unsupported startup parameter"
+# URLs whose server refused jobd's startup parameters (pooler: auto): pooled from then on.
+_refusing_urls: set[str] = set()
+
+
+@dataclass(frozen=True, slots=True)
+class SessionSettings:
+    """How jobd opens its own sessions (``database:`` in the config): what sits between it
+    and PostgreSQL (``pooler``) and the server settings every session runs with. Timeouts
+    are seconds; 0 turns one off, None leaves it to the server (role, database defaults)."""
+
+    pooler: str = "auto"
+    statement_timeout: float | None = 60.0
+    lock_timeout: float | None = 10.0
+    idle_in_transaction_session_timeout: float | None = 60.0
+    jit: bool = True
+
+    def bounded(self, statement_timeout: float, lock_timeout: float) -> SessionSettings:
+        """These settings with timeouts no longer than the given ones (a caller that must
+        never wait long, the supervisor's loop)."""
+        return replace(self, statement_timeout=_tighter(self.statement_timeout,
+                                                        statement_timeout),
+                       lock_timeout=_tighter(self.lock_timeout, lock_timeout))
+
+    def gucs(self, schema: str | None) -> dict[str, str]:
+        """The server settings, by name, as PostgreSQL takes them."""
+        gucs = {} if schema is None else {"search_path": validate_schema(schema)}
+        timeouts = {"statement_timeout": self.statement_timeout,
+                    "lock_timeout": self.lock_timeout,
+                    "idle_in_transaction_session_timeout":
+                        self.idle_in_transaction_session_timeout}
+        gucs.update({name: _milliseconds(value) for name, value in timeouts.items()
+                     if value is not None})
+        if not self.jit:
+            gucs["jit"] = "off"
+        return gucs
+
+
+# What jobd's processes (daemon, CLI) run with unless database: says otherwise.
+DEFAULT_SESSION = SessionSettings()
+# connect() called from code (tests, benchmarks, scripts): the server's settings, as before
+# the session settings existed.
+SERVER_DEFAULTS = SessionSettings(statement_timeout=None, lock_timeout=None,
+                                  idle_in_transaction_session_timeout=None)
+
+
+def _tighter(current: float | None, bound: float) -> float:
+    return bound if current is None or current <= 0 else min(current, bound)
+
+
+def _milliseconds(seconds: float) -> str:
+    return str(max(0, round(seconds * 1000)))
+
+
+def application_name(role: str, *, node: str | None = None, detail: str = "") -> str:
+    """``jobd <role> [detail] node=<node>``, cut to what PostgreSQL keeps. The node name is
+    what gets cut: the role and detail (a lane and slot) tell processes of one node apart."""
+    head = " ".join(part for part in (f"jobd {role}", detail) if part)
+    if node is None:
+        return head[:APPLICATION_NAME_MAX]
+    return f"{head} node={node}"[:APPLICATION_NAME_MAX]
 
 
 def validate_schema(schema: str) -> str:
@@ -48,10 +129,13 @@ def resolve_url(cli_url: str | None, config_url: str | None) -> str:
     return cli_url or os.environ.get("JOBD_DATABASE_URL") or config_url or DEFAULT_URL
 
 
-def conninfo(url: str, schema: str | None, application_name: str = "jobd") -> str:
+def conninfo(url: str, schema: str | None, application_name: str = "jobd",
+             gucs: Mapping[str, str] | None = None) -> str:
     """Connection parameters for ``url``. With a ``schema``, the connection's search_path is
     that schema alone (jobd's own connections: they see only jobd's objects and pg_catalog);
-    with None it is left to the server, database and role defaults (handlers' connections)."""
+    with None it is left to the server, database and role defaults (handlers' connections).
+    ``gucs`` are further server settings passed as startup parameters; None for a pooled
+    connection, which takes neither (see :class:`PooledConnection`)."""
     try:
         params = conninfo_to_dict(url)
     except psycopg.ProgrammingError as exc:
@@ -63,10 +147,79 @@ def conninfo(url: str, schema: str | None, application_name: str = "jobd") -> st
     # and unacknowledged writes give up after 30 s.
     for key, value in KEEPALIVE.items():
         params.setdefault(key, value)
+    settings = dict(gucs or {})
     if schema is not None:
+        settings["search_path"] = validate_schema(schema)
+    if settings:
         options = params.get("options", "")
-        params["options"] = f"{options} -c search_path={validate_schema(schema)}".strip()
+        extra = " ".join(f"-c {name}={value}" for name, value in settings.items())
+        params["options"] = f"{options} {extra}".strip()
     return make_conninfo(**params)
+
+
+class PooledCursor(psycopg.Cursor[Any]):
+    """A cursor of a :class:`PooledConnection`: a statement that starts a transaction runs
+    after ``set_config(..., true)`` of the session's settings, in that transaction, on
+    whichever server session the pooler lends it.
+
+    On an autocommit connection both go in one pipeline (one round trip; the statement is
+    the whole transaction). A transaction that stays open (a connection that is not
+    autocommit) gets the settings in a round trip of their own: left idle after a pipeline,
+    PostgreSQL 15 does not arm the idle_in_transaction_session_timeout it sets."""
+
+    def execute(self, query: Any, params: Any = None, **kwargs: Any) -> PooledCursor:
+        conn = self.connection
+        if not isinstance(conn, PooledConnection) or not conn.starts_transaction():
+            super().execute(query, params, **kwargs)
+        elif conn.autocommit:
+            with conn.pipeline():
+                conn.apply_settings()
+                super().execute(query, params, **kwargs)
+        else:
+            conn.apply_settings()
+            super().execute(query, params, **kwargs)
+        return self
+
+    def executemany(self, query: Any, params_seq: Any, **kwargs: Any) -> None:
+        conn = self.connection
+        if not isinstance(conn, PooledConnection) or not conn.starts_transaction():
+            super().executemany(query, params_seq, **kwargs)
+        elif conn.autocommit:
+            # Its statements as one transaction, so that they all run with the settings.
+            with conn.transaction():
+                super().executemany(query, params_seq, **kwargs)
+        else:
+            conn.apply_settings()
+            super().executemany(query, params_seq, **kwargs)
+
+
+class PooledConnection(psycopg.Connection[Any]):
+    """A connection through a transaction-mode pooler (``database.pooler``). Its server
+    settings are applied per transaction (:class:`PooledCursor`, :meth:`transaction`), as
+    the pooler may hand the next transaction to a server session another client set up."""
+
+    session_gucs: dict[str, str]
+
+    def starts_transaction(self) -> bool:
+        return self.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+
+    def apply_settings(self) -> None:
+        names = list(self.session_gucs)
+        psycopg.Cursor(self).execute(query("session_local"), {
+            "names": names, "values": [self.session_gucs[n] for n in names]})
+
+    @contextlib.contextmanager
+    def transaction(self, savepoint_name: str | None = None,
+                    force_rollback: bool = False) -> Iterator[psycopg.Transaction]:
+        outermost = self.starts_transaction()
+        with super().transaction(savepoint_name, force_rollback) as tx:
+            if outermost:
+                self.apply_settings()
+            yield tx
+
+
+def is_pooled(conn: psycopg.Connection) -> bool:
+    return isinstance(conn, PooledConnection)
 
 
 def connection_lost(conn: psycopg.Connection) -> bool:
@@ -81,16 +234,78 @@ def connect(
     *,
     autocommit: bool = True,
     application_name: str = "jobd",
+    session: SessionSettings = SERVER_DEFAULTS,
 ) -> psycopg.Connection:
-    """A connection whose search_path is ``schema``; autocommit unless asked otherwise."""
+    """A connection whose search_path is ``schema``, with ``session``'s settings, directly or
+    through a pooler as ``session.pooler`` says; autocommit unless asked otherwise."""
+    gucs = session.gucs(schema)
+    if session.pooler == "none" or (session.pooler == "auto" and url not in _refusing_urls):
+        try:
+            return psycopg.connect(conninfo(url, None, application_name, gucs),
+                                   autocommit=autocommit)
+        except psycopg.OperationalError as exc:
+            if session.pooler == "none" or _REFUSED_PARAMETER not in str(exc):
+                raise _unavailable(url, exc) from None
+            # No log here: the CLI's output is its own. The daemon's connections say it
+            # (ManagedConnection).
+            _refusing_urls.add(url)
+    return _connect_pooled(url, application_name, autocommit, gucs)
+
+
+def _connect_pooled(url: str, application_name: str, autocommit: bool,
+                    gucs: dict[str, str]) -> PooledConnection:
+    # The URL's own `options` would be refused like jobd's: its settings join the ones
+    # applied per transaction (jobd's win where both set one).
+    params = conninfo_to_dict(conninfo(url, None, application_name))
+    gucs = {**options_settings(str(params.pop("options", ""))), **gucs}
+    # No prepare_threshold: psycopg's automatic prepared statements live on a server
+    # session, and the next transaction may run on another one ("_pg3_0 does not exist").
     try:
-        return psycopg.connect(
-            conninfo(url, schema, application_name), autocommit=autocommit
-        )
+        conn = PooledConnection.connect(
+            make_conninfo(**params), autocommit=autocommit,
+            prepare_threshold=None, cursor_factory=PooledCursor)
     except psycopg.OperationalError as exc:
-        raise DatabaseUnavailable(
-            f"cannot connect to the database ({redact(url)}): {first_line(exc)}"
-        ) from None
+        raise _unavailable(url, exc) from None
+    conn.session_gucs = gucs
+    return conn
+
+
+def options_settings(options: str) -> dict[str, str]:
+    """The server settings of a libpq ``options`` value (``-c name=value``, ``-cname=value``,
+    ``--name=value``); anything else there has no per-transaction equivalent."""
+    settings: dict[str, str] = {}
+    tokens = iter(shlex.split(options))
+    for token in tokens:
+        if token == "-c":
+            token = next(tokens, "")
+        elif token.startswith("-c") or token.startswith("--"):
+            token = token[2:]
+        else:
+            raise UsageError(f"the database URL's options {options!r} cannot pass a "
+                             "transaction-mode pooler: use -c name=value settings only")
+        name, sep, value = token.partition("=")
+        if not sep or not name:
+            raise UsageError(f"the database URL's options {options!r}: expected "
+                             "-c name=value")
+        settings[name.replace("-", "_")] = value
+    return settings
+
+
+def users_connection_setup(url: str, session: SessionSettings
+                           ) -> Callable[[psycopg.Connection], None]:
+    """The setup of a connection jobd opens to ``url`` for users' code (the transactional
+    handlers' pool, which keeps the user's search_path and settings): through a pooler, no
+    automatic prepared statements. Decided per connection, as ``auto`` learns that a URL is
+    pooled when jobd's own first connection to it is refused."""
+    def setup(conn: psycopg.Connection) -> None:
+        if session.pooler == "transaction" or url in _refusing_urls:
+            conn.prepare_threshold = None
+    return setup
+
+
+def _unavailable(url: str, exc: BaseException) -> DatabaseUnavailable:
+    return DatabaseUnavailable(
+        f"cannot connect to the database ({redact(url)}): {first_line(exc)}")
 
 
 def redact(url: str) -> str:
@@ -115,11 +330,13 @@ SUPERVISOR_STATEMENT_TIMEOUT_MS = 10_000
 SUPERVISOR_LOCK_TIMEOUT_MS = 2_000
 
 
-def bound_session(conn: psycopg.Connection) -> None:
-    """Session settings of the supervisor's connection (``on_connect``)."""
-    conn.execute(query("supervisor_session"), {
-        "statement_timeout": str(SUPERVISOR_STATEMENT_TIMEOUT_MS),
-        "lock_timeout": str(SUPERVISOR_LOCK_TIMEOUT_MS)})
+def supervisor_session(session: SessionSettings) -> SessionSettings:
+    """The supervisor's session settings: the configured ones with its bounds, and no JIT
+    (the metrics sampler's counts over a large backlog pass its cost threshold, and compiling
+    them took longer than running them; the other duties are short statements anyway)."""
+    bounded = session.bounded(SUPERVISOR_STATEMENT_TIMEOUT_MS / 1000,
+                              SUPERVISOR_LOCK_TIMEOUT_MS / 1000)
+    return replace(bounded, jit=False)
 
 
 class ManagedConnection:
@@ -137,12 +354,17 @@ class ManagedConnection:
     def __init__(self, url: str, schema: str, application_name: str, *,
                  on_connect: Callable[[psycopg.Connection], object] | None = None,
                  on_lost: Callable[[], object] | None = None,
-                 pause_after_failure: float = 0.0, label: str = "database connection") -> None:
+                 on_failed_attempt: Callable[[str], object] | None = None,
+                 pause_after_failure: float = 0.0, label: str = "database connection",
+                 session: SessionSettings = SERVER_DEFAULTS) -> None:
         self.url = url
         self.schema = schema
         self.application_name = application_name
+        self.session = session
         self.on_connect = on_connect
         self.on_lost = on_lost
+        # Replaces the warning of each failed attempt (the listener says so once instead).
+        self.on_failed_attempt = on_failed_attempt
         self.pause_after_failure = pause_after_failure
         self.label = label  # names its log events: "<label> lost", "<label> restored"
         self.conn: psycopg.Connection | None = None
@@ -157,27 +379,37 @@ class ManagedConnection:
         if self.conn is not None or time.monotonic() < self.retry_at:
             return False
         try:
-            conn = connect(self.url, self.schema, application_name=self.application_name)
+            conn = connect(self.url, self.schema, application_name=self.application_name,
+                           session=self.session)
         except DatabaseUnavailable as exc:
             self._failed_attempt(str(exc))
             return False
         try:
             if self.on_connect is not None:
                 self.on_connect(conn)
-        except psycopg.Error as exc:
+        except (psycopg.Error, DatabaseUnavailable) as exc:
+            # DatabaseUnavailable: the connection works but cannot serve (LISTEN through a
+            # transaction-mode pooler).
             conn.close()
             self._failed_attempt(first_line(exc))
             return False
         self.conn = conn
         self.delay = RECONNECT_DELAY
+        if not self.connected_once and is_pooled(conn):
+            log.info("connected through a transaction-mode pooler: session settings apply "
+                     "per transaction", connection=self.application_name,
+                     pooler=self.session.pooler)
         if self.connected_once:
             log.info(f"{self.label} restored", connection=self.application_name)
         self.connected_once = True
         return True
 
     def _failed_attempt(self, error: str) -> None:
-        log.warning("database unavailable", connection=self.application_name, error=error,
-                    retry_in=round(self.delay, 1))
+        if self.on_failed_attempt is not None:
+            self.on_failed_attempt(error)
+        else:
+            log.warning("database unavailable", connection=self.application_name,
+                        error=error, retry_in=round(self.delay, 1))
         self.retry_at = time.monotonic() + self.delay
         self.delay = min(self.delay * 2, RECONNECT_DELAY_CAP)
 

@@ -16,6 +16,13 @@ sent, so a value the server cannot take fails without touching the connection. I
 is cut short, the connection is closed; whatever the server had already received still runs,
 so a claim sent with outcomes may have claimed jobs nobody was told about (the worker fails
 those as an attempt when it reconnects, see ``worker.py``; otherwise their leases expire).
+
+Through a transaction-mode pooler (a :class:`jobd.db.PooledConnection`) nothing may outlive
+the exchange on the server session, which the pooler lends to other clients between
+transactions: statements go unnamed (Parse, Bind, Execute each time, so no prepared statement
+is left behind nor expected), and each transaction of the exchange starts with the
+connection's settings (``session_local``: search_path, timeouts) as transaction-local ones.
+One Sync ends the exchange, so the pooler keeps it on one server session throughout.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from psycopg import errors, pq
 from psycopg.abc import Buffer
 from psycopg.adapt import PyFormat, Transformer
 
+from jobd.db import PooledConnection
 from jobd.queries import query
 
 ExecStatus = pq.ExecStatus
@@ -90,11 +98,15 @@ def run(conn: psycopg.Connection, steps: Sequence[Step],
     with conn.lock:
         pgconn = conn.pgconn
         _check_ready(conn, pgconn)
-        prepared = _prepared.setdefault(pgconn, set())
         transformer = Transformer(conn)
         # Parameters are converted before anything is sent: a value PostgreSQL cannot take
         # (a NUL byte in a string, say) fails here and leaves the connection as it was.
-        messages = _messages(transformer, steps, prepared, binary)
+        if isinstance(conn, PooledConnection):
+            prepared: set[bytes] = set()  # nothing is prepared on a borrowed session
+            messages = _pooled_messages(transformer, steps, conn.session_gucs, binary)
+        else:
+            prepared = _prepared.setdefault(pgconn, set())
+            messages = _messages(transformer, steps, prepared, binary)
         try:
             pgconn.enter_pipeline_mode()
             _send(pgconn, messages)
@@ -114,7 +126,7 @@ def run(conn: psycopg.Connection, steps: Sequence[Step],
             raise error
         rows: list[list[tuple[Any, ...]]] = []
         for message, result in zip(messages, results, strict=True):
-            if message.text is None:  # not a prepare
+            if message.returns:
                 transformer.set_pgresult(result)
                 rows.append(transformer.load_rows(0, result.ntuples, tuple)
                             if result.status == ExecStatus.TUPLES_OK else [])
@@ -134,13 +146,24 @@ def _check_ready(conn: psycopg.Connection, pgconn: pq.abc.PGconn) -> None:
 @dataclass(frozen=True, slots=True)
 class _Message:
     """One message to queue, yielding one result: a transaction command, a prepare (``text``
-    set) or the execution of a prepared statement (``params`` set)."""
+    set), the execution of a prepared statement (``params`` set) or of an unnamed one (both
+    set)."""
 
     name: bytes
-    text: bytes | None = None  # the statement to prepare
+    text: bytes | None = None  # the statement to prepare, or to run unnamed with params
     params: Sequence[Buffer | None] | None = None
     result_format: pq.Format = pq.Format.TEXT
     command: bool = False  # a transaction command, sent unprepared
+    internal: bool = False  # the exchange's own (session settings): no rows for the caller
+
+    @property
+    def prepares(self) -> bool:
+        return self.text is not None and self.params is None
+
+    @property
+    def returns(self) -> bool:
+        """Whether the caller gets this message's rows (one list per step)."""
+        return not self.prepares and not self.internal
 
 
 def _messages(transformer: Transformer, steps: Sequence[Step], prepared: set[bytes],
@@ -164,11 +187,43 @@ def _messages(transformer: Transformer, steps: Sequence[Step], prepared: set[byt
     return messages
 
 
+def _pooled_messages(transformer: Transformer, steps: Sequence[Step],
+                     gucs: Mapping[str, str], binary: frozenset[str]) -> list[_Message]:
+    """The messages for ``steps`` through a transaction-mode pooler: every statement unnamed,
+    and the session settings at the start of each transaction (first, and after each
+    COMMIT that more statements follow)."""
+    names = list(gucs)
+    settings = _unnamed(transformer, "session_local",
+                        {"names": names, "values": [gucs[n] for n in names]}, internal=True)
+    messages = [settings]
+    for index, (name, params) in enumerate(steps):
+        if name in _COMMANDS:
+            messages.append(_Message(_COMMANDS[name], command=True))
+            if name == COMMIT and index < len(steps) - 1:
+                messages.append(settings)
+            continue
+        messages.append(_unnamed(transformer, name, params, binary=name in binary))
+    return messages
+
+
+def _unnamed(transformer: Transformer, name: str, params: Mapping[str, Any] | None, *,
+             binary: bool = False, internal: bool = False) -> _Message:
+    stmt = statement(name)
+    values = [(params or {})[param] for param in stmt.params]
+    dumped = transformer.dump_sequence(values, [PyFormat.TEXT] * len(values))
+    return _Message(b"", text=stmt.text, params=list(dumped), internal=internal,
+                    result_format=pq.Format.BINARY if binary else pq.Format.TEXT)
+
+
 def _send(pgconn: pq.abc.PGconn, messages: Sequence[_Message]) -> None:
     """Queue every message; each yields one result, in order."""
     for message in messages:
         if message.command:
             pgconn.send_query_params(message.name, None)
+        elif message.text is not None and message.params is not None:
+            # Parse into the unnamed statement, Bind, Execute: nothing stays prepared.
+            pgconn.send_query_params(message.text, message.params,
+                                     result_format=message.result_format)
         elif message.text is not None:
             pgconn.send_prepare(message.name, message.text)
         else:
@@ -225,7 +280,7 @@ def _first_error(conn: psycopg.Connection, messages: Sequence[_Message],
                  prepared: set[bytes]) -> psycopg.Error | None:
     first: psycopg.Error | None = None
     for message, result in zip(messages, results, strict=True):
-        if message.text is not None and result.status == ExecStatus.COMMAND_OK:
+        if message.prepares and result.status == ExecStatus.COMMAND_OK:
             prepared.add(message.name)
         if result.status == ExecStatus.FATAL_ERROR and first is None:
             first = errors.error_from_result(result, encoding=conn.info.encoding)

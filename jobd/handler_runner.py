@@ -19,7 +19,7 @@ from psycopg_pool import ConnectionPool
 
 from jobd import exactly_once, jobs, logs, pipes
 from jobd import handlers as handler_registry
-from jobd.db import conninfo
+from jobd.db import conninfo, users_connection_setup
 from jobd.protocol import WorkerSpec, backend_name
 
 MAX_ERROR_CHARS = 4000
@@ -96,7 +96,8 @@ class HandlerRunner:
                 conninfo(spec.database_url, None,
                          backend_name(spec.worker_id, f"handler {spec.lane.name}#{spec.slot}")),
                 min_size=0, max_size=spec.lane.concurrency, open=True,
-                kwargs={"autocommit": True}, name=f"jobd-{spec.lane.name}-handlers")
+                kwargs={"autocommit": True}, name=f"jobd-{spec.lane.name}-handlers",
+                configure=users_connection_setup(spec.database_url, spec.session))
         self.asyncio_loop: asyncio.AbstractEventLoop | None = None
         # The tasks of running async jobs, by job id; touched only on the event loop's thread.
         self._tasks: dict[int, asyncio.Task[Any]] = {}

@@ -111,6 +111,9 @@ def upgrade(conn: psycopg.Connection, schema: str, *, max_payload_bytes: int | N
         if row is None:
             conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
         conn.execute(sql.SQL("SET LOCAL search_path TO {}").format(sql.Identifier(schema)))
+        # A migration may rewrite a large table: database.statement_timeout is for the
+        # statements of a running node, not for this.
+        conn.execute("SET LOCAL statement_timeout = 0")
         exists = conn.execute(query("migration_ledger_exists")).fetchone()
         if not (exists and exists[0]):
             conn.execute(_LEDGER)

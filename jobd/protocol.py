@@ -27,6 +27,7 @@ from typing import Any
 
 from jobd.backoff import Backoff
 from jobd.config import LaneConfig
+from jobd.db import DEFAULT_SESSION, SessionSettings
 from jobd.worker_metrics import WorkTotals
 
 EXIT_OK = 0
@@ -63,6 +64,8 @@ class WorkerSpec:
     outbox_lane: str = "outbox"
     log_level: str = "info"
     metrics: bool = False  # count per handler for the node's metrics (metrics.listen is set)
+    node: str = ""  # the node's name, for the connections' application_name
+    session: SessionSettings = DEFAULT_SESSION  # database.pooler and the session settings
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -72,7 +75,8 @@ class WorkerSpec:
         data = json.loads(text)
         lane = dict(data.pop("lane"))
         lane["backoff"] = Backoff(**lane["backoff"])
-        return cls(lane=LaneConfig(**lane), **data)
+        session = SessionSettings(**data.pop("session", {}))
+        return cls(lane=LaneConfig(**lane), session=session, **data)
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,7 +31,7 @@ import structlog
 from jobd import pipes
 from jobd.backoff import RetryPolicy
 from jobd.config import Config, load
-from jobd.db import ManagedConnection, bound_session
+from jobd.db import ManagedConnection, application_name, supervisor_session
 from jobd.duties.crash_attribution import Attribution, CrashAttribution
 from jobd.duties.horizon_watch import HorizonWatch
 from jobd.duties.lane_poll import LanePoll
@@ -70,9 +70,11 @@ class Supervisor:
         self.notifier = notifier or Notifier()
         self.loop = SelectLoop()
         self.pool = WorkerPool(config, database_url, self.loop)
-        self.link = ManagedConnection(database_url, config.schema, "jobd supervisor",
-                                      on_connect=bound_session)
-        self.listener = Listener(database_url, config.schema)
+        self.link = ManagedConnection(
+            database_url, config.schema, application_name("supervisor", node=config.node_name),
+            session=supervisor_session(config.session))
+        self.listener = Listener(database_url, config.schema, listen_url=config.listen_url,
+                                 session=config.session, node=config.node_name)
         self.listener_fd: int | None = None
         self.router = WakeRouter()
         self.crashes = CrashAttribution(self._retry_policy, self.router, self._lanes)
@@ -84,7 +86,8 @@ class Supervisor:
             # In this order in the transaction they share every duty_interval.
             self.lease_sweep,
             NodeHeartbeat(self._duty_interval, self.instance, lambda: self.config.node_name,
-                          self.pool.snapshot, self.router, self._lanes),
+                          self.pool.snapshot, self.router, self._lanes,
+                          lambda: self.listener.connected),
             self.materializer,
             self.crashes,
             self.lane_poll,
@@ -269,9 +272,11 @@ class Supervisor:
         if problems:
             self._refuse_reload("; ".join(problems))
             return
-        if (new.database_url, new.schema) != (self.config.database_url, self.config.schema):
-            log.warning("database.url and database.schema changes take effect on restart")
-            new = replace(new, database_url=self.config.database_url, schema=self.config.schema)
+        if _database_of(new) != _database_of(self.config):
+            log.warning("database settings (url, schema, listen_url, pooler, timeouts) "
+                        "change on restart")
+            new = replace(new, database_url=self.config.database_url, schema=self.config.schema,
+                          listen_url=self.config.listen_url, session=self.config.session)
         if new.metrics_listen != self.config.metrics_listen:
             log.warning("metrics.listen changes take effect on restart")
             new = replace(new, metrics_listen=self.config.metrics_listen)
@@ -354,7 +359,7 @@ class Supervisor:
             workers=self.pool.worker_states(),
             restarts=dict(self.pool.restarts),
             lease_expiries=dict(self.lease_sweep.expired),
-            listener_connected=self.listener.conn is not None,
+            listener_connected=self.listener.connected,
             loop_lag=self.lag.worst(now),
             sample=self.sampler.latest,
             started=self.started,
@@ -382,3 +387,8 @@ class Supervisor:
             self.last_status = text
             setproctitle.setproctitle(f"jobd: supervisor {self.config.node_name}: {text}")
             self.notifier.status(text)
+
+
+def _database_of(config: Config) -> tuple[object, ...]:
+    """What of the config the connections were opened with: a reload keeps it."""
+    return (config.database_url, config.schema, config.listen_url, config.session)

@@ -118,6 +118,9 @@ class NodeStatus:
     last_heartbeat_age_seconds: float = 0.0  # by the database clock
     heartbeat_interval_seconds: float | None = None  # None: a daemon that does not state it
     gone: bool = False  # stopped beating without leaving (killed, frozen, cut off)
+    # Whether its supervisor holds its LISTEN connection (False: its workers wake on the
+    # fallback poll only); None for a node that does not report it.
+    listening: bool | None = None
 
     @property
     def lanes(self) -> list[str]:
@@ -137,9 +140,9 @@ def node_status(conn: psycopg.Connection, include_gone: bool = False) -> list[No
     nodes = [
         NodeStatus(instance, node, pid, seen_at, workers,
                    _rates(counters, previous, sample_seconds) if not gone else {},
-                   started, age, interval, gone)
+                   started, age, interval, gone, listening)
         for (instance, node, pid, started, seen_at, workers, counters, previous,
-             sample_seconds, age, interval, gone) in rows
+             sample_seconds, age, interval, gone, listening) in rows
     ]
     return [n for n in nodes if include_gone or not n.gone]
 

@@ -85,12 +85,13 @@ class Worker:
         self.handlers = resolved
         self.link = ManagedConnection(
             spec.database_url, spec.schema,
-            protocol.backend_name(spec.worker_id, f"{spec.lane.name}#{spec.slot}"),
+            protocol.backend_name(spec.worker_id,
+                                  f"{spec.lane.name}/{spec.slot} node={spec.node}"),
             # The server may have run a claim whose result we never read.
             on_lost=self._claims_now_unknown,
             # A failed statement is retried with the same leases, which decide what still
             # applies (in a pipelined settle, statements before it may have committed).
-            pause_after_failure=1.0)
+            pause_after_failure=1.0, session=spec.session)
         self.inflight: dict[int, Running] = {}
         self.claimer = Claimer(spec.lane, spec.worker_id)
         # After an exchange failed, the next one writes outcomes apart from its claim, so a

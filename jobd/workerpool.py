@@ -204,6 +204,7 @@ class WorkerPool:
             generation=slot.generation, status_fd=status_w, wake_fd=wake_r,
             shutdown_timeout=config.shutdown_timeout, log_level=config.log_level,
             metrics=config.metrics_listen is not None,
+            node=config.node_name, session=config.session,
         )
         popen = subprocess.Popen(
             [sys.executable, "-m", "jobd.worker"], stdin=subprocess.PIPE,

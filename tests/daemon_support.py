@@ -240,7 +240,9 @@ def make_config(lanes: dict[str, dict[str, Any]], *, supervisor: dict[str, Any] 
 class Daemon:
     def __init__(self, directory: Path, db_url: str, name: str = "jobd") -> None:
         self.dir = directory
-        self.db_url = db_url
+        self.db_url = db_url  # the test's database: the handlers' effects go there
+        # The daemon's --database-url when it is not db_url (a pooler's, say).
+        self.run_url: str | None = None
         self.config_path = directory / f"{name}.yaml"
         self.log_path = directory / f"{name}.stderr"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -272,7 +274,7 @@ class Daemon:
 
     def command(self, *extra: str) -> list[str]:
         return [sys.executable, "-m", "jobd", "run", "-c", str(self.config_path),
-                "--database-url", self.db_url, *extra]
+                "--database-url", self.run_url or self.db_url, *extra]
 
     def start(self, config: dict[str, Any] | str | None = None) -> Daemon:
         assert self.proc is None, "this daemon was started already"

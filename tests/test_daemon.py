@@ -409,7 +409,7 @@ def test_reload_refuses_a_handler_that_cannot_be_imported(
 
 def listener_backends(conn: psycopg.Connection) -> list[int]:
     rows = conn.execute(
-        "SELECT pid FROM pg_stat_activity WHERE application_name = 'jobd listener'"
+        "SELECT pid FROM pg_stat_activity WHERE application_name LIKE 'jobd listener%%'"
         " AND datname = current_database()").fetchall()
     return [row[0] for row in rows]
 

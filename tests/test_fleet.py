@@ -71,7 +71,7 @@ def test_a_fleet_of_eight_lists_every_node_and_sweeps_the_one_that_disappears(
     text = cli("status", "--database-url", db_url)
     assert text.returncode == 0, text.stderr
     for name in names:
-        assert any(line.startswith(f"{name} ") and line.rstrip().endswith("live")
+        assert any(line.startswith(f"{name} ") and line.split()[-2:] == ["live", "listen"]
                    for line in text.stdout.splitlines()), text.stdout
 
     # A job that would run for a minute; its node disappears (killed whole, no goodbye).

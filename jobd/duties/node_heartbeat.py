@@ -27,8 +27,10 @@ class NodeHeartbeat(Periodic):
 
     def __init__(self, interval: Callable[[], float], instance: str,
                  node_name: Callable[[], str], snapshot: Callable[[], Snapshot],
-                 router: WakeRouter, lanes: Callable[[], Iterable[str]] = tuple) -> None:
+                 router: WakeRouter, lanes: Callable[[], Iterable[str]] = tuple,
+                 listening: Callable[[], bool] = lambda: True) -> None:
         super().__init__(interval)
+        self.listening = listening  # whether notifications reach this node (LISTEN)
         self.instance = instance
         self.lanes = lanes
         self.node_name = node_name
@@ -43,7 +45,8 @@ class NodeHeartbeat(Periodic):
         row = conn.execute(query("node_heartbeat"), {
             "instance": self.instance, "node": self.node_name(), "pid": os.getpid(),
             "workers": Jsonb(workers), "counters": Jsonb(counters),
-            "interval": self.interval()}).fetchone()
+            "interval": self.interval(),
+            "listening": self.listening()}).fetchone()
         if row is not None:
             self.router.db_clock_offset = float(row[0]) - time.time()
 

@@ -800,23 +800,25 @@ SELECT l.lane,
          FROM lane_pauses AS p
         WHERE p.lane = l.lane) AS c
 
--- name: supervisor_session
--- Bounds every statement of the supervisor's connection, so a slow or blocked statement
--- cannot hold up its loop (and with it every lane of the node) for longer than this. No JIT:
--- the metrics sampler's counts over a large backlog pass its cost threshold, and compiling
--- them took longer than running them; the other duties are short statements anyway.
-SELECT set_config('statement_timeout', %(statement_timeout)s, false),
-       set_config('lock_timeout', %(lock_timeout)s, false),
-       set_config('jit', 'off', false)
+-- name: session_local
+-- The session settings of a connection through a transaction-mode pooler (jobd/db.py,
+-- docs/pooler.md), for the transaction this runs in: the pooler may give the next one to
+-- another server session. Only built-in functions, which resolve in pg_catalog whatever the
+-- search_path (this is what sets it).
+SELECT count(set_config(s.name, s.value, true))
+  FROM unnest(%(names)s::text[], %(values)s::text[]) AS s(name, value)
 
 -- name: node_heartbeat
 -- Keyed by the instance (node name, pid, random suffix), never by the node name: two daemons
 -- configured with one node.name keep a row each.
-INSERT INTO nodes AS n (instance, node, pid, workers, counters, heartbeat_interval)
-VALUES (%(instance)s, %(node)s, %(pid)s, %(workers)s, %(counters)s, %(interval)s)
+INSERT INTO nodes AS n (instance, node, pid, workers, counters, heartbeat_interval,
+                        listening)
+VALUES (%(instance)s, %(node)s, %(pid)s, %(workers)s, %(counters)s, %(interval)s,
+        %(listening)s)
 ON CONFLICT (instance) DO UPDATE
    SET seen_at = now(),
        workers = excluded.workers,
+       listening = excluded.listening,
        prev_counters = n.counters,
        prev_seen_at = n.seen_at,
        counters = excluded.counters,
@@ -875,7 +877,8 @@ SELECT instance, node, pid, started_at, seen_at, workers, counters, prev_counter
        heartbeat_interval,
        now() - seen_at > make_interval(secs => coalesce(
            greatest(%(misses)s * heartbeat_interval, heartbeat_interval + %(grace)s),
-           %(unknown)s)) AS gone
+           %(unknown)s)) AS gone,
+       listening
   FROM nodes
  ORDER BY node, instance
 

@@ -1052,7 +1052,10 @@ CREATE TABLE nodes (
     -- seconds between the node's heartbeats (its duty_interval), so `jobd status` can tell a
     -- node that stopped writing (gone) from one whose next beat is not due; NULL from daemons
     -- older than migration 0015, which are judged by a fixed window
-    heartbeat_interval float8
+    heartbeat_interval float8,
+    -- whether its supervisor holds its LISTEN connection (else its workers wake on the
+    -- fallback poll only); NULL: a node that does not report it
+    listening       boolean
 );
 
 -- The earliest run_at of a lane's claimable jobs: one index probe per listed priority.

@@ -1,0 +1,217 @@
+"""The session settings of jobd's connections (``database:`` in the config, jobd.db):
+parsed and checked, applied on a direct connection and through a transaction-mode PgBouncer
+alike, enforced by the server, and the application_name of each of the daemon's processes."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Iterator
+
+import daemon_support
+import psycopg
+import pytest
+from conftest import Server
+from daemon_support import Daemon, make_config, wait_until
+from pgbouncer_support import PACKAGE, pgbouncer_binary, running_pgbouncer
+
+from jobd import protocol
+from jobd.config import LaneConfig, parse
+from jobd.db import (
+    APPLICATION_NAME_MAX,
+    DEFAULT_SESSION,
+    SessionSettings,
+    application_name,
+    connect,
+    is_pooled,
+    options_settings,
+    supervisor_session,
+)
+from jobd.errors import ConfigError, UsageError
+
+daemons = daemon_support.daemons  # the fixture
+
+Daemons = Callable[..., Daemon]
+TIGHT = SessionSettings(statement_timeout=0.3, lock_timeout=0.2,
+                        idle_in_transaction_session_timeout=0.5)
+
+
+# --- the config ----------------------------------------------------------------------------
+
+
+def test_database_section_defaults() -> None:
+    config = parse("database: {url: 'postgresql:///x'}\n")
+    assert config.session == DEFAULT_SESSION
+    assert (config.session.pooler, config.session.statement_timeout,
+            config.session.lock_timeout, config.session.idle_in_transaction_session_timeout
+            ) == ("auto", 60.0, 10.0, 60.0)
+    assert config.listen_url is None
+
+
+def test_database_section_settings() -> None:
+    config = parse(
+        "database:\n"
+        "  url: postgresql://pgbouncer:6432/app\n"
+        "  listen_url: postgresql://db:5432/app\n"
+        "  pooler: transaction\n"
+        "  statement_timeout: 2m\n"
+        "  lock_timeout: 500ms\n"
+        "  idle_in_transaction_session_timeout: 0\n")
+    assert config.listen_url == "postgresql://db:5432/app"
+    assert config.session == SessionSettings("transaction", 120.0, 0.5, 0.0)
+    assert config.session.gucs("jobd") == {
+        "search_path": "jobd", "statement_timeout": "120000", "lock_timeout": "500",
+        "idle_in_transaction_session_timeout": "0"}
+
+
+@pytest.mark.parametrize(("line", "message"), [
+    ("pooler: session", "database.pooler: must be one of"),
+    ("lock_timeout: -1", "database.lock_timeout: a duration cannot be negative"),
+    ("statement_timeout: soon", "database.statement_timeout: expected a duration"),
+    ("pool_mode: transaction", "database.pool_mode"),
+])
+def test_database_section_mistakes_name_line_and_key(line: str, message: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse(f"database:\n  url: postgresql:///x\n  {line}\n", "jobd.yaml")
+    assert str(caught.value).startswith("jobd.yaml:3:")
+    assert message in str(caught.value)
+
+
+def test_supervisor_session_is_bounded_whatever_the_config() -> None:
+    assert supervisor_session(DEFAULT_SESSION).gucs(None) == {
+        "statement_timeout": "10000", "lock_timeout": "2000",
+        "idle_in_transaction_session_timeout": "60000", "jit": "off"}
+    unbounded = SessionSettings(statement_timeout=0, lock_timeout=0)
+    assert supervisor_session(unbounded).statement_timeout == 10.0
+    assert supervisor_session(TIGHT).lock_timeout == 0.2
+
+
+def test_worker_spec_carries_the_session_settings() -> None:
+    spec = protocol.WorkerSpec(
+        worker_id="n:default#0:ab", lane=LaneConfig("default"), handlers={}, database_url="",
+        schema="jobd", slot=0, generation=1, status_fd=-1, wake_fd=-1, shutdown_timeout=1.0,
+        node="web-1", session=TIGHT)
+    assert protocol.WorkerSpec.from_json(spec.to_json()) == spec
+
+
+def test_application_names_name_role_detail_and_node_within_63_characters() -> None:
+    assert application_name("supervisor", node="web-1") == "jobd supervisor node=web-1"
+    assert application_name("cli") == "jobd cli"
+    long = application_name("listener", node="n" * 100)
+    assert len(long) == APPLICATION_NAME_MAX
+    assert long.startswith("jobd listener node=nnn")
+    name = protocol.backend_name("web-1:default#2:beef", "default/2 node=web-1")
+    assert re.fullmatch(r"jobd worker [0-9a-f]{12} default/2 node=web-1", name)
+    assert len(protocol.backend_name("x", "l" * 80 + " node=web-1")) == APPLICATION_NAME_MAX
+
+
+def test_the_urls_own_options_become_settings() -> None:
+    assert options_settings("-c work_mem=8MB -cjit=off --geqo-threshold=9") == {
+        "work_mem": "8MB", "jit": "off", "geqo_threshold": "9"}
+    assert options_settings("") == {}
+    with pytest.raises(UsageError, match="-c name=value"):
+        options_settings("-v 3")
+
+
+# --- on the server: direct and through PgBouncer --------------------------------------------
+
+
+@pytest.fixture(params=["direct", "pgbouncer"])
+def target(request: pytest.FixtureRequest, pg_server: Server, db_url: str) -> Iterator[str]:
+    """The test database's URL, directly or through a PgBouncer in transaction mode."""
+    if request.param == "direct":
+        yield db_url
+        return
+    if pgbouncer_binary() is None:
+        pytest.skip(f"needs pgbouncer (Debian package {PACKAGE})")
+    with running_pgbouncer(pg_server.admin_url) as bouncer:
+        yield bouncer.url_for(db_url)
+
+
+def show(conn: psycopg.Connection, name: str) -> str:
+    row = conn.execute(f"SHOW {name}").fetchone()
+    assert row is not None
+    return str(row[0])
+
+
+def test_settings_are_in_force(target: str) -> None:
+    with connect(target, "jobd", session=supervisor_session(DEFAULT_SESSION)) as conn:
+        assert {name: show(conn, name) for name in (
+            "search_path", "statement_timeout", "lock_timeout",
+            "idle_in_transaction_session_timeout", "jit")} == {
+            "search_path": "jobd", "statement_timeout": "10s", "lock_timeout": "2s",
+            "idle_in_transaction_session_timeout": "1min", "jit": "off"}
+
+
+def test_settings_in_the_url_apply_too(target: str) -> None:
+    url = psycopg.conninfo.make_conninfo(target, options="-c work_mem=7MB -c lock_timeout=3s")
+    # pooler: auto, so through PgBouncer the refusal of `options` is what makes it pooled.
+    with connect(url, "jobd", session=DEFAULT_SESSION) as conn:
+        # The URL's own settings, except where jobd's session settings name the same one.
+        assert (show(conn, "work_mem"), show(conn, "lock_timeout")) == ("7MB", "10s")
+
+
+def test_code_that_connects_gets_the_servers_own_timeouts(target: str) -> None:
+    with connect(target, "jobd") as conn:
+        assert show(conn, "statement_timeout") == "0"
+        assert show(conn, "search_path") == "jobd"
+
+
+def test_statement_timeout_is_enforced(target: str) -> None:
+    with connect(target, "jobd", session=TIGHT) as conn, \
+            pytest.raises(psycopg.errors.QueryCanceled, match="statement timeout"):
+        conn.execute("SELECT pg_sleep(5)")
+
+
+def test_lock_timeout_is_enforced(target: str, conn: psycopg.Connection) -> None:
+    conn.execute("CREATE TABLE public.locked (id int PRIMARY KEY)")
+    conn.execute("INSERT INTO public.locked VALUES (1)")
+    with connect(target, "jobd", session=TIGHT) as subject, conn.transaction():
+        conn.execute("SELECT * FROM public.locked FOR UPDATE")
+        with pytest.raises(psycopg.errors.LockNotAvailable):
+            subject.execute("UPDATE public.locked SET id = 2")
+
+
+def test_idle_in_transaction_session_timeout_is_enforced(
+        target: str, conn: psycopg.Connection, request: pytest.FixtureRequest) -> None:
+    name = f"jobd idle test {time.monotonic_ns()}"
+
+    def backends() -> int:
+        row = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name = %s",
+                           (name,)).fetchone()
+        assert row is not None
+        return int(row[0])
+
+    subject = connect(target, "jobd", session=TIGHT, application_name=name, autocommit=False)
+    try:
+        assert is_pooled(subject) == (request.node.callspec.params["target"] == "pgbouncer")
+        subject.execute("SELECT 1")  # and stays idle in the transaction
+        wait_until(lambda: backends() == 1, 5, message="the idle backend")
+        wait_until(lambda: backends() == 0, 10,
+                   message="the server to end the transaction left idle")
+    finally:
+        subject.close()
+
+
+# --- the daemon's processes ----------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_daemons_connections_name_node_lane_and_role(
+        daemons: Daemons, conn: psycopg.Connection) -> None:
+    config = make_config({"default": {"workers": 2}})
+    config["node"] = {"name": "web-1"}
+    daemon = daemons(config)
+    daemon.wait_workers_started("default", 2)
+
+    def names() -> list[str]:
+        rows = conn.execute("SELECT application_name FROM pg_stat_activity"
+                            " WHERE datname = current_database() AND application_name"
+                            " LIKE 'jobd %%' ORDER BY 1").fetchall()
+        return [row[0] for row in rows]
+
+    wait_until(lambda: len(names()) == 4, 15, message=lambda: f"4 jobd backends: {names()}")
+    supervisor, listener, *workers = sorted(names(), key=lambda n: n.split()[1] != "supervisor")
+    assert (supervisor, listener) == ("jobd supervisor node=web-1", "jobd listener node=web-1")
+    assert sorted(re.sub(r"^jobd worker [0-9a-f]{12} ", "", w) for w in workers) == [
+        "default/0 node=web-1", "default/1 node=web-1"]
