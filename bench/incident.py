@@ -72,6 +72,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--mitigate-by", type=float, default=defaults.mitigate_by_s,
                         metavar="S", help="act this long after the cause if the DLQ alert "
                                           f"has not fired (default {defaults.mitigate_by_s:g})")
+    parser.add_argument("--tail", type=float, default=defaults.tail_s, metavar="S",
+                        help=f"seconds the drill runs on after the herd drained and the "
+                             f"mitigation (default {defaults.tail_s:g})")
     parser.add_argument("--interval", type=float, default=defaults.interval_s, metavar="S",
                         help=f"Prometheus scrape and evaluation interval (default "
                              f"{defaults.interval_s:g})")
@@ -83,9 +86,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="do not write bench/results/incident-*")
     parser.add_argument("--out", type=Path, help="write the results here instead")
     args = parser.parse_args(argv)
-    if args.herd < 1 or args.baseline < 10 or args.interval <= 0 or args.mitigate_by <= 0:
+    if (args.herd < 1 or args.baseline < 10 or args.interval <= 0 or args.mitigate_by <= 0
+            or args.tail < 0):
         parser.error("--herd must be positive, --baseline at least 10 s, --interval and "
-                     "--mitigate-by positive")
+                     "--mitigate-by positive, --tail not negative")
     if not args.rules.is_file():
         parser.error(f"--rules: no such file: {args.rules}")
     return args
@@ -114,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     signal.signal(signal.SIGTERM, _terminate)
     settings = Settings(fairness=args.fairness, herd=args.herd, baseline_s=args.baseline,
-                        mitigate_by_s=args.mitigate_by, interval_s=args.interval,
+                        mitigate_by_s=args.mitigate_by, interval_s=args.interval, tail_s=args.tail,
                         rules=args.rules.resolve(), keep=args.keep)
     started = time.monotonic()
     drill = Drill(settings)

@@ -57,6 +57,7 @@ JUMP = timedelta(hours=1)
 WATCH_S = 0.5
 HERD_CHUNK = 5000
 DLQ_ALERT = "JobdDeadLetterQueueGrowing"
+STEADY_DONE_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -330,8 +331,27 @@ class Drill:
         self.poison.set_rate(0)
         for producer in self.producers.values():
             producer.set_rate(0)
+        self._wait_steady_done()
         marks.mark("end")
         self.marks.notes["db_end"] = self._db_now()
+
+    def _wait_steady_done(self) -> None:
+        """Until the steady jobs sent so far have all finished, so the counts add up."""
+        deadline = time.monotonic() + STEADY_DONE_TIMEOUT_S
+        with psycopg.connect(self.url, autocommit=True) as conn:
+            while True:
+                self._check()
+                row = conn.execute("SELECT count(*) FROM jobd.jobs WHERE handler = ANY(%s)",
+                                   (list(STEADY),)).fetchone()
+                assert row is not None
+                if row[0] == 0:
+                    return
+                if time.monotonic() > deadline:
+                    self.marks.notes["steady_left_at_end"] = int(row[0])
+                    log(f"{row[0]} steady jobs still live {STEADY_DONE_TIMEOUT_S:g}s after "
+                        "the traffic stopped")
+                    return
+                time.sleep(0.2)
 
     def _herd_left(self, conn: psycopg.Connection) -> int:
         row = conn.execute("SELECT count(*) FROM jobd.jobs WHERE handler = %s",

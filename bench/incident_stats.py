@@ -101,16 +101,18 @@ def poison_fates(drill: Drill, crash_rows: list[tuple[int, int, float]]) -> dict
         first_crash.setdefault(job_id, at)
         crash_count[job_id] = crash_count.get(job_id, 0) + 1
     with psycopg.connect(drill.url, autocommit=True) as conn:
-        dead = conn.execute("SELECT id, died_at, attempts, last_error FROM jobd.dead_letter "
-                            "WHERE handler = %s ORDER BY died_at", (POISON,)).fetchall()
+        dead = conn.execute("SELECT id, died_at, attempts, last_error, created_at "
+                            "FROM jobd.dead_letter WHERE handler = %s ORDER BY died_at",
+                            (POISON,)).fetchall()
         row = conn.execute("SELECT count(*) FROM jobd.jobs WHERE handler = %s",
                            (POISON,)).fetchone()
         assert row is not None
         still_queued = int(row[0])
     to_dlq, quarantined = [], []
-    for job_id, died_at, attempts, error in dead:
+    for job_id, died_at, attempts, error, created_at in dead:
         died = _epoch(died_at, offset)
         entry = {"id": job_id, "died": died, "attempts": attempts,
+                 "created": _epoch(created_at, offset),
                  "crashes": crash_count.get(job_id, 0), "first_crash": first_crash.get(job_id)}
         if "quarantine" in (error or ""):
             quarantined.append(entry)
@@ -237,9 +239,11 @@ def collect(drill: Drill) -> dict[str, Any]:
         "pickup": pickup,
         "poison": {**fates,
                    "dead_by_crashes": [{**d, "died": _rel(d["died"], cause),
+                                        "created": _rel(d["created"], cause),
                                         "first_crash": _rel(d["first_crash"], cause)}
                                        for d in fates["dead_by_crashes"]],
                    "quarantined": [{**d, "died": _rel(d["died"], cause),
+                                    "created": _rel(d["created"], cause),
                                     "first_crash": _rel(d["first_crash"], cause)}
                                    for d in fates["quarantined"]]},
         "completeness": completeness(drill),
