@@ -72,6 +72,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--mitigate-by", type=float, default=defaults.mitigate_by_s,
                         metavar="S", help="act this long after the cause if the DLQ alert "
                                           f"has not fired (default {defaults.mitigate_by_s:g})")
+    parser.add_argument("--poison-every", type=float, default=defaults.poison_every_s,
+                        metavar="S", help=f"a poison job every S seconds from the cause; 0 "
+                                          f"sends none, the herd alone (default "
+                                          f"{defaults.poison_every_s:g})")
     parser.add_argument("--tail", type=float, default=defaults.tail_s, metavar="S",
                         help=f"seconds the drill runs on after the herd drained and the "
                              f"mitigation (default {defaults.tail_s:g})")
@@ -87,9 +91,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, help="write the results here instead")
     args = parser.parse_args(argv)
     if (args.herd < 1 or args.baseline < 10 or args.interval <= 0 or args.mitigate_by <= 0
-            or args.tail < 0):
+            or args.tail < 0 or args.poison_every < 0):
         parser.error("--herd must be positive, --baseline at least 10 s, --interval and "
-                     "--mitigate-by positive, --tail not negative")
+                     "--mitigate-by positive, --tail and --poison-every not negative")
     if not args.rules.is_file():
         parser.error(f"--rules: no such file: {args.rules}")
     return args
@@ -119,6 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     settings = Settings(fairness=args.fairness, herd=args.herd, baseline_s=args.baseline,
                         mitigate_by_s=args.mitigate_by, interval_s=args.interval, tail_s=args.tail,
+                        poison_every_s=args.poison_every,
                         rules=args.rules.resolve(), keep=args.keep)
     started = time.monotonic()
     drill = Drill(settings)

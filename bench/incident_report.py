@@ -36,7 +36,9 @@ def markdown(record: dict[str, Any]) -> str:
         f"{settings['concurrency']}, max_attempts {settings['max_attempts']}, slo.pickup "
         f"{settings['slo_pickup_s']:g}s), handlers `herd` (no-op), `email` and `thumbnail` "
         f"({settings['steady_ms']:g} ms sleep, {settings['steady_rate']:g} jobs/s each), "
-        f"`poison` (SIGSEGV, one every {settings['poison_every_s']:g} s from the cause). "
+        + (f"`poison` (SIGSEGV, one every {settings['poison_every_s']:g} s from the cause). "
+           if settings["poison_every_s"] > 0 else "`poison` (none sent: the herd alone). ")
+        +
         f"Prometheus scrapes and evaluates the rules of `{Path(settings['rules']).name}` "
         f"every {settings['interval_s']:g} s. The herd: {s['herd_jobs']} jobs enqueued with "
         "`jobd.enqueue_many`, `run_at` an hour ahead by the database clock; the cause: the "

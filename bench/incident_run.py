@@ -68,7 +68,7 @@ class Settings:
     concurrency: int = 4
     steady_rate: float = 20.0  # jobs/s per steady handler
     steady_ms: float = 20.0
-    poison_every_s: float = 2.0
+    poison_every_s: float = 2.0  # 0: no poison (the herd alone)
     baseline_s: float = 40.0
     mitigate_by_s: float = 60.0  # act without an alert this long after the cause
     drain_timeout_s: float = 200.0
@@ -201,9 +201,10 @@ class Marks:
 
     def mark(self, name: str, at: float | None = None) -> float:
         at = time.time() if at is None else at
-        self.events.setdefault(name, at)
-        log(f"  {name}")
-        return at
+        if name not in self.events:
+            self.events[name] = at
+            log(f"  {name}")
+        return self.events[name]
 
 
 class Drill:
@@ -288,7 +289,8 @@ class Drill:
         self.marks.notes["db_before_jump"] = self._db_now()
         self.marks.mark("cause")
         self.clock.set("+1h")
-        self.poison.set_rate(1.0 / self.s.poison_every_s)
+        if self.s.poison_every_s > 0:  # 0: the herd alone, the control run
+            self.poison.set_rate(1.0 / self.s.poison_every_s)
         while (offset := db_offset(self.url)) < JUMP.total_seconds() - 60:
             time.sleep(0.05)
         self.marks.mark("jump_seen")
