@@ -88,10 +88,23 @@ class ClaimFloors:
                 "default_floor_age": None if self.dry_at is None else _age(self.dry_at, now)}
 
     def claimed(self, params: dict[str, Any], taken: list[tuple[int, datetime, int]],
-                limit: int, now: float) -> None:
-        """Record what a claim sent with ``params`` took: (priority, run_at, id) per job."""
+                limit: int, now: float, *, fair: bool = False,
+                aged: bool = False) -> None:
+        """Record what a claim sent with ``params`` took: (priority, run_at, id) per job.
+
+        A fair claim (``fair``: shares across keys, claim_order) takes from each key its
+        oldest jobs, not a prefix of the priority's, so its positions prove nothing and only
+        a short claim (every priority dry) sets floors. An age-promoting claim (``aged``,
+        max_wait) takes a prefix of each priority, but it may have filled up with overdue
+        jobs of a low priority before it looked at the higher ones: a full claim says
+        nothing of those.
+        """
         if params["default_floor_age"] is None and not params["floor_priorities"]:
             self.last_full_scan = now
+        if fair:
+            if len(taken) < limit:
+                self._all_dry(now)
+            return
         last: dict[int, tuple[datetime, int]] = {}
         for priority, run_at, job_id in taken:
             last[priority] = max(last.get(priority, (run_at, job_id)), (run_at, job_id))
@@ -101,16 +114,21 @@ class ClaimFloors:
         if not last and len(taken) >= limit:
             return  # nothing taken, nothing asked for (a claim capped at zero)
         if len(taken) < limit:
-            # Every priority was scanned to its end: nothing due is left unclaimed.
-            self.dry_at = now
-            for floor in self.by_priority.values():
-                floor.dry_at = None
+            self._all_dry(now)
+            return
+        if aged:
             return
         # Full: the scan went through each priority above the lowest it took from.
         lowest = min(last)
         for priority in last:
             if priority > lowest:
                 self.by_priority[priority].dry_at = now
+
+    def _all_dry(self, now: float) -> None:
+        """Every priority was scanned to its end: nothing due is left unclaimed."""
+        self.dry_at = now
+        for floor in self.by_priority.values():
+            floor.dry_at = None
 
     def forget(self) -> None:
         """Scan from the head next time: this worker gave jobs back below its floors."""

@@ -54,6 +54,16 @@ RETRY_DELAYS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05)
 log = structlog.get_logger("jobd.claimer")
 
 
+def next_key_cursor(cursor: str | None, taken: list[jobs.Job]) -> str:
+    """Where the next fair claim starts: the last share key this one reached. claim_order
+    visits keys in order after ``cursor`` and then wraps to the start, so the last key
+    reached is the greatest at or below the cursor when the claim wrapped, else the
+    greatest. Keys compare as the claim compares them (COLLATE "C": code point order)."""
+    keys = {job.fairness_key or job.handler for job in taken}
+    wrapped = [key for key in keys if cursor is not None and key <= cursor]
+    return max(wrapped or keys)
+
+
 class Claimer:
     def __init__(self, lane: LaneConfig, worker_id: str) -> None:
         self.lane = lane
@@ -74,6 +84,9 @@ class Claimer:
         # Armed after a look above the floors only: look from the head of the lane then, so
         # a job that became due below them does not wait for the fallback poll.
         self.recheck_at: float | None = None
+        # The share key this worker's last fair claim ended at: the next one starts after it
+        # (claim_order), so the keys of a lane with more keys than a claim takes rotate.
+        self.key_cursor: str | None = None
         self.lane_paused = False  # the whole lane is paused (lane_pauses)
         self.paused_handlers: frozenset[str] = frozenset()
 
@@ -117,7 +130,9 @@ class Claimer:
                                   suspect_first=self.suspects_possible and not running,
                                   floors=self.floors.params(time.monotonic()),
                                   disarm=self.armed,
-                                  budget=self.lane.budget() if self.lane.limited else None)
+                                  budget=self.lane.budget() if self.lane.limited else None,
+                                  order=(self.lane.claim_order(self.key_cursor)
+                                         if self.lane.ordered else None))
 
     def took(self, claimed: queue.Claimed, request: queue.ClaimRequest) -> list[jobs.Job]:
         """Record what a claim brought; returns the jobs to start at once (a suspect)."""
@@ -129,11 +144,14 @@ class Claimer:
             self.recheck_at = None
         assert request.floors is not None
         taken = [(job.priority, job.run_at, job.id) for job in claimed.jobs]
-        if request.budget is None:
-            self.floors.claimed(request.floors, taken, request.limit, now)
-        else:
-            # Capped by the budget, not dry: the positions hold, the rest of the lane waits.
-            self.floors.claimed(request.floors, taken, len(taken), now)
+        fair = self.lane.fair_by != "none"
+        # Capped by the budget, a short claim is not dry: the positions hold, the rest of the
+        # lane waits.
+        limit = request.limit if request.budget is None else len(taken)
+        self.floors.claimed(request.floors, taken, limit, now, fair=fair,
+                            aged=self.lane.max_wait is not None)
+        if fair and claimed.jobs:
+            self.key_cursor = next_key_cursor(self.key_cursor, claimed.jobs)
         # A suspect runs alone; once it is done the worker is idle and asks for the next.
         self._watch_clock(claimed, request, now)
         self.maybe_more = (len(claimed.jobs) == request.limit

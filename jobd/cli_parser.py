@@ -133,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
                                   "(default: no key)")
     enqueue_cmd.add_argument("--max-attempts", type=positive_int, metavar="N",
                              help="attempt budget (default: the lane's max_attempts)")
+    enqueue_cmd.add_argument("--fairness-key", metavar="KEY",
+                             help="the job's share key in a fair lane (fair_by), e.g. a "
+                                  "tenant id (default: its handler)")
     enqueue_cmd.set_defaults(func=cmd_enqueue)
 
     status_cmd = add("status", "Per lane: jobs by state, oldest unclaimed age, DLQ depth, "

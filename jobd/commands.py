@@ -56,14 +56,15 @@ def cmd_enqueue(ctx: Context, args: argparse.Namespace) -> int:
     # entry point alike: a larger payload comes back as an input error (exit 2).
     try:
         spec = jobs.JobSpec(args.handler, args.payload, args.lane, args.run_at, args.priority,
-                             args.idempotency_key, args.max_attempts).validated()
+                             args.idempotency_key, args.max_attempts,
+                             args.fairness_key).validated()
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     with ctx.connect() as conn:
         job_id = producer.enqueue(
             conn, spec.handler, spec.payload, lane=spec.lane, run_at=spec.run_at,
             delay=args.delay, priority=spec.priority, idempotency_key=spec.idempotency_key,
-            max_attempts=spec.max_attempts, schema=ctx.schema)
+            max_attempts=spec.max_attempts, fairness_key=spec.fairness_key, schema=ctx.schema)
     if ctx.as_json:
         print_json({"id": job_id})
     else:

@@ -25,6 +25,10 @@ __all__ = ["Config", "LaneConfig", "ScheduleConfig", "load", "parse", "parse_dur
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 # Where workers find the built-in handler of outbox delivery jobs (validation.OUTBOX_HANDLER).
 OUTBOX_HANDLER_PATH = "jobd.outbox:deliver"
+# lanes.<l>.fair_by: "handler" and "fairness_key" name one rule (a job shares by its
+# fairness_key when it has one, else by its handler): a lane whose producers set no keys
+# shares by handler. "none": no shares.
+FAIR_BY = ("handler", "fairness_key", "none")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +56,22 @@ class LaneConfig:
     max_running: int | None = None
     rate_limit: int | None = None
     rate_per: float = 1.0
+    # Fairness (docs/design/fairness.md): a due job passed over for ``max_wait`` seconds is
+    # claimed ahead of younger work of any priority; with ``fair_by`` other than "none", each
+    # claim is shared round-robin across the share keys of the lane's due jobs (a job's
+    # fairness_key, else its handler). Both off by default: strict priority, then age.
+    max_wait: float | None = None
+    fair_by: str = "none"
+
+    @property
+    def ordered(self) -> bool:
+        """Whether claims take the fair or age-promoting path (claim_jobs_ordered)."""
+        return self.max_wait is not None or self.fair_by != "none"
+
+    def claim_order(self, key_cursor: str | None) -> dict[str, Any]:
+        """The claim parameters of the lane's fairness (claim_order in migration 0013)."""
+        return {"ordered": self.ordered, "max_wait": self.max_wait,
+                "fair": self.fair_by != "none", "key_cursor": key_cursor}
 
     @property
     def buffer_size(self) -> int:
@@ -154,6 +174,8 @@ def _lane(name: str, located: yamlcheck.Located, path: str) -> LaneConfig:
         max_running=section.take("max_running", yamlcheck.int_between(1, 1_000_000), None),
         rate_limit=rate_limit,
         rate_per=rate_per,
+        max_wait=section.take("max_wait", yamlcheck.positive_duration, None),
+        fair_by=section.take("fair_by", yamlcheck.choice(*FAIR_BY), "none"),
     )
     section.finish()
     if lane.heartbeat >= lane.visibility_timeout:

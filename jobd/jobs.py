@@ -26,6 +26,7 @@ class JobSpec:
     priority: int = 0
     idempotency_key: str | None = None
     max_attempts: int | None = None
+    fairness_key: str | None = None
 
     def validated(self) -> JobSpec:
         """This spec, or ValueError naming the first rule it breaks (jobd.validation)."""
@@ -46,6 +47,8 @@ class JobSpec:
             raise ValueError(f"max_attempts must be a positive integer, not {self.max_attempts!r}")
         if self.idempotency_key is not None:
             validation.idempotency_key(self.idempotency_key)
+        if self.fairness_key is not None:
+            validation.fairness_key(self.fairness_key)
         return validation.encode_payload(self.payload)
 
 
@@ -60,7 +63,8 @@ _UNDECODED = object()
 
 # The columns of a claimed job, in the order the claim query returns them.
 _JOB_FIELDS = ("id", "lease_token", "lane", "handler", "payload_json", "priority", "run_at",
-               "attempt", "max_attempts", "idempotency_key", "created_at", "lease_until")
+               "attempt", "max_attempts", "idempotency_key", "created_at", "lease_until",
+               "fairness_key")
 
 
 class Job:
@@ -85,13 +89,15 @@ class Job:
     idempotency_key: str | None
     created_at: datetime
     lease_until: datetime
+    fairness_key: str | None  # set at enqueue; the fair share's key is this, else the handler
 
     def __init__(self, id: int, lease_token: int, lane: str, handler: str,
                  payload_json: str, priority: int, run_at: datetime, attempt: int,
                  max_attempts: int | None, idempotency_key: str | None,
-                 created_at: datetime, lease_until: datetime) -> None:
+                 created_at: datetime, lease_until: datetime,
+                 fairness_key: str | None = None) -> None:
         self._row = (id, lease_token, lane, handler, payload_json, priority, run_at, attempt,
-                     max_attempts, idempotency_key, created_at, lease_until)
+                     max_attempts, idempotency_key, created_at, lease_until, fairness_key)
         self._payload = _UNDECODED
         self._cancelled = False
 

@@ -35,6 +35,7 @@ def enqueue(
     priority: int = 0,
     idempotency_key: str | None = None,
     max_attempts: int | None = None,
+    fairness_key: str | None = None,
     schema: str = DEFAULT_SCHEMA,
 ) -> int:
     """Enqueue one job with a single INSERT and return its id.
@@ -42,7 +43,8 @@ def enqueue(
     The job is due at ``run_at``, or ``delay`` seconds from now by the database clock, or now.
     It is durable when the caller's transaction commits (at once on an autocommit
     connection). With an ``idempotency_key`` already used, the first job's id is returned and
-    nothing is inserted.
+    nothing is inserted. ``fairness_key`` (a tenant, a customer) is the job's key in a fair
+    lane's shares (``fair_by``); without one, the job shares by its handler.
 
     ``payload`` is any JSON value (``None`` is a JSON null); left out, it is ``{}``. A job
     that breaks one of jobd's rules (jobd.validation) raises ValueError before anything is
@@ -55,7 +57,7 @@ def enqueue(
         raise ValueError(f"delay must be a non-negative number of seconds, not {delay!r}")
     spec = JobSpec(
         handler, {} if payload is _NO_PAYLOAD else payload, lane, run_at, priority,
-        idempotency_key, max_attempts,
+        idempotency_key, max_attempts, fairness_key,
     )
     encoded = spec.encoded_payload()
     row = conn.execute(
@@ -69,13 +71,14 @@ def enqueue(
             "priority": spec.priority,
             "idempotency_key": spec.idempotency_key,
             "max_attempts": spec.max_attempts,
+            "fairness_key": spec.fairness_key,
         },
     ).fetchone()
     assert row is not None
     return int(row[0])
 
 
-_COPY_TYPES = ["int8", "text", "text", "jsonb", "int4", "timestamptz", "text", "int4"]
+_COPY_TYPES = ["int8", "text", "text", "jsonb", "int4", "timestamptz", "text", "int4", "text"]
 
 
 def enqueue_many(
@@ -116,7 +119,7 @@ def enqueue_many(
                 copy.write_row((
                     job_id, spec.lane, spec.handler, _stored_json(encoded[position]),
                     spec.priority, spec.run_at or db_now, spec.idempotency_key,
-                    spec.max_attempts,
+                    spec.max_attempts, spec.fairness_key,
                 ))
     return [int(job_id) for job_id in ids if job_id is not None]
 

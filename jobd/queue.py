@@ -122,6 +122,9 @@ class ClaimRequest:
     # The lane's limits across nodes (LaneConfig.budget()): the claim takes its turn under
     # the lane's budget lock and is capped by it (claim_jobs_limited). None: no limits.
     budget: dict[str, Any] | None = None
+    # The lane's fairness (LaneConfig.claim_order()): overdue jobs first and shares across
+    # keys (claim_jobs_ordered). None: strict priority, then age.
+    order: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,19 +135,31 @@ class Claimed:
     suspect: Job | None = None
 
 
+# claim_jobs_limited takes the fairness parameters whether or not the lane is fair.
+UNORDERED = {"ordered": False, "max_wait": None, "fair": False, "key_cursor": None}
+
+
 def _claim_params(request: ClaimRequest, now: datetime | None) -> dict[str, Any]:
     floors = claim_floors.full_scan_params() if request.floors is None else request.floors
+    order = request.order if request.order is not None else UNORDERED
     return {"lane": request.lane, "worker": request.worker, "limit": request.limit,
             "visibility_timeout": float(request.visibility_timeout), "now": now, **floors,
-            **(request.budget or {})}
+            **(request.budget or {}), **order}
+
+
+def _claim_query(request: ClaimRequest) -> str:
+    if request.budget is not None:
+        return "claim_jobs_limited"
+    ordered = request.order is not None and request.order["ordered"]
+    return "claim_jobs_ordered" if ordered else "claim_jobs"
 
 
 def _claim_steps(request: ClaimRequest, now: datetime | None) -> list[fastpath.Step]:
     """The statements of a claim: under the lane's budget lock for a lane with limits."""
+    params = _claim_params(request, now)
     if request.budget is None:
-        return [("claim_jobs", _claim_params(request, now))]
-    return [("lock_lane_budget", {"lane": request.lane}),
-            ("claim_jobs_limited", _claim_params(request, now))]
+        return [(_claim_query(request), params)]
+    return [("lock_lane_budget", {"lane": request.lane}), ("claim_jobs_limited", params)]
 
 
 def _jobs(rows: Iterable[tuple[Any, ...]]) -> list[Job]:
@@ -159,14 +174,16 @@ def claim(
     visibility_timeout: float,
     now: datetime | None = None,
     budget: dict[str, Any] | None = None,
+    order: dict[str, Any] | None = None,
 ) -> list[Job]:
     """Claim up to ``limit`` due jobs of ``lane`` for ``worker`` in one statement (in one
-    transaction with the lane's budget lock, given the lane's ``budget``)."""
-    params = _claim_params(ClaimRequest(lane, worker, limit, visibility_timeout,
-                                        budget=budget), now)
+    transaction with the lane's budget lock, given the lane's ``budget``; overdue first and
+    shared across keys, given the lane's fairness ``order``, LaneConfig.claim_order())."""
+    request = ClaimRequest(lane, worker, limit, visibility_timeout, budget=budget, order=order)
+    params = _claim_params(request, now)
     with conn.cursor(binary=True) as cursor:  # binary: see _BINARY_RESULTS
         if budget is None:
-            return _jobs(cursor.execute(query("claim_jobs"), params).fetchall())
+            return _jobs(cursor.execute(query(_claim_query(request)), params).fetchall())
         with conn.transaction():
             cursor.execute(query("lock_lane_budget"), {"lane": lane})
             return _jobs(cursor.execute(query("claim_jobs_limited"), params).fetchall())
@@ -174,7 +191,8 @@ def claim(
 
 # Claimed rows come back in binary: their three timestamps are cheaper to send and to parse as
 # 8-byte integers than as text, on both sides of the connection.
-_BINARY_RESULTS = frozenset({"claim_jobs", "claim_jobs_limited", "claim_suspect"})
+_BINARY_RESULTS = frozenset({"claim_jobs", "claim_jobs_ordered", "claim_jobs_limited",
+                             "claim_suspect"})
 
 
 def heartbeat(

@@ -40,6 +40,8 @@ RESERVED_KEY_PREFIX = "jobd:"
 # The handler of outbox delivery jobs; a config may not name a handler of its own so.
 OUTBOX_HANDLER = "jobd.outbox"
 MAX_KEY_BYTES = 512
+# A fairness key is part of an index entry (jobs_fair_idx): bounded well below its limit.
+MAX_FAIRNESS_KEY_BYTES = 256
 MAX_PAYLOAD_DEPTH = 256
 EARLIEST_RUN_AT = datetime(1970, 1, 1, tzinfo=UTC)
 LATEST_RUN_AT = datetime(9999, 1, 1, tzinfo=UTC)
@@ -74,6 +76,20 @@ def idempotency_key(value: object) -> str:
     if value.startswith(RESERVED_KEY_PREFIX):
         raise ValueError(f"idempotency keys starting with {RESERVED_KEY_PREFIX!r} are "
                          "reserved for jobd's own jobs")
+    return value
+
+
+def fairness_key(value: object) -> str:
+    """A job's fairness key (its share of a fair lane's claims), or ValueError. The rule of
+    check_job in migrations/0013_fairness.sql."""
+    if not isinstance(value, str) or not value:
+        raise ValueError("fairness_key must be a non-empty string")
+    if "\x00" in value:
+        raise ValueError("fairness_key must not contain NUL characters")
+    size = len(value.encode("utf-8", "surrogatepass"))
+    if size > MAX_FAIRNESS_KEY_BYTES:
+        raise ValueError(f"fairness_key is {size} bytes; at most {MAX_FAIRNESS_KEY_BYTES} are "
+                         "allowed")
     return value
 
 

@@ -138,7 +138,8 @@ def test_claims_of_a_limited_lane_take_turns(db_url: str, conn: psycopg.Connecti
         first.execute(query("lock_lane_budget"), {"lane": LANE})
         assert len(first.execute(query("claim_jobs_limited"), {
             "lane": LANE, "worker": "w1", "limit": 2, "visibility_timeout": 30.0,
-            "now": None, **queue.claim_floors.full_scan_params(), **limits}).fetchall()) == 2
+            "now": None, **queue.claim_floors.full_scan_params(), **queue.UNORDERED,
+            **limits}).fetchall()) == 2
         with connect(db_url, autocommit=False) as second:
             # While the first claim is not committed, the next one waits for its turn ...
             second.execute("SET lock_timeout = '100ms'")

@@ -185,13 +185,14 @@ def test_the_comparison_sees_what_it_compares(
     assert relations["jobs_archive_default"][5] == "DEFAULT"
     assert "schema_migrations" not in relations
     # Columns in order: those added last by migrations are last.
-    assert [row[2] for row in migrated["columns"] if row[0] == "jobs"][-3:] == [
-        "suspect", "claimed_at", "cancel_requested_at"]
+    assert [row[2] for row in migrated["columns"] if row[0] == "jobs"][-4:] == [
+        "suspect", "claimed_at", "cancel_requested_at", "fairness_key"]
     archive_checks = {row[1]: row for row in migrated["constraints"]
                       if row[0] == "jobs_archive" and row[2] == "c"}
     assert "'cancelled'" in archive_checks["jobs_archive_state_check"][3]
     assert [row[2] for row in migrated["columns"]
-            if row[0] == "jobs_archive"][-2:] == ["finished_at", "claimed_at"]
+            if row[0] == "jobs_archive"][-3:] == ["finished_at", "claimed_at",
+                                                "fairness_key"]
     assert ("settings", '[{"name": "max_payload_bytes", "value": 1048576}]') in migrated["rows"]
     assert {row[1] for row in migrated["triggers"]} == {"jobs_notify_insert",
                                                         "dead_letter_outbox"}

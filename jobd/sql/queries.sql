@@ -20,7 +20,7 @@
 -- supplied with psycopg.sql.
 SELECT {schema}.enqueue(%(handler)s, %(payload)s, %(lane)s,
                         coalesce(%(run_at)s, now() + make_interval(secs => %(delay)s)),
-                        %(priority)s, %(idempotency_key)s, %(max_attempts)s)
+                        %(priority)s, %(idempotency_key)s, %(max_attempts)s, %(fairness_key)s)
 
 -- name: reserve_ids_qualified
 -- Job ids for a bulk enqueue, and the transaction's now() for rows that give no run_at; the
@@ -41,7 +41,8 @@ RETURNING k.idempotency_key, k.job_id
 SELECT idempotency_key, job_id FROM {schema}.job_keys WHERE idempotency_key = ANY(%(keys)s::text[])
 
 -- name: copy_jobs_qualified
-COPY {schema}.jobs (id, lane, handler, payload, priority, run_at, idempotency_key, max_attempts)
+COPY {schema}.jobs (id, lane, handler, payload, priority, run_at, idempotency_key, max_attempts,
+                    fairness_key)
 FROM STDIN (FORMAT BINARY)
 
 -- name: claim_jobs
@@ -103,7 +104,43 @@ UPDATE jobs
  WHERE jobs.id = ANY(ARRAY(SELECT id FROM due))
 RETURNING jobs.id, jobs.lease_token, jobs.lane, jobs.handler, jobs.payload::text, jobs.priority,
           jobs.run_at, jobs.attempts, jobs.max_attempts, jobs.idempotency_key,
-          jobs.created_at, jobs.lease_until
+          jobs.created_at, jobs.lease_until, jobs.fairness_key
+
+-- name: claim_jobs_ordered
+-- claim_jobs for a lane with max_wait or fair_by (docs/design/fairness.md): claim_order()
+-- (migrations/0013_fairness.sql) picks and locks the jobs, overdue ones first and shared
+-- across keys, and this statement claims them as claim_jobs does. The pause and suspect
+-- rules are claim_jobs'.
+WITH paused AS (
+    SELECT coalesce(bool_or(handler IS NULL), false) AS whole_lane,
+           coalesce(array_agg(handler) FILTER (WHERE handler IS NOT NULL), '{}') AS handlers
+      FROM lane_pauses
+     WHERE lane = %(lane)s
+),
+picked AS MATERIALIZED (
+    SELECT claim_order(%(lane)s, %(floor_priorities)s::int[], %(floor_run_ats)s::timestamptz[],
+                       %(floor_ids)s::bigint[], %(floor_ages)s::float8[],
+                       %(default_floor_age)s::float8, coalesce(%(now)s::timestamptz, now()),
+                       %(max_wait)s::float8, %(fair)s::boolean, %(key_cursor)s::text,
+                       %(limit)s::int, p.handlers) AS ids
+      FROM paused AS p
+     WHERE NOT p.whole_lane
+       AND NOT EXISTS (SELECT 1 FROM jobs AS s
+                        WHERE s.lane = %(lane)s AND s.suspect AND s.state = 'claimed'
+                          AND s.claimed_by = %(worker)s)
+)
+UPDATE jobs
+   SET state = 'claimed',
+       attempts = jobs.attempts + 1,
+       claimed_by = %(worker)s,
+       claimed_at = coalesce(%(now)s::timestamptz, now()),
+       lease_until = coalesce(%(now)s::timestamptz, now())
+                     + make_interval(secs => %(visibility_timeout)s),
+       lease_token = (SELECT nextval('lease_token_seq'))
+ WHERE jobs.id = ANY((SELECT ids FROM picked)::bigint[])
+RETURNING jobs.id, jobs.lease_token, jobs.lane, jobs.handler, jobs.payload::text, jobs.priority,
+          jobs.run_at, jobs.attempts, jobs.max_attempts, jobs.idempotency_key,
+          jobs.created_at, jobs.lease_until, jobs.fairness_key
 
 -- name: claim_jobs_limited
 -- claim_jobs for a lane with limits across all nodes (lanes.<l>.max_running, lanes.<l>.rate):
@@ -165,6 +202,23 @@ due AS (
                           AND s.claimed_by = %(worker)s)
      LIMIT (SELECT cap FROM budget)
 ),
+-- A lane with max_wait or fair_by as well: claim_order() picks within the budget instead
+-- (a one-time filter leaves out the branch that does not apply).
+chosen AS (
+    SELECT id FROM due WHERE NOT %(ordered)s::boolean
+    UNION ALL
+    SELECT unnest(claim_order(%(lane)s, %(floor_priorities)s::int[],
+                              %(floor_run_ats)s::timestamptz[], %(floor_ids)s::bigint[],
+                              %(floor_ages)s::float8[], %(default_floor_age)s::float8,
+                              coalesce(%(now)s::timestamptz, now()), %(max_wait)s::float8,
+                              %(fair)s::boolean, %(key_cursor)s::text,
+                              (SELECT cap FROM budget), p.handlers))
+      FROM paused AS p
+     WHERE %(ordered)s::boolean AND NOT p.whole_lane
+       AND NOT EXISTS (SELECT 1 FROM jobs AS s
+                        WHERE s.lane = %(lane)s AND s.suspect AND s.state = 'claimed'
+                          AND s.claimed_by = %(worker)s)
+),
 claimed AS (
     UPDATE jobs
        SET state = 'claimed',
@@ -174,10 +228,10 @@ claimed AS (
            lease_until = coalesce(%(now)s::timestamptz, now())
                          + make_interval(secs => %(visibility_timeout)s),
            lease_token = (SELECT nextval('lease_token_seq'))
-     WHERE jobs.id = ANY(ARRAY(SELECT id FROM due))
+     WHERE jobs.id = ANY(ARRAY(SELECT id FROM chosen))
     RETURNING jobs.id, jobs.lease_token, jobs.lane, jobs.handler, jobs.payload::text,
               jobs.priority, jobs.run_at, jobs.attempts, jobs.max_attempts,
-              jobs.idempotency_key, jobs.created_at, jobs.lease_until
+              jobs.idempotency_key, jobs.created_at, jobs.lease_until, jobs.fairness_key
 ),
 spent AS (
     INSERT INTO lane_tokens AS t (lane, tokens, refilled_at)
@@ -240,7 +294,7 @@ UPDATE jobs
                      FOR UPDATE SKIP LOCKED)
 RETURNING jobs.id, jobs.lease_token, jobs.lane, jobs.handler, jobs.payload::text, jobs.priority,
           jobs.run_at, jobs.attempts, jobs.max_attempts, jobs.idempotency_key,
-          jobs.created_at, jobs.lease_until
+          jobs.created_at, jobs.lease_until, jobs.fairness_key
 
 -- name: heartbeat
 -- Extends every lease a worker still holds, in one statement. Returns the jobs whose lease was
@@ -268,11 +322,11 @@ WITH finished AS (
 )
 INSERT INTO {schema}.jobs_archive (id, lane, handler, payload, state, priority, run_at, attempts,
                           max_attempts, claimed_by, idempotency_key, created_at, last_error,
-                          errors, finished_at, claimed_at)
+                          errors, finished_at, claimed_at, fairness_key)
 SELECT id, lane, handler, payload,
        CASE WHEN cancel_requested_at IS NULL THEN 'done' ELSE 'cancelled' END, priority,
        run_at, attempts, max_attempts, claimed_by, idempotency_key, created_at, last_error,
-       errors, coalesce(%(now)s::timestamptz, now()), claimed_at
+       errors, coalesce(%(now)s::timestamptz, now()), claimed_at, fairness_key
   FROM finished
 RETURNING id, state
 
@@ -325,13 +379,13 @@ died AS (
 buried AS (
     INSERT INTO dead_letter (id, lane, handler, payload, priority, run_at, attempts,
                              max_attempts, claimed_by, idempotency_key, created_at,
-                             last_error, errors, died_at)
+                             last_error, errors, died_at, fairness_key)
     SELECT id, lane, handler, payload, priority, run_at, attempts, max_attempts, claimed_by,
            idempotency_key, created_at, final_error,
            errors || jsonb_build_object(
                'attempt', attempts, 'at', coalesce(%(now)s::timestamptz, now()),
                'error', final_error, 'worker', claimed_by),
-           coalesce(%(now)s::timestamptz, now())
+           coalesce(%(now)s::timestamptz, now()), fairness_key
       FROM died
     RETURNING id
 ),
@@ -344,13 +398,14 @@ stopped AS (
 cancelled AS (
     INSERT INTO jobs_archive (id, lane, handler, payload, state, priority, run_at, attempts,
                               max_attempts, claimed_by, idempotency_key, created_at,
-                              last_error, errors, finished_at, claimed_at)
+                              last_error, errors, finished_at, claimed_at,
+                              fairness_key)
     SELECT id, lane, handler, payload, 'cancelled', priority, run_at, attempts, max_attempts,
            claimed_by, idempotency_key, created_at, final_error,
            errors || jsonb_build_object(
                'attempt', attempts, 'at', coalesce(%(now)s::timestamptz, now()),
                'error', final_error, 'worker', claimed_by),
-           coalesce(%(now)s::timestamptz, now()), claimed_at
+           coalesce(%(now)s::timestamptz, now()), claimed_at, fairness_key
       FROM stopped
     RETURNING id
 )
@@ -444,7 +499,7 @@ SELECT id, lease_token, lane, attempts, claimed_by, cancel_requested_at IS NOT N
 -- name: get_job
 SELECT id, lane, handler, payload, state, priority, run_at, attempts, max_attempts,
        lease_until, claimed_by, idempotency_key, created_at, last_error, errors, finished_at,
-       cancel_requested_at
+       cancel_requested_at, fairness_key
   FROM all_jobs
  WHERE id = %(id)s
 
@@ -626,11 +681,12 @@ WITH revived AS (
     DELETE FROM dead_letter WHERE id = ANY(%(ids)s::bigint[]) RETURNING *
 )
 INSERT INTO jobs (id, lane, handler, payload, state, priority, run_at, attempts, max_attempts,
-                  idempotency_key, created_at, last_error, errors)
+                  idempotency_key, created_at, last_error, errors, fairness_key)
 SELECT id, lane, handler, payload, 'pending', priority,
        greatest(run_at, coalesce(%(now)s::timestamptz, now())),
        0, max_attempts, idempotency_key, created_at, last_error,
-       errors || jsonb_build_object('replayed_at', coalesce(%(now)s::timestamptz, now()))
+       errors || jsonb_build_object('replayed_at', coalesce(%(now)s::timestamptz, now())),
+       fairness_key
   FROM revived
 RETURNING id
 
@@ -643,11 +699,12 @@ WITH revived AS (
     RETURNING *
 )
 INSERT INTO jobs (id, lane, handler, payload, state, priority, run_at, attempts, max_attempts,
-                  idempotency_key, created_at, last_error, errors)
+                  idempotency_key, created_at, last_error, errors, fairness_key)
 SELECT id, lane, handler, payload, 'pending', priority,
        greatest(run_at, coalesce(%(now)s::timestamptz, now())),
        0, max_attempts, idempotency_key, created_at, last_error,
-       errors || jsonb_build_object('replayed_at', coalesce(%(now)s::timestamptz, now()))
+       errors || jsonb_build_object('replayed_at', coalesce(%(now)s::timestamptz, now())),
+       fairness_key
   FROM revived
 RETURNING id
 

@@ -1,0 +1,262 @@
+"""Fairness within a lane (docs/design/fairness.md): age-based promotion (max_wait) and
+round-robin shares across keys (fair_by), through the real claim against PostgreSQL with an
+injected clock. (With daemons: tests/test_fairness_daemon.py.)"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Any
+
+import psycopg
+import pytest
+
+import jobd
+from jobd import dlq, queue
+from jobd.claimer import next_key_cursor
+from jobd.config import LaneConfig, parse
+from jobd.errors import ConfigError
+
+LANE = "default"
+
+
+def db_now(conn: psycopg.Connection) -> datetime:
+    row = conn.execute("SELECT now()").fetchone()
+    assert row is not None
+    return row[0]
+
+
+def order(max_wait: float | None = None, fair_by: str = "none",
+          cursor: str | None = None) -> dict[str, Any]:
+    return LaneConfig(LANE, max_wait=max_wait, fair_by=fair_by).claim_order(cursor)
+
+
+def claim(conn: psycopg.Connection, limit: int, now: datetime | None = None,
+          lane_order: dict[str, Any] | None = None, **limits: Any) -> list[jobd.Job]:
+    budget = LaneConfig(LANE, **limits).budget() if limits else None
+    return queue.claim(conn, LANE, "w1", limit, 30, now=now, order=lane_order, budget=budget)
+
+
+def bulk(conn: psycopg.Connection, count: int, handler: str, at: datetime,
+         **fields: Any) -> None:
+    jobd.enqueue_many(conn, [jobd.JobSpec(handler, {"n": n}, LANE, at, **fields)
+                             for n in range(count)])
+
+
+def share_keys(jobs: list[jobd.Job]) -> list[str]:
+    return [job.fairness_key or job.handler for job in jobs]
+
+
+# --- age-based promotion -------------------------------------------------------------------
+
+
+def test_a_job_overdue_by_max_wait_goes_ahead_of_higher_priorities(
+    conn: psycopg.Connection,
+) -> None:
+    t0 = db_now(conn)
+    low = jobd.enqueue(conn, "low", lane=LANE, run_at=t0, priority=0)
+    bulk(conn, 20, "high", t0 + timedelta(seconds=1), priority=9)
+    aged = order(max_wait=60)
+    # Not overdue yet: strict priority.
+    with conn.transaction():
+        early = claim(conn, 5, now=t0 + timedelta(seconds=30), lane_order=aged)
+        assert {job.handler for job in early} == {"high"}
+        raise psycopg.Rollback()
+    # Passed over for max_wait: first, whatever its priority.
+    first = claim(conn, 5, now=t0 + timedelta(seconds=61), lane_order=aged)
+    assert first[0].id == low or low in [job.id for job in first]
+    assert {job.handler for job in first} == {"low", "high"}
+
+
+def test_overdue_jobs_of_several_priorities_go_oldest_first(conn: psycopg.Connection) -> None:
+    t0 = db_now(conn)
+    bulk(conn, 3, "p5", t0 - timedelta(seconds=100), priority=5)
+    bulk(conn, 3, "p1", t0 - timedelta(seconds=200), priority=1)
+    bulk(conn, 3, "p9", t0, priority=9)
+    taken = claim(conn, 6, now=t0, lane_order=order(max_wait=50))
+    assert sorted(job.handler for job in taken) == ["p1"] * 3 + ["p5"] * 3
+
+
+def saturated_lane(conn: psycopg.Connection, lane_order: dict[str, Any] | None,
+                   rounds: int) -> int | None:
+    """A lane kept full by a flood of priority-9 jobs (each second 10 arrive, 10 are
+    claimed) and one priority-0 job due from the start: the round it is claimed in."""
+    t0 = db_now(conn)
+    low = jobd.enqueue(conn, "low", lane=LANE, run_at=t0, priority=0)
+    for second in range(rounds):
+        now = t0 + timedelta(seconds=second)
+        bulk(conn, 10, "flood", now, priority=9)
+        taken = claim(conn, 10, now=now, lane_order=lane_order)
+        assert len(taken) == 10  # saturated: every claim is full
+        if low in [job.id for job in taken]:
+            return second
+        queue.complete(conn, [job.lease for job in taken])
+    return None
+
+
+def test_under_a_flood_of_high_priority_work_a_low_priority_job_starts_after_max_wait(
+    conn: psycopg.Connection,
+) -> None:
+    started = saturated_lane(conn, order(max_wait=5), rounds=30)
+    assert started is not None and 5 <= started <= 7
+
+
+def test_without_max_wait_the_flood_starves_it(conn: psycopg.Connection) -> None:
+    assert saturated_lane(conn, None, rounds=30) is None
+
+
+# --- fair shares ---------------------------------------------------------------------------
+
+
+def test_a_herd_of_one_handler_does_not_hold_back_the_others(conn: psycopg.Connection) -> None:
+    t0 = db_now(conn)
+    bulk(conn, 5000, "herd", t0 - timedelta(minutes=5))
+    bulk(conn, 10, "mail", t0)
+    bulk(conn, 10, "sms", t0)
+    with conn.transaction():
+        unfair = claim(conn, 30, now=t0)
+        assert set(share_keys(unfair)) == {"herd"}
+        raise psycopg.Rollback()
+    fair = claim(conn, 30, now=t0, lane_order=order(fair_by="handler"))
+    assert sorted(share_keys(fair)) == ["herd"] * 10 + ["mail"] * 10 + ["sms"] * 10
+    # Each key's oldest jobs, in order.
+    herd = [job for job in fair if job.handler == "herd"]
+    assert [job.payload["n"] for job in herd] == list(range(10))
+
+
+def test_a_key_with_few_jobs_leaves_its_share_to_the_others(conn: psycopg.Connection) -> None:
+    t0 = db_now(conn)
+    bulk(conn, 100, "a", t0)
+    bulk(conn, 2, "b", t0)
+    fair = claim(conn, 20, now=t0, lane_order=order(fair_by="handler"))
+    assert sorted(share_keys(fair)) == ["a"] * 18 + ["b"] * 2
+
+
+def test_fairness_keys_share_within_one_handler(conn: psycopg.Connection) -> None:
+    t0 = db_now(conn)
+    bulk(conn, 1000, "report", t0 - timedelta(minutes=1), fairness_key="tenant-big")
+    bulk(conn, 5, "report", t0, fairness_key="tenant-small")
+    bulk(conn, 5, "report", t0)  # no key: shares as its handler
+    fair = claim(conn, 15, now=t0, lane_order=order(fair_by="fairness_key"))
+    assert sorted(share_keys(fair)) == (["report"] * 5 + ["tenant-big"] * 5
+                                        + ["tenant-small"] * 5)
+
+
+def test_with_more_keys_than_a_claim_takes_the_keys_rotate(conn: psycopg.Connection) -> None:
+    t0 = db_now(conn)
+    for key in range(250):
+        bulk(conn, 3, "h", t0, fairness_key=f"tenant-{key:03}")
+    cursor: str | None = None
+    claims: list[set[str]] = []
+    for _ in range(3):
+        taken = claim(conn, 100, now=t0, lane_order=order(fair_by="handler", cursor=cursor))
+        keys = share_keys(taken)
+        assert len(keys) == len(set(keys)) == 100  # one job from each of 100 keys
+        claims.append(set(keys))
+        cursor = next_key_cursor(cursor, taken)
+    # The third claim went on from the 200th key and around to the first 50.
+    expected = [f"tenant-{key:03}" for key in range(250)]
+    assert claims[0] | claims[1] == set(expected[:200])
+    assert claims[2] == set(expected[200:] + expected[:50])
+
+
+def test_the_cursor_is_the_last_key_reached() -> None:
+    def jobs(*keys: str) -> list[jobd.Job]:
+        now = datetime(2026, 1, 1).astimezone()
+        return [jobd.Job(n, n, LANE, "h", "{}", 0, now, 1, None, None, now, now, key)
+                for n, key in enumerate(keys)]
+
+    assert next_key_cursor(None, jobs("b", "a", "c")) == "c"
+    assert next_key_cursor("b", jobs("c", "d")) == "d"
+    assert next_key_cursor("m", jobs("x", "y", "a", "c")) == "c"  # wrapped around
+    assert next_key_cursor("m", jobs("a", "m")) == "m"
+
+
+def test_fair_shares_within_a_priority_and_priorities_still_first(
+    conn: psycopg.Connection,
+) -> None:
+    t0 = db_now(conn)
+    bulk(conn, 10, "urgent", t0, priority=5)
+    bulk(conn, 100, "a", t0)
+    bulk(conn, 100, "b", t0)
+    fair = claim(conn, 20, now=t0, lane_order=order(fair_by="handler"))
+    assert sorted(share_keys(fair)) == ["a"] * 5 + ["b"] * 5 + ["urgent"] * 10
+
+
+def test_a_fair_lane_with_max_running_stays_within_it(conn: psycopg.Connection) -> None:
+    t0 = db_now(conn)
+    bulk(conn, 50, "a", t0)
+    bulk(conn, 50, "b", t0)
+    taken = claim(conn, 100, now=t0, lane_order=order(fair_by="handler"), max_running=8)
+    assert sorted(share_keys(taken)) == ["a"] * 4 + ["b"] * 4
+    assert claim(conn, 100, now=t0, lane_order=order(fair_by="handler"), max_running=8) == []
+
+
+def test_paused_handlers_and_suspects_are_stepped_over(conn: psycopg.Connection) -> None:
+    t0 = db_now(conn)
+    bulk(conn, 5, "a", t0)
+    bulk(conn, 5, "b", t0)
+    jobd.pause(conn, LANE, handler="a")
+    conn.execute("UPDATE jobs SET suspect = true WHERE payload->>'n' = '0'")
+    fair = claim(conn, 10, now=t0, lane_order=order(fair_by="handler", max_wait=1))
+    assert sorted(share_keys(fair)) == ["b"] * 4
+
+
+# --- entry points and config ---------------------------------------------------------------
+
+
+def test_every_entry_point_takes_a_fairness_key(conn: psycopg.Connection) -> None:
+    one = jobd.enqueue(conn, "h", fairness_key="t1")
+    many = jobd.enqueue_many(conn, [jobd.JobSpec("h", fairness_key="t2")])
+    row = conn.execute("SELECT enqueue('h', fairness_key => 't3')").fetchone()
+    assert row is not None
+    keys = dict(conn.execute("SELECT id, fairness_key FROM all_jobs").fetchall())
+    assert (keys[one], keys[many[0]], keys[row[0]]) == ("t1", "t2", "t3")
+
+
+@pytest.mark.parametrize(("key", "message"), [
+    ("", "fairness_key must be a non-empty string"),
+    ("x" * 257, "fairness_key is 257 bytes; at most 256 are allowed"),
+])
+def test_every_entry_point_refuses_a_bad_fairness_key(conn: psycopg.Connection, key: str,
+                                                      message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        jobd.enqueue(conn, "h", fairness_key=key)
+    with pytest.raises(ValueError, match=message):
+        jobd.enqueue_many(conn, [jobd.JobSpec("h", fairness_key=key)])
+    with pytest.raises(psycopg.errors.InvalidParameterValue, match=message):
+        conn.execute("SELECT enqueue('h', fairness_key => %s)", (key,))
+
+
+def test_the_key_survives_the_dead_letter_queue_and_the_archive(
+    conn: psycopg.Connection,
+) -> None:
+    job_id = jobd.enqueue(conn, "h", fairness_key="tenant-7")
+    dlq.quarantine(conn, "h")
+    assert conn.execute("SELECT fairness_key FROM dead_letter").fetchall() == [("tenant-7",)]
+    dlq.replay_handler(conn, "h")
+    (job,) = claim(conn, 1)
+    assert job.fairness_key == "tenant-7"
+    queue.complete(conn, [job.lease])
+    row = conn.execute("SELECT state, fairness_key FROM all_jobs WHERE id = %s",
+                       (job_id,)).fetchone()
+    assert row == ("done", "tenant-7")
+
+
+def test_fairness_comes_from_the_lane_config() -> None:
+    lanes = parse("lanes:\n  a: {max_wait: 5m, fair_by: handler}\n"
+                  "  b: {fair_by: fairness_key}\n  c: {}\n", "jobd.yaml").lanes
+    assert (lanes["a"].max_wait, lanes["a"].fair_by, lanes["a"].ordered) == (300.0, "handler",
+                                                                             True)
+    assert (lanes["b"].max_wait, lanes["b"].ordered) == (None, True)
+    assert (lanes["c"].max_wait, lanes["c"].fair_by, lanes["c"].ordered) == (None, "none",
+                                                                             False)
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("{fair_by: tenant}", "lanes.a.fair_by: must be one of handler, fairness_key, none"),
+    ("{max_wait: 0s}", "lanes.a.max_wait: must be"),
+    ("{max_wait: soon}", "lanes.a.max_wait:"),
+])
+def test_bad_fairness_settings_are_refused(text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse(f"lanes:\n  a: {text}\n", "jobd.yaml")
