@@ -8,6 +8,7 @@ directory, scrape and rule evaluation every ``interval`` seconds. Stopped by its
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import signal
 import subprocess
@@ -134,12 +135,18 @@ class Prometheus:
         return {r["metric"]["alertname"] for r in self.query('ALERTS{alertstate="firing"}')}
 
     def alert_times(self, start: float, end: float) -> dict[str, dict[str, float]]:
-        """Per alert name, when it was first seen pending and firing (epoch seconds), from the
-        ALERTS series Prometheus recorded at each evaluation."""
+        """Per alert name, when it was first pending and first firing (epoch seconds): the
+        raw samples of the ALERTS series, which carry the timestamps of the rule
+        evaluations that wrote them (a range query would round them to its steps)."""
+        window = f"{math.ceil(end - start) + 1}s"
+        data = self._api("query", {"query": f"ALERTS[{window}]", "time": f"{end:.3f}"})
         times: dict[str, dict[str, float]] = {}
-        for series in self.query_range("ALERTS", start, end, self.interval):
+        for series in data["result"]:
             name, state = series["metric"]["alertname"], series["metric"]["alertstate"]
-            first = min(t for t, _ in series["values"])
+            seen = [float(t) for t, _ in series["values"] if float(t) >= start]
+            if not seen:
+                continue
+            first = min(seen)
             entry = times.setdefault(name, {})
             entry[state] = min(first, entry.get(state, first))
         return times

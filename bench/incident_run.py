@@ -63,7 +63,7 @@ STEADY_DONE_TIMEOUT_S = 60.0
 @dataclass(frozen=True)
 class Settings:
     fairness: str  # "on": fair_by: handler; "off": fair_by: none (or the key left out)
-    herd: int = 40_000
+    herd: int = 50_000
     workers: int = 2
     concurrency: int = 4
     steady_rate: float = 20.0  # jobs/s per steady handler
@@ -306,7 +306,8 @@ class Drill:
     def _watch(self) -> None:
         s, marks = self.s, self.marks
         cause = marks.events["cause"]
-        mitigated = drained = False
+        # Without poison (the herd alone) there is nothing to mitigate.
+        mitigated, drained = s.poison_every_s == 0, False
         with psycopg.connect(self.url, autocommit=True) as conn:
             while True:
                 self._check()

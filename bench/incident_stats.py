@@ -153,7 +153,8 @@ def timeline(drill: Drill, alerts: dict[str, dict[str, float]],
     cause = ev["cause"]
     items: list[tuple[float, str]] = [
         (ev["baseline_begins"], "baseline: steady traffic, the herd scheduled an hour ahead"),
-        (cause, "cause: the database server's clock file set to +1h; poison starts arriving"),
+        (cause, "cause: the database server's clock file set to +1h"
+                + ("; poison starts arriving" if drill.s.poison_every_s > 0 else "")),
         (ev["jump_seen"], "the database's now() reads an hour ahead"),
     ]
     if crash_rows:
