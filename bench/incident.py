@@ -126,6 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         poison_every_s=args.poison_every,
                         rules=args.rules.resolve(), keep=args.keep)
     started = time.monotonic()
+    source = source_revision()  # before the run: what the daemon's processes loaded
     drill = Drill(settings)
     try:
         record = drill.run(collect)
@@ -134,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     record["notes"].update({
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
-        "source": source_revision(), "cores": os.cpu_count(),
+        "source": source, "cores": os.cpu_count(),
         "command": "python bench/incident.py " + " ".join(sys.argv[1:] if argv is None
                                                           else argv),
         "wall_s": round(time.monotonic() - started, 1),
