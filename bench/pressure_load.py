@@ -97,8 +97,10 @@ def batch_for(rate: float, connections: int) -> int:
 
 
 class Producer:
-    def __init__(self, url: str, connections: int, name: str = "pressure-producer") -> None:
+    def __init__(self, url: str, connections: int, name: str = "pressure-producer",
+                 handler: str = HANDLER) -> None:
         self.url = url
+        self.handler = handler
         self.connections = connections
         self.name = name
         self.phase = 0  # set by the orchestrator; read at every send
@@ -191,9 +193,10 @@ class Producer:
             phase = self.phase
             sent = time.perf_counter()
             if plan.batch == 1:
-                rows = cur.execute(ENQUEUE_ONE, (HANDLER,), prepare=True).fetchall()
+                rows = cur.execute(ENQUEUE_ONE, (self.handler,), prepare=True).fetchall()
             else:
-                rows = cur.execute(ENQUEUE_MANY, (HANDLER, plan.batch), prepare=True).fetchall()
+                rows = cur.execute(ENQUEUE_MANY, (self.handler, plan.batch),
+                                   prepare=True).fetchall()
             returned = time.perf_counter()
             log.phase.append(phase)
             log.due.append(due)

@@ -37,6 +37,12 @@ FULL_SCAN_INTERVAL = 1.0
 # (the age sent makes the dry floor decades old, so the position alone counts).
 NOT_DRY = -math.inf
 NOT_DRY_AGE = 1e9
+# A step of the database's clock between two claims, beyond what this process's monotonic
+# clock measured, after which the floors are forgotten. The dry instants are sent as ages and
+# placed at the database's now(): a clock stepped forward by an hour would put every job due
+# in that hour below them, to be claimed only by the one full scan a second
+# (docs/incidents/0001-poison-pill-and-herd.md). A false alarm costs one scan from the head.
+CLOCK_STEP = 1.0
 
 
 @dataclass(slots=True)
@@ -57,6 +63,21 @@ class ClaimFloors:
     # without a later one of their own.
     dry_at: float | None = None
     last_full_scan: float = -math.inf
+    # The database's clock at the last claim that took a job, and the monotonic instant then.
+    clock: tuple[datetime, float] | None = None
+
+    def observe_clock(self, db_now: datetime, now: float) -> float | None:
+        """Note the database's time at a claim (``now``: the monotonic instant). If that
+        clock stepped since the last one by more than :data:`CLOCK_STEP`, forget the floors
+        and return the step in seconds; else None."""
+        previous, self.clock = self.clock, (db_now, now)
+        if previous is None:
+            return None
+        step = (db_now - previous[0]).total_seconds() - (now - previous[1])
+        if abs(step) <= CLOCK_STEP:
+            return None
+        self.forget()
+        return step
 
     def params(self, now: float) -> dict[str, Any]:
         """The floor parameters of the next claim; from the head when one is due."""

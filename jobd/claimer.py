@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import time
+from datetime import timedelta
 
 import structlog
 
@@ -152,6 +153,7 @@ class Claimer:
         if fair and claimed.jobs:
             self.key_cursor = next_key_cursor(self.key_cursor, claimed.jobs)
         # A suspect runs alone; once it is done the worker is idle and asks for the next.
+        self._watch_clock(claimed, request, now)
         self.maybe_more = (len(claimed.jobs) == request.limit
                            or claimed.suspect is not None)
         self._after_claim(bool(claimed.jobs) or claimed.suspect is not None, now)
@@ -162,6 +164,19 @@ class Claimer:
             return [claimed.suspect]
         self.buffer.extend((job, now) for job in claimed.jobs)
         return []
+
+    def _watch_clock(self, claimed: queue.Claimed, request: queue.ClaimRequest,
+                     now: float) -> None:
+        """The claim set each lease to the database's now() + visibility_timeout: from that,
+        the floors learn whether the database's clock stepped (jobd.claim_floors)."""
+        first = claimed.suspect or (claimed.jobs[0] if claimed.jobs else None)
+        if first is None:
+            return
+        db_now = first.lease_until - timedelta(seconds=request.visibility_timeout)
+        step = self.floors.observe_clock(db_now, now)
+        if step is not None:
+            log.warning("the database's clock stepped; claims scan from the head of the lane",
+                        lane=self.lane.name, step_seconds=round(step, 3))
 
     # --- wake-ups ----------------------------------------------------------------------------
 

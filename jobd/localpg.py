@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 DEFAULT_PORT = 54329
@@ -62,6 +62,9 @@ def free_port() -> int:
 class LocalCluster:
     datadir: Path
     port: int = DEFAULT_PORT
+    # Extra environment for the server processes (e.g. LD_PRELOAD of libfaketime, so a
+    # drill can move the server's clock); empty for an ordinary cluster.
+    server_env: dict[str, str] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -120,8 +123,9 @@ class LocalCluster:
         options = (f"-p {self.port} -c listen_addresses=127.0.0.1 "
                    f"-c unix_socket_directories={self.socket_dir} -c fsync=on "
                    "-c max_connections=200")
-        self._run([str(bindir / "pg_ctl"), "-D", str(self.datadir), "-l", str(log),
-                   "-o", options, "-w", "-t", "60", "start"])
+        env = ["env", *(f"{key}={value}" for key, value in self.server_env.items())]
+        self._run([*(env if self.server_env else []), str(bindir / "pg_ctl"), "-D",
+                   str(self.datadir), "-l", str(log), "-o", options, "-w", "-t", "60", "start"])
         return self.url
 
     def stop(self) -> None:
@@ -137,14 +141,15 @@ def _stderr(message: str) -> None:
 
 @contextlib.contextmanager
 def throwaway_cluster(prefix: str, *, start: bool = True, keep: bool = False,
-                      log: Callable[[str], None] = _stderr) -> Iterator[LocalCluster]:
+                      log: Callable[[str], None] = _stderr,
+                      server_env: dict[str, str] | None = None) -> Iterator[LocalCluster]:
     """A cluster in a fresh temp directory on a free port, started unless ``start`` is
     false; stopped and removed at the end, also on an error. ``keep`` leaves the directory
-    (data, server log) behind."""
+    (data, server log) behind; ``server_env`` is added to the server's environment."""
     root = Path(tempfile.mkdtemp(prefix=prefix))
     # As root the cluster belongs to postgres, which must be able to reach its data directory.
     root.chmod(0o755)
-    cluster = LocalCluster(root / "pg", free_port())
+    cluster = LocalCluster(root / "pg", free_port(), dict(server_env or {}))
     try:
         if start:
             cluster.start()

@@ -9,6 +9,7 @@ from jobd import claimer as claimer_module
 from jobd import queue
 from jobd.claim_floors import (
     CAUGHT_UP_MARGIN,
+    CLOCK_STEP,
     FULL_SCAN_INTERVAL,
     NOT_DRY_AGE,
     ClaimFloors,
@@ -16,6 +17,7 @@ from jobd.claim_floors import (
 )
 from jobd.claimer import RETRY_DELAYS, Claimer
 from jobd.config import LaneConfig
+from jobd.jobs import Job
 from jobd.protocol import WorkerMode
 
 T0 = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
@@ -88,6 +90,52 @@ def test_giving_jobs_back_sends_the_next_claim_to_the_head() -> None:
     floors.claimed(full_scan_params(), [(0, at(1), 1)], 10, 0.0)
     floors.forget()
     assert floors.params(0.1) == full_scan_params()
+
+
+def test_a_step_of_the_database_clock_sends_the_next_claim_to_the_head() -> None:
+    # Steps well under FULL_SCAN_INTERVAL apart, so that no full scan is due on its own.
+    floors = ClaimFloors()
+    assert floors.observe_clock(at(0), 100.0) is None  # the first look: nothing to compare
+    floors.claimed(full_scan_params(), [(0, at(0), 5)], 10, 100.0)  # short: dry from now on
+    # 0.3 s on both clocks, give or take less than a step: the floors stay.
+    assert floors.observe_clock(at(0.3 + CLOCK_STEP / 2), 100.3) is None
+    assert floors.params(100.4)["floor_priorities"] == [0]
+    # The database's clock an hour ahead: forgotten.
+    step = floors.observe_clock(at(3600.5), 100.5)
+    assert step is not None and abs(step - 3600) < CLOCK_STEP
+    assert floors.params(100.6) == full_scan_params()
+    # And stepped back: forgotten again, the step negative.
+    floors.claimed(full_scan_params(), [(0, at(3600.7), 6)], 10, 100.7)
+    step = floors.observe_clock(at(0.8), 100.8)
+    assert step is not None and step < -3590
+    assert floors.params(100.9) == full_scan_params()
+
+
+def job_leased(job_id: int, lease_until: datetime) -> Job:
+    return Job(job_id, 1, "default", "h", "{}", 0, T0, 1, None, None, T0, lease_until)
+
+
+def test_the_claimer_reads_the_database_clock_from_the_leases(monkeypatch) -> None:
+    clock = [500.0]
+    monkeypatch.setattr(claimer_module.time, "monotonic", lambda: clock[0])
+    lane = LaneConfig("default", concurrency=4)
+    claimer = Claimer(lane, "w")
+    claimer.suspects_possible = False
+    vt = timedelta(seconds=lane.visibility_timeout)
+
+    def claim(job_id: int, db_now: datetime) -> dict:
+        request = claimer.request(WorkerMode.RUNNING, 0)
+        assert request is not None
+        claimer.took(queue.Claimed([job_leased(job_id, db_now + vt)]), request)
+        claimer.buffer.clear()
+        claimer.maybe_more = True
+        return claimer.floors.params(clock[0])
+
+    claim(1, at(0))
+    clock[0] += 0.3
+    assert claim(2, at(0.3))["floor_priorities"] == [0]  # clocks agree: the floors stay
+    clock[0] += 0.3
+    assert claim(3, at(3600.6)) == full_scan_params()  # the database's clock stepped an hour
 
 
 # --- the claimer's wake-up states ----------------------------------------------------------
