@@ -97,6 +97,10 @@ class Slot:
     process: WorkerProcess | None = None
     spawn_at: float = 0.0
     boot_failures: int = 0
+    # The worker that last exited from this slot, and when: a crash pinned on its one job
+    # is forgiven (forgive_crash).
+    last_worker: str | None = None
+    exited_at: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,6 +296,7 @@ class WorkerPool:
             "worker exited", lane=process.lane, pid=process.pid,
             worker=process.spec.worker_id, cause=reason, uptime=round(uptime, 1))
         if slot is not None:
+            slot.last_worker, slot.exited_at = process.spec.worker_id, time.monotonic()
             key = (process.lane, restart_reason(returncode, process.kill_reason))
             self.restarts[key] = self.restarts.get(key, 0) + 1
             self._schedule_restart(slot, returncode, uptime)
@@ -313,6 +318,21 @@ class WorkerPool:
         if delay:
             log.warning("worker restart backing off", lane=slot.lane.name, slot=slot.index,
                         delay=delay, failures=slot.backoff.failures)
+
+    def forgive_crash(self, worker_id: str) -> None:
+        """Crash attribution pinned the crash of ``worker_id`` on the one job it held: its
+        slot restarts after the base delay, and the crash does not grow its backoff."""
+        for slot in self.slots.values():
+            if slot.last_worker != worker_id or slot.process is not None:
+                continue
+            delay = slot.backoff.forgive()
+            spawn_at = min(slot.spawn_at, slot.exited_at + delay)
+            if spawn_at < slot.spawn_at:
+                log.info("crash pinned on one job; restarting without further backoff",
+                         lane=slot.lane.name, slot=slot.index, delay=delay,
+                         failures=slot.backoff.failures)
+            slot.spawn_at = spawn_at
+            return
 
     def check_liveness(self) -> None:
         now = time.monotonic()

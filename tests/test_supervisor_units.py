@@ -47,6 +47,16 @@ def test_custom_base_cap_and_healthy_uptime() -> None:
     assert backoff.record_exit(4.9) == 0.5
 
 
+def test_a_crash_pinned_on_its_job_does_not_grow_the_backoff() -> None:
+    backoff = SlotBackoff()
+    assert backoff.record_exit(0.5) == 1.0  # died holding several jobs: suspects
+    for _ in range(5):  # each suspect that kills its worker alone is pinned, then forgiven
+        assert backoff.record_exit(0.5) == 2.0
+        assert backoff.forgive() == 1.0
+    assert backoff.failures == 1
+    assert backoff.record_exit(0.5) == 2.0  # an unpinned crash grows it as before
+
+
 def test_a_long_crash_loop_stays_at_the_cap() -> None:
     backoff = SlotBackoff()
     for _ in range(2000):

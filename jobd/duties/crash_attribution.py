@@ -39,9 +39,12 @@ class CrashAttribution(Duty):
     alone = True
 
     def __init__(self, policy_for: recovery.PolicyLookup, router: WakeRouter,
-                 lanes: Callable[[], Iterable[str]]) -> None:
+                 lanes: Callable[[], Iterable[str]],
+                 pinned: Callable[[str], None] = lambda _worker: None) -> None:
         super().__init__()
         self.policy_for = policy_for
+        # Told the worker id when a crash is pinned on the one job the worker held.
+        self.pinned = pinned
         self.router = router
         self.lanes = lanes
         self.pending: list[Attribution] = []
@@ -91,3 +94,4 @@ class CrashAttribution(Duty):
             log.warning("failed the job that killed its worker", worker=worker_id,
                         reason=reason, retried_job_ids=outcome.failed.retried,
                         dead_job_ids=outcome.failed.dead)
+            self.pinned(worker_id)
