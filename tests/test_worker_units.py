@@ -10,7 +10,7 @@ import psycopg
 import pytest
 
 import jobd
-from jobd import handler_runner, protocol, queue, worker
+from jobd import handler_runner, protocol, queue, slots, worker
 from jobd.config import LaneConfig
 from jobd.db import DEFAULT_SCHEMA
 
@@ -69,7 +69,7 @@ def test_a_statement_error_that_closed_the_connection_counts_as_a_lost_connectio
         conn.close()
         raise psycopg.DataError("refused")
 
-    assert loop._db(breaks) is None
+    assert loop.link.run("queue", breaks) is None
     assert loop.conn is None and loop.claims_unknown
     loop._ensure_connection()
     assert loop.conn is not None and not loop.conn.closed
@@ -77,7 +77,7 @@ def test_a_statement_error_that_closed_the_connection_counts_as_a_lost_connectio
 
 def test_a_failed_statement_on_a_healthy_connection_keeps_it(loop: worker.Worker) -> None:
     conn = loop.conn
-    assert loop._db(lambda c: c.execute("SELECT 1/0")) is None
+    assert loop.link.run("queue", lambda c: c.execute("SELECT 1/0")) is None
     assert loop.conn is conn and not conn.closed and not loop.claims_unknown
 
 
@@ -90,7 +90,7 @@ def test_after_a_lost_connection_claims_it_never_received_fail_as_an_attempt(
     loop.completer.pending = [handler_runner.Outcome(held, None)]
     loop.link.lost("test", psycopg.OperationalError("server closed the connection"))
     loop._ensure_connection()
-    loop._fail_claims_not_held()
+    loop.exchange.fail_claims_not_held()
     assert not loop.claims_unknown
     for job in orphans:
         state, attempts, error = state_of(conn, job.id)
@@ -114,7 +114,7 @@ def test_claimed_rows_that_cannot_be_loaded_end_in_the_dead_letter_queue(
         loop._settle_and_claim()
         assert loop.claims_unknown and loop.inflight == {}
         loop.link.usable_at = 0.0
-        loop._fail_claims_not_held()
+        loop.exchange.fail_claims_not_held()
         assert not loop.claims_unknown
         if attempt == 1:
             assert conn.execute("SELECT state, attempts FROM jobs WHERE id = %s",
@@ -130,7 +130,7 @@ def test_a_late_result_of_an_abandoned_run_leaves_the_new_run_held(
     queue.fail(conn, [queue.Failure(first.lease, "timed out", 0.0, 8)])
     (second,) = queue.claim(conn, LANE, WORKER_ID, 1, 30.0)
     assert second.id == first.id and second.lease_token != first.lease_token
-    loop.inflight[second.id] = worker.Running(second, 0.0, None)
+    loop.inflight[second.id] = slots.Running(second, 0.0, None)
     loop.runner.outcomes.put(handler_runner.Outcome(first, None))
     loop._collect_outcomes()
     assert loop.inflight[second.id].job is second and loop.completer.pending == []
