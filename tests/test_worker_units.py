@@ -1,9 +1,13 @@
-"""The worker loop's database steps, driven in-process against a real PostgreSQL: how it
-survives failed statements, lost connections and error texts PostgreSQL cannot store."""
+"""The worker loop's steps, driven in-process against a real PostgreSQL: how it survives failed
+statements, lost connections and error texts PostgreSQL cannot store; runs that overrun their
+timeout or lose their lease; and the pieces without a database (when the loop wakes, what a
+signal does to its mode)."""
 
 from __future__ import annotations
 
 import os
+import signal
+import time
 from collections.abc import Iterator
 
 import psycopg
@@ -13,18 +17,20 @@ import jobd
 from jobd import handler_runner, protocol, queue, slots, worker
 from jobd.config import LaneConfig
 from jobd.db import DEFAULT_SCHEMA
+from jobd.protocol import WorkerMode
+from jobd.worker_mode import Lifecycle
+from jobd.worker_timers import select_timeout
 
 LANE = "default"
 WORKER_ID = "test-node:default#0:cafe"
 
 
-@pytest.fixture
-def loop(db_url: str) -> Iterator[worker.Worker]:
-    """A worker with no handlers (no threads, no pools), connected, not started."""
+def connected_worker(db_url: str, lane: LaneConfig) -> Iterator[worker.Worker]:
+    """A worker of ``lane`` with no handlers (no threads, no pools), connected, not started."""
     status_r, status_w = os.pipe()
     wake_r, wake_w = os.pipe()
     spec = protocol.WorkerSpec(
-        worker_id=WORKER_ID, lane=LaneConfig(LANE), handlers={}, database_url=db_url,
+        worker_id=WORKER_ID, lane=lane, handlers={}, database_url=db_url,
         schema=DEFAULT_SCHEMA, slot=0, generation=1, status_fd=status_w, wake_fd=wake_r,
         shutdown_timeout=1.0)
     subject = worker.Worker(spec, {})
@@ -35,6 +41,16 @@ def loop(db_url: str) -> Iterator[worker.Worker]:
         subject.conn.close()
     for fd in (status_r, status_w, wake_r, wake_w):
         os.close(fd)
+
+
+@pytest.fixture
+def loop(db_url: str) -> Iterator[worker.Worker]:
+    yield from connected_worker(db_url, LaneConfig(LANE))
+
+
+@pytest.fixture
+def one_slot_with_timeout(db_url: str) -> Iterator[worker.Worker]:
+    yield from connected_worker(db_url, LaneConfig(LANE, concurrency=1, timeout=5.0))
 
 
 def state_of(conn: psycopg.Connection, job_id: int) -> tuple[str, int, str | None]:
@@ -134,3 +150,74 @@ def test_a_late_result_of_an_abandoned_run_leaves_the_new_run_held(
     loop.runner.outcomes.put(handler_runner.Outcome(first, None))
     loop._collect_outcomes()
     assert loop.inflight[second.id].job is second and loop.completer.pending == []
+
+
+def test_a_run_past_its_timeout_fails_and_frees_its_claim_but_holds_its_slot(
+        one_slot_with_timeout: worker.Worker, conn: psycopg.Connection) -> None:
+    subject = one_slot_with_timeout
+    jobd.enqueue(conn, "h")
+    (job,) = queue.claim(conn, LANE, WORKER_ID, 1, 30.0)
+    started = time.monotonic()
+    subject.inflight[job.id] = slots.Running(job, started, started + 5.0)
+    subject.slots.expire_timeouts(started + 1.0)
+    assert subject.completer.pending == [] and subject.slots.deadlines() == [started + 5.0]
+    subject.slots.expire_timeouts(started + 5.0)
+    assert subject.inflight[job.id].abandoned and subject.slots.deadlines() == []
+    # Its thread is still taken: the one slot is wedged, and nothing is renewed or released.
+    assert subject.slots.wedged()
+    assert subject.slots.renewable_leases() == [] and subject.slots.unfinished_leases() == []
+    subject._settle_and_claim(claim=False)
+    state, attempts, error = state_of(conn, job.id)
+    assert (state, attempts) == ("failed", 1) and error == "timed out after 5s"
+
+
+def test_a_renewal_that_finds_a_lease_gone_stops_renewing_it(
+        loop: worker.Worker, conn: psycopg.Connection) -> None:
+    jobd.enqueue(conn, "h")
+    jobd.enqueue(conn, "h")
+    kept, taken_away = queue.claim(conn, LANE, WORKER_ID, 2, 30.0)
+    for job in (kept, taken_away):
+        loop.inflight[job.id] = slots.Running(job, time.monotonic(), None)
+    queue.release(conn, [taken_away.lease])  # as a sweep of an expired lease would
+    loop._renew_leases()  # due at once: the worker has not started its loop
+    assert loop.inflight[taken_away.id].lease_lost and not loop.inflight[kept.id].lease_lost
+    assert loop.slots.renewable_leases() == [kept.lease]
+    assert loop.leases.next_at > time.monotonic()
+
+
+def test_moments_that_need_the_database_wait_until_it_can_be_used() -> None:
+    # A poll long overdue while the database is down: the loop sleeps until the retry.
+    assert select_timeout(10.0, local=[12.0], database=[5.0], database_ready=11.0,
+                          connected=False) == pytest.approx(1.0)
+    # A process-local deadline is not held back by the database.
+    assert select_timeout(10.0, local=[10.25, None], database=[10.5], database_ready=11.0,
+                          connected=True) == pytest.approx(0.25)
+    # Connected and ready: the soonest moment of any kind; overdue ones return at once.
+    assert select_timeout(10.0, local=[12.0], database=[10.5, None], database_ready=0.0,
+                          connected=True) == pytest.approx(0.5)
+    assert select_timeout(10.0, local=[9.0], database=[], database_ready=0.0,
+                          connected=True) == 0.0
+
+
+def test_sigterm_drains_until_the_deadline_and_a_second_one_stops_at_once() -> None:
+    life = Lifecycle(shutdown_timeout=30.0)
+    assert not life.finished(holds_work=False, now=time.monotonic())  # running: never
+    life.on_signal(signal.SIGTERM, in_flight=3)
+    assert life.mode == WorkerMode.DRAINING and life.drain_deadline is not None
+    assert life.finished(holds_work=False, now=time.monotonic())
+    assert not life.finished(holds_work=True, now=time.monotonic())
+    assert life.finished(holds_work=True, now=life.drain_deadline)
+    life.on_signal(signal.SIGUSR2, in_flight=3)  # a drain is not turned into a retirement
+    assert life.mode == WorkerMode.DRAINING and not life.stop_now
+    life.on_signal(signal.SIGTERM, in_flight=3)
+    assert life.stop_now
+
+
+def test_a_retiring_worker_finishes_its_work_however_long_and_drains_if_orphaned() -> None:
+    life = Lifecycle(shutdown_timeout=1.0)
+    life.on_signal(signal.SIGUSR2, in_flight=1)
+    assert life.mode == WorkerMode.RETIRING and life.drain_deadline is None
+    assert not life.finished(holds_work=True, now=time.monotonic() + 3600.0)
+    life.supervisor_gone(in_flight=1)
+    assert life.mode == WorkerMode.DRAINING and life.drain_deadline is not None
+    assert not life.stop_now  # gone supervisor: a drain, not a stop
