@@ -15,6 +15,7 @@ import pytest
 
 import jobd
 from jobd import handler_runner, protocol, queue, slots, worker
+from jobd.completer import SETTLE_DELAY, Completer, Counters
 from jobd.config import LaneConfig
 from jobd.db import DEFAULT_SCHEMA
 from jobd.protocol import WorkerMode
@@ -221,3 +222,23 @@ def test_a_retiring_worker_finishes_its_work_however_long_and_drains_if_orphaned
     life.supervisor_gone(in_flight=1)
     assert life.mode == WorkerMode.DRAINING and life.drain_deadline is not None
     assert not life.stop_now  # gone supervisor: a drain, not a stop
+
+
+def test_a_busy_worker_holds_outcomes_for_company_until_its_whole_capacity_or_the_delay(
+        conn: psycopg.Connection) -> None:
+    lane = LaneConfig(LANE, concurrency=2, prefetch=3)
+    completer = Completer(lane, Counters())
+    for _ in range(5):
+        jobd.enqueue(conn, "h")
+    claimed = queue.claim(conn, LANE, WORKER_ID, 5, 30.0)
+    for job in claimed[:4]:
+        completer.add(handler_runner.Outcome(job, None))
+    # A full round of slots (concurrency) is no reason to commit alone while the buffer's
+    # jobs can run first; with nothing else running there is nothing to wait for.
+    assert not completer.due(busy=True) and completer.due(busy=False)
+    completer.add(handler_runner.Outcome(claimed[4], None))
+    assert completer.due(busy=True)  # all the worker can hold: no more can come
+    completer.pending = completer.pending[:1]
+    assert completer.since is not None
+    completer.since -= SETTLE_DELAY
+    assert completer.due(busy=True)  # waited long enough for company
