@@ -6,19 +6,14 @@ stdin (a fresh interpreter: no connection, lock or thread of the supervisor's cr
 One thread, the loop in :meth:`Worker.run`, owns the database connection and takes its steps
 in order each turn; the pieces it drives each keep one concern:
 
-- :mod:`jobd.claimer` decides what to claim and when, and holds the buffer claimed ahead;
-- :mod:`jobd.exchange` does the claim side's round trips: outcomes written and work claimed
-  in one statement and one commit, buffers given back, arming for a wake-up;
-- :mod:`jobd.completer` gathers outcomes into batches and accounts for what was written;
-- :mod:`jobd.slots` holds the running jobs (start, outcomes, timeouts, cancels);
-- :mod:`jobd.handler_runner` runs handlers: sync ones in a thread pool of the lane's
-  ``concurrency``, ``async def`` ones on an event loop thread;
-- :mod:`jobd.leases` renews the leases in one statement, and learns of lost leases and of
-  jobs asked to stop (``jobd.cancel``);
-- :mod:`jobd.worker_controls` keeps the lane's pauses current;
-- :mod:`jobd.worker_mode` turns signals into running, draining, retiring or stopping;
-- :mod:`jobd.worker_timers` and :mod:`jobd.worker_status`: when to wake, and the report
-  that tells the supervisor the worker is alive.
+- :mod:`jobd.claimer`: what to claim and when; the buffer claimed ahead of free slots;
+- :mod:`jobd.exchange`: the round trips (outcomes and claim in one commit, give-backs, arming);
+- :mod:`jobd.completer`: outcomes in batches, and the accounting of what was written;
+- :mod:`jobd.slots`: the running jobs (start, outcomes, timeouts, cancels);
+- :mod:`jobd.handler_runner`: the handlers, on threads (sync) or an event loop (async);
+- :mod:`jobd.leases`: lease renewal, which also reports lost leases and cancels;
+- :mod:`jobd.worker_controls`, :mod:`jobd.worker_mode`, :mod:`jobd.worker_timers`,
+  :mod:`jobd.worker_status`: pauses, signals, when to wake, the report to the supervisor.
 
 The loop sleeps in ``select`` until the supervisor wakes it (new work in the lane), a handler
 finishes, a signal arrives, or a timer is due; the jittered ``poll_interval`` is only a
