@@ -27,6 +27,8 @@ log = structlog.get_logger("jobd.worker")
 
 
 class Exchange:
+    """The claim side's statements; the flags say what the last failure left to repair."""
+
     def __init__(self, spec: WorkerSpec, link: ManagedConnection, claimer: Claimer,
                  completer: Completer, counters: Counters, slots: Slots, timers: Timers,
                  controls: Controls) -> None:

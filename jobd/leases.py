@@ -24,6 +24,8 @@ log = structlog.get_logger("jobd.worker")
 
 
 class LeaseKeeper:
+    """The heartbeat of the jobs a worker holds, running or buffered."""
+
     def __init__(self, lane: LaneConfig, link: ManagedConnection, slots: Slots,
                  claimer: Claimer, completer: Completer) -> None:
         self.lane = lane

@@ -54,7 +54,8 @@ log = structlog.get_logger("jobd.worker")
 class Worker:
     """The loop and the pieces it drives, wired together; each step is theirs."""
 
-    def __init__(self, spec: WorkerSpec, resolved: dict[str, handler_registry.ResolvedHandler]):
+    def __init__(self, spec: WorkerSpec, resolved: dict[str, handler_registry.ResolvedHandler]
+                 ) -> None:
         self.spec = spec
         self.lane = spec.lane
         self.link = ManagedConnection(

@@ -21,6 +21,8 @@ log = structlog.get_logger("jobd.worker")
 
 
 class Controls:
+    """Reads the lane's pauses into the claimer when they may have changed."""
+
     def __init__(self, spec: WorkerSpec, link: ManagedConnection, claimer: Claimer,
                  timers: Timers) -> None:
         self.spec = spec

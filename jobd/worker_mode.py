@@ -22,6 +22,8 @@ log = structlog.get_logger("jobd.worker")
 
 
 class Lifecycle:
+    """Running, draining, retiring or stopping: what the worker may still do."""
+
     def __init__(self, shutdown_timeout: float) -> None:
         self.shutdown_timeout = shutdown_timeout
         self.mode = WorkerMode.RUNNING

@@ -19,6 +19,8 @@ REPORT_INTERVAL = 1.0  # seconds between liveness reports to the supervisor
 
 
 class StatusReporter:
+    """The once-a-second status line and process title."""
+
     def __init__(self, spec: WorkerSpec, counters: Counters) -> None:
         self.spec = spec
         self.counters = counters

@@ -26,6 +26,8 @@ def poll_delay(lane: LaneConfig) -> float:
 
 @dataclass(slots=True)
 class Timers:
+    """The moments a worker looks at its lane unasked: the safety poll and its retries."""
+
     lane: LaneConfig
     next_poll: float = 0.0  # monotonic: the safety poll is due then
     wake_at: list[float] = field(default_factory=list)  # retries of our own failed jobs
