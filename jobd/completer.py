@@ -2,9 +2,13 @@
 batches, and what their writing tells (counters, log lines, retry timers).
 
 Outcomes ride along with the next claim when there is one. Without one they wait up to
-:data:`SETTLE_DELAY` for company, or until a batch of the lane's ``concurrency``, unless
-nothing else runs. A job whose outcome waits is not lost: its lease is the worker's until the
-outcome is written, and the fenced write decides what still applies.
+:data:`SETTLE_DELAY` for company, or until a batch of all the worker can hold (``concurrency``
+plus the buffer), unless nothing else runs. The loop starts no job while an exchange waits for
+its commit, so a worker that wrote every ``concurrency`` outcomes on their own ran at most
+``concurrency`` jobs per commit; waiting (never longer than :data:`SETTLE_DELAY`) lets the
+buffer's next jobs run first, and their outcomes share the commit. A job whose outcome waits
+is not lost: its lease is the worker's until the outcome is written, and the fenced write
+decides what still applies.
 """
 
 from __future__ import annotations
@@ -105,7 +109,7 @@ class Completer:
         ``busy``: other jobs are running or waiting, so more outcomes will come soon."""
         if not self.pending:
             return False
-        if not busy or len(self.pending) >= self.lane.concurrency:
+        if not busy or len(self.pending) >= self.lane.concurrency + self.lane.buffer_size:
             return True
         return self.since is not None and time.monotonic() >= self.since + SETTLE_DELAY
 

@@ -1,30 +1,37 @@
-"""The worker loop's database steps, driven in-process against a real PostgreSQL: how it
-survives failed statements, lost connections and error texts PostgreSQL cannot store."""
+"""The worker loop's steps, driven in-process against a real PostgreSQL: how it survives failed
+statements, lost connections and error texts PostgreSQL cannot store; runs that overrun their
+timeout or lose their lease; and the pieces without a database (when the loop wakes, what a
+signal does to its mode)."""
 
 from __future__ import annotations
 
 import os
+import signal
+import time
 from collections.abc import Iterator
 
 import psycopg
 import pytest
 
 import jobd
-from jobd import handler_runner, protocol, queue, worker
+from jobd import handler_runner, protocol, queue, slots, worker
+from jobd.completer import SETTLE_DELAY, Completer, Counters
 from jobd.config import LaneConfig
 from jobd.db import DEFAULT_SCHEMA
+from jobd.protocol import WorkerMode
+from jobd.worker_mode import Lifecycle
+from jobd.worker_timers import select_timeout
 
 LANE = "default"
 WORKER_ID = "test-node:default#0:cafe"
 
 
-@pytest.fixture
-def loop(db_url: str) -> Iterator[worker.Worker]:
-    """A worker with no handlers (no threads, no pools), connected, not started."""
+def connected_worker(db_url: str, lane: LaneConfig) -> Iterator[worker.Worker]:
+    """A worker of ``lane`` with no handlers (no threads, no pools), connected, not started."""
     status_r, status_w = os.pipe()
     wake_r, wake_w = os.pipe()
     spec = protocol.WorkerSpec(
-        worker_id=WORKER_ID, lane=LaneConfig(LANE), handlers={}, database_url=db_url,
+        worker_id=WORKER_ID, lane=lane, handlers={}, database_url=db_url,
         schema=DEFAULT_SCHEMA, slot=0, generation=1, status_fd=status_w, wake_fd=wake_r,
         shutdown_timeout=1.0)
     subject = worker.Worker(spec, {})
@@ -35,6 +42,16 @@ def loop(db_url: str) -> Iterator[worker.Worker]:
         subject.conn.close()
     for fd in (status_r, status_w, wake_r, wake_w):
         os.close(fd)
+
+
+@pytest.fixture
+def loop(db_url: str) -> Iterator[worker.Worker]:
+    yield from connected_worker(db_url, LaneConfig(LANE))
+
+
+@pytest.fixture
+def one_slot_with_timeout(db_url: str) -> Iterator[worker.Worker]:
+    yield from connected_worker(db_url, LaneConfig(LANE, concurrency=1, timeout=5.0))
 
 
 def state_of(conn: psycopg.Connection, job_id: int) -> tuple[str, int, str | None]:
@@ -69,7 +86,7 @@ def test_a_statement_error_that_closed_the_connection_counts_as_a_lost_connectio
         conn.close()
         raise psycopg.DataError("refused")
 
-    assert loop._db(breaks) is None
+    assert loop.link.run("queue", breaks) is None
     assert loop.conn is None and loop.claims_unknown
     loop._ensure_connection()
     assert loop.conn is not None and not loop.conn.closed
@@ -77,7 +94,7 @@ def test_a_statement_error_that_closed_the_connection_counts_as_a_lost_connectio
 
 def test_a_failed_statement_on_a_healthy_connection_keeps_it(loop: worker.Worker) -> None:
     conn = loop.conn
-    assert loop._db(lambda c: c.execute("SELECT 1/0")) is None
+    assert loop.link.run("queue", lambda c: c.execute("SELECT 1/0")) is None
     assert loop.conn is conn and not conn.closed and not loop.claims_unknown
 
 
@@ -90,7 +107,7 @@ def test_after_a_lost_connection_claims_it_never_received_fail_as_an_attempt(
     loop.completer.pending = [handler_runner.Outcome(held, None)]
     loop.link.lost("test", psycopg.OperationalError("server closed the connection"))
     loop._ensure_connection()
-    loop._fail_claims_not_held()
+    loop.exchange.fail_claims_not_held()
     assert not loop.claims_unknown
     for job in orphans:
         state, attempts, error = state_of(conn, job.id)
@@ -114,7 +131,7 @@ def test_claimed_rows_that_cannot_be_loaded_end_in_the_dead_letter_queue(
         loop._settle_and_claim()
         assert loop.claims_unknown and loop.inflight == {}
         loop.link.usable_at = 0.0
-        loop._fail_claims_not_held()
+        loop.exchange.fail_claims_not_held()
         assert not loop.claims_unknown
         if attempt == 1:
             assert conn.execute("SELECT state, attempts FROM jobs WHERE id = %s",
@@ -130,7 +147,98 @@ def test_a_late_result_of_an_abandoned_run_leaves_the_new_run_held(
     queue.fail(conn, [queue.Failure(first.lease, "timed out", 0.0, 8)])
     (second,) = queue.claim(conn, LANE, WORKER_ID, 1, 30.0)
     assert second.id == first.id and second.lease_token != first.lease_token
-    loop.inflight[second.id] = worker.Running(second, 0.0, None)
+    loop.inflight[second.id] = slots.Running(second, 0.0, None)
     loop.runner.outcomes.put(handler_runner.Outcome(first, None))
     loop._collect_outcomes()
     assert loop.inflight[second.id].job is second and loop.completer.pending == []
+
+
+def test_a_run_past_its_timeout_fails_and_frees_its_claim_but_holds_its_slot(
+        one_slot_with_timeout: worker.Worker, conn: psycopg.Connection) -> None:
+    subject = one_slot_with_timeout
+    jobd.enqueue(conn, "h")
+    (job,) = queue.claim(conn, LANE, WORKER_ID, 1, 30.0)
+    started = time.monotonic()
+    subject.inflight[job.id] = slots.Running(job, started, started + 5.0)
+    subject.slots.expire_timeouts(started + 1.0)
+    assert subject.completer.pending == [] and subject.slots.deadlines() == [started + 5.0]
+    subject.slots.expire_timeouts(started + 5.0)
+    assert subject.inflight[job.id].abandoned and subject.slots.deadlines() == []
+    # Its thread is still taken: the one slot is wedged, and nothing is renewed or released.
+    assert subject.slots.wedged()
+    assert subject.slots.renewable_leases() == [] and subject.slots.unfinished_leases() == []
+    subject._settle_and_claim(claim=False)
+    state, attempts, error = state_of(conn, job.id)
+    assert (state, attempts) == ("failed", 1) and error == "timed out after 5s"
+
+
+def test_a_renewal_that_finds_a_lease_gone_stops_renewing_it(
+        loop: worker.Worker, conn: psycopg.Connection) -> None:
+    jobd.enqueue(conn, "h")
+    jobd.enqueue(conn, "h")
+    kept, taken_away = queue.claim(conn, LANE, WORKER_ID, 2, 30.0)
+    for job in (kept, taken_away):
+        loop.inflight[job.id] = slots.Running(job, time.monotonic(), None)
+    queue.release(conn, [taken_away.lease])  # as a sweep of an expired lease would
+    loop._renew_leases()  # due at once: the worker has not started its loop
+    assert loop.inflight[taken_away.id].lease_lost and not loop.inflight[kept.id].lease_lost
+    assert loop.slots.renewable_leases() == [kept.lease]
+    assert loop.leases.next_at > time.monotonic()
+
+
+def test_moments_that_need_the_database_wait_until_it_can_be_used() -> None:
+    # A poll long overdue while the database is down: the loop sleeps until the retry.
+    assert select_timeout(10.0, local=[12.0], database=[5.0], database_ready=11.0,
+                          connected=False) == pytest.approx(1.0)
+    # A process-local deadline is not held back by the database.
+    assert select_timeout(10.0, local=[10.25, None], database=[10.5], database_ready=11.0,
+                          connected=True) == pytest.approx(0.25)
+    # Connected and ready: the soonest moment of any kind; overdue ones return at once.
+    assert select_timeout(10.0, local=[12.0], database=[10.5, None], database_ready=0.0,
+                          connected=True) == pytest.approx(0.5)
+    assert select_timeout(10.0, local=[9.0], database=[], database_ready=0.0,
+                          connected=True) == 0.0
+
+
+def test_sigterm_drains_until_the_deadline_and_a_second_one_stops_at_once() -> None:
+    life = Lifecycle(shutdown_timeout=30.0)
+    assert not life.finished(holds_work=False, now=time.monotonic())  # running: never
+    life.on_signal(signal.SIGTERM, in_flight=3)
+    assert life.mode == WorkerMode.DRAINING and life.drain_deadline is not None
+    assert life.finished(holds_work=False, now=time.monotonic())
+    assert not life.finished(holds_work=True, now=time.monotonic())
+    assert life.finished(holds_work=True, now=life.drain_deadline)
+    life.on_signal(signal.SIGUSR2, in_flight=3)  # a drain is not turned into a retirement
+    assert life.mode == WorkerMode.DRAINING and not life.stop_now
+    life.on_signal(signal.SIGTERM, in_flight=3)
+    assert life.stop_now
+
+
+def test_a_retiring_worker_finishes_its_work_however_long_and_drains_if_orphaned() -> None:
+    life = Lifecycle(shutdown_timeout=1.0)
+    life.on_signal(signal.SIGUSR2, in_flight=1)
+    assert life.mode == WorkerMode.RETIRING and life.drain_deadline is None
+    assert not life.finished(holds_work=True, now=time.monotonic() + 3600.0)
+    life.supervisor_gone(in_flight=1)
+    assert life.mode == WorkerMode.DRAINING and life.drain_deadline is not None
+    assert not life.stop_now  # gone supervisor: a drain, not a stop
+
+
+def test_a_busy_worker_holds_outcomes_for_company_until_its_whole_capacity_or_the_delay(
+        conn: psycopg.Connection) -> None:
+    lane = LaneConfig(LANE, concurrency=2, prefetch=3)
+    completer = Completer(lane, Counters())
+    for _ in range(5):
+        jobd.enqueue(conn, "h")
+    claimed = queue.claim(conn, LANE, WORKER_ID, 5, 30.0)
+    for job in claimed[:4]:
+        completer.add(handler_runner.Outcome(job, None))
+    # A full round of slots (concurrency) is no reason to commit alone while the buffer's
+    # jobs can run first; with nothing else running there is nothing to wait for.
+    assert not completer.due(busy=True) and completer.due(busy=False)
+    completer.add(handler_runner.Outcome(claimed[4], None))
+    assert completer.due(busy=True)  # all the worker can hold: no more can come
+    completer.pending = completer.pending[:1]
+    assert completer.since is not None
+    completer.since -= SETTLE_DELAY
+    assert completer.due(busy=True)  # waited long enough for company

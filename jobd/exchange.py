@@ -1,0 +1,148 @@
+"""A worker's round trips on the claim side: outcomes written and more work claimed in one
+statement and one commit (``queue.settle_and_claim``), buffered jobs given back, arming for
+a wake-up when the lane runs dry, and the repair after a claim whose rows never arrived.
+
+What to claim and when is :class:`jobd.claimer.Claimer`'s decision, which outcomes go in a
+batch :class:`jobd.completer.Completer`'s; this module does the statements and hands their
+answers back to them.
+"""
+
+from __future__ import annotations
+
+import time
+
+import structlog
+
+from jobd import queue, recovery
+from jobd.claim_floors import full_scan_params
+from jobd.claimer import Claimer
+from jobd.completer import Completer, Counters
+from jobd.db import ManagedConnection
+from jobd.protocol import WorkerMode, WorkerSpec
+from jobd.slots import Slots
+from jobd.worker_controls import Controls
+from jobd.worker_timers import Timers
+
+log = structlog.get_logger("jobd.worker")
+
+
+class Exchange:
+    """The claim side's statements; the flags say what the last failure left to repair."""
+
+    def __init__(self, spec: WorkerSpec, link: ManagedConnection, claimer: Claimer,
+                 completer: Completer, counters: Counters, slots: Slots, timers: Timers,
+                 controls: Controls) -> None:
+        self.spec = spec
+        self.lane = spec.lane
+        self.link = link
+        self.claimer = claimer
+        self.completer = completer
+        self.counters = counters
+        self.slots = slots
+        self.timers = timers
+        self.controls = controls
+        # After an exchange failed, the next one writes outcomes apart from its claim, so a
+        # claim that keeps failing cannot keep undoing them.
+        self.separate_next = False
+        # Set when a claim may have taken jobs whose rows never reached us (the connection
+        # broke, or the rows could not be loaded): the loop then checks the jobs claimed in
+        # our name against the ones it holds.
+        self.claims_unknown = False
+
+    def settle_and_claim(self, mode: WorkerMode, claim: bool = True) -> None:
+        """Write finished jobs' outcomes and claim more work: one round trip, one commit."""
+        if self.link.conn is None:
+            return
+        request = self._claim_request(mode) if claim else None
+        if request is None and not (self.completer.pending and (
+                not claim or self.completer.due(busy=self._busy(mode)))):
+            return
+        batch = self.completer.batch()
+        separate = self.separate_next
+        written = self.link.run("queue", lambda conn: queue.settle_and_claim(
+            conn, batch.successes, batch.failures, request, separate=separate))
+        if written is None:
+            if request is not None:
+                # The claim may have committed even if its rows did not reach us.
+                self.claims_unknown = True
+                self.separate_next = True
+            return  # kept for the next connection: the leases still decide what applies
+        self.separate_next = False
+        completed, failed, claimed = written
+        self.timers.wake_at.extend(self.completer.written(batch, completed, failed))
+        # Freed capacity alone is no reason to claim: only a claim that came back full, a
+        # wake-up, a timer or a poll says there may be more work (maybe_more).
+        if request is not None:
+            self._started(mode, claimed, request)
+
+    def _claim_request(self, mode: WorkerMode) -> queue.ClaimRequest | None:
+        """What to claim now, or None: only when running, with room, and maybe work."""
+        now = time.monotonic()
+        if self.timers.take_due(now):
+            self.claimer.maybe_more = True
+        self.claimer.try_due(now)
+        return self.claimer.request(mode, len(self.slots))
+
+    def _busy(self, mode: WorkerMode) -> bool:
+        """More outcomes will come soon: jobs run or wait, and the worker takes work."""
+        return mode == WorkerMode.RUNNING and bool(len(self.slots) or self.claimer.buffer)
+
+    def _started(self, mode: WorkerMode, claimed: queue.Claimed,
+                 request: queue.ClaimRequest) -> None:
+        self.timers.poll_later(time.monotonic())
+        taken = [claimed.suspect, *claimed.jobs] if claimed.suspect else claimed.jobs
+        self.counters.count_claimed(taken)
+        if taken:
+            log.debug("claimed", lane=self.lane.name, job_ids=[job.id for job in taken])
+        for job in self.claimer.took(claimed, request):
+            self.slots.start(job)
+        self.slots.fill(mode)
+
+    def release_buffer(self, mode: WorkerMode) -> None:
+        """Give back the buffered jobs the claimer no longer wants to hold."""
+        leaving = self.claimer.to_release(mode, time.monotonic())
+        if not leaving:
+            return
+        leases = [job.lease for job in leaving]
+        if self.link.run("queue", lambda conn: queue.release(conn, leases)) is None:
+            return  # the leases are still ours; tried again next turn
+        gone = {job.id for job in leaving}
+        self.claimer.released(mode, gone)
+        self.counters.count_released(leaving)
+        log.debug("released buffered jobs", job_ids=sorted(gone))
+
+    def arm_if_idle(self, mode: WorkerMode) -> None:
+        """Out of work: ask to be woken (see ``jobd.claimer``, wake-ups)."""
+        now = time.monotonic()
+        if self.link.conn is None or not self.claimer.wants_arm(mode, now):
+            return
+        floors = self.claimer.floors.params(now)
+        result = self.link.run("queue", lambda conn: queue.arm(
+            conn, self.lane.name, self.spec.worker_id, floors))
+        if result is not None:
+            self.claimer.arm_result(result, time.monotonic(),
+                                    from_head=floors == full_scan_params())
+            if result == "paused":
+                self.controls.stale = True  # learn which pauses, and whether still so
+
+    def fail_claims_not_held(self) -> None:
+        """Fail the jobs claimed under this worker's name that it does not hold: a claim whose
+        rows never reached it. Without this they would wait for their lease to expire. They
+        count as a failed attempt (retried after the backoff, dead when the budget is
+        spent), so a job whose claim fails the same way every time cannot loop forever."""
+        held = self.slots.all_leases()
+        held += [o.job.lease for o in self.completer.pending]
+        held += self.claimer.leases()
+        policy = self.lane.retry_policy
+        outcome = self.link.run("queue", lambda conn: recovery.fail_claims_not_held(
+            conn, self.spec.worker_id, held,
+            "claimed, but the claim's result never reached the worker", lambda _lane: policy))
+        if outcome is None:
+            return  # the database failed again; the flag stays and the loop tries again
+        self.claims_unknown = False
+        orphans = outcome.retried + outcome.dead
+        if orphans:
+            # Their retries wake a worker like any other: the jobs table's trigger announces
+            # the new run_at and the supervisor sets a timer for it.
+            log.warning("failed jobs claimed without reaching this worker", job_ids=orphans,
+                        dead=outcome.dead)

@@ -1,0 +1,144 @@
+"""The running jobs of a worker: one :class:`Running` per job in a slot of the lane's
+``concurrency``, from its start to the outcome the completer writes.
+
+Starting pulls from the claimer's buffer, so a freed slot takes the next job without a round
+trip. A job leaves its slot when its handler's outcome arrives, or when it overruns the
+lane's timeout: it is failed then (its attempt is spent like any hung job's), but the thread
+that runs it stays taken until the handler returns, which is why an abandoned run still sits
+here and counts toward :meth:`Slots.wedged`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import structlog
+
+from jobd import jobs
+from jobd.claimer import Claimer
+from jobd.completer import Completer
+from jobd.config import LaneConfig
+from jobd.handler_runner import HandlerRunner, Outcome
+from jobd.protocol import WorkerMode
+
+log = structlog.get_logger("jobd.worker")
+
+
+@dataclass(slots=True)
+class Running:
+    job: jobs.Job
+    started: float
+    deadline: float | None
+    abandoned: bool = False  # failed for its timeout; the thread has not returned yet
+    lease_lost: bool = False  # a heartbeat found it expired and swept, or claimed again
+    cancel_sent: bool = False  # the handler was told to stop (jobd.cancel)
+
+
+class Slots:
+    """The jobs in the slots; outcomes go to the completer, freed slots to the claimer."""
+
+    def __init__(self, lane: LaneConfig, runner: HandlerRunner, claimer: Claimer,
+                 completer: Completer) -> None:
+        self.lane = lane
+        self.runner = runner
+        self.claimer = claimer
+        self.completer = completer
+        self.inflight: dict[int, Running] = {}
+
+    def __len__(self) -> int:
+        return len(self.inflight)
+
+    def start(self, job: jobs.Job) -> None:
+        started = time.monotonic()
+        deadline = started + self.lane.timeout if self.lane.timeout else None
+        self.inflight[job.id] = Running(job, started, deadline)
+        self.runner.start(job)
+
+    def fill(self, mode: WorkerMode) -> None:
+        """Start buffered jobs in the free slots: no round trip between one job and the next."""
+        while (job := self.claimer.next_to_start(mode, len(self.inflight))) is not None:
+            self.start(job)
+
+    def collect(self) -> None:
+        """Take the handlers' outcomes: each frees its slot and waits in the completer."""
+        for outcome in self.runner.collect():
+            running = self.inflight.get(outcome.job.id)
+            if running is None or running.job.lease_token != outcome.job.lease_token:
+                # A run abandoned for its timeout whose job was claimed again since (here or
+                # elsewhere): the late result changes nothing, and the new run stays held.
+                continue
+            del self.inflight[outcome.job.id]
+            self.claimer.finished(outcome.job.id)
+            if running.abandoned:
+                continue  # already failed for its timeout; the late result changes nothing
+            self.completer.add(outcome)
+
+    def expire_timeouts(self, now: float) -> None:
+        for running in self._working():
+            if running.deadline is None or now < running.deadline:
+                continue
+            job = running.job
+            if self.runner.is_async(job.handler):
+                continue  # asyncio.wait_for cancels it and reports the timeout itself
+            running.abandoned = True
+            # Failed for its timeout, it spends its attempt like any hung job; the thread
+            # it holds must not keep the worker from claiming.
+            self.claimer.finished(job.id)
+            self.completer.add(Outcome(job, f"timed out after {self.lane.timeout:g}s"))
+            log.warning("job timed out", job_id=job.id, handler=job.handler,
+                        timeout=self.lane.timeout)
+
+    def deadlines(self) -> list[float]:
+        """When runs still in their time overrun it (the loop wakes then to fail them)."""
+        return [r.deadline for r in self._working() if r.deadline is not None]
+
+    def lost_leases(self, job_ids: list[int]) -> list[int]:
+        """Mark the runs whose lease a renewal found gone; returns the ones now lost. A
+        transactional job completes itself when it commits: its lease is gone then and its
+        outcome (done, or LeaseLost) is on the way, so it is not counted lost here."""
+        lost = []
+        for job_id in job_ids:
+            running = self.inflight.get(job_id)
+            if running is None:
+                continue
+            running.lease_lost = True
+            if not self.runner.is_transactional(running.job.handler):
+                lost.append(job_id)
+        return lost
+
+    def tell_cancel(self, job_ids: set[int]) -> list[int]:
+        """Tell the handlers of running jobs asked to stop, once each; returns those told."""
+        told = []
+        for job_id in sorted(job_ids):
+            running = self.inflight.get(job_id)
+            if running is not None and not running.cancel_sent and not running.abandoned:
+                running.cancel_sent = True
+                self.runner.cancel(running.job)
+                told.append(job_id)
+        return told
+
+    def all_leases(self) -> list[jobs.Lease]:
+        """Every lease in the slots, abandoned runs included: jobs this worker holds."""
+        return [r.job.lease for r in self.inflight.values()]
+
+    def renewable_leases(self) -> list[jobs.Lease]:
+        """The leases a heartbeat keeps: runs still working whose lease is not known lost."""
+        return [r.job.lease for r in self._working() if not r.lease_lost]
+
+    def unfinished_leases(self) -> list[jobs.Lease]:
+        """The leases to give back at shutdown (an abandoned run's job is failed already)."""
+        return [r.job.lease for r in self._working()]
+
+    def working(self) -> int:
+        """Runs not abandoned: the ones a drain or retirement waits for."""
+        return sum(1 for _running in self._working())
+
+    def wedged(self) -> bool:
+        """Every slot is held by a handler that ignored its timeout: nothing can run."""
+        return len(self.inflight) >= self.lane.concurrency and all(
+            r.abandoned for r in self.inflight.values())
+
+    def _working(self) -> Iterator[Running]:
+        return (r for r in self.inflight.values() if not r.abandoned)

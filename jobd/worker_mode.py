@@ -1,0 +1,60 @@
+"""A worker's mode and how signals change it.
+
+SIGTERM drains (stop claiming, let jobs finish up to ``shutdown_timeout``, release the rest);
+SIGUSR2 retires (finish every job, however long, then exit: used when a reload replaces the
+worker); SIGQUIT or a second SIGTERM stops at once, releasing what the worker holds. The
+supervisor going away counts as a SIGTERM: with no one to account for it, a retiring worker
+must not run on for as long as its jobs take.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import structlog
+
+from jobd.protocol import WorkerMode
+
+HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGUSR2, signal.SIGQUIT)
+
+log = structlog.get_logger("jobd.worker")
+
+
+class Lifecycle:
+    """Running, draining, retiring or stopping: what the worker may still do."""
+
+    def __init__(self, shutdown_timeout: float) -> None:
+        self.shutdown_timeout = shutdown_timeout
+        self.mode = WorkerMode.RUNNING
+        self.drain_deadline: float | None = None  # monotonic: a drain gives up then
+        self.stop_now = False
+
+    def on_signal(self, signum: int, in_flight: int) -> None:
+        if signum == signal.SIGQUIT or (signum == signal.SIGTERM
+                                        and self.mode == WorkerMode.DRAINING):
+            log.info("stopping at once", signal=signal.Signals(signum).name)
+            self.stop_now = True
+        elif signum == signal.SIGTERM:
+            self.mode = WorkerMode.DRAINING
+            self.drain_deadline = time.monotonic() + self.shutdown_timeout
+            log.info("draining", in_flight=in_flight, shutdown_timeout=self.shutdown_timeout)
+        elif signum == signal.SIGUSR2 and self.mode == WorkerMode.RUNNING:
+            self.mode = WorkerMode.RETIRING
+            log.info("retiring", in_flight=in_flight)
+
+    def supervisor_gone(self, in_flight: int) -> None:
+        log.warning("supervisor gone; draining", mode=str(self.mode), in_flight=in_flight)
+        if self.mode != WorkerMode.DRAINING:
+            self.on_signal(signal.SIGTERM, in_flight)
+
+    def finished(self, holds_work: bool, now: float) -> bool:
+        """Whether a draining or retiring worker may exit: it holds no work any more
+        (``holds_work``: jobs working, outcomes unwritten, a buffer), or a drain ran out
+        of time."""
+        if self.mode == WorkerMode.RUNNING:
+            return False
+        if not holds_work:
+            return True
+        return (self.mode == WorkerMode.DRAINING and self.drain_deadline is not None
+                and now >= self.drain_deadline)

@@ -1,0 +1,48 @@
+"""What a worker tells the outside about itself, once a second: a status line to the
+supervisor (busy, capacity, mode, connected, counters) and its process title for ``ps``.
+
+The report doubles as the worker's liveness signal: a supervisor that hears nothing for long
+enough takes the worker for frozen. Writes never block the loop; a report the supervisor has
+not read yet is simply skipped, as the next one says the same and more.
+"""
+
+from __future__ import annotations
+
+import os
+
+import setproctitle
+
+from jobd.completer import Counters
+from jobd.protocol import StatusReport, WorkerMode, WorkerSpec
+
+REPORT_INTERVAL = 1.0  # seconds between liveness reports to the supervisor
+
+
+class StatusReporter:
+    """The once-a-second status line and process title."""
+
+    def __init__(self, spec: WorkerSpec, counters: Counters) -> None:
+        self.spec = spec
+        self.counters = counters
+        self.next_at = 0.0  # monotonic: the next report is due then
+
+    def report(self, now: float, mode: WorkerMode, running: int, buffered: int,
+               connected: bool, force: bool = False) -> None:
+        if not force and now < self.next_at:
+            return
+        self.next_at = now + REPORT_INTERVAL
+        lane = self.spec.lane
+        title = f"jobd: worker {lane.name}#{self.spec.slot} busy {running}/{lane.concurrency}"
+        if buffered:
+            title += f" +{buffered} claimed ahead"
+        if mode != WorkerMode.RUNNING:
+            title += f" {mode}"
+        setproctitle.setproctitle(title)
+        # Busy and capacity count the buffer: a worker whose buffer is full claims nothing,
+        # so waking it would only cost a round trip.
+        report = StatusReport(running + buffered, lane.concurrency + lane.buffer_size, mode,
+                              connected, self.counters.as_dict(), self.counters.work_totals())
+        try:
+            os.write(self.spec.status_fd, report.to_line())
+        except (BlockingIOError, BrokenPipeError):
+            pass  # the supervisor reads when it can; a missed report only delays its view
