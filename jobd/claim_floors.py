@@ -37,6 +37,8 @@ FULL_SCAN_INTERVAL = 1.0
 # (the age sent makes the dry floor decades old, so the position alone counts).
 NOT_DRY = -math.inf
 NOT_DRY_AGE = 1e9
+# The share keys a fair lane's worker keeps a position for (the most recently taken).
+MAX_KEY_FLOORS = 256
 # A step of the database's clock between two claims, beyond what this process's monotonic
 # clock measured, after which the floors are forgotten. The dry instants are sent as ages and
 # placed at the database's now(): a clock stepped forward by an hour would put every job due
@@ -65,6 +67,9 @@ class ClaimFloors:
     last_full_scan: float = -math.inf
     # The database's clock at the last claim that took a job, and the monotonic instant then.
     clock: tuple[datetime, float] | None = None
+    # A fair lane's positions per (priority, share key): the last (run_at, id) taken of the
+    # key. A fair claim takes each key's oldest jobs, so each key's scan can start there.
+    by_key: dict[tuple[int, str], tuple[datetime, int]] = field(default_factory=dict)
 
     def observe_clock(self, db_now: datetime, now: float) -> float | None:
         """Note the database's time at a claim (``now``: the monotonic instant). If that
@@ -90,9 +95,24 @@ class ClaimFloors:
             ids.append(floor.job_id)
             ages.append(None if floor.dry_at is None else
                         NOT_DRY_AGE if floor.dry_at == NOT_DRY else _age(floor.dry_at, now))
+        keys = list(self.by_key.items())
         return {"floor_priorities": priorities, "floor_run_ats": run_ats, "floor_ids": ids,
                 "floor_ages": ages,
-                "default_floor_age": None if self.dry_at is None else _age(self.dry_at, now)}
+                "default_floor_age": None if self.dry_at is None else _age(self.dry_at, now),
+                "key_floor_priorities": [priority for (priority, _key), _at in keys],
+                "key_floor_keys": [key for (_priority, key), _at in keys],
+                "key_floor_run_ats": [at[0] for _key, at in keys],
+                "key_floor_ids": [at[1] for _key, at in keys]}
+
+    def claimed_keys(self, taken: list[tuple[int, str, datetime, int]]) -> None:
+        """Record the positions a fair claim reached: (priority, share key, run_at, id) per
+        job. The oldest positions go first when there are more than MAX_KEY_FLOORS."""
+        for priority, key, run_at, job_id in sorted(taken, key=lambda t: (t[2], t[3])):
+            position = (run_at, job_id)
+            known = self.by_key.pop((priority, key), None)
+            self.by_key[(priority, key)] = max(known, position) if known else position
+        while len(self.by_key) > MAX_KEY_FLOORS:
+            del self.by_key[next(iter(self.by_key))]
 
     def claimed(self, params: dict[str, Any], taken: list[tuple[int, datetime, int]],
                 limit: int, now: float, *, fair: bool = False,
@@ -106,7 +126,7 @@ class ClaimFloors:
         jobs of a low priority before it looked at the higher ones: a full claim says
         nothing of those.
         """
-        if params["default_floor_age"] is None and not params["floor_priorities"]:
+        if params == full_scan_params():
             self.last_full_scan = now
         if fair:
             if len(taken) < limit:
@@ -147,13 +167,15 @@ class ClaimFloors:
     def forget(self) -> None:
         """Scan from the head next time: this worker gave jobs back below its floors."""
         self.by_priority.clear()
+        self.by_key.clear()
         self.dry_at = None
         self.last_full_scan = -math.inf
 
 
 def full_scan_params() -> dict[str, Any]:
     return {"floor_priorities": [], "floor_run_ats": [], "floor_ids": [], "floor_ages": [],
-            "default_floor_age": None}
+            "default_floor_age": None, "key_floor_priorities": [], "key_floor_keys": [],
+            "key_floor_run_ats": [], "key_floor_ids": []}
 
 
 def _age(dry_at: float, now: float) -> float:

@@ -174,7 +174,9 @@ $$;
 CREATE FUNCTION claim_order(lane text, priorities integer[], run_ats timestamptz[],
                             ids bigint[], ages float8[], default_age float8, at timestamptz,
                             max_wait float8, fair boolean, key_cursor text, wanted integer,
-                            paused_handlers text[])
+                            paused_handlers text[], key_floors_priority integer[],
+                            key_floors_key text[], key_floors_run_at timestamptz[],
+                            key_floors_id bigint[])
 RETURNS bigint[]
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
@@ -202,7 +204,8 @@ BEGIN
             picked := picked || claim_level(claim_order.lane, level.priority, level.floor_at,
                                             level.floor_id, '-infinity', overdue_before, fair,
                                             key_cursor, wanted - cardinality(picked),
-                                            paused_handlers);
+                                            paused_handlers, key_floors_priority,
+                                            key_floors_key, key_floors_run_at, key_floors_id);
             EXIT WHEN cardinality(picked) >= wanted;
         END LOOP;
     END IF;
@@ -226,12 +229,33 @@ BEGIN
                                             level.floor_id,
                                             coalesce(overdue_before, '-infinity'), at, fair,
                                             key_cursor, wanted - cardinality(picked),
-                                            paused_handlers);
+                                            paused_handlers, key_floors_priority,
+                                            key_floors_key, key_floors_run_at, key_floors_id);
             EXIT WHEN cardinality(picked) >= wanted;
         END LOOP;
     END IF;
     RETURN picked;
 END
+$$;
+
+-- Where a fair claim's scan of one key of a priority starts: the later of the priority's
+-- floor and the key's own position (the last job of it the worker took, jobd/claim_floors.py),
+-- so that the scan does not walk the dead index entries of the key's jobs claimed before,
+-- which vacuum has not removed yet: a herd of one key leaves tens of thousands.
+CREATE FUNCTION key_floor(key text, level integer, floor_at timestamptz, floor_id bigint,
+                          priorities integer[], keys text[], run_ats timestamptz[],
+                          ids bigint[])
+RETURNS TABLE (floor_at timestamptz, floor_id bigint)
+LANGUAGE sql IMMUTABLE
+AS $$
+    SELECT CASE WHEN (f.run_at, f.id) > (key_floor.floor_at, key_floor.floor_id)
+                THEN f.run_at ELSE key_floor.floor_at END,
+           CASE WHEN (f.run_at, f.id) > (key_floor.floor_at, key_floor.floor_id)
+                THEN f.id ELSE key_floor.floor_id END
+      FROM (SELECT NULL) AS one
+      LEFT JOIN unnest(priorities, keys, run_ats, ids) AS f(priority, key, run_at, id)
+             ON f.priority = level AND f.key = key_floor.key
+     LIMIT 1
 $$;
 
 -- The share keys of one priority of a lane that have due jobs with run_at in (after, up_to],
@@ -241,7 +265,9 @@ $$;
 -- later cost their two descents each time a claim passes them.
 CREATE FUNCTION due_keys(lane text, level integer, from_key text, to_key text,
                          floor_at timestamptz, floor_id bigint, after timestamptz,
-                         up_to timestamptz, wanted integer)
+                         up_to timestamptz, wanted integer, key_floors_priority integer[],
+                         key_floors_key text[], key_floors_run_at timestamptz[],
+                         key_floors_id bigint[])
 RETURNS text[]
 LANGUAGE sql STABLE
 SET search_path FROM CURRENT
@@ -265,13 +291,16 @@ AS $$
     )
     SELECT coalesce(array_agg(d.key), '{}')
       FROM (SELECT w.key FROM walk AS w
+             CROSS JOIN LATERAL key_floor(w.key, level, floor_at, floor_id, key_floors_priority,
+                                          key_floors_key, key_floors_run_at, key_floors_id)
+                        AS f
              -- A probe per key (LIMIT 1 in a lateral: never a hash of a key's every job).
              CROSS JOIN LATERAL (
                    SELECT 1 FROM jobs AS j
                     WHERE j.lane = due_keys.lane AND j.state IN ('pending', 'failed')
                       AND j.priority = level
                       AND coalesce(j.fairness_key, j.handler) COLLATE "C" = w.key
-                      AND (j.run_at, j.id) >= (floor_at, floor_id)
+                      AND (j.run_at, j.id) >= (f.floor_at, f.floor_id)
                       AND j.run_at > after AND j.run_at <= up_to
                     LIMIT 1) AS due
              WHERE w.key IS NOT NULL AND (to_key IS NULL OR w.key <= to_key)
@@ -284,7 +313,9 @@ $$;
 -- wanted); the keys that filled theirs split what is left in the next round.
 CREATE FUNCTION claim_level(lane text, level integer, floor_at timestamptz, floor_id bigint,
                             after timestamptz, up_to timestamptz, fair boolean,
-                            key_cursor text, wanted integer, paused_handlers text[])
+                            key_cursor text, wanted integer, paused_handlers text[],
+                            key_floors_priority integer[], key_floors_key text[],
+                            key_floors_run_at timestamptz[], key_floors_id bigint[])
 RETURNS bigint[]
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
@@ -306,18 +337,24 @@ BEGIN
     END IF;
     -- The keys after the cursor, then from the start around to it.
     keys := due_keys(claim_level.lane, level, coalesce(key_cursor, ''), NULL, floor_at,
-                     floor_id, after, up_to, wanted);
+                     floor_id, after, up_to, wanted, key_floors_priority, key_floors_key,
+                     key_floors_run_at, key_floors_id);
     IF cardinality(keys) < wanted AND coalesce(key_cursor, '') <> '' THEN
         keys := keys || due_keys(claim_level.lane, level, '', key_cursor, floor_at, floor_id,
-                                 after, up_to, wanted - cardinality(keys));
+                                 after, up_to, wanted - cardinality(keys), key_floors_priority,
+                                 key_floors_key, key_floors_run_at, key_floors_id);
     END IF;
     WHILE cardinality(keys) > 0 AND cardinality(picked) < wanted LOOP
         WITH shares AS (
-            SELECT k.key, (wanted - cardinality(picked)) / cardinality(keys)
+            SELECT k.key, k.position, (wanted - cardinality(picked)) / cardinality(keys)
                           + CASE WHEN k.position <= (wanted - cardinality(picked))
                                                     % cardinality(keys)
-                                 THEN 1 ELSE 0 END AS share
+                                 THEN 1 ELSE 0 END AS share,
+                   f.floor_at, f.floor_id
               FROM unnest(keys) WITH ORDINALITY AS k(key, position)
+             CROSS JOIN LATERAL key_floor(k.key, level, floor_at, floor_id,
+                                          key_floors_priority, key_floors_key,
+                                          key_floors_run_at, key_floors_id) AS f
         ),
         got AS (
             SELECT s.key, s.share, t.id
@@ -327,7 +364,7 @@ BEGIN
                     WHERE j.lane = claim_level.lane AND j.state IN ('pending', 'failed')
                       AND j.priority = level
                       AND coalesce(j.fairness_key, j.handler) COLLATE "C" = s.key
-                      AND (j.run_at, j.id) >= (floor_at, floor_id)
+                      AND (j.run_at, j.id) >= (s.floor_at, s.floor_id)
                       AND j.run_at > after AND j.run_at <= up_to AND NOT j.suspect
                       AND runnable(j.handler, paused_handlers)
                       AND NOT (j.id = ANY(picked))
@@ -336,12 +373,16 @@ BEGIN
                       FOR UPDATE SKIP LOCKED) AS t
              WHERE s.share > 0
         )
+        -- The next round's keys: those that filled their share, and those whose share was
+        -- 0 (fewer jobs left than keys); a key that took less than its share has run dry.
+        -- Each round takes a job or drops a key, so the loop ends.
         SELECT coalesce((SELECT array_agg(g.id) FROM got AS g), '{}'),
-               coalesce((SELECT array_agg(f.key) FROM (SELECT g.key FROM got AS g
-                                                        GROUP BY g.key, g.share
-                                                       HAVING count(*) = g.share) AS f), '{}')
+               coalesce((SELECT array_agg(s.key ORDER BY s.position)
+                           FROM shares AS s
+                           LEFT JOIN (SELECT g.key, count(*) AS n FROM got AS g
+                                       GROUP BY g.key) AS t ON t.key = s.key
+                          WHERE s.share = 0 OR t.n = s.share), '{}')
           INTO taken, keys;
-        EXIT WHEN cardinality(taken) = 0;
         picked := picked || taken;
     END LOOP;
     RETURN picked;

@@ -131,6 +131,21 @@ def test_a_key_with_few_jobs_leaves_its_share_to_the_others(conn: psycopg.Connec
     assert sorted(share_keys(fair)) == ["a"] * 18 + ["b"] * 2
 
 
+@pytest.mark.parametrize("names", [("a", "b", "c"), ("k1", "k2", "k3")])
+def test_what_a_key_that_ran_dry_leaves_goes_to_the_others(
+    conn: psycopg.Connection, names: tuple[str, str, str],
+) -> None:
+    """Fewer jobs left than keys in a round: the keys with no share this round stay for the
+    next, so the claim still fills up (it came back short, and the worker then thought the
+    lane dry, with jobs left)."""
+    t0 = db_now(conn)
+    for name, count in zip(names, (2, 2, 10), strict=True):
+        bulk(conn, count, "h", t0, fairness_key=name)
+    fair = claim(conn, 7, now=t0, lane_order=order(fair_by="fairness_key"))
+    assert len(fair) == 7
+    assert sorted(share_keys(fair)).count(names[2]) == 3
+
+
 def test_fairness_keys_share_within_one_handler(conn: psycopg.Connection) -> None:
     t0 = db_now(conn)
     bulk(conn, 1000, "report", t0 - timedelta(minutes=1), fairness_key="tenant-big")

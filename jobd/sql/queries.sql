@@ -122,7 +122,9 @@ picked AS MATERIALIZED (
                        %(floor_ids)s::bigint[], %(floor_ages)s::float8[],
                        %(default_floor_age)s::float8, coalesce(%(now)s::timestamptz, now()),
                        %(max_wait)s::float8, %(fair)s::boolean, %(key_cursor)s::text,
-                       %(limit)s::int, p.handlers) AS ids
+                       %(limit)s::int, p.handlers, %(key_floor_priorities)s::int[],
+                       %(key_floor_keys)s::text[], %(key_floor_run_ats)s::timestamptz[],
+                       %(key_floor_ids)s::bigint[]) AS ids
       FROM paused AS p
      WHERE NOT p.whole_lane
        AND NOT EXISTS (SELECT 1 FROM jobs AS s
@@ -212,7 +214,10 @@ chosen AS (
                               %(floor_ages)s::float8[], %(default_floor_age)s::float8,
                               coalesce(%(now)s::timestamptz, now()), %(max_wait)s::float8,
                               %(fair)s::boolean, %(key_cursor)s::text,
-                              (SELECT cap FROM budget), p.handlers))
+                              (SELECT cap FROM budget), p.handlers,
+                              %(key_floor_priorities)s::int[], %(key_floor_keys)s::text[],
+                              %(key_floor_run_ats)s::timestamptz[],
+                              %(key_floor_ids)s::bigint[]))
       FROM paused AS p
      WHERE %(ordered)s::boolean AND NOT p.whole_lane
        AND NOT EXISTS (SELECT 1 FROM jobs AS s
