@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 DEFAULT_PORT = 54329
@@ -62,6 +62,9 @@ def free_port() -> int:
 class LocalCluster:
     datadir: Path
     port: int = DEFAULT_PORT
+    # Server settings passed on the command line after jobd's own (later ones win), e.g. a
+    # fault test's {"max_connections": "400"}.
+    settings: dict[str, str] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -117,12 +120,24 @@ class LocalCluster:
         self.socket_dir.mkdir(exist_ok=True)
         self._give_to_owner(self.socket_dir)
         log = self.datadir / "server.log"
+        self._run([str(bindir / "pg_ctl"), "-D", str(self.datadir), "-l", str(log),
+                   "-o", self._options(), "-w", "-t", "60", "start"])
+        return self.url
+
+    def _options(self) -> str:
         options = (f"-p {self.port} -c listen_addresses=127.0.0.1 "
                    f"-c unix_socket_directories={self.socket_dir} -c fsync=on "
                    "-c max_connections=200")
-        self._run([str(bindir / "pg_ctl"), "-D", str(self.datadir), "-l", str(log),
-                   "-o", options, "-w", "-t", "60", "start"])
-        return self.url
+        return " ".join([options, *(f"-c {name}={value}" for name, value in
+                                    self.settings.items())])
+
+    def restart(self, mode: str = "fast") -> None:
+        """Restart the running cluster; ``mode`` is pg_ctl's shutdown mode (``immediate``
+        is a crash: no checkpoint, the server recovers from its WAL on the way up)."""
+        bindir = find_bindir()
+        self._run([str(bindir / "pg_ctl"), "-D", str(self.datadir), "-l",
+                   str(self.datadir / "server.log"), "-o", self._options(), "-m", mode,
+                   "-w", "-t", "60", "restart"])
 
     def stop(self) -> None:
         if not self.initialized():
@@ -137,14 +152,15 @@ def _stderr(message: str) -> None:
 
 @contextlib.contextmanager
 def throwaway_cluster(prefix: str, *, start: bool = True, keep: bool = False,
-                      log: Callable[[str], None] = _stderr) -> Iterator[LocalCluster]:
+                      log: Callable[[str], None] = _stderr,
+                      settings: dict[str, str] | None = None) -> Iterator[LocalCluster]:
     """A cluster in a fresh temp directory on a free port, started unless ``start`` is
     false; stopped and removed at the end, also on an error. ``keep`` leaves the directory
     (data, server log) behind."""
     root = Path(tempfile.mkdtemp(prefix=prefix))
     # As root the cluster belongs to postgres, which must be able to reach its data directory.
     root.chmod(0o755)
-    cluster = LocalCluster(root / "pg", free_port())
+    cluster = LocalCluster(root / "pg", free_port(), dict(settings or {}))
     try:
         if start:
             cluster.start()

@@ -1,0 +1,104 @@
+"""Process faults under load, between two nodes sharing one database: workers and then a
+whole node SIGKILLed (the other node takes its jobs over once their leases run out), and a
+node SIGSTOPped past its leases and woken again (its stale results are discarded).
+
+The soak (tests/test_soak.py) SIGKILLs workers of one node thousands of times; the single-job
+versions of the freeze are in tests/test_hardening.py. These add the second node and end with
+the suite's invariants.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable
+
+import daemon_support
+import psycopg
+import pytest
+from daemon_support import Daemon, wait_until
+from fault_support import (
+    LANE,
+    claimed_by_node,
+    create_effects_table,
+    done_count,
+    enqueue_load,
+    fault_config,
+    prepare,
+    wait_all_done,
+)
+from invariants import assert_invariants
+
+daemons = daemon_support.daemons
+
+pytestmark = pytest.mark.slow
+
+Daemons = Callable[..., Daemon]
+
+
+def two_nodes(daemons: Daemons) -> tuple[Daemon, Daemon]:
+    first = prepare(daemons(name="alpha")).start(fault_config("alpha"))
+    second = prepare(daemons(name="beta")).start(fault_config("beta"))
+    first.wait_workers_started(LANE, 2, timeout=30)
+    second.wait_workers_started(LANE, 2, timeout=30)
+    return first, second
+
+
+def test_a_killed_node_s_jobs_are_finished_by_the_other_node(
+    daemons: Daemons, conn: psycopg.Connection
+) -> None:
+    create_effects_table(conn)
+    alpha, beta = two_nodes(daemons)
+    ids = enqueue_load(conn, 400, hold=0.05)
+    # First single workers of alpha, while they hold jobs: its supervisor fails their jobs
+    # and restarts them.
+    wait_until(lambda: claimed_by_node(conn, "alpha") >= 2, 30, message="alpha to hold jobs")
+    victims = list(alpha.worker_pids(LANE).values())
+    for pid in victims:
+        os.kill(pid, signal.SIGKILL)
+    mark = alpha.mark()
+    alpha.wait_workers_started(LANE, 2, since=mark, timeout=30)
+    # Then the whole node, supervisor and workers at once, in the middle of its jobs.
+    wait_until(lambda: claimed_by_node(conn, "alpha") >= 2, 30,
+               message="alpha's new workers to hold jobs")
+    assert done_count(conn, ids) < len(ids), "the load ended before the node was killed"
+    os.killpg(alpha.pid, signal.SIGKILL)
+    alpha.wait_exit(10)
+    orphaned = claimed_by_node(conn, "alpha")
+
+    wait_all_done(conn, ids, 90, beta)
+    assert beta.running(), beta.tail()
+    # The orphaned jobs were retried by beta after their leases ran out.
+    recovered = conn.execute(
+        "SELECT count(*) FROM jobd.jobs_archive WHERE id = ANY(%s) AND claimed_by LIKE 'beta%%'"
+        " AND errors::text LIKE '%%lease expired%%'", (ids,)).fetchone()
+    assert recovered is not None and recovered[0] >= 1 and orphaned >= 1
+    assert_invariants(conn, ids, context=beta.tail())
+
+
+def test_a_node_frozen_past_its_leases_loses_its_jobs_and_its_late_results(
+    daemons: Daemons, conn: psycopg.Connection
+) -> None:
+    create_effects_table(conn)
+    alpha, beta = two_nodes(daemons)
+    # Each job holds its transaction long enough for the freeze to land inside it.
+    ids = enqueue_load(conn, 120, hold=0.3)
+    wait_until(lambda: claimed_by_node(conn, "alpha") >= 4, 30, message="alpha to hold jobs")
+    os.killpg(alpha.pid, signal.SIGSTOP)
+    try:
+        frozen = claimed_by_node(conn, "alpha")
+        # Past the 3 s lease: beta's sweep takes every job alpha held back and runs it.
+        wait_until(lambda: claimed_by_node(conn, "alpha") == 0, 30, interval=0.2,
+                   message=lambda: f"alpha's leases to be swept\n{beta.tail()}")
+        wait_all_done(conn, ids, 90, beta)
+    finally:
+        mark = alpha.mark()
+        os.killpg(alpha.pid, signal.SIGCONT)
+    assert frozen >= 1
+    alpha.wait_for_log("lost the lease before finishing; result discarded", process=None,
+                       since=mark, timeout=30)
+    # Alpha recovers and serves the lane again.
+    more = enqueue_load(conn, 40, prefix="after")
+    wait_all_done(conn, more, 60, alpha, beta)
+    assert alpha.running() and beta.running()
+    assert_invariants(conn, ids + more, context=alpha.tail())
