@@ -5,7 +5,6 @@ turns database instants into timers."""
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 
 import psycopg
@@ -37,7 +36,7 @@ class NodeHeartbeat(Periodic):
             "instance": self.instance, "node": self.node_name(), "pid": os.getpid(),
             "workers": Jsonb(workers), "counters": Jsonb(counters)}).fetchone()
         if row is not None:
-            self.router.db_clock_offset = float(row[0]) - time.time()
+            self.router.measured_db_clock(float(row[0]))
 
     def stop(self, conn: psycopg.Connection) -> None:
         conn.execute(query("node_leave"), {"instance": self.instance})

@@ -10,6 +10,7 @@ alone, ``clock_nanosleep`` fails with EINVAL, and a node under a fake clock runs
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -169,6 +170,28 @@ def faketime_library() -> str:
                 + ("" if shutil.which("faketime") else "; the faketime binary is missing too"))
 
 
+# libfaketime 0.9.10 with the monotonic clock left alone fails clock_nanosleep on it with
+# EINVAL, which is how time.sleep (and subprocess.Popen.wait) sleep; under the fake clock,
+# sleeps wait in select() instead, which it leaves alone.
+SLEEP_SHIM = '''\
+"""Loaded at start-up under the fault suite's fake clock (see tests/faults/fault_support)."""
+
+import select
+import time
+
+
+def _sleep(seconds):
+    if seconds < 0:
+        raise ValueError("sleep length must be non-negative")
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        select.select([], [], [], left)
+
+
+time.sleep = _sleep
+'''
+
+
 class FakeClock:
     """The wall clock of one daemon and its workers: an offset from the real clock, read
     from a file on every call, so the test can step it while the node runs. The monotonic
@@ -177,6 +200,9 @@ class FakeClock:
     def __init__(self, directory: Path, offset_seconds: float = 0.0) -> None:
         self.library = faketime_library()
         self.path = directory / f"faketime-{id(self)}.spec"
+        self.site = directory / "faketime-site"
+        self.site.mkdir(exist_ok=True)
+        (self.site / "sitecustomize.py").write_text(SLEEP_SHIM)
         self.set(offset_seconds)
 
     def set(self, offset_seconds: float) -> None:
@@ -191,6 +217,8 @@ class FakeClock:
 
 def run_under(daemon: Daemon, clock: FakeClock) -> Daemon:
     environment = daemon.env()
-    daemon.env = lambda: {**environment, **clock.env()}  # type: ignore[method-assign]
+    path = os.pathsep.join(p for p in (str(clock.site), environment.get("PYTHONPATH")) if p)
+    daemon.env = lambda: {**environment, **clock.env(),  # type: ignore[method-assign]
+                          "PYTHONPATH": path}
     return daemon
 
