@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -222,3 +223,14 @@ def run_under(daemon: Daemon, clock: FakeClock) -> Daemon:
                           "PYTHONPATH": path}
     return daemon
 
+
+
+def logged_clock_skew(daemon: Daemon) -> float:
+    """How far ahead of ours the node's wall clock ran when it wrote its latest log line
+    (structlog stamps every line with it); the line may be a few seconds old."""
+    from datetime import datetime
+
+    stamps = [e["timestamp"] for e in daemon.entries() if "timestamp" in e]
+    assert stamps, f"no log line with a timestamp\n{daemon.tail()}"
+    return datetime.fromisoformat(str(stamps[-1]).replace("Z", "+00:00")).timestamp() \
+        - time.time()

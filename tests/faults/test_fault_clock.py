@@ -8,12 +8,13 @@ left alone as an NTP step leaves it.
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import daemon_support
 import psycopg
 import pytest
-from daemon_support import Daemon, wait_until
+from daemon_support import Daemon
 from fault_support import (
     HANDLER,
     LANE,
@@ -21,6 +22,7 @@ from fault_support import (
     create_effects_table,
     enqueue_load,
     fault_config,
+    logged_clock_skew,
     prepare,
     run_under,
     wait_all_done,
@@ -51,8 +53,6 @@ def enqueue_delayed(conn: psycopg.Connection, count: int, delay: float, prefix: 
     """``count`` jobs due ``delay`` seconds from now by the database clock."""
     row = conn.execute("SELECT now()").fetchone()
     assert row is not None
-    from datetime import timedelta
-
     run_at = row[0] + timedelta(seconds=delay)
     return jobd.enqueue_many(conn, [
         JobSpec(HANDLER, {"n": n}, lane=LANE, run_at=run_at, idempotency_key=f"{prefix}-{n}")
@@ -88,3 +88,46 @@ def test_a_node_whose_clock_is_stepped_runs_delayed_jobs_when_the_database_says(
         assert started_early(conn, ids) == [], f"the clock stepped {step}"
     assert daemon.running(), daemon.tail()
     assert_invariants(conn, every, context=daemon.tail())
+
+
+SKEWS = {"behind": -HOUR, "ontime": 0.0, "ahead": +HOUR}
+# Leases long enough that a busy machine renews them in time: any retry is then the skew's.
+SKEW_LANE: dict[str, Any] = {"visibility_timeout": "6s", "heartbeat": "1s"}
+EVERY_MINUTE = {"id": "every-minute", "cron": "* * * * *", "handler": HANDLER, "lane": LANE}
+
+
+def test_three_nodes_with_skewed_clocks_agree_on_what_is_due_and_whose_lease_holds(
+    daemons: Daemons, conn: psycopg.Connection, tmp_path: Any
+) -> None:
+    create_effects_table(conn)
+    nodes = {}
+    for name, skew in SKEWS.items():
+        daemon = run_under(prepare(daemons(name=name)), FakeClock(tmp_path, skew))
+        daemon.start(fault_config(name, lane=SKEW_LANE, schedules=[EVERY_MINUTE]))
+        nodes[name] = daemon
+    for name, daemon in nodes.items():
+        daemon.wait_workers_started(LANE, 2, timeout=60)
+        # The fake clock is in force: the node stamps its log lines with it.
+        assert abs(logged_clock_skew(daemon) - SKEWS[name]) < 300, daemon.tail()
+    now_jobs = enqueue_load(conn, 150, hold=0.1)
+    later_jobs = [job_id for delay in (1.0, 2.0, 3.0, 4.0)
+                  for job_id in enqueue_delayed(conn, 15, delay, prefix=f"later-{delay:g}")]
+    ids = now_jobs + later_jobs
+    wait_all_done(conn, ids, 120, *nodes.values())
+
+    context = "\n".join(d.tail(10) for d in nodes.values())
+    assert started_early(conn, ids) == [], context
+    # A node that measured leases by its own clock would see the others' as long expired
+    # (or make its own outlast them by an hour): jobs would be swept and run again.
+    retried = conn.execute("SELECT id, attempts, errors FROM jobd.jobs_archive"
+                           " WHERE id = ANY(%s) AND attempts > 1 LIMIT 5", (ids,)).fetchall()
+    assert retried == [], context
+    ran_on = {str(r[0]).split(":")[0] for r in conn.execute(
+        "SELECT DISTINCT claimed_by FROM jobd.jobs_archive WHERE id = ANY(%s)", (ids,))}
+    assert ran_on == set(SKEWS), "every node took part"
+    # Nothing was fired ahead of the database clock (the ledger check covers it too).
+    fires = conn.execute("SELECT count(*) FROM jobd.schedule_fires WHERE fire_at > now()"
+                         ).fetchone()
+    assert fires == (0,), context
+    assert all(d.running() for d in nodes.values()), context
+    assert_invariants(conn, ids, context=context)
