@@ -35,7 +35,7 @@ _SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 
 
 def validate_schema(schema: str) -> str:
-    if not _SCHEMA_NAME.match(schema):
+    if not _SCHEMA_NAME.fullmatch(schema):
         raise UsageError(
             f"invalid schema name {schema!r}: use lower-case letters, digits and _ "
             "(at most 63, not starting with a digit)"

@@ -50,7 +50,7 @@ _NUL_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 
 def is_name(value: object) -> bool:
     """Whether ``value`` may name a lane, handler, schedule, node or sender."""
-    return isinstance(value, str) and NAME_RULE.match(value) is not None
+    return isinstance(value, str) and NAME_RULE.fullmatch(value) is not None
 
 
 def name(kind: str, value: object) -> str:
