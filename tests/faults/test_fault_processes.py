@@ -12,12 +12,14 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Callable
+from typing import Any
 
 import daemon_support
 import psycopg
 import pytest
 from daemon_support import Daemon, wait_until
 from fault_support import (
+    HANDLER,
     LANE,
     claimed_by_node,
     create_effects_table,
@@ -36,9 +38,17 @@ pytestmark = pytest.mark.slow
 Daemons = Callable[..., Daemon]
 
 
-def two_nodes(daemons: Daemons) -> tuple[Daemon, Daemon]:
-    first = prepare(daemons(name="alpha")).start(fault_config("alpha"))
-    second = prepare(daemons(name="beta")).start(fault_config("beta"))
+# Both nodes materialize it; its cursor is set back so dozens of occurrences fall due at
+# once, and are fired while a node is killed.
+CATCHING_UP = {"id": "catching-up", "cron": "* * * * *", "handler": HANDLER, "lane": LANE,
+               "catchup": "all"}
+MISSED_MINUTES = 40
+
+
+def two_nodes(daemons: Daemons, schedules: list[dict[str, Any]] | None = None
+              ) -> tuple[Daemon, Daemon]:
+    first = prepare(daemons(name="alpha")).start(fault_config("alpha", schedules=schedules))
+    second = prepare(daemons(name="beta")).start(fault_config("beta", schedules=schedules))
     first.wait_workers_started(LANE, 2, timeout=30)
     second.wait_workers_started(LANE, 2, timeout=30)
     return first, second
@@ -48,8 +58,12 @@ def test_a_killed_node_s_jobs_are_finished_by_the_other_node(
     daemons: Daemons, conn: psycopg.Connection
 ) -> None:
     create_effects_table(conn)
-    alpha, beta = two_nodes(daemons)
+    alpha, beta = two_nodes(daemons, [CATCHING_UP])
     ids = enqueue_load(conn, 400, hold=0.05)
+    rewound = conn.execute(
+        "UPDATE jobd.schedules SET materialized_until = now() - make_interval(mins => %s)"
+        " WHERE id = %s", (MISSED_MINUTES, CATCHING_UP["id"])).rowcount
+    assert rewound == 1
     # First single workers of alpha, while they hold jobs: its supervisor fails their jobs
     # and restarts them.
     wait_until(lambda: claimed_by_node(conn, "alpha") >= 2, 30, message="alpha to hold jobs")
@@ -67,13 +81,22 @@ def test_a_killed_node_s_jobs_are_finished_by_the_other_node(
     orphaned = claimed_by_node(conn, "alpha")
 
     wait_all_done(conn, ids, 90, beta)
+    fired = wait_until(lambda: scheduled_jobs(conn) if len(scheduled_jobs(conn))
+                       >= MISSED_MINUTES else None, 30, message="the missed occurrences")
+    wait_all_done(conn, fired, 60, beta)
     assert beta.running(), beta.tail()
     # The orphaned jobs were retried by beta after their leases ran out.
     recovered = conn.execute(
         "SELECT count(*) FROM jobd.jobs_archive WHERE id = ANY(%s) AND claimed_by LIKE 'beta%%'"
         " AND errors::text LIKE '%%lease expired%%'", (ids,)).fetchone()
     assert recovered is not None and recovered[0] >= 1 and orphaned >= 1
-    assert_invariants(conn, ids, context=beta.tail())
+    assert_invariants(conn, ids + fired, context=beta.tail())
+
+
+def scheduled_jobs(conn: psycopg.Connection) -> list[int]:
+    return [row[0] for row in conn.execute(
+        "SELECT job_id FROM jobd.schedule_fires WHERE schedule_id = %s AND job_id IS NOT NULL",
+        (CATCHING_UP["id"],))]
 
 
 def test_a_node_frozen_past_its_leases_loses_its_jobs_and_its_late_results(
