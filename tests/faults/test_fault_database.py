@@ -127,6 +127,41 @@ def test_a_crash_restart_of_the_server_loses_and_doubles_nothing(
         assert_invariants(conn, ids, context=daemon.tail())
 
 
+RESTARTS = 5
+
+
+def wait_done_at_least(url: str, ids: list[int], count: int, daemon: Daemon) -> None:
+    with connect(url, autocommit=True) as conn:
+        wait_until(lambda: done_count(conn, ids) >= count, 120, interval=0.2,
+                   message=lambda: f"{count} jobs done\n{daemon.tail()}")
+
+
+@pytest.mark.slow_fault
+def test_repeated_crash_restarts_under_a_larger_load_lose_and_double_nothing(
+    daemons: Daemons, cluster: LocalCluster
+) -> None:
+    """The long version of the crash restart: two nodes, 3,000 jobs, a crash restart each
+    time another sixth of them is done."""
+    jobs = 3000
+    with connect(cluster.url, autocommit=True) as setup:
+        create_effects_table(setup)
+        ids = enqueue_load(setup, jobs, hold=0.01)
+    nodes = []
+    for name in ("crash-a", "crash-b"):
+        daemon = prepare(daemons(name=name))
+        daemon.db_url = cluster.url
+        nodes.append(daemon.start(fault_config(name)))
+    for daemon in nodes:
+        daemon.wait_workers_started(LANE, 2, timeout=60)
+    for restart in range(1, RESTARTS + 1):
+        wait_done_at_least(cluster.url, ids, restart * jobs // (RESTARTS + 1), nodes[0])
+        cluster.restart("immediate")
+    with connect(cluster.url, autocommit=True) as conn:
+        wait_all_done(conn, ids, 180, *nodes)
+        assert all(d.running() for d in nodes), nodes[0].tail()
+        assert_invariants(conn, ids, context=nodes[0].tail())
+
+
 # --- connection slots ------------------------------------------------------------------
 
 IDLE_CLIENTS = 300
