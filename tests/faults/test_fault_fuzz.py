@@ -330,3 +330,47 @@ def test_any_command_line_exits_0_1_or_2_without_a_traceback(
     if code:
         assert err.strip(), f"exit code {code} without a word: {argv}"
         assert len(err.strip().splitlines()) <= 3, (argv, err)
+
+
+def json_text(value: Any) -> str:
+    return json.dumps(value, allow_nan=True, ensure_ascii=False)
+
+
+ENQUEUE_OPTIONS: dict[str, st.SearchStrategy[str]] = {
+    "--payload": st.one_of(json_values.map(json_text), awkward_text,
+                           nested().map(json_text)),
+    "--lane": names,
+    "--priority": st.one_of(priorities.map(str), awkward_text),
+    "--delay": durations.map(str),
+    "--run-at": st.one_of(
+        st.datetimes(timezones=st.sampled_from([UTC, None])).map(datetime.isoformat),
+        awkward_text),
+    "--idempotency-key": st.one_of(awkward_text, st.text(min_size=500, max_size=520)),
+    "--max-attempts": st.one_of(attempt_budgets.map(str), awkward_text),
+}
+
+
+@st.composite
+def enqueue_argvs(draw: st.DrawFn) -> list[str]:
+    argv = ["enqueue", draw(names)]
+    for option in draw(st.lists(st.sampled_from(sorted(ENQUEUE_OPTIONS)), max_size=4,
+                                unique=True)):
+        argv += [option, draw(ENQUEUE_OPTIONS[option])]
+    return argv
+
+
+@given(argv=enqueue_argvs())
+@SLOWER
+def test_jobd_enqueue_enqueues_or_refuses_with_exit_code_2_never_anything_else(
+    cli_env: None, conn: psycopg.Connection, argv: list[str]
+) -> None:
+    code, out, err = run_cli(argv)
+    event(f"exit code {code}")
+    assert "Traceback" not in err, (argv, err)
+    assert code in (0, 2), (argv, code, err)
+    if code == 0:
+        job_id = int(out.strip())
+        row = conn.execute("SELECT handler FROM jobd.jobs WHERE id = %s", (job_id,)).fetchone()
+        assert row == (argv[1],)
+    else:
+        assert len(err.strip().splitlines()) == 1, (argv, err)

@@ -17,7 +17,7 @@ from typing import Any
 import daemon_support
 import psycopg
 import pytest
-from daemon_support import Daemon, wait_until
+from daemon_support import Daemon, alive, wait_until
 from fault_support import (
     HANDLER,
     LANE,
@@ -91,6 +91,27 @@ def test_a_killed_node_s_jobs_are_finished_by_the_other_node(
         " AND errors::text LIKE '%%lease expired%%'", (ids,)).fetchone()
     assert recovered is not None and recovered[0] >= 1 and orphaned >= 1
     assert_invariants(conn, ids + fired, context=beta.tail())
+
+
+def test_workers_of_a_killed_supervisor_give_their_jobs_to_the_other_node(
+    daemons: Daemons, conn: psycopg.Connection
+) -> None:
+    """SIGKILL of the supervisor alone: its workers see it gone, stop claiming, finish or
+    give back what they hold and exit; the other node runs the rest."""
+    create_effects_table(conn)
+    alpha, beta = two_nodes(daemons)
+    workers = list(alpha.worker_pids(LANE).values())
+    ids = enqueue_load(conn, 300, hold=0.05)
+    wait_until(lambda: claimed_by_node(conn, "alpha") >= 2, 30, message="alpha to hold jobs")
+    os.kill(alpha.pid, signal.SIGKILL)
+    alpha.wait_exit(10)
+    wait_until(lambda: not any(alive(pid) for pid in workers), 30,
+               message=lambda: f"alpha's workers {workers} to exit\n{alpha.tail()}")
+    # Nothing waits for a lease to run out: what alpha held was finished or given back.
+    assert claimed_by_node(conn, "alpha") == 0
+    wait_all_done(conn, ids, 90, beta)
+    assert beta.running(), beta.tail()
+    assert_invariants(conn, ids, context=alpha.tail())
 
 
 def scheduled_jobs(conn: psycopg.Connection) -> list[int]:
