@@ -29,6 +29,7 @@ from psycopg.types.json import Jsonb
 
 import jobd
 from jobd import cli, config, validation, yamlcheck
+from jobd.cron import CronError, CronSchedule
 from jobd.errors import ConfigError
 
 FUZZ = settings(max_examples=150, deadline=None, derandomize=True, database=None,
@@ -374,3 +375,42 @@ def test_jobd_enqueue_enqueues_or_refuses_with_exit_code_2_never_anything_else(
         assert row == (argv[1],)
     else:
         assert len(err.strip().splitlines()) == 1, (argv, err)
+
+
+# --- cron expressions and time zones ---------------------------------------------------
+
+CRON_TOKENS = ["*", "*/15", "*/0", "0", "5", "59", "60", "23", "24", "1-5", "5-1", "1,15",
+               "29", "30", "31", "2", "12", "13", "0-59/7", "MON", "sun", "jan", "7", "L",
+               "?", "H", "-", ",", "1-", "@daily", "@reboot"]
+ZONES = ["UTC", "Europe/Berlin", "America/Sao_Paulo", "Australia/Lord_Howe", "Asia/Kathmandu",
+         "Pacific/Apia", "America/Nowhere", "", "../etc/passwd", "EST5EDT"]
+
+
+# Mostly valid values per field (minute hour day-of-month month day-of-week), so that most
+# expressions parse and their occurrences get searched, around DST changes too.
+FIELDS = [["*", "*/15", "0", "30", "59", "0-59/7"], ["*", "2", "0", "23", "1-3", "*/5"],
+          ["*", "1", "29", "30", "31", "1,15", "L"], ["*", "2", "3,10", "jan", "*/6", "11"],
+          ["*", "0", "7", "MON", "1-5", "sun", "6"]]
+
+
+@given(expression=st.one_of(
+           st.tuples(*(st.sampled_from(f) for f in FIELDS)).map(" ".join),
+           st.lists(st.sampled_from(CRON_TOKENS), max_size=6).map(" ".join)),
+       zone=st.sampled_from(ZONES),
+       after=st.datetimes(min_value=datetime(1971, 1, 1), max_value=datetime(2200, 1, 1),
+                          timezones=st.just(UTC)))
+@settings(FUZZ, max_examples=400)
+def test_a_cron_expression_is_refused_or_gives_its_next_occurrences_in_order(
+    expression: str, zone: str, after: datetime
+) -> None:
+    try:
+        schedule = CronSchedule.parse(expression, zone)
+    except CronError as exc:
+        event("refused")
+        assert "\n" not in str(exc)
+        return
+    event("parsed")
+    occurrences = schedule.next_after(after, 3)
+    instants = [o.fire_at for o in occurrences]
+    assert instants == sorted(set(instants)), occurrences
+    assert all(i > after and i.utcoffset() == timedelta(0) for i in instants), occurrences
