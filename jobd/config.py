@@ -17,7 +17,7 @@ import yaml
 from jobd import validation, yamlcheck
 from jobd.backoff import Backoff, RetryPolicy
 from jobd.db import DEFAULT_SCHEMA
-from jobd.errors import ConfigError
+from jobd.errors import ConfigError, printable
 from jobd.yamlcheck import parse_duration
 
 __all__ = ["Config", "LaneConfig", "ScheduleConfig", "load", "parse", "parse_duration"]
@@ -313,8 +313,8 @@ def parse(text: str, source: str = "<config>") -> Config:
     try:
         return _build(yamlcheck.plain(node), source)
     except yamlcheck.Invalid as exc:
-        key = f" {exc.path}:" if exc.path else ""
-        raise ConfigError(f"{source}:{exc.line}:{key} {exc.message}") from None
+        key = f" {printable(exc.path)}:" if exc.path else ""
+        raise ConfigError(f"{source}:{exc.line}:{key} {printable(exc.message)}") from None
 
 
 def _invalid_yaml(exc: yaml.YAMLError, source: str) -> str:
