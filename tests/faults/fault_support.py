@@ -10,10 +10,12 @@ alone, ``clock_nanosleep`` fails with EINVAL, and a node under a fake clock runs
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
 from collections.abc import Callable, Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -141,19 +143,16 @@ def private_cluster_factory() -> Iterator[Callable[..., LocalCluster]]:
         find_bindir()
     except LocalPgError as exc:
         pytest.skip(f"needs the PostgreSQL server binaries (Debian package postgresql): {exc}")
-    stacks: list[Any] = []
+    with contextlib.ExitStack() as clusters:
 
-    def make(**settings: str) -> LocalCluster:
-        manager = throwaway_cluster("jobd-fault-pg-", settings=settings)
-        cluster = manager.__enter__()
-        stacks.append(manager)
-        with connect(cluster.url, autocommit=True) as conn:
-            migrate(conn, "jobd")
-        return cluster
+        def make(**settings: str) -> LocalCluster:
+            cluster = clusters.enter_context(
+                throwaway_cluster("jobd-fault-pg-", settings=settings))
+            with connect(cluster.url, autocommit=True) as conn:
+                migrate(conn, "jobd")
+            return cluster
 
-    yield make
-    for manager in reversed(stacks):
-        manager.__exit__(None, None, None)
+        yield make
 
 
 # --- a node under a fake clock ---------------------------------------------------------
@@ -224,12 +223,9 @@ def run_under(daemon: Daemon, clock: FakeClock) -> Daemon:
     return daemon
 
 
-
 def logged_clock_skew(daemon: Daemon) -> float:
     """How far ahead of ours the node's wall clock ran when it wrote its latest log line
     (structlog stamps every line with it); the line may be a few seconds old."""
-    from datetime import datetime
-
     stamps = [e["timestamp"] for e in daemon.entries() if "timestamp" in e]
     assert stamps, f"no log line with a timestamp\n{daemon.tail()}"
     return datetime.fromisoformat(str(stamps[-1]).replace("Z", "+00:00")).timestamp() \
