@@ -114,6 +114,23 @@ def through_python(conn: psycopg.Connection, job: dict[str, Any]) -> int | str:
         return str(exc)
 
 
+def through_batch(conn: psycopg.Connection, job: dict[str, Any]) -> int | str:
+    """The new job's id through enqueue_many (ids reserved, rows copied in), or the
+    ValueError's message."""
+    if job["delay"] is not None:
+        return through_python(conn, job)  # a JobSpec has run_at, not delay
+    spec = jobd.JobSpec(job["handler"], job["payload"], job["lane"], None, job["priority"],
+                        job["idempotency_key"], job["max_attempts"])
+    try:
+        with conn.transaction():
+            [job_id] = jobd.enqueue_many(conn, [spec])
+    except ValueError as exc:
+        return str(exc)
+    row = conn.execute("SELECT payload FROM jobd.jobs WHERE id = %s", (job_id,)).fetchone()
+    assert row is not None and same_json(row[0], job["payload"]), row
+    return job_id
+
+
 def through_sql(conn: psycopg.Connection, job: dict[str, Any]) -> int | str:
     """The new job's id, or the server's message for SQLSTATE 22023 (or another data
     exception of class 22)."""
@@ -167,6 +184,9 @@ def test_python_and_sql_accept_and_refuse_the_same_jobs_and_store_them_exactly(
             assert row is not None and same_json(row[2], job["payload"]), row
             assert row[:2] + row[3:] == (job["handler"], job["lane"], job["priority"],
                                          job["idempotency_key"], job["max_attempts"])
+    with rolled_back(conn):
+        by_batch = through_batch(conn, job)
+    assert isinstance(by_python, int) == isinstance(by_batch, int), (by_python, by_batch)
     if not sql_can_carry(job):
         # Refused before reaching SQL (non-UTF-8 text, NaN, a 64-bit integer...).
         assert isinstance(by_python, str)
