@@ -114,6 +114,18 @@ def test_workers_of_a_killed_supervisor_give_their_jobs_to_the_other_node(
     assert_invariants(conn, ids, context=alpha.tail())
 
 
+def open_handler_transactions(conn: psycopg.Connection, node: str) -> int:
+    """Transactional handlers of ``node`` inside their transaction: their backend carries
+    the lease in application_name (jobd.recovery)."""
+    row = conn.execute(
+        "SELECT count(*) FROM pg_stat_activity AS a JOIN jobd.jobs AS j"
+        " ON a.application_name = 'jobd job ' || j.id || ':' || j.lease_token"
+        " WHERE j.claimed_by LIKE %s AND a.state = 'idle in transaction'",
+        (f"{node}%",)).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
 def scheduled_jobs(conn: psycopg.Connection) -> list[int]:
     return [row[0] for row in conn.execute(
         "SELECT job_id FROM jobd.schedule_fires WHERE schedule_id = %s AND job_id IS NOT NULL",
@@ -127,7 +139,9 @@ def test_a_node_frozen_past_its_leases_loses_its_jobs_and_its_late_results(
     alpha, beta = two_nodes(daemons)
     # Each job holds its transaction long enough for the freeze to land inside it.
     ids = enqueue_load(conn, 120, hold=0.3)
-    wait_until(lambda: claimed_by_node(conn, "alpha") >= 4, 30, message="alpha to hold jobs")
+    # Frozen with a handler's transaction open: its effect written, not committed.
+    wait_until(lambda: open_handler_transactions(conn, "alpha") >= 1, 30,
+               message="alpha to be inside a handler's transaction")
     os.killpg(alpha.pid, signal.SIGSTOP)
     try:
         frozen = claimed_by_node(conn, "alpha")
