@@ -8,9 +8,10 @@ consistent story:
 - nothing stuck: no job stays 'claimed' past its lease (the sweep must have taken it back);
 - attempts match the error history: each failed attempt left one entry, numbered 1, 2, ...,
   so a job's attempt counter equals its failures (plus the running or finishing attempt);
-- the schedule ledger is consistent: every 'enqueued' fire names a job whose key and run_at
-  match the occurrence, no job is named twice, no schedule job exists without its fire, and
-  nothing was fired before it was due by the database clock;
+- the schedule ledger is consistent: every 'enqueued' fire names a job whose key (and,
+  until a retry moves it, run_at) match the occurrence, no job is named twice, no schedule
+  job exists without its fire, and nothing was fired before it was due by the database
+  clock;
 - exactly one effect per transactional job: a finished job has one effect row and one
   processed key, an unfinished one none.
 
@@ -120,7 +121,8 @@ def schedule_ledger_consistent(conn: psycopg.Connection) -> list[str]:
                 AND (j.id IS NULL
                      OR j.idempotency_key IS DISTINCT FROM
                         'jobd:schedule:' || f.schedule_id || ':' || f.occurrence
-                     OR j.run_at <> f.fire_at
+                     -- a retry moves run_at; until one, the job is due at the fire
+                     OR (j.run_at <> f.fire_at AND j.errors = '[]'::jsonb)
                      OR j.handler IS DISTINCT FROM s.handler))
             OR (f.outcome = 'skipped_overlap' AND f.job_id IS NOT NULL)
          LIMIT 5""")
