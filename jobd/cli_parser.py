@@ -42,6 +42,7 @@ from jobd.commands_jobs import (
 )
 from jobd.commands_schedules import cmd_schedules_list, cmd_schedules_next, cmd_schedules_toggle
 from jobd.db import DEFAULT_SCHEMA
+from jobd.errors import printable
 
 EPILOG = """\
 connection: --database-url, else $JOBD_DATABASE_URL, else database.url in the config file
@@ -62,7 +63,7 @@ class _Parser(argparse.ArgumentParser):
     """Reports usage errors in one line with exit code 2."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+        self.exit(2, f"{self.prog}: {printable(message)} (see {self.prog} --help)\n")
 
 
 # --- parser --------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import yaml
 from jobd import validation, yamlcheck
 from jobd.backoff import Backoff, RetryPolicy
 from jobd.db import DEFAULT_SCHEMA, DEFAULT_SESSION, POOLER_MODES, SessionSettings
-from jobd.errors import ConfigError
+from jobd.errors import ConfigError, printable
 from jobd.yamlcheck import parse_duration
 
 __all__ = ["Config", "LaneConfig", "ScheduleConfig", "load", "parse", "parse_duration"]
@@ -252,7 +252,7 @@ def _build(root: yamlcheck.Located, path: str | None) -> Config:
         if name == validation.OUTBOX_HANDLER:
             yamlcheck.fail(line, f"handlers.{name}", "this name is reserved for outbox delivery")
         target = handler_section.take(name, yamlcheck.string)
-        if not _IMPORT_PATH.match(target):
+        if target is None or not _IMPORT_PATH.fullmatch(target):  # None: `name: null`
             yamlcheck.fail(line, f"handlers.{name}",
                            f"must be an import path module:function, not {target!r}")
         handlers[name] = target
@@ -338,7 +338,8 @@ def _senders(section: yamlcheck.Section) -> dict[str, str]:
     for name in list(section.items):
         line = section.items[name].line
         target = section.take(name, yamlcheck.string)
-        if not validation.is_name(name) or not _IMPORT_PATH.match(target):
+        if (not validation.is_name(name) or target is None
+                or not _IMPORT_PATH.fullmatch(target)):
             yamlcheck.fail(line, f"outbox.senders.{name}",
                            f"must be name: module:function, not {name}: {target!r}")
         senders[name] = target
@@ -350,17 +351,23 @@ def parse(text: str, source: str = "<config>") -> Config:
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{source}:{mark.line + 1}" if mark else source
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise ConfigError(f"{where}: invalid YAML: {problem}") from None
+        raise ConfigError(_invalid_yaml(exc, source)) from None
     if node is None:
         return Config(path=source)
     try:
         return _build(yamlcheck.plain(node), source)
     except yamlcheck.Invalid as exc:
-        key = f" {exc.path}:" if exc.path else ""
-        raise ConfigError(f"{source}:{exc.line}:{key} {exc.message}") from None
+        key = f" {printable(exc.path)}:" if exc.path else ""
+        raise ConfigError(f"{source}:{exc.line}:{key} {printable(exc.message)}") from None
+
+
+def _invalid_yaml(exc: yaml.YAMLError, source: str) -> str:
+    """One line: the file, the line when YAML knows it, and the problem without the
+    excerpt of the document that PyYAML appends on lines of their own."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    where = f"{source}:{mark.line + 1}" if mark else source
+    problem = getattr(exc, "problem", None) or str(exc).strip().splitlines()[0]
+    return f"{where}: invalid YAML: {' '.join(str(problem).split())}"
 
 
 def load(path: str | Path) -> Config:

@@ -116,7 +116,7 @@ def application_name(role: str, *, node: str | None = None, detail: str = "") ->
 
 
 def validate_schema(schema: str) -> str:
-    if not _SCHEMA_NAME.match(schema):
+    if not _SCHEMA_NAME.fullmatch(schema):
         raise UsageError(
             f"invalid schema name {schema!r}: use lower-case letters, digits and _ "
             "(at most 63, not starting with a digit)"

@@ -21,3 +21,11 @@ class ConfigError(UsageError):
 
 class DatabaseUnavailable(UsageError):
     """The database could not be reached with the URL given (exit code 2: fix the URL)."""
+
+
+def printable(text: str) -> str:
+    """``text`` with each character that is not printable (a newline, a carriage return,
+    U+0085...) written as its escape: a message that echoes a user's input stays one line."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)

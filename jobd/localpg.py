@@ -65,6 +65,9 @@ class LocalCluster:
     # Extra environment for the server processes (e.g. LD_PRELOAD of libfaketime, so a
     # drill can move the server's clock); empty for an ordinary cluster.
     server_env: dict[str, str] = field(default_factory=dict)
+    # Server settings passed on the command line after jobd's own (later ones win), e.g. a
+    # fault test's {"max_connections": "400"}.
+    settings: dict[str, str] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -119,14 +122,30 @@ class LocalCluster:
             return self.url
         self.socket_dir.mkdir(exist_ok=True)
         self._give_to_owner(self.socket_dir)
-        log = self.datadir / "server.log"
+        self._run([*self._env(), str(bindir / "pg_ctl"), "-D", str(self.datadir), "-l",
+                   str(self.datadir / "server.log"), "-o", self._options(), "-w", "-t", "60",
+                   "start"])
+        return self.url
+
+    def _options(self) -> str:
         options = (f"-p {self.port} -c listen_addresses=127.0.0.1 "
                    f"-c unix_socket_directories={self.socket_dir} -c fsync=on "
                    "-c max_connections=200")
-        env = ["env", *(f"{key}={value}" for key, value in self.server_env.items())]
-        self._run([*(env if self.server_env else []), str(bindir / "pg_ctl"), "-D",
-                   str(self.datadir), "-l", str(log), "-o", options, "-w", "-t", "60", "start"])
-        return self.url
+        return " ".join([options, *(f"-c {name}={value}" for name, value in
+                                    self.settings.items())])
+
+    def _env(self) -> list[str]:
+        if not self.server_env:
+            return []
+        return ["env", *(f"{key}={value}" for key, value in self.server_env.items())]
+
+    def restart(self, mode: str = "fast") -> None:
+        """Restart the running cluster; ``mode`` is pg_ctl's shutdown mode (``immediate``
+        is a crash: no checkpoint, the server recovers from its WAL on the way up)."""
+        bindir = find_bindir()
+        self._run([*self._env(), str(bindir / "pg_ctl"), "-D", str(self.datadir), "-l",
+                   str(self.datadir / "server.log"), "-o", self._options(), "-m", mode,
+                   "-w", "-t", "60", "restart"])
 
     def stop(self) -> None:
         if not self.initialized():
@@ -142,14 +161,16 @@ def _stderr(message: str) -> None:
 @contextlib.contextmanager
 def throwaway_cluster(prefix: str, *, start: bool = True, keep: bool = False,
                       log: Callable[[str], None] = _stderr,
-                      server_env: dict[str, str] | None = None) -> Iterator[LocalCluster]:
+                      server_env: dict[str, str] | None = None,
+                      settings: dict[str, str] | None = None) -> Iterator[LocalCluster]:
     """A cluster in a fresh temp directory on a free port, started unless ``start`` is
     false; stopped and removed at the end, also on an error. ``keep`` leaves the directory
-    (data, server log) behind; ``server_env`` is added to the server's environment."""
+    (data, server log) behind; ``server_env`` is added to the server's environment,
+    ``settings`` to its command line."""
     root = Path(tempfile.mkdtemp(prefix=prefix))
     # As root the cluster belongs to postgres, which must be able to reach its data directory.
     root.chmod(0o755)
-    cluster = LocalCluster(root / "pg", free_port(), dict(server_env or {}))
+    cluster = LocalCluster(root / "pg", free_port(), dict(server_env or {}), dict(settings or {}))
     try:
         if start:
             cluster.start()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import re
 from datetime import UTC, datetime
+from decimal import Decimal
 from typing import Any
 
 # Names that Python and SQL share. Python spells each of them here and nowhere else (this
@@ -52,7 +53,7 @@ _NUL_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 
 def is_name(value: object) -> bool:
     """Whether ``value`` may name a lane, handler, schedule, node or sender."""
-    return isinstance(value, str) and NAME_RULE.match(value) is not None
+    return isinstance(value, str) and NAME_RULE.fullmatch(value) is not None
 
 
 def name(kind: str, value: object) -> str:
@@ -113,7 +114,21 @@ def encode_payload(payload: Any) -> str:
         raise ValueError(f"payload cannot be stored as JSON: {exc}") from None
     if _NUL_ESCAPE.search(text):
         raise ValueError("payload strings must not contain NUL characters (\\u0000)")
-    return text
+    return _spell_out_exponents(text) if "e+" in text else text
+
+
+# A JSON string, or a number with a positive exponent (only floats are written so).
+_STRING_OR_EXPONENT = re.compile(r'"(?:[^"\\]|\\.)*"|-?\d+(?:\.\d+)?e\+\d+')
+
+
+def _spell_out_exponents(text: str) -> str:
+    """jsonb keeps numbers as numeric and prints them without an exponent, so a float whose
+    shortest repr has one (7.061036108043807e+16) would come back as the integer that repr
+    spells: another type and, past 2**53, another value (70610361080438070, not the float's
+    70610361080438064). Written out with a fractional digit it comes back as the same
+    float."""
+    return _STRING_OR_EXPONENT.sub(
+        lambda m: m[0] if m[0].startswith('"') else f"{Decimal(m[0]):f}.0", text)
 
 
 def _check_depth(payload: Any) -> None:

@@ -42,12 +42,35 @@ W = TypeVar("W", bound=Wakeable)
 
 class WakeRouter:
     def __init__(self) -> None:
-        self.db_clock_offset = 0.0  # database epoch minus local epoch
+        # The database clock, kept as an offset from the monotonic clock and never from the
+        # wall clock: a step of this node's wall clock (NTP, a resumed VM, an operator) must
+        # not move the timers between two measurements. Until the first measurement, the
+        # wall clock is taken to be right.
+        self._db_minus_monotonic = time.time() - time.monotonic()
         self._at: dict[str, float] = {}  # lane -> monotonic instant of its earliest due work
         self._now: dict[str, int | None] = {}  # lane -> jobs due (None: wake every worker)
         self._suspects: set[str] = set()
         self._suspects_at: list[tuple[float, str]] = []  # (monotonic instant, lane), a heap
         self._news: dict[str, set[bytes]] = {}  # lane -> bytes for every worker of it
+
+    # --- the database clock ------------------------------------------------------------
+
+    def measured_db_clock(self, db_epoch: float) -> None:
+        """The database clock reads ``db_epoch`` now (a node heartbeat's round trip)."""
+        self._db_minus_monotonic = db_epoch - time.monotonic()
+
+    def db_epoch(self, now: float | None = None) -> float:
+        """The database clock at monotonic instant ``now`` (default: now), as last measured."""
+        return (time.monotonic() if now is None else now) + self._db_minus_monotonic
+
+    @property
+    def db_clock_offset(self) -> float:
+        """Database epoch minus this node's wall-clock epoch, now."""
+        return self.db_epoch() - time.time()
+
+    @db_clock_offset.setter
+    def db_clock_offset(self, offset: float) -> None:
+        self.measured_db_clock(time.time() + offset)
 
     # --- what is due ----------------------------------------------------------------------
 
@@ -103,7 +126,7 @@ class WakeRouter:
     def monotonic_at(self, at_epoch: float, now: float | None = None) -> float:
         """The monotonic instant by which ``at_epoch`` (database clock) has passed."""
         now = time.monotonic() if now is None else now
-        delay = at_epoch + WAKE_MARGIN - (time.time() + self.db_clock_offset)
+        delay = at_epoch + WAKE_MARGIN - self.db_epoch(now)
         return now + max(0.0, delay)
 
     def next_moment(self) -> float:

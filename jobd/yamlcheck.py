@@ -62,7 +62,7 @@ def plain(node: yaml.Node, path: str = "") -> Located:
         mapping: dict[str, Located] = {}
         for key_node, value_node in node.value:
             key_line = key_node.start_mark.line + 1
-            key = yaml.safe_load(yaml.serialize(key_node))
+            key = _scalar(key_node, key_line, path)
             if not isinstance(key, str):
                 raise Invalid(key_line, path, f"keys must be strings, not {key!r}")
             key_path = f"{path}.{key}" if path else key
@@ -74,7 +74,19 @@ def plain(node: yaml.Node, path: str = "") -> Located:
     if isinstance(node, yaml.SequenceNode):
         return Located([plain(item, f"{path}[{i}]") for i, item in enumerate(node.value)],
                         line)
-    return Located(yaml.safe_load(yaml.serialize(node)), line)
+    return Located(_scalar(node, line, path), line)
+
+
+def _scalar(node: yaml.Node, line: int, path: str) -> Any:
+    """The value of a scalar node. Composing the document accepted what constructing the
+    value may still refuse: a tag the safe loader does not know (!!python/object), a lone
+    "!"."""
+    try:
+        return yaml.safe_load(yaml.serialize(node))
+    except yaml.YAMLError as exc:
+        problem = getattr(exc, "problem", None) or str(exc).strip().splitlines()[0]
+        raise Invalid(line, path, f"invalid YAML value: {' '.join(str(problem).split())}"
+                      ) from None
 
 
 class Invalid(Exception):

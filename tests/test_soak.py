@@ -23,6 +23,7 @@ import psycopg
 import pytest
 import soak_support
 from daemon_support import Daemon, wait_until
+from faults.invariants import assert_invariants
 from soak_support import Chaos
 
 import jobd
@@ -116,6 +117,10 @@ def test_ten_thousand_jobs_under_sigkill_and_backend_termination_have_one_effect
     assert scalar(conn, "SELECT count(*) FROM processed_keys") == JOBS, report
     # Every effect belongs to a job, and every key was executed at least once.
     assert set(executions) == {f"soak-{n:05d}" for n in range(JOBS)}, report
+
+    # The fault suite's invariants: nothing lost or stuck, attempts matching each job's error
+    # history (every kill and termination left one entry), one effect per job.
+    assert_invariants(conn, ids, context=report)
 
     # The faults must have happened, or the run proves nothing.
     assert counts.errors == [], report

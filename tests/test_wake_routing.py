@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import pytest
+
 from jobd import protocol
 from jobd.wake_routing import WakeRouter, choose
 from jobd.wakeup import Wakeup
@@ -89,3 +91,16 @@ def test_suspects_tell_every_serving_worker_to_look_now_or_later() -> None:
     router.suspects_due("b", time.time() + 3.0)
     assert pokes(router, [a, b], now) == []
     assert pokes(router, [a, b], now + 3.5) == [(b, protocol.SUSPECTS)]
+
+
+def test_a_step_of_the_wall_clock_does_not_move_timers(monkeypatch: pytest.MonkeyPatch) -> None:
+    router = WakeRouter()
+    real_time = time.time
+    db_now = real_time() + 2.0
+    router.measured_db_clock(db_now)  # the database clock is 2 s ahead of ours
+    for step in (-3600.0, 3600.0):  # NTP steps this node's clock back, then forward
+        monkeypatch.setattr(time, "time", lambda step=step: real_time() + step)
+        now = time.monotonic()
+        router.due_at("a", real_time() + 2.0 + 5.0)  # due in 5 s by the database clock
+        assert 4.9 < router.next_moment() - now < 5.2
+        router.route([], now + 6.0)  # consumes the timer

@@ -60,7 +60,7 @@ class Materializer(Duty):
         if result.next_fire_at is None:
             self.next_tick = NEVER
             return
-        delay = result.next_fire_at.timestamp() - (time.time() + self.router.db_clock_offset)
+        delay = result.next_fire_at.timestamp() - self.router.db_epoch()
         self.next_tick = time.monotonic() + max(TIMER_FLOOR, delay)
 
     def rolled_back(self) -> None:

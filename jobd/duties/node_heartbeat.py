@@ -8,7 +8,6 @@ a random suffix), so two daemons given the same ``node.name`` never share one.""
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable, Iterable
 
 import psycopg
@@ -48,7 +47,7 @@ class NodeHeartbeat(Periodic):
             "interval": self.interval(),
             "listening": self.listening()}).fetchone()
         if row is not None:
-            self.router.db_clock_offset = float(row[0]) - time.time()
+            self.router.measured_db_clock(float(row[0]))
 
     def stop(self, conn: psycopg.Connection) -> None:
         conn.execute(query("node_leave"), {"instance": self.instance})

@@ -1,0 +1,264 @@
+"""Database faults under load: storms of pg_terminate_backend against every jobd connection,
+a crash restart (pg_ctl restart -m immediate) of a private cluster, and a server whose
+connection slots are taken by 300 idle clients and then exhausted.
+
+The soak (tests/test_soak.py) terminates one worker backend every couple of seconds; a storm
+ends every jobd connection, the supervisor's and the listener's included, many times a
+second, so the reconnect paths are taken while the others are still reconnecting.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+
+import daemon_support
+import psycopg
+import pytest
+from daemon_support import Daemon, wait_until
+from fault_support import (
+    LANE,
+    create_effects_table,
+    done_count,
+    enqueue_load,
+    fault_config,
+    prepare,
+    private_cluster_factory,
+    wait_all_done,
+)
+from invariants import assert_invariants
+
+from jobd.db import connect
+from jobd.localpg import LocalCluster
+
+daemons = daemon_support.daemons
+private_cluster = private_cluster_factory
+
+pytestmark = pytest.mark.slow
+
+Daemons = Callable[..., Daemon]
+
+TERMINATE_ALL = """
+SELECT application_name, pg_terminate_backend(pid) FROM pg_stat_activity
+ WHERE datname = current_database() AND application_name LIKE 'jobd %%'
+   AND pid <> pg_backend_pid()
+"""
+
+
+class Storm(threading.Thread):
+    """Terminates every jobd backend of the database every ``every`` seconds until stopped;
+    counts the terminations by application_name."""
+
+    def __init__(self, url: str, every: float = 0.2) -> None:
+        super().__init__(name="terminate-storm", daemon=True)
+        self.url = url
+        self.every = every
+        self.terminated: dict[str, int] = {}
+        self.rounds = 0
+        self.errors: list[str] = []
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        try:
+            with psycopg.connect(self.url, autocommit=True,
+                                 application_name="fault storm") as conn:
+                while not self._stop_event.wait(self.every):
+                    self.rounds += 1
+                    for name, ok in conn.execute(TERMINATE_ALL).fetchall():
+                        if ok:
+                            self.terminated[str(name)] = self.terminated.get(str(name), 0) + 1
+        except Exception as exc:  # reported by the test through self.errors
+            self.errors.append(f"{type(exc).__name__}: {exc}")
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(30)
+        assert not self.is_alive(), "the storm did not stop"
+
+
+def test_a_storm_of_backend_terminations_loses_and_doubles_nothing(
+    daemons: Daemons, conn: psycopg.Connection, db_url: str
+) -> None:
+    create_effects_table(conn)
+    daemon = prepare(daemons(name="storm")).start(fault_config())
+    daemon.wait_workers_started(LANE, 2, timeout=30)
+    ids = enqueue_load(conn, 300, hold=0.02)
+    wait_until(lambda: done_count(conn, ids) >= 20, 30, message="the load to start")
+    storm = Storm(db_url)
+    storm.start()
+    try:
+        # Storm for as long as the supervisor and workers have each been hit a few times.
+        wait_until(lambda: (storm.rounds >= 15 and len(storm.terminated) >= 3)
+                   or not storm.is_alive(), 60, message=lambda: f"the storm: {storm.terminated}")
+    finally:
+        storm.stop()
+    assert storm.errors == []
+    names = set(storm.terminated)
+    assert any(name.startswith("jobd supervisor") for name in names), names
+    assert any(name.startswith("jobd listener") for name in names), names
+    wait_all_done(conn, ids, 90, daemon)
+    assert daemon.running(), daemon.tail()
+    assert_invariants(conn, ids, context=f"{storm.terminated}\n{daemon.tail()}")
+
+
+@pytest.fixture
+def cluster(private_cluster: Callable[..., LocalCluster]) -> LocalCluster:
+    return private_cluster()
+
+
+def test_a_crash_restart_of_the_server_loses_and_doubles_nothing(
+    daemons: Daemons, cluster: LocalCluster
+) -> None:
+    with connect(cluster.url, autocommit=True) as setup:
+        create_effects_table(setup)
+        ids = enqueue_load(setup, 300, hold=0.02)
+    daemon = prepare(daemons(name="crash"))
+    daemon.db_url = cluster.url
+    daemon.start(fault_config())
+    daemon.wait_workers_started(LANE, 2, timeout=30)
+    with connect(cluster.url, autocommit=True) as watcher:
+        wait_until(lambda: done_count(watcher, ids) >= 20, 30, message="the load to start")
+    mark = daemon.mark()
+    cluster.restart("immediate")  # every backend killed, no checkpoint: crash recovery
+    daemon.wait_for_log("database unavailable", process=None, since=mark, timeout=30)
+    with connect(cluster.url, autocommit=True) as conn:
+        wait_all_done(conn, ids, 120, daemon)
+        assert daemon.running(), daemon.tail()
+        assert_invariants(conn, ids, context=daemon.tail())
+
+
+RESTARTS = 5
+
+
+def wait_done_at_least(url: str, ids: list[int], count: int, daemon: Daemon) -> None:
+    with connect(url, autocommit=True) as conn:
+        wait_until(lambda: done_count(conn, ids) >= count, 120, interval=0.2,
+                   message=lambda: f"{count} jobs done\n{daemon.tail()}")
+
+
+@pytest.mark.slow_fault
+def test_repeated_crash_restarts_under_a_larger_load_lose_and_double_nothing(
+    daemons: Daemons, cluster: LocalCluster
+) -> None:
+    """The long version of the crash restart: two nodes, 3,000 jobs, a crash restart each
+    time another sixth of them is done."""
+    jobs = 3000
+    with connect(cluster.url, autocommit=True) as setup:
+        create_effects_table(setup)
+        ids = enqueue_load(setup, jobs, hold=0.01)
+    nodes = []
+    for name in ("crash-a", "crash-b"):
+        daemon = prepare(daemons(name=name))
+        daemon.db_url = cluster.url
+        nodes.append(daemon.start(fault_config(name)))
+    for daemon in nodes:
+        daemon.wait_workers_started(LANE, 2, timeout=60)
+    for restart in range(1, RESTARTS + 1):
+        wait_done_at_least(cluster.url, ids, restart * jobs // (RESTARTS + 1), nodes[0])
+        cluster.restart("immediate")
+    with connect(cluster.url, autocommit=True) as conn:
+        wait_all_done(conn, ids, 180, *nodes)
+        assert all(d.running() for d in nodes), nodes[0].tail()
+        assert_invariants(conn, ids, context=nodes[0].tail())
+
+
+# --- connection slots ------------------------------------------------------------------
+
+IDLE_CLIENTS = 300
+SPARE_SLOTS = 30  # what jobd's one node (2 workers x 4 handlers, supervisor, listener) needs
+
+
+def open_connections(url: str, count: int | None) -> list[psycopg.Connection]:
+    """``count`` idle connections, or as many as the server accepts when None."""
+    held: list[psycopg.Connection] = []
+    while count is None or len(held) < count:
+        try:
+            held.append(psycopg.connect(url, autocommit=True, connect_timeout=5,
+                                        application_name="idle client"))
+        except psycopg.OperationalError as exc:
+            if count is None and "too many clients" in str(exc):
+                return held
+            raise
+    return held
+
+
+def jobd_backends(conn: psycopg.Connection) -> int:
+    row = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE"
+                       " 'jobd %%'").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def squeeze_out_jobd(conn: psycopg.Connection, url: str,
+                     filler: list[psycopg.Connection]) -> None:
+    """Take every free slot and end jobd's connections until jobd holds none and no slot
+    is free."""
+
+    def squeezed() -> bool:
+        filler.extend(open_connections(url, None))
+        if jobd_backends(conn) == 0:
+            return True
+        conn.execute(TERMINATE_ALL)
+        return False
+
+    wait_until(squeezed, 30, interval=0.02, message="jobd to be left without a slot")
+
+
+@pytest.fixture
+def crowded_cluster(private_cluster: Callable[..., LocalCluster]
+                    ) -> Iterator[tuple[LocalCluster, list[psycopg.Connection]]]:
+    """A cluster with room for jobd and 300 idle clients, the clients connected."""
+    cluster = private_cluster(max_connections=str(IDLE_CLIENTS + SPARE_SLOTS))
+    idle = open_connections(cluster.url, IDLE_CLIENTS)
+    try:
+        yield cluster, idle
+    finally:
+        for client in idle:
+            client.close()
+
+
+def test_idle_clients_and_then_exhausted_slots_degrade_jobd_with_clear_errors_and_it_recovers(
+    daemons: Daemons, crowded_cluster: tuple[LocalCluster, list[psycopg.Connection]]
+) -> None:
+    cluster, idle = crowded_cluster
+    conn = idle[0]  # one of the idle clients does the test's own queries
+    create_effects_table(conn)
+    daemon = prepare(daemons(name="crowded"))
+    daemon.db_url = cluster.url
+    daemon.start(fault_config())
+    daemon.wait_workers_started(LANE, 2, timeout=30)
+    # Beside 300 idle clients, jobd works as usual.
+    first = enqueue_load(conn, 100, prefix="first")
+    wait_all_done(conn, first, 60, daemon)
+
+    # Every slot left is taken, and jobd's connections are ended until it has none: each
+    # slot a termination frees goes to another idle client or back to jobd, never back to
+    # a client, so jobd ends up with none.
+    mark = daemon.mark()
+    filler: list[psycopg.Connection] = []
+    try:
+        squeeze_out_jobd(conn, cluster.url, filler)
+        second = enqueue_load(conn, 100, prefix="second")
+        refused = daemon.wait_for_log(
+            "database unavailable", lambda e: "too many clients" in str(e.get("error")),
+            process=None, since=mark, timeout=30)
+        assert "\n" not in str(refused["error"]), "one line, no traceback"
+        assert daemon.running(), daemon.tail()
+        assert done_count(conn, second) == 0  # without a connection, jobd claims nothing
+        # A node started now cannot connect either: it exits (for its service manager to
+        # start it again) saying why, in one line.
+        latecomer = prepare(daemons(name="latecomer"))
+        latecomer.db_url = cluster.url
+        latecomer.start(fault_config("latecomer"))
+        assert latecomer.wait_exit(30) == 2
+        [line] = latecomer.log_path.read_text().splitlines()
+        assert line.startswith("jobd: cannot connect to the database") \
+            and "too many clients" in line, line
+    finally:
+        for client in filler:
+            client.close()
+    # The slots are free again: jobd reconnects and finishes everything.
+    wait_all_done(conn, second, 90, daemon)
+    assert daemon.running(), daemon.tail()
+    assert sum(1 for client in idle if not client.closed) == IDLE_CLIENTS
+    assert_invariants(conn, first + second, context=daemon.tail())
