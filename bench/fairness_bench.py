@@ -4,7 +4,7 @@ and the drain, and what it does to the waits of a saturated lane.
 Usage::
 
     .venv/bin/python -m bench.fairness_bench [--explain] [--drain] [--waits] [--rounds N]
-                                             [--json PATH] [--keep]
+                                             [--drain-jobs N] [--json PATH] [--keep]
 
 Without a mode it runs all three. Everything runs on bench/daemon_bench.py's private throwaway
 cluster (``synchronous_commit = on``, a freshly migrated ``jobd`` schema), with its daemon
@@ -33,15 +33,17 @@ runner and drain measurement.
     concurrency), with the jobs' fairness_key spread over 1, 10 and 1,000 keys: fair_by none
     (off) and fair_by handler (on: shares by fairness_key) in alternating order, and max_wait
     1s (fair_by none; it binds from the drain's second second on) at 1 key. Medians of
-    --rounds rounds; the ratio on/off per key count.
+    --rounds rounds (default 2); the ratio on/off per key count, and beside it the claim
+    statement's mean execution time on the server over each drain (pg_stat_statements).
 --waits
-    A saturated lane: 1 worker x concurrency 4 running a handler that sleeps 5 ms (at most
-    800 jobs/s), offered 1,000 jobs/s for 15 s by one enqueuer (a batch every 10 ms);
+    A saturated lane: 1 worker x concurrency 2 running a handler that sleeps 5 ms (at most
+    400 jobs/s), offered 600 jobs/s for 10 s by one enqueuer (a batch every 10 ms);
     priorities 9 / 5 / 0 for 20 / 30 / 50 % of the jobs, fairness key ``herd`` for 80 % and
-    ``small-1`` .. ``small-4`` for 5 % each (seeded, the same jobs for both contenders).
-    Once with max_wait 3s and fair_by handler, once with both off. The wait of a job is
-    claimed_at - run_at (jobs_archive); p50, p95, p99, max and count per priority and per
-    key, on vs off.
+    ``small-1`` .. ``small-4`` for 5 % each (seeded, the same jobs for every contender).
+    Contenders: both off; max_wait 3s alone; max_wait 3s and fair_by handler. After the offer
+    the daemon gets 45 s to empty the queue; jobs still unclaimed then count with the wait
+    they had (a lower bound) and are listed as unclaimed. The wait of a job is
+    claimed_at - run_at (jobs_archive); p50, p95, p99, max and count per priority and per key.
 
 Output: a header, the figures on stdout, progress on stderr; with --json, every figure and
 setting as one JSON document.
