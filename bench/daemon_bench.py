@@ -277,9 +277,13 @@ def environment(statements: bool, keep: bool) -> Iterator[Env]:
 
 
 def write_config(env: Env, name: str, lanes: dict[str, tuple[int, int]],
-                 metrics_listen: str | None = None) -> Path:
+                 metrics_listen: str | None = None, *,
+                 lane_options: dict[str, dict[str, Any]] | None = None,
+                 handlers: dict[str, str] | None = None) -> Path:
     """A config with the bench handlers and ``lanes``: name -> (workers, concurrency); with
-    ``metrics_listen``, the daemon serves its Prometheus metrics there."""
+    ``metrics_listen``, the daemon serves its Prometheus metrics there. ``lane_options``:
+    lane -> further keys of that lane (``fair_by``, ``max_wait``, ...); ``handlers``: further
+    handlers, name -> ``module:function`` (a module written to ``env.handler_dir``)."""
     lines = [
         "database:",
         f"  schema: {SCHEMA}",
@@ -292,11 +296,15 @@ def write_config(env: Env, name: str, lanes: dict[str, tuple[int, int]],
         "handlers:",
         f"  stamp: {HANDLER_MODULE}:stamp",
         f"  noop: {HANDLER_MODULE}:noop",
+        *(f"  {handler}: {path}" for handler, path in (handlers or {}).items()),
         "lanes:",
     ]
     for lane, (workers, concurrency) in lanes.items():
         lines += [f"  {lane}:", f"    workers: {workers}", f"    concurrency: {concurrency}",
                   f"    visibility_timeout: {VISIBILITY_TIMEOUT_S:g}s"]
+        # JSON scalars are YAML.
+        lines += [f"    {key}: {json.dumps(value)}"
+                  for key, value in (lane_options or {}).get(lane, {}).items()]
     path = env.config_dir / f"{name}.yaml"
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -747,15 +755,22 @@ def drain_name(workers: int, concurrency: int) -> str:
 
 
 def measure_drain(env: Env, workers: int, concurrency: int, round_no: int,
-                  metrics_listen: str | None = None) -> dict[str, Any]:
+                  metrics_listen: str | None = None, *,
+                  lane_options: dict[str, Any] | None = None,
+                  specs: Sequence[jobd.JobSpec] | None = None,
+                  label: str | None = None) -> dict[str, Any]:
     """With ``metrics_listen`` the daemon serves metrics and is scraped every second during
-    the drain, as Prometheus would."""
+    the drain, as Prometheus would. ``lane_options`` adds keys to the lane's config,
+    ``specs`` replaces the DRAIN_JOBS no-op jobs (bench/fairness_bench.py: fair lanes and
+    jobs with fairness keys), ``label`` names the contender in files and the log."""
     reset_queue(env)
-    name = drain_name(workers, concurrency)
+    name = label or drain_name(workers, concurrency)
     stamps = env.scratch(f"drain-{name}-{round_no}")
     config = write_config(env, f"drain-{name}", {LANE: (workers, concurrency)},
-                          metrics_listen)
-    specs = [jobd.JobSpec("noop", {}, LANE) for _ in range(DRAIN_JOBS)]
+                          metrics_listen, lane_options={LANE: lane_options or {}})
+    if specs is None:
+        specs = [jobd.JobSpec("noop", {}, LANE) for _ in range(DRAIN_JOBS)]
+    total = len(specs)
     with Daemon(env, config, stamps, workers=workers) as daemon:
         time.sleep(DRAIN_SETTLE_S)
         reset_statements(env)
@@ -773,7 +788,7 @@ def measure_drain(env: Env, workers: int, concurrency: int, round_no: int,
                 # One transaction: the whole backlog becomes visible at once, with one
                 # wake-up notification at commit.
                 jobd.enqueue_many(conn, specs)
-            wait_drained(env, DRAIN_JOBS, interval=0.05)
+            wait_drained(env, total, interval=0.05)
         finally:
             sampler.finish()
             if scraper is not None:
@@ -791,8 +806,8 @@ def measure_drain(env: Env, workers: int, concurrency: int, round_no: int,
     first_start = min(firsts)
     seconds = last_finished - first_start
     result = {
-        "workers": workers, "concurrency": concurrency, "jobs": DRAIN_JOBS,
-        "seconds": round(seconds, 3), "jobs_per_s": DRAIN_JOBS / seconds,
+        "workers": workers, "concurrency": concurrency, "jobs": total,
+        "seconds": round(seconds, 3), "jobs_per_s": total / seconds,
         "workers_that_claimed": claimers,
         "peak_rss_mb": sampler.peak_kb / 1024.0,
         "peak_rss_parts_mb": [round(kb / 1024.0, 1) for kb in sampler.peak_parts],
@@ -803,7 +818,8 @@ def measure_drain(env: Env, workers: int, concurrency: int, round_no: int,
         result["scrapes"] = scraper.scrapes
     if statements:
         result["statements"] = statements
-    log(f"drain {workers}x{concurrency} round {round_no}: {result['jobs_per_s']:,.0f} jobs/s "
+    log(f"drain {name} {workers}x{concurrency} round {round_no}: "
+        f"{result['jobs_per_s']:,.0f} jobs/s "
         f"({seconds:.2f}s), peak RSS {result['peak_rss_mb']:.0f} MB "
         f"{result['peak_rss_parts_mb']}; other load {load['other_load_cores']:.2f} cores")
     return result
