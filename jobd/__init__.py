@@ -8,4 +8,4 @@ from jobd.producer import enqueue, enqueue_many
 
 __all__ = ["Job", "JobSpec", "cancel", "enqueue", "enqueue_many", "pause", "resume",
            "transactional"]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

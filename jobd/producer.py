@@ -66,8 +66,10 @@ def enqueue(
         idempotency_key, max_attempts, fairness_key,
     )
     encoded = spec.encoded_payload()
+    statement = ("enqueue_qualified" if spec.fairness_key is None
+                 else "enqueue_with_fairness_key_qualified")
     row = _tuples(conn).execute(
-        qualified("enqueue_qualified", schema),
+        qualified(statement, schema),
         {
             "handler": spec.handler,
             "payload": _stored_json(encoded),
@@ -118,15 +120,17 @@ def enqueue_many(
             to_insert.append((job_id, position))
         if keyed:
             _resolve_keys(conn, schema, specs, keyed, ids, to_insert)
-        with conn.cursor().copy(qualified("copy_jobs_qualified", schema)) as copy:
-            copy.set_types(_COPY_TYPES)
+        keyed_rows = any(spec.fairness_key is not None for spec in specs)
+        statement = ("copy_jobs_with_fairness_keys_qualified" if keyed_rows
+                     else "copy_jobs_qualified")
+        with conn.cursor().copy(qualified(statement, schema)) as copy:
+            copy.set_types(_COPY_TYPES if keyed_rows else _COPY_TYPES[:-1])
             for job_id, position in to_insert:
                 spec = specs[position]
-                copy.write_row((
-                    job_id, spec.lane, spec.handler, _stored_json(encoded[position]),
-                    spec.priority, spec.run_at or db_now, spec.idempotency_key,
-                    spec.max_attempts, spec.fairness_key,
-                ))
+                row = (job_id, spec.lane, spec.handler, _stored_json(encoded[position]),
+                       spec.priority, spec.run_at or db_now, spec.idempotency_key,
+                       spec.max_attempts)
+                copy.write_row((*row, spec.fairness_key) if keyed_rows else row)
     return [int(job_id) for job_id in ids if job_id is not None]
 
 

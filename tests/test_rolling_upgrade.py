@@ -59,7 +59,10 @@ def previous_release() -> str:
         return tags[0]
     newest = max(available(), key=lambda m: m.version)
     path = f"migrations/{newest.version:04d}_{newest.name}.sql"
-    added = git("log", "--diff-filter=A", "--format=%H", "--", path).splitlines()
+    # Along the first parents, against the first parent (-m): a migration that came in
+    # with a merge (or was renumbered by one) is added by that merge.
+    added = git("log", "--first-parent", "-m", "--diff-filter=A", "--format=%H", "--",
+                path).splitlines()
     # Not committed yet: the checked-out commit is the previous migration set.
     return f"{added[-1]}^" if added else "HEAD"
 

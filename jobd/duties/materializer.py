@@ -42,18 +42,18 @@ class Materializer(Duty):
         if not self.synced:
             schedules.report_sync(schedules.sync(conn, config.schedules, self.instance, ttl))
             self.synced = True
-            self._tick(conn)
+            self._tick(conn, now)
         if now >= self.next_refresh:
             self.next_refresh = now + config.duty_interval
-            self._tick(conn)
+            self._tick(conn, now)
             # After the tick: the refresh never waits for a schedule lock, so it cannot
             # close a lock cycle with the locks the tick took.
             schedules.refresh(conn, self.instance, config.schedules, ttl)
         elif now >= self.next_tick:
-            self._tick(conn)
+            self._tick(conn, now)
         self.next_at = min(self.next_refresh, self.next_tick)
 
-    def _tick(self, conn: psycopg.Connection) -> None:
+    def _tick(self, conn: psycopg.Connection, now: float) -> None:
         result = schedules.tick(conn)
         if result.enqueued:
             self.router.due_everywhere(self.config().lanes)
@@ -61,7 +61,8 @@ class Materializer(Duty):
             self.next_tick = NEVER
             return
         delay = result.next_fire_at.timestamp() - self.router.db_epoch()
-        self.next_tick = time.monotonic() + max(TIMER_FLOOR, delay)
+        # On the clock the duty runs on (``now``), as next_refresh is.
+        self.next_tick = now + max(TIMER_FLOOR, delay)
 
     def rolled_back(self) -> None:
         # A sync in the transaction that failed did not happen; try again shortly.

@@ -17,7 +17,14 @@
 
 -- name: enqueue_qualified
 -- The single-job path, also used on callers' own connections, so the schema is an identifier
--- supplied with psycopg.sql.
+-- supplied with psycopg.sql. Seven arguments, as before migration 0013: a producer upgraded
+-- before the database still enqueues (docs/upgrades.md).
+SELECT {schema}.enqueue(%(handler)s, %(payload)s, %(lane)s,
+                        coalesce(%(run_at)s, now() + make_interval(secs => %(delay)s)),
+                        %(priority)s, %(idempotency_key)s, %(max_attempts)s)
+
+-- name: enqueue_with_fairness_key_qualified
+-- enqueue_qualified for a job with a fairness key (migration 0013).
 SELECT {schema}.enqueue(%(handler)s, %(payload)s, %(lane)s,
                         coalesce(%(run_at)s, now() + make_interval(secs => %(delay)s)),
                         %(priority)s, %(idempotency_key)s, %(max_attempts)s, %(fairness_key)s)
@@ -41,6 +48,12 @@ RETURNING k.idempotency_key, k.job_id
 SELECT idempotency_key, job_id FROM {schema}.job_keys WHERE idempotency_key = ANY(%(keys)s::text[])
 
 -- name: copy_jobs_qualified
+-- Without fairness_key, as before migration 0013: a producer upgraded before the database
+-- still enqueues in bulk (docs/upgrades.md).
+COPY {schema}.jobs (id, lane, handler, payload, priority, run_at, idempotency_key, max_attempts)
+FROM STDIN (FORMAT BINARY)
+
+-- name: copy_jobs_with_fairness_keys_qualified
 COPY {schema}.jobs (id, lane, handler, payload, priority, run_at, idempotency_key, max_attempts,
                     fairness_key)
 FROM STDIN (FORMAT BINARY)
