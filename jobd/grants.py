@@ -51,6 +51,14 @@ def apply(conn: psycopg.Connection, schema: str, *, runtime: Iterable[str] = (),
     privileges on ``schema``. Runs inside the caller's (migrate's) transaction, with
     search_path set to ``schema``."""
     wanted = [(role, "runtime") for role in runtime] + [(role, "producer") for role in producer]
+    row = conn.execute(query("role_grants_exist")).fetchone()
+    if not (row and row[0]):
+        # A schema migrated only up to a set before 0014 (the ledger of grants came with it):
+        # nothing was ever recorded to grant again.
+        if wanted:
+            raise ValueError("this schema has no role_grants table yet: migrate it to the "
+                             "current set of migrations before granting roles")
+        return Granted()
     check_roles(conn, [role for role, _kind in wanted])
     for role, kind in wanted:
         conn.execute(query("record_role_grant"), {"role": role, "kind": kind})

@@ -1089,6 +1089,9 @@ SELECT set_config('application_name', %(application_name)s, true),
        set_config('idle_in_transaction_session_timeout', %(idle_timeout)s, true),
        set_config('statement_timeout', %(statement_timeout)s, true)
 
+-- name: role_grants_exist
+SELECT to_regclass('role_grants') IS NOT NULL
+
 -- name: role_exists
 SELECT to_regrole(%(role)s) IS NOT NULL
 
