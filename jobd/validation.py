@@ -66,32 +66,31 @@ def name(kind: str, value: object) -> str:
     return value
 
 
-def idempotency_key(value: object) -> str:
+def _key(kind: str, value: object, max_bytes: int) -> str:
+    """A non-empty string of at most ``max_bytes`` bytes of UTF-8 without NUL, or
+    ValueError naming ``kind``."""
     if not isinstance(value, str) or not value:
-        raise ValueError("idempotency_key must be a non-empty string")
+        raise ValueError(f"{kind} must be a non-empty string")
     if "\x00" in value:
-        raise ValueError("idempotency_key must not contain NUL characters")
+        raise ValueError(f"{kind} must not contain NUL characters")
     size = len(value.encode("utf-8", "surrogatepass"))
-    if size > MAX_KEY_BYTES:
-        raise ValueError(f"idempotency_key is {size} bytes; at most {MAX_KEY_BYTES} are allowed")
-    if value.startswith(RESERVED_KEY_PREFIX):
+    if size > max_bytes:
+        raise ValueError(f"{kind} is {size} bytes; at most {max_bytes} are allowed")
+    return value
+
+
+def idempotency_key(value: object) -> str:
+    key = _key("idempotency_key", value, MAX_KEY_BYTES)
+    if key.startswith(RESERVED_KEY_PREFIX):
         raise ValueError(f"idempotency keys starting with {RESERVED_KEY_PREFIX!r} are "
                          "reserved for jobd's own jobs")
-    return value
+    return key
 
 
 def fairness_key(value: object) -> str:
     """A job's fairness key (its share of a fair lane's claims), or ValueError. The rule of
     check_job in migrations/0013_fairness.sql."""
-    if not isinstance(value, str) or not value:
-        raise ValueError("fairness_key must be a non-empty string")
-    if "\x00" in value:
-        raise ValueError("fairness_key must not contain NUL characters")
-    size = len(value.encode("utf-8", "surrogatepass"))
-    if size > MAX_FAIRNESS_KEY_BYTES:
-        raise ValueError(f"fairness_key is {size} bytes; at most {MAX_FAIRNESS_KEY_BYTES} are "
-                         "allowed")
-    return value
+    return _key("fairness_key", value, MAX_FAIRNESS_KEY_BYTES)
 
 
 def run_at(value: datetime) -> datetime:
