@@ -78,7 +78,7 @@ class Supervisor:
         self.listener_fd: int | None = None
         self.router = WakeRouter()
         self.crashes = CrashAttribution(self._retry_policy, self.router, self._lanes,
-                                        pinned=lambda worker: self.pool.forgive_crash(worker))
+                                        pinned=self.pool.forgive_crash)
         self.lane_poll = LanePoll(lambda: self.config, self.router)
         self.materializer = Materializer(self.instance, lambda: self.config, self.router)
         self.lease_sweep = LeaseSweep(self._duty_interval, self._retry_policy, self.router,
