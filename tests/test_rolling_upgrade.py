@@ -1,9 +1,9 @@
 """Rolling upgrade: the previous release's daemon keeps working on the new schema.
 
-The previous release is the newest git tag or, without one, the commit before the newest
-migration was added (the previous migration set). Its ``jobd`` package is exported from git
-into a temp directory and run from there (PYTHONPATH), so it is that code, with its own
-statements, that meets the new schema:
+The previous release is the newest git tag or, without one, the newest commit whose
+migrations the checkout extends unchanged (the previous migration set). Its ``jobd``
+package is exported from git into a temp directory and run from there (PYTHONPATH), so it
+is that code, with its own statements, that meets the new schema:
 
 1. the old code migrates an empty database and its daemon runs under a steady enqueue load;
 2. the new code's ``jobd migrate`` applies the new migrations while it runs;
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -52,19 +53,50 @@ def git(*args: str) -> str:
                           text=True, timeout=60).stdout.strip()
 
 
+def migration_blobs(revision: str) -> dict[str, str]:
+    """{migration file name: blob hash} at a revision."""
+    listing = git("ls-tree", revision, "migrations/").splitlines()
+    blobs = {}
+    for line in listing:
+        meta, path = line.split("\t", 1)
+        name = path.rsplit("/", 1)[-1]
+        if re.fullmatch(r"\d{4}_\w+\.sql", name):
+            blobs[name] = meta.split()[2]
+    return blobs
+
+
+def checked_out_blobs() -> dict[str, str]:
+    """{migration file name: blob hash} of the working tree, committed or not."""
+    paths = sorted((REPO / "migrations").glob("[0-9][0-9][0-9][0-9]_*.sql"))
+    hashes = git("hash-object", *map(str, paths)).splitlines()
+    return {path.name: blob for path, blob in zip(paths, hashes, strict=True)}
+
+
+def is_previous_set(old: dict[str, str], new: dict[str, str]) -> bool:
+    """Old is a strict prefix of new, every shared file byte for byte the same."""
+    names = sorted(new)
+    return (0 < len(old) < len(new) and sorted(old) == names[:len(old)]
+            and all(new[name] == blob for name, blob in old.items()))
+
+
 def previous_release() -> str:
-    """The newest tag, else the commit before the newest migration file was added."""
+    """The newest tag, else the newest commit whose migrations the checkout only extends.
+
+    A tag is used only if the checkout's migrations extend its set unchanged; a clone
+    without tags (as CI makes) walks back along the first parents to the newest commit
+    whose migration files are a strict, unchanged prefix of the checkout's, so a
+    migration edited before it was released is not taken for the previous set.
+    """
+    new = checked_out_blobs()
     tags = git("tag", "--sort=-creatordate").splitlines()
-    if tags:
+    if tags and is_previous_set(migration_blobs(tags[0]), new):
         return tags[0]
-    newest = max(available(), key=lambda m: m.version)
-    path = f"migrations/{newest.version:04d}_{newest.name}.sql"
-    # Along the first parents, against the first parent (-m): a migration that came in
-    # with a merge (or was renumbered by one) is added by that merge.
-    added = git("log", "--first-parent", "-m", "--diff-filter=A", "--format=%H", "--",
-                path).splitlines()
-    # Not committed yet: the checked-out commit is the previous migration set.
-    return f"{added[-1]}^" if added else "HEAD"
+    touched = git("rev-list", "--first-parent", "HEAD", "--", "migrations/").splitlines()
+    # HEAD first: a migration not committed yet extends the checked-out commit's set.
+    for candidate in ["HEAD", *(f"{commit}^" for commit in touched)]:
+        if is_previous_set(migration_blobs(candidate), new):
+            return candidate
+    pytest.fail("no commit in the history holds a previous migration set of this checkout")
 
 
 @pytest.fixture(scope="module")
