@@ -87,6 +87,7 @@ class Batch:
     committed_cancelled: list[int] = field(default_factory=list)  # ... and archived cancelled
     lost: list[int] = field(default_factory=list)  # transactional: lease lost at commit
     failed_jobs: dict[int, Outcome] = field(default_factory=dict)
+    size: int = 0  # the pending outcomes it holds: the first ``size``, in order
 
 
 class Completer:
@@ -114,7 +115,7 @@ class Completer:
         return self.since is not None and time.monotonic() >= self.since + SETTLE_DELAY
 
     def batch(self) -> Batch:
-        batch = Batch()
+        batch = Batch(size=len(self.pending))
         for outcome in self.pending:
             if outcome.committed:
                 batch.committed.append(outcome.job.id)
@@ -135,9 +136,11 @@ class Completer:
     def written(self, batch: Batch, completed: queue.WriteOutcome,
                 failed: queue.FailOutcome) -> list[float]:
         """The batch is written: count and log it; returns when its retries fall due
-        (monotonic), for the worker's own timers."""
-        written, self.pending = self.pending, []
-        self.since = None
+        (monotonic), for the worker's own timers. Outcomes that arrived while it was being
+        written stay pending, for the next batch."""
+        written, self.pending = self.pending[:batch.size], self.pending[batch.size:]
+        # Their arrival is not kept per outcome; from now, they wait SETTLE_DELAY at most.
+        self.since = time.monotonic() if self.pending else None
         cancelled = completed.cancelled + failed.cancelled + batch.committed_cancelled
         self.counters.completed += (len(completed.applied) + len(batch.committed)
                                     - len(completed.cancelled) - len(batch.committed_cancelled))

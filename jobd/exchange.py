@@ -13,7 +13,7 @@ import time
 
 import structlog
 
-from jobd import queue, recovery
+from jobd import fastpath, queue, recovery
 from jobd.claim_floors import full_scan_params
 from jobd.claimer import Claimer
 from jobd.completer import Completer, Counters
@@ -59,8 +59,16 @@ class Exchange:
             return
         batch = self.completer.batch()
         separate = self.separate_next
+        # While the server commits (most of the round trip), the slots keep turning over:
+        # finished jobs' outcomes are collected for the next batch and buffered jobs start.
+        # Without it a worker ran at most one slotful of jobs per commit. Not in the last
+        # write before the worker exits (claim=False): what it does not write, it releases,
+        # and an outcome collected meanwhile would be neither.
+        turn_over = fastpath.WhileWaiting(self.slots.results_fd,
+                                          lambda: self.slots.turn_over(mode)) if claim else None
         written = self.link.run("queue", lambda conn: queue.settle_and_claim(
-            conn, batch.successes, batch.failures, request, separate=separate))
+            conn, batch.successes, batch.failures, request, separate=separate,
+            while_waiting=turn_over))
         if written is None:
             if request is not None:
                 # The claim may have committed even if its rows did not reach us.

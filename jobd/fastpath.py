@@ -31,7 +31,7 @@ import functools
 import re
 import select
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,14 +86,27 @@ _prepared: weakref.WeakKeyDictionary[pq.abc.PGconn, set[bytes]] = weakref.WeakKe
 Step = tuple[str, Mapping[str, Any] | None]
 
 
+@dataclass(frozen=True, slots=True)
+class WhileWaiting:
+    """Other work for the caller's thread while the server answers: ``act`` runs each time
+    ``fd`` is readable before the answer is. It must not use the connection, and it must
+    not raise for anything but a bug (the exchange is then cut short, as by a signal)."""
+
+    fd: int
+    act: Callable[[], None]
+
+
 def run(conn: psycopg.Connection, steps: Sequence[Step],
-        binary: frozenset[str] = frozenset()) -> list[list[tuple[Any, ...]]]:
+        binary: frozenset[str] = frozenset(),
+        while_waiting: WhileWaiting | None = None) -> list[list[tuple[Any, ...]]]:
     """Run ``steps`` in one round trip and return each step's rows (empty for commands).
 
     A step is a query name with its parameters, or ``(BEGIN, None)`` / ``(COMMIT, None)``.
     Queries named in ``binary`` return their results in binary format. If the exchange is cut
     short (the network fails, a signal interrupts it), the connection is closed: its protocol
-    state is unknown, and the caller's reconnect logic takes it from there.
+    state is unknown, and the caller's reconnect logic takes it from there. With
+    ``while_waiting``, the wait for the server (mostly its commit's flush) also watches that
+    descriptor and does its work, instead of blocking the thread.
     """
     with conn.lock:
         pgconn = conn.pgconn
@@ -107,13 +120,14 @@ def run(conn: psycopg.Connection, steps: Sequence[Step],
         else:
             prepared = _prepared.setdefault(pgconn, set())
             messages = _messages(transformer, steps, prepared, binary)
+        waiter = _Waiter(pgconn, while_waiting)
         try:
             pgconn.enter_pipeline_mode()
             _send(pgconn, messages)
             pgconn.pipeline_sync()
-            _flush(pgconn)
-            results = [_result_of(pgconn) for _ in messages]
-            _read_sync(pgconn)
+            _flush(pgconn, waiter)
+            results = [_result_of(pgconn, waiter) for _ in messages]
+            _read_sync(pgconn, waiter)
             pgconn.exit_pipeline_mode()
         except BaseException:
             pgconn.finish()
@@ -231,38 +245,55 @@ def _send(pgconn: pq.abc.PGconn, messages: Sequence[_Message]) -> None:
                                        result_format=message.result_format)
 
 
-def _wait(pgconn: pq.abc.PGconn, events: int) -> None:
-    poller = select.poll()
-    poller.register(pgconn.socket, events)
-    poller.poll()
+class _Waiter:
+    """Blocks until the connection's socket is ready, doing ``while_waiting``'s work when its
+    descriptor is ready first."""
+
+    def __init__(self, pgconn: pq.abc.PGconn, while_waiting: WhileWaiting | None) -> None:
+        self.socket = pgconn.socket
+        self.while_waiting = while_waiting
+
+    def wait(self, events: int) -> None:
+        poller = select.poll()
+        poller.register(self.socket, events)
+        if self.while_waiting is None:
+            poller.poll()
+            return
+        poller.register(self.while_waiting.fd, select.POLLIN)
+        while True:
+            ready = dict(poller.poll())
+            if self.while_waiting.fd in ready:
+                self.while_waiting.act()
+            if self.socket in ready:
+                return
 
 
-def _flush(pgconn: pq.abc.PGconn) -> None:
+def _flush(pgconn: pq.abc.PGconn, waiter: _Waiter) -> None:
     # Read while writing: the server may be blocked sending results we have not consumed.
     while pgconn.flush():
-        _wait(pgconn, select.POLLIN | select.POLLOUT)
+        waiter.wait(select.POLLIN | select.POLLOUT)
         pgconn.consume_input()
 
 
-def _next(pgconn: pq.abc.PGconn) -> pq.abc.PGresult | None:
+def _next(pgconn: pq.abc.PGconn, waiter: _Waiter) -> pq.abc.PGresult | None:
     while pgconn.is_busy():
-        _wait(pgconn, select.POLLIN)
+        waiter.wait(select.POLLIN)
         pgconn.consume_input()
     return pgconn.get_result()
 
 
-def _result_of(pgconn: pq.abc.PGconn) -> pq.abc.PGresult:
+def _result_of(pgconn: pq.abc.PGconn, waiter: _Waiter) -> pq.abc.PGresult:
     """The result of the next queued statement (its first result; the NULL ends it)."""
-    result = _next(pgconn)
+    result = _next(pgconn, waiter)
     if result is None:
         raise psycopg.OperationalError("lost track of the pipeline: a statement had no result")
-    while _next(pgconn) is not None:
+    while _next(pgconn, waiter) is not None:
         pass
     return result
 
 
-def _read_sync(pgconn: pq.abc.PGconn) -> None:
-    result = _next(pgconn)
+def _read_sync(pgconn: pq.abc.PGconn, waiter: _Waiter) -> None:
+    result = _next(pgconn, waiter)
     if result is None or result.status != ExecStatus.PIPELINE_SYNC:
         raise psycopg.OperationalError("lost track of the pipeline: no sync at its end")
 

@@ -281,6 +281,7 @@ def settle_and_claim(
     now: datetime | None = None,
     *,
     separate: bool = False,
+    while_waiting: fastpath.WhileWaiting | None = None,
 ) -> tuple[WriteOutcome, FailOutcome, Claimed]:
     """:func:`complete`, :func:`fail` and :func:`claim` in one network round trip.
 
@@ -289,7 +290,8 @@ def settle_and_claim(
     ``separate`` the outcomes commit in a transaction of their own first, so a claim that
     fails cannot undo them (the worker asks for that after a failed exchange). On an error
     the connection is left idle and the error raised; the leases decide what a retry still
-    applies. Needs an autocommit connection.
+    applies. Needs an autocommit connection. ``while_waiting``: the caller's other work
+    while the server answers (``fastpath.run``).
     """
     outcomes = bool(completions or failures)
     # One commit for the outcomes and the claim: half the WAL flushes per cycle. Apart (the
@@ -318,7 +320,8 @@ def settle_and_claim(
             steps.append((fastpath.COMMIT, None))
     if not steps:
         return WriteOutcome([], []), FailOutcome(), Claimed([])
-    results = iter(fastpath.run(conn, steps, binary=_BINARY_RESULTS))
+    results = iter(fastpath.run(conn, steps, binary=_BINARY_RESULTS,
+                                 while_waiting=while_waiting))
     if outcomes:
         next(results)  # BEGIN
     completed = (_completed(completions, next(results)) if completions

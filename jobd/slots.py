@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from jobd import jobs
+from jobd import jobs, pipes
 from jobd.claimer import Claimer
 from jobd.completer import Completer
 from jobd.config import LaneConfig
@@ -60,6 +60,18 @@ class Slots:
         """Start buffered jobs in the free slots: no round trip between one job and the next."""
         while (job := self.claimer.next_to_start(mode, len(self.inflight))) is not None:
             self.start(job)
+
+    @property
+    def results_fd(self) -> int:
+        """Readable when handlers have delivered outcomes (the runner's self-pipe)."""
+        return self.runner.results_r
+
+    def turn_over(self, mode: WorkerMode) -> None:
+        """Take the delivered outcomes and start buffered jobs in the slots they free, with
+        no database work: what the loop does while an exchange waits for the server."""
+        pipes.drain(self.results_fd)  # before collect: a poke after it is never lost
+        self.collect()
+        self.fill(mode)
 
     def collect(self) -> None:
         """Take the handlers' outcomes: each frees its slot and waits in the completer."""

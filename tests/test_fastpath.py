@@ -4,6 +4,7 @@ what it returns, its transaction boundaries, and how it leaves the connection on
 from __future__ import annotations
 
 import copy as copy_module
+import os
 import pickle
 from datetime import timedelta
 
@@ -201,3 +202,32 @@ def test_a_claimed_job_pickles_and_copies_with_its_payload(conn: psycopg.Connect
     for copy in (pickle.loads(pickle.dumps(job)), copy_module.deepcopy(job)):
         assert copy == job and hash(copy) == hash(job) and repr(copy) == repr(job)
         assert copy.payload == {"n": 1}
+
+
+def test_while_the_server_answers_the_caller_does_its_other_work(
+        db_url: str, conn: psycopg.Connection) -> None:
+    first, second = jobd.enqueue(conn, "h"), jobd.enqueue(conn, "h")
+    held = {job.id: job for job in queue.claim(conn, LANE, "w1", 2, 30.0)}
+    ready_r, ready_w = os.pipe()
+    os.set_blocking(ready_r, False)
+    os.write(ready_w, b"!")  # other work is waiting before the exchange starts
+    calls = []
+    with connect(db_url) as blocker:
+        # The completion waits on this row lock until the other work releases it: the
+        # exchange can only end if that work runs while the server is answering.
+        blocker.execute("BEGIN")
+        blocker.execute("SELECT 1 FROM jobs WHERE id = %s FOR UPDATE", (first,))
+
+        def other_work() -> None:
+            calls.append(os.read(ready_r, 16))
+            blocker.execute("COMMIT")
+
+        conn.execute("SET lock_timeout = '5s'")  # a hang fails the test instead
+        completed, _, _ = queue.settle_and_claim(
+            conn, [held[first].lease, held[second].lease], [], None,
+            while_waiting=fastpath.WhileWaiting(ready_r, other_work))
+    os.close(ready_r)
+    os.close(ready_w)
+    assert calls == [b"!"]
+    assert sorted(completed.applied) == [first, second]
+    assert states(conn) == {first: "done", second: "done"}

@@ -242,3 +242,21 @@ def test_a_busy_worker_holds_outcomes_for_company_until_its_whole_capacity_or_th
     assert completer.since is not None
     completer.since -= SETTLE_DELAY
     assert completer.due(busy=True)  # waited long enough for company
+
+
+def test_outcomes_that_arrive_while_a_batch_is_written_wait_for_the_next_one(
+        conn: psycopg.Connection) -> None:
+    counters = Counters()
+    completer = Completer(LaneConfig(LANE), counters)
+    for _ in range(2):
+        jobd.enqueue(conn, "h")
+    first, second = queue.claim(conn, LANE, WORKER_ID, 2, 30.0)
+    completer.add(handler_runner.Outcome(first, None))
+    batch = completer.batch()
+    # The slots turn over while the exchange waits for the server (Slots.turn_over).
+    completer.add(handler_runner.Outcome(second, None))
+    completed, failed, _ = queue.settle_and_claim(conn, batch.successes, batch.failures, None)
+    completer.written(batch, completed, failed)
+    assert [o.job.id for o in completer.pending] == [second.id] and counters.completed == 1
+    assert completer.since is not None  # it is written within SETTLE_DELAY, like any other
+    assert state_of(conn, first.id)[0] == "done" and state_of(conn, second.id)[0] == "claimed"
