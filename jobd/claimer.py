@@ -2,9 +2,11 @@
 free slots (the lane's ``prefetch``), and the rules for suspects. Decisions only: the
 worker's loop does the round trips.
 
-- A worker claims up to ``concurrency + prefetch`` jobs (prefetch: 3 x concurrency unless the
-  lane sets it) and tops its buffer up once it is
+- A worker claims up to ``concurrency + prefetch`` jobs and tops its buffer up once it is
   half empty, so claims come in batches while handlers see ``concurrency`` jobs at a time.
+  Unless the lane sets ``prefetch``, the size follows how fast the worker starts jobs
+  (``jobd.prefetch``): from 3 x concurrency for slow jobs to 20 x for jobs that take
+  microseconds.
 - Buffered jobs go back to the queue when the worker stops taking work (a drain, a
   retirement, a suspect to run alone) and after :data:`BUFFER_MAX_AGE` unstarted; a buffer
   given back for its age is not claimed back until a slot frees.
@@ -37,6 +39,7 @@ import structlog
 from jobd import jobs, queue
 from jobd.claim_floors import FULL_SCAN_INTERVAL, ClaimFloors
 from jobd.config import LaneConfig
+from jobd.prefetch import Prefetch
 from jobd.protocol import WorkerMode
 
 # Claimed jobs waiting for a free slot go back to the queue after this long: a buffer that
@@ -89,6 +92,14 @@ class Claimer:
         self.key_cursor: str | None = None
         self.lane_paused = False  # the whole lane is paused (lane_pauses)
         self.paused_handlers: frozenset[str] = frozenset()
+        self.prefetch = Prefetch(lane)
+        self.buffer_target = self.prefetch.floor  # the size the last claim was made for
+        self.started = 0  # jobs taken from the buffer into a slot, since the worker began
+
+    @property
+    def capacity(self) -> int:
+        """All the worker holds at most now: its slots and the buffer it claims for."""
+        return self.lane.concurrency + self.buffer_target
 
     def leases(self) -> list[jobs.Lease]:
         return [job.lease for job, _claimed in self.buffer]
@@ -121,7 +132,7 @@ class Claimer:
             # more until the jobs in flight are done (the buffer goes back to the queue), so
             # it cannot wait behind a busy lane.
             return None
-        prefetch = self.lane.buffer_size
+        prefetch = self.buffer_target = self.prefetch.current(self.started, time.monotonic())
         free = self.lane.concurrency + prefetch - running - len(self.buffer)
         if free <= 0 or len(self.buffer) > prefetch // 2:
             return None
@@ -245,11 +256,13 @@ class Claimer:
                 or self.isolating is not None or self.lane_paused):
             return None
         if not self.paused_handlers:
+            self.started += 1
             return self.buffer.popleft()[0]
         # Paused jobs stay in the buffer until they are given back (to_release).
         for index, (job, _claimed) in enumerate(self.buffer):
             if job.handler not in self.paused_handlers:
                 del self.buffer[index]
+                self.started += 1
                 return job
         return None
 

@@ -3,12 +3,13 @@ batches, and what their writing tells (counters, log lines, retry timers).
 
 Outcomes ride along with the next claim when there is one. Without one they wait up to
 :data:`SETTLE_DELAY` for company, or until a batch of all the worker can hold (``concurrency``
-plus the buffer), unless nothing else runs. The loop starts no job while an exchange waits for
-its commit, so a worker that wrote every ``concurrency`` outcomes on their own ran at most
-``concurrency`` jobs per commit; waiting (never longer than :data:`SETTLE_DELAY`) lets the
-buffer's next jobs run first, and their outcomes share the commit. A job whose outcome waits
-is not lost: its lease is the worker's until the outcome is written, and the fenced write
-decides what still applies.
+plus the buffer), unless nothing else runs: a worker that wrote every ``concurrency`` outcomes
+on their own paid a commit per slotful of jobs; waiting (never longer than
+:data:`SETTLE_DELAY`) lets the buffer's next jobs run first, and their outcomes share the
+commit. While a batch is being written the slots keep turning over (``Slots.turn_over``):
+outcomes that arrive then stay pending for the next batch. A job whose outcome waits is not
+lost: its lease is the worker's until the outcome is written, and the fenced write decides
+what still applies.
 """
 
 from __future__ import annotations
@@ -105,12 +106,13 @@ class Completer:
     def due_at(self) -> float | None:
         return None if self.since is None else self.since + SETTLE_DELAY
 
-    def due(self, busy: bool) -> bool:
+    def due(self, busy: bool, capacity: int) -> bool:
         """Whether pending outcomes with no claim to ride along should be written now;
-        ``busy``: other jobs are running or waiting, so more outcomes will come soon."""
+        ``busy``: other jobs are running or waiting, so more outcomes will come soon;
+        ``capacity``: all the worker can hold (slots and buffer), so no more can come."""
         if not self.pending:
             return False
-        if not busy or len(self.pending) >= self.lane.concurrency + self.lane.buffer_size:
+        if not busy or len(self.pending) >= capacity:
             return True
         return self.since is not None and time.monotonic() >= self.since + SETTLE_DELAY
 

@@ -55,7 +55,8 @@ class Exchange:
             return
         request = self._claim_request(mode) if claim else None
         if request is None and not (self.completer.pending and (
-                not claim or self.completer.due(busy=self._busy(mode)))):
+                not claim or self.completer.due(busy=self._busy(mode),
+                                                capacity=self.claimer.capacity))):
             return
         batch = self.completer.batch()
         separate = self.separate_next

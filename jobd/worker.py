@@ -205,7 +205,8 @@ class Worker:
 
     def _report(self, force: bool = False) -> None:
         self.status.report(time.monotonic(), self.lifecycle.mode, len(self.slots),
-                           len(self.claimer.buffer), self.conn is not None, force)
+                           len(self.claimer.buffer), self.claimer.capacity,
+                           self.conn is not None, force)
 
     def _shutdown(self) -> None:
         """Write what finished, give back what did not, and close."""

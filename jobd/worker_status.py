@@ -27,7 +27,7 @@ class StatusReporter:
         self.next_at = 0.0  # monotonic: the next report is due then
 
     def report(self, now: float, mode: WorkerMode, running: int, buffered: int,
-               connected: bool, force: bool = False) -> None:
+               capacity: int, connected: bool, force: bool = False) -> None:
         if not force and now < self.next_at:
             return
         self.next_at = now + REPORT_INTERVAL
@@ -40,7 +40,7 @@ class StatusReporter:
         setproctitle.setproctitle(title)
         # Busy and capacity count the buffer: a worker whose buffer is full claims nothing,
         # so waking it would only cost a round trip.
-        report = StatusReport(running + buffered, lane.concurrency + lane.buffer_size, mode,
+        report = StatusReport(running + buffered, capacity, mode,
                               connected, self.counters.as_dict(), self.counters.work_totals())
         try:
             os.write(self.spec.status_fd, report.to_line())

@@ -235,13 +235,13 @@ def test_a_busy_worker_holds_outcomes_for_company_until_its_whole_capacity_or_th
         completer.add(handler_runner.Outcome(job, None))
     # A full round of slots (concurrency) is no reason to commit alone while the buffer's
     # jobs can run first; with nothing else running there is nothing to wait for.
-    assert not completer.due(busy=True) and completer.due(busy=False)
+    assert not completer.due(busy=True, capacity=5) and completer.due(busy=False, capacity=5)
     completer.add(handler_runner.Outcome(claimed[4], None))
-    assert completer.due(busy=True)  # all the worker can hold: no more can come
+    assert completer.due(busy=True, capacity=5)  # all the worker can hold: no more can come
     completer.pending = completer.pending[:1]
     assert completer.since is not None
     completer.since -= SETTLE_DELAY
-    assert completer.due(busy=True)  # waited long enough for company
+    assert completer.due(busy=True, capacity=5)  # waited long enough for company
 
 
 def test_outcomes_that_arrive_while_a_batch_is_written_wait_for_the_next_one(

@@ -1,0 +1,65 @@
+"""How many jobs a worker claims ahead of its free slots (its buffer), decided from how fast
+it starts them. Pure logic: the claimer asks, with the monotonic clock and its count of
+started jobs.
+
+A lane that sets ``prefetch`` (or ``max_running``, which claims nothing ahead) gets that
+size, always. Otherwise the buffer holds about :data:`HORIZON` of work at the start rate the
+worker measured over its last window, never less than the floor (3 x ``concurrency``, the
+size a lane got before) and never more than :data:`MAX_FACTOR` x ``concurrency`` or
+:data:`MAX_JOBS`. Why adapt instead of a larger fixed size:
+
+- Short jobs want a large buffer. A claim is a round trip and a commit; at 1 x 10 with no-op
+  handlers, claiming 3 x ``concurrency`` ahead drained about 14k jobs/s, 10 x about 23k,
+  because each commit then carries several times the jobs (docs/performance.md).
+- Slow jobs want a small one. Buffered jobs wait for a slot on this worker while another
+  worker may be idle, and they go back to the queue after ``BUFFER_MAX_AGE`` unstarted, so
+  a large buffer in front of one-second jobs would only be claimed and given back.
+
+Measured this way, a buffer never holds more than about :data:`HORIZON` of this worker's
+own work beyond the floor, so what a large buffer could cost (other workers idle beside it,
+priorities and fair shares decided earlier than the jobs start) is bounded by it. A worker
+that started nothing for :data:`IDLE_RESET` starts again from the floor: the next burst may
+be of another kind.
+"""
+
+from __future__ import annotations
+
+import math
+
+from jobd.config import LaneConfig
+
+HORIZON = 0.05  # seconds of work at the measured start rate that the buffer holds
+WINDOW = 0.1  # the start rate is measured over windows at least this long
+IDLE_RESET = 1.0  # a window this old (nothing measured since) no longer says anything
+MAX_FACTOR = 20  # at most this many times the lane's concurrency ...
+MAX_JOBS = 500  # ... and at most this many jobs
+
+
+class Prefetch:
+    """The buffer size to claim for: fixed when the lane says so, else adapted."""
+
+    def __init__(self, lane: LaneConfig) -> None:
+        self.floor = lane.buffer_size
+        adaptive = lane.prefetch is None and lane.max_running is None
+        self.cap = (max(self.floor, min(MAX_FACTOR * lane.concurrency, MAX_JOBS))
+                    if adaptive else self.floor)
+        self.size = self.floor
+        self._window_at: float | None = None  # when the current window began
+        self._window_count = 0  # the started count at its beginning
+
+    def current(self, started: int, now: float) -> int:
+        """The size now, given the worker's total of started jobs so far."""
+        if self.cap == self.floor:
+            return self.floor
+        if self._window_at is None or now - self._window_at >= IDLE_RESET:
+            self._begin(started, now)
+            self.size = self.floor
+        elif now - self._window_at >= WINDOW:
+            rate = (started - self._window_count) / (now - self._window_at)
+            self.size = min(self.cap, max(self.floor, math.ceil(rate * HORIZON)))
+            self._begin(started, now)
+        return self.size
+
+    def _begin(self, started: int, now: float) -> None:
+        self._window_at = now
+        self._window_count = started

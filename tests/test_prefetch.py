@@ -1,0 +1,54 @@
+"""How much a worker claims ahead (``jobd.prefetch``): pure logic, no database."""
+
+from __future__ import annotations
+
+from jobd.config import LaneConfig
+from jobd.prefetch import HORIZON, IDLE_RESET, MAX_JOBS, WINDOW, Prefetch
+
+
+def run_at_rate(prefetch: Prefetch, per_second: float, seconds: float,
+                start: float = 100.0, started: int = 0) -> tuple[int, float, int]:
+    """Ask every millisecond while jobs start at ``per_second``; the last answer."""
+    now, size, total = start, prefetch.floor, float(started)
+    for _ in range(round(seconds * 1000)):
+        now += 0.001
+        total += per_second * 0.001
+        size = prefetch.current(int(total), now)
+    return size, now, int(total)
+
+
+def test_jobs_that_take_microseconds_fill_a_buffer_up_to_the_cap() -> None:
+    prefetch = Prefetch(LaneConfig("l", concurrency=10))
+    assert prefetch.floor == 30 and prefetch.cap == 200
+    assert prefetch.current(0, 100.0) == 30  # nothing measured yet: the floor
+    size, _, _ = run_at_rate(prefetch, 20_000, 0.5)
+    assert size == 200
+
+
+def test_jobs_in_between_get_the_horizon_of_their_rate() -> None:
+    prefetch = Prefetch(LaneConfig("l", concurrency=10))
+    size, _, _ = run_at_rate(prefetch, 1_600, 0.5)  # ten slots of ~6 ms jobs
+    assert size == round(1_600 * HORIZON)
+
+
+def test_slow_jobs_keep_the_floor() -> None:
+    prefetch = Prefetch(LaneConfig("l", concurrency=10))
+    size, _, _ = run_at_rate(prefetch, 10, 3.0)  # one-second jobs in ten slots
+    assert size == 30
+
+
+def test_a_worker_idle_for_a_while_starts_again_from_the_floor() -> None:
+    prefetch = Prefetch(LaneConfig("l", concurrency=10))
+    size, now, started = run_at_rate(prefetch, 20_000, 0.5)
+    assert size == 200
+    assert prefetch.current(started, now + WINDOW / 2) == 200  # a window still open
+    assert prefetch.current(started, now + IDLE_RESET) == 30
+
+
+def test_the_cap_is_bounded_in_jobs_and_a_lane_can_fix_the_size() -> None:
+    assert Prefetch(LaneConfig("l", concurrency=100)).cap == MAX_JOBS
+    assert Prefetch(LaneConfig("l", concurrency=400)).cap == 1200  # the floor wins
+    fixed = Prefetch(LaneConfig("l", concurrency=10, prefetch=5))
+    assert run_at_rate(fixed, 20_000, 0.5)[0] == 5
+    limited = Prefetch(LaneConfig("l", concurrency=10, max_running=4))
+    assert run_at_rate(limited, 20_000, 0.5)[0] == 0
