@@ -9,8 +9,10 @@ stdin, and inherits two pipes:
 - **wake** (supervisor → worker): single bytes, :data:`WAKE` ("your lane may have due work"),
   :data:`SUSPECTS` ("a suspect may be due in your lane": a job to run alone, see
   ``recovery.settle_crashed_worker``), :data:`CONTROLS` ("your lane's pauses changed: look
-  again") or :data:`CANCELS` ("jobs of your lane were asked to stop: renew your leases now,
-  which tells you which"). End of file means the supervisor is gone.
+  again"), :data:`CANCELS` ("jobs of your lane were asked to stop: renew your leases now,
+  which tells you which") or :data:`BEHIND` ("jobs due for a while were enqueued: they may
+  be below your claim floors, claim from the head"). End of file means the supervisor is
+  gone.
 
 The worker's exit code says how it ended (:data:`EXIT_OK`, :data:`EXIT_BOOT_FAILURE`,
 :data:`EXIT_WEDGED`); :func:`describe_exit` turns one into words for logs and job errors.
@@ -38,6 +40,7 @@ WAKE = b"!"
 SUSPECTS = b"S"
 CONTROLS = b"P"
 CANCELS = b"C"
+BEHIND = b"B"
 
 
 class WorkerMode(enum.StrEnum):

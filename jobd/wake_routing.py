@@ -112,12 +112,19 @@ class WakeRouter:
         which tells each of them whether it holds one."""
         self._news.setdefault(lane, set()).add(protocol.CANCELS)
 
+    def jobs_behind(self, lane: str) -> None:
+        """Jobs due for a while were enqueued: every worker of the lane may hold floors above
+        them and claims from the head next."""
+        self._news.setdefault(lane, set()).add(protocol.BEHIND)
+
     def notified(self, wakeups: Iterable[Wakeup]) -> None:
         for wakeup in wakeups:
             if wakeup.control == "pause":
                 self.controls_changed(wakeup.lane)
             elif wakeup.control == "cancel":
                 self.cancels_requested(wakeup.lane)
+            elif wakeup.control == "behind":
+                self.jobs_behind(wakeup.lane)
             elif wakeup.at_epoch is None:
                 self.due_now(wakeup.lane, wakeup.due)
             else:

@@ -9,8 +9,9 @@ on the fallback poll: one warning when that starts, one notice when LISTEN is ba
 ``jobd_listener_connected`` and `jobd status` in between. A payload is
 ``lane#<n>`` (n jobs due now), ``lane@<epoch seconds>`` (the earliest job the statement
 scheduled for later), which the supervisor turns into a timer, or ``lane!<control>``: the
-lane's pauses changed (``pause``), or some of its running jobs were asked to stop
-(``cancel``).
+lane's pauses changed (``pause``), some of its running jobs were asked to stop
+(``cancel``), or jobs due for a while were enqueued (``behind``: they may be below the
+workers' claim floors; it comes with the ``#<n>`` that wakes them).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from jobd.errors import DatabaseUnavailable
 
 log = structlog.get_logger("jobd.wakeup")
 
-CONTROLS = ("pause", "cancel")
+CONTROLS = ("pause", "cancel", "behind")
 
 
 @dataclass(frozen=True, slots=True)

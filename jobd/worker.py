@@ -176,6 +176,8 @@ class Worker:
             self.controls.stale = True
         if protocol.CANCELS in data:
             self.leases.renew_now()  # the renewal's result names the jobs
+        if protocol.BEHIND in data:
+            self.claimer.floors.forget()
 
     # --- the steps (each one call, so a test can drive the loop turn by turn) --------------
 

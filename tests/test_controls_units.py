@@ -5,8 +5,10 @@ steps driven in-process against a real PostgreSQL."""
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 
 import psycopg
 import pytest
@@ -31,6 +33,7 @@ WORKER_ID = "test-node:default#0:beef"
 @pytest.mark.parametrize(("payload", "expected"), [
     ("default!pause", Wakeup("default", None, 0, "pause")),
     ("mail.out:eu-1!cancel", Wakeup("mail.out:eu-1", None, 0, "cancel")),
+    ("default!behind", Wakeup("default", None, 0, "behind")),
     ("default!", None),
     ("default!resume", None),
     ("!pause", None),
@@ -234,3 +237,22 @@ def test_a_cancelled_buffered_job_is_finished_unstarted_at_the_next_renewal(
     subject._settle_and_claim(claim=False)
     assert states(conn) == {running: "claimed", waiting: "claimed", doomed: "cancelled"}
     assert (subject.counters.cancelled, subject.counters.completed) == (1, 0)
+
+
+def test_told_of_jobs_behind_its_floors_the_worker_claims_from_the_head(
+    loop: tuple[worker.Worker, int], conn: psycopg.Connection,
+) -> None:
+    subject, wake_w = loop
+    first = jobd.enqueue(conn, "h")
+    claim_into_buffer(subject)
+    assert list(subject.inflight) == [first]
+    [[db_now]] = conn.execute("SELECT now()").fetchall()
+    herd = jobd.enqueue(conn, "h", run_at=db_now - timedelta(minutes=1))
+    # Its floors sit above the herd, and its last scan from the head was just now.
+    subject.claimer.floors.last_full_scan = time.monotonic()
+    claim_into_buffer(subject)
+    assert states(conn)[herd] == "pending"
+    os.write(wake_w, protocol.BEHIND)  # what the supervisor sends on 'default!behind'
+    subject._on_wake(subject.spec.wake_fd)
+    subject._settle_and_claim()
+    assert states(conn)[herd] == "claimed"

@@ -240,3 +240,21 @@ def test_enqueues_from_a_session_without_jobds_schema_on_its_path(
     assert got == [f"{LANE}#3", f"{LANE}#1", f"{LANE}#1"]
     rows = conn.execute("SELECT priority FROM lane_priorities ORDER BY 1").fetchall()
     assert rows == [(3,), (4,), (5,)]
+
+
+def test_jobs_due_for_a_while_tell_the_waiting_workers_to_claim_from_the_head(
+    conn: psycopg.Connection, listener: psycopg.Connection
+) -> None:
+    assert queue.arm(conn, LANE, "w1", full_scan_params()) == "armed"
+    [[db_now]] = conn.execute("SELECT now()").fetchall()
+    # A herd due in the past: below any floor a worker set when it last found the lane dry.
+    jobd.enqueue(conn, "h", run_at=db_now - timedelta(minutes=1))
+    got = [n.payload for n in listener.notifies(timeout=1.0, stop_after=2)]
+    assert sorted(got) == [f"{LANE}!behind", f"{LANE}#1"]
+    # Due as it commits: above every floor, nothing to say but the wake-up.
+    jobd.enqueue(conn, "h")
+    assert [n.payload for n in listener.notifies(timeout=0.5, stop_after=2)] == [f"{LANE}#1"]
+    # Nobody waiting: nobody to tell.
+    queue.disarm(conn, "w1")
+    jobd.enqueue(conn, "h", run_at=db_now - timedelta(minutes=1))
+    assert notifications(listener) == []

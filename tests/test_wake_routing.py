@@ -104,3 +104,12 @@ def test_a_step_of_the_wall_clock_does_not_move_timers(monkeypatch: pytest.Monke
         router.due_at("a", real_time() + 2.0 + 5.0)  # due in 5 s by the database clock
         assert 4.9 < router.next_moment() - now < 5.2
         router.route([], now + 6.0)  # consumes the timer
+
+
+def test_jobs_behind_the_floors_reach_every_worker_of_the_lane_beside_the_wake_up() -> None:
+    router = WakeRouter()
+    a1, a2, b = FakeWorker("a"), FakeWorker("a", busy=5), FakeWorker("b")
+    # What one enqueue of a herd due in the past sends: its count, then 'behind'.
+    router.notified([Wakeup("a", None, 1), Wakeup("a", None, 0, "behind")])
+    assert sorted((id(w), byte) for w, byte in pokes(router, [a1, a2, b])) == sorted(
+        [(id(a1), protocol.BEHIND), (id(a2), protocol.BEHIND), (id(a1), protocol.WAKE)])

@@ -630,7 +630,8 @@ DECLARE
     always boolean := current_setting('transaction_isolation') <> 'read committed';
 BEGIN
     FOR entry IN SELECT lane, min(run_at) AS first_run_at,
-                        count(*) FILTER (WHERE run_at <= now()) AS due
+                        count(*) FILTER (WHERE run_at <= now()) AS due,
+                        min(run_at) FILTER (WHERE run_at <= now()) AS first_due
                    FROM new_jobs GROUP BY lane
     LOOP
         -- Held until commit. A worker arming meanwhile sees this enqueue as 'contended' and
@@ -647,6 +648,14 @@ BEGIN
                               entry.lane || '@' || extract(epoch FROM entry.first_run_at)::text);
         ELSIF always OR EXISTS (SELECT 1 FROM lane_waiters AS w WHERE w.lane = entry.lane) THEN
             PERFORM pg_notify(TG_TABLE_SCHEMA || '_wakeup', entry.lane || '#' || entry.due);
+            -- Due since before the claim floors' margin (jobd.claim_floors.CAUGHT_UP_MARGIN):
+            -- the jobs may sit below the waiting workers' floors, where a claim from the
+            -- floors would not see them for up to a second (a herd enqueued due in the
+            -- past, a transaction that began long before it enqueued). 'behind' tells the
+            -- lane's workers to claim from the head.
+            IF entry.first_due < clock_timestamp() - interval '0.5 seconds' THEN
+                PERFORM pg_notify(TG_TABLE_SCHEMA || '_wakeup', entry.lane || '!behind');
+            END IF;
         END IF;
     END LOOP;
     RETURN NULL;
