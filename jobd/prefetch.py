@@ -20,6 +20,12 @@ own work beyond the floor, so what a large buffer could cost (other workers idle
 priorities and fair shares decided earlier than the jobs start) is bounded by it. A worker
 that started nothing for :data:`IDLE_RESET` starts again from the floor: the next burst may
 be of another kind.
+
+After a crash in the lane (the supervisor's SUSPECTS byte) the floor holds for
+:data:`HOLD_AFTER_CRASH`: crash attribution cannot tell which of the jobs a dead worker held
+killed it, so every one becomes a suspect that runs alone (``jobd.recovery``), and a poison
+that keeps arriving would otherwise cost hundreds of solitary runs per crash instead of a
+few dozen.
 """
 
 from __future__ import annotations
@@ -29,10 +35,11 @@ import math
 from jobd.config import LaneConfig
 
 HORIZON = 0.05  # seconds of work at the measured start rate that the buffer holds
-WINDOW = 0.1  # the start rate is measured over windows at least this long
+WINDOW = 0.02  # the start rate is measured over windows at least this long
 IDLE_RESET = 1.0  # a window this old (nothing measured since) no longer says anything
 MAX_FACTOR = 20  # at most this many times the lane's concurrency ...
 MAX_JOBS = 500  # ... and at most this many jobs
+HOLD_AFTER_CRASH = 30.0  # seconds at the floor after a crash in the lane
 
 
 class Prefetch:
@@ -46,10 +53,17 @@ class Prefetch:
         self.size = self.floor
         self._window_at: float | None = None  # when the current window began
         self._window_count = 0  # the started count at its beginning
+        self._held_until = -math.inf  # the floor holds until then (a crash in the lane)
+
+    def hold(self, now: float) -> None:
+        """A worker of the lane crashed: keep to the floor for a while."""
+        self._held_until = now + HOLD_AFTER_CRASH
+        self.size = self.floor
 
     def current(self, started: int, now: float) -> int:
         """The size now, given the worker's total of started jobs so far."""
-        if self.cap == self.floor:
+        if self.cap == self.floor or now < self._held_until:
+            self._window_at = None  # measure afresh once the hold ends
             return self.floor
         if self._window_at is None or now - self._window_at >= IDLE_RESET:
             self._begin(started, now)

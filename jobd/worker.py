@@ -172,6 +172,7 @@ class Worker:
         self.claimer.maybe_more = True
         if protocol.SUSPECTS in data:
             self.claimer.suspects_possible = True
+            self.claimer.prefetch.hold(time.monotonic())
         if protocol.CONTROLS in data:
             self.controls.stale = True
         if protocol.CANCELS in data:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from jobd.config import LaneConfig
-from jobd.prefetch import HORIZON, IDLE_RESET, MAX_JOBS, WINDOW, Prefetch
+from jobd.prefetch import HOLD_AFTER_CRASH, HORIZON, IDLE_RESET, MAX_JOBS, WINDOW, Prefetch
 
 
 def run_at_rate(prefetch: Prefetch, per_second: float, seconds: float,
@@ -52,3 +52,14 @@ def test_the_cap_is_bounded_in_jobs_and_a_lane_can_fix_the_size() -> None:
     assert run_at_rate(fixed, 20_000, 0.5)[0] == 5
     limited = Prefetch(LaneConfig("l", concurrency=10, max_running=4))
     assert run_at_rate(limited, 20_000, 0.5)[0] == 0
+
+
+def test_after_a_crash_in_the_lane_the_floor_holds_for_a_while() -> None:
+    prefetch = Prefetch(LaneConfig("l", concurrency=10))
+    size, now, started = run_at_rate(prefetch, 20_000, 0.5)
+    assert size == 200
+    prefetch.hold(now)
+    size, now, started = run_at_rate(prefetch, 20_000, HOLD_AFTER_CRASH - 1, now, started)
+    assert size == 30
+    size, _, _ = run_at_rate(prefetch, 20_000, 2.0, now, started)
+    assert size == 200
