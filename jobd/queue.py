@@ -342,11 +342,19 @@ def settle_and_claim(
 def arm(conn: psycopg.Connection, lane: str, worker: str, floors: dict[str, Any]) -> str:
     """Arm ``worker`` for wake-ups of ``lane`` unless work may have come since its last
     claim: 'armed', 'work' (claim again now), 'contended' (an enqueue is committing: claim
-    again shortly) or 'paused' (the lane is paused: wait, unarmed, for its resume). See
-    ``arm_waiter`` in migrations/0009_steady_claims.sql and 0011_lane_controls.sql."""
-    row = conn.execute(query("arm_waiter"), {"lane": lane, "worker": worker, **floors}).fetchone()
-    assert row is not None
-    return str(row[0])
+    again shortly) or 'paused' (the lane is paused: wait, unarmed, for its resume).
+
+    Two transactions in one round trip (migrations/0020_arming_apart.sql): the worker's row
+    is registered under the lane's lock and committed, then the probe for work runs without
+    it, so no enqueue waits for the probe. The probe runs whatever the registration said
+    (one round trip); its answer counts only after 'registered'. Needs an autocommit
+    connection."""
+    params = {"lane": lane, "worker": worker}
+    rows = fastpath.run(conn, [(fastpath.BEGIN, None), ("arm_waiter_register", params),
+                               (fastpath.COMMIT, None),
+                               ("arm_waiter_probe", {**params, **floors})])
+    registered, probed = str(rows[1][0][0]), str(rows[3][0][0])
+    return probed if registered == "registered" else registered
 
 
 def disarm(conn: psycopg.Connection, worker: str) -> None:

@@ -258,3 +258,25 @@ def test_jobs_due_for_a_while_tell_the_waiting_workers_to_claim_from_the_head(
     queue.disarm(conn, "w1")
     jobd.enqueue(conn, "h", run_at=db_now - timedelta(minutes=1))
     assert notifications(listener) == []
+
+
+def test_an_enqueue_during_the_arming_probe_neither_waits_nor_goes_unheard(
+    db_url: str, conn: psycopg.Connection, listener: psycopg.Connection
+) -> None:
+    # The probe holds no lock: an enqueue while its transaction is open is not queued behind
+    # it (arm_waiter held the lane's exclusive lock until its commit), and it notifies,
+    # since the registration committed first.
+    assert conn.execute("SELECT arm_waiter_register(%s, 'w1')", (LANE,)).fetchone() == (
+        "registered",)
+    with connect(db_url, autocommit=False) as producer:
+        producer.execute("SET lock_timeout = '2s'")  # waiting for the prober fails this
+        with conn.transaction():
+            row = conn.execute(
+                "SELECT arm_waiter_probe(%s, 'w1', '{}', '{}', '{}', '{}', 1e9)",
+                (LANE,)).fetchone()
+            assert row == ("armed",)
+            jobd.enqueue(producer, "h")
+            producer.commit()
+    assert notifications(listener) == [f"{LANE}#1"]
+    assert queue.arm(conn, LANE, "w1", full_scan_params()) == "work"
+    assert conn.execute("SELECT count(*) FROM lane_waiters").fetchone() == (0,)

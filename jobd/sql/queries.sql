@@ -283,6 +283,18 @@ SELECT arm_waiter(%(lane)s, %(worker)s, %(floor_priorities)s::int[],
                   %(floor_run_ats)s::timestamptz[], %(floor_ids)s::bigint[],
                   %(floor_ages)s::float8[], %(default_floor_age)s::float8)
 
+-- name: arm_waiter_register
+-- Arming, first transaction: see arm_waiter_register() in migrations/0020_arming_apart.sql:
+-- 'paused', 'contended' or 'registered'.
+SELECT arm_waiter_register(%(lane)s, %(worker)s)
+
+-- name: arm_waiter_probe
+-- Arming, second transaction (arm_waiter_probe() in migrations/0020_arming_apart.sql):
+-- 'work' (and the worker's row is removed) or 'armed'.
+SELECT arm_waiter_probe(%(lane)s, %(worker)s, %(floor_priorities)s::int[],
+                        %(floor_run_ats)s::timestamptz[], %(floor_ids)s::bigint[],
+                        %(floor_ages)s::float8[], %(default_floor_age)s::float8)
+
 -- name: disarm_waiter
 -- A worker that takes work (or stops) no longer waits: enqueues stop notifying for it.
 DELETE FROM lane_waiters WHERE worker_id = %(worker)s
