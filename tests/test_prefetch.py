@@ -63,3 +63,9 @@ def test_after_a_crash_in_the_lane_the_floor_holds_for_a_while() -> None:
     assert size == 30
     size, _, _ = run_at_rate(prefetch, 20_000, 2.0, now, started)
     assert size == 200
+
+
+def test_a_fair_lane_keeps_the_floor() -> None:
+    for lane in (LaneConfig("l", concurrency=10, fair_by="handler"),
+                 LaneConfig("l", concurrency=10, max_wait=5.0)):
+        assert run_at_rate(Prefetch(lane), 20_000, 0.5)[0] == 30
