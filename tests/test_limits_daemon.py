@@ -79,8 +79,11 @@ def two_daemons(daemons: Daemons, lane: str, settings: dict[str, Any]) -> list[D
 
 def test_max_running_holds_across_nodes(daemons: Daemons, db_url: str,
                                         effects_db: psycopg.Connection) -> None:
-    # 2 nodes x 2 workers x 8 slots = 32 slots, at most 5 jobs claimed at once.
-    nodes = two_daemons(daemons, "capped", {"workers": 2, "concurrency": 8, "max_running": 5})
+    # 2 nodes x 2 workers x 2 slots = 8 slots, at most 5 jobs claimed at once. One node's 4
+    # slots cannot hold the whole budget, so both nodes claim under it at the same time (with
+    # 8 slots a worker, one node could take every freed slot of the budget in the exchange
+    # that freed it, and the other node's claims, retried every 50 ms, never got one).
+    nodes = two_daemons(daemons, "capped", {"workers": 2, "concurrency": 2, "max_running": 5})
     jobs, seconds = 60, 0.2
     with ClaimedSampler(db_url, "capped") as sampler:
         ids = jobd.enqueue_many(effects_db, [jobd.JobSpec("slow", {"seconds": seconds},
