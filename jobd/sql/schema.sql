@@ -720,60 +720,7 @@ AS $$
      WHERE p.lane = lane_floors.lane
 $$;
 
--- A worker with nothing left to claim arms itself, unless work may have arrived since its
--- last claim. 'contended': an enqueue is between its insert and its commit (it holds the
--- lane's shared lock), so the worker claims again shortly instead of sleeping. 'work': a
--- due job is visible above the worker's floors (jobs of paused handlers are not work).
--- 'armed': the worker's row is in lane_waiters; every enqueue that takes the lock after this
--- commit sees it and notifies. 'paused': the lane is paused (lane_pauses); its worker waits
--- for the resume unarmed, so enqueues into the lane do not notify meanwhile. The exclusive
--- try-lock never waits, but producers queued behind the probe while it held the lock: daemons
--- since migration 0020 arm with the two functions below; this one serves earlier releases.
-CREATE FUNCTION arm_waiter(lane text, worker_id text, floor_priorities integer[],
-                           floor_run_ats timestamptz[], floor_ids bigint[],
-                           floor_ages float8[], default_floor_age float8)
-RETURNS text
-LANGUAGE plpgsql
-SET search_path FROM CURRENT
-AS $$
-DECLARE
-    level integer;
-    floor_at timestamptz;
-    floor_id bigint;
-    paused_handlers text[];
-BEGIN
-    IF EXISTS (SELECT 1 FROM lane_pauses AS p
-                WHERE p.lane = arm_waiter.lane AND p.handler IS NULL) THEN
-        RETURN 'paused';
-    END IF;
-    IF NOT pg_try_advisory_xact_lock(wake_lock_key(arm_waiter.lane)) THEN
-        RETURN 'contended';
-    END IF;
-    paused_handlers := ARRAY(SELECT p.handler FROM lane_pauses AS p
-                              WHERE p.lane = arm_waiter.lane AND p.handler IS NOT NULL);
-    -- This statement's snapshot is taken after the lock: it sees every job whose enqueue
-    -- held the lock before.
-    FOR level, floor_at, floor_id IN
-        SELECT l.priority, l.floor_at, l.floor_id
-          FROM lane_floors(arm_waiter.lane, floor_priorities, floor_run_ats, floor_ids,
-                           floor_ages, default_floor_age, now()) AS l
-    LOOP
-        IF EXISTS (SELECT 1 FROM jobs AS j
-                    WHERE j.lane = arm_waiter.lane AND j.state IN ('pending', 'failed')
-                      AND j.priority = level AND (j.run_at, j.id) >= (floor_at, floor_id)
-                      AND j.run_at <= now() AND NOT j.suspect
-                      AND runnable(j.handler, paused_handlers)) THEN
-            RETURN 'work';
-        END IF;
-    END LOOP;
-    INSERT INTO lane_waiters (worker_id, lane) VALUES (arm_waiter.worker_id, arm_waiter.lane)
-        ON CONFLICT ON CONSTRAINT lane_waiters_pkey
-        DO UPDATE SET lane = excluded.lane, armed_at = now();
-    RETURN 'armed';
-END
-$$;
-
--- Arming in two transactions (migration 0020), which arm_waiter above did in one: it held
+-- Arming in two transactions (migration 0020), which arm_waiter (below) did in one: it held
 -- the lane's exclusive lock through its probe for work, and every enqueue into the lane
 -- queued behind the probe (up to hundreds of milliseconds on a table bloated by an
 -- overload). Now the lock is held only while the worker's row goes in:
@@ -836,6 +783,27 @@ BEGIN
         END IF;
     END LOOP;
     RETURN 'armed';
+END
+$$;
+
+-- Arming in one transaction, for daemons of releases before migration 0020: the two steps
+-- above under one lock held through the probe, so enqueues into the lane wait for it. The
+-- answers are arm_waiter_register's, or arm_waiter_probe's once registered.
+CREATE FUNCTION arm_waiter(lane text, worker_id text, floor_priorities integer[],
+                           floor_run_ats timestamptz[], floor_ids bigint[],
+                           floor_ages float8[], default_floor_age float8)
+RETURNS text
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    registered text := arm_waiter_register(arm_waiter.lane, arm_waiter.worker_id);
+BEGIN
+    IF registered <> 'registered' THEN
+        RETURN registered;
+    END IF;
+    RETURN arm_waiter_probe(arm_waiter.lane, arm_waiter.worker_id, floor_priorities,
+                            floor_run_ats, floor_ids, floor_ages, default_floor_age);
 END
 $$;
 
