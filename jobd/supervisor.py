@@ -165,6 +165,9 @@ class Supervisor:
             self.link.ensure()
             self._ensure_listener()
             self._receive_wakeups()
+            # Workers first: a due duty's statements must not sit between a notification and
+            # the wake-up it asks for. Duties can make more wake-ups due (retries, suspects).
+            self._wake_workers()
             self.duties.run_due(self.link)
             self._wake_workers()
             self._watchdog()

@@ -33,8 +33,11 @@ from typing import Any
 # outbox_mark_dead in jobd/sql/schema.sql), and tests/test_schema_file.py checks that the
 # two agree.
 
-# Handler, lane, schedule, node and sender names.
+# Handler, lane, schedule, node and sender names: NAME_RULE, which is NAME_CHARS at most
+# MAX_NAME_BYTES long (the form SQL checks: a bounded repetition costs its regex engine).
 NAME_RULE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
+NAME_CHARS = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
+MAX_NAME_BYTES = 128
 # Keys of jobd's own making (schedule occurrences, outbox deliveries, keys derived from job
 # ids) start with this; callers' keys may not, so the two can never collide.
 RESERVED_KEY_PREFIX = "jobd:"

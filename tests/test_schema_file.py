@@ -220,8 +220,20 @@ def function_source(conn: psycopg.Connection, name: str) -> str:
 
 
 def test_sql_checks_names_by_the_rule_python_checks(conn: psycopg.Connection) -> None:
-    assert f"'{validation.NAME_RULE.pattern}'" in function_source(conn, "check_job")
-    assert f"'{validation.NAME_RULE.pattern}'" in function_source(conn, "check_name")
+    for function in ("check_job", "check_name"):
+        source = function_source(conn, function)
+        assert f"'{validation.NAME_CHARS.pattern}'" in source
+        assert f"> {validation.MAX_NAME_BYTES}" in source
+
+
+@pytest.mark.parametrize("value", [
+    "a", "A9", "a" * 128, "a" * 129, "9_.:-", "_a", "-a", "", "a b", "a\n", "é", "a/b"])
+def test_the_two_forms_of_the_name_rule_agree(value: str) -> None:
+    # SQL checks NAME_CHARS and the length apart (no ASCII name differs in bytes and
+    # characters; a non-ASCII one fails both).
+    split = (validation.NAME_CHARS.fullmatch(value) is not None
+             and len(value.encode()) <= validation.MAX_NAME_BYTES)
+    assert split == (validation.NAME_RULE.fullmatch(value) is not None)
 
 
 def test_sql_reserves_the_key_prefix_python_reserves(conn: psycopg.Connection) -> None:

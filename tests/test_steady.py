@@ -96,6 +96,43 @@ def test_an_enqueue_outside_read_committed_always_notifies(
     assert notifications(listener) == [f"{LANE}#1"]
 
 
+def all_notifications(listener: psycopg.Connection) -> list[str]:
+    return [n.payload for n in listener.notifies(timeout=0.3)]
+
+
+def test_enqueue_announces_its_job_once_and_other_inserts_still_notify(
+    db_url: str, conn: psycopg.Connection, listener: psycopg.Connection
+) -> None:
+    # jobd.enqueue notifies itself and the insert trigger lets its row by (migration 0021):
+    # one notification, not two; an insert of another kind in the same transaction, after
+    # it, is announced by the trigger as before.
+    assert queue.arm(conn, LANE, "w1", full_scan_params()) == "armed"
+    with connect(db_url, autocommit=False) as producer:
+        producer.execute("SELECT enqueue('h')")
+        producer.execute("INSERT INTO jobs (id, lane, handler) VALUES (nextval('job_id_seq'),"
+                         " %s, 'h'), (nextval('job_id_seq'), %s, 'h')", [LANE, LANE])
+        producer.commit()
+    assert all_notifications(listener) == [f"{LANE}#1", f"{LANE}#2"]
+    assert conn.execute("SELECT count(*) FROM jobs").fetchone() == (3,)
+
+
+def test_an_enqueue_due_long_ago_tells_the_workers_to_claim_from_the_head(
+    conn: psycopg.Connection, listener: psycopg.Connection
+) -> None:
+    assert queue.arm(conn, LANE, "w1", full_scan_params()) == "armed"
+    conn.execute("SELECT enqueue('h', run_at => now() - interval '1 minute')")
+    assert all_notifications(listener) == [f"{LANE}#1", f"{LANE}!behind"]
+
+
+def test_an_enqueue_into_a_lane_nobody_waits_on_sends_nothing_but_lists_its_priority(
+    conn: psycopg.Connection, listener: psycopg.Connection
+) -> None:
+    assert queue.arm(conn, "other", "w1", full_scan_params()) == "armed"
+    conn.execute("SELECT enqueue('h', priority => 7)")
+    assert all_notifications(listener) == []
+    assert conn.execute("SELECT lane, priority FROM lane_priorities").fetchall() == [(LANE, 7)]
+
+
 def test_a_crashed_workers_waiter_row_is_removed_by_crash_attribution(
     conn: psycopg.Connection,
 ) -> None:

@@ -242,9 +242,10 @@ LANGUAGE plpgsql IMMUTABLE
 SET search_path FROM CURRENT
 AS $$
 DECLARE
-    name_rule constant text := '^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$';
+    name_chars constant text := '^[A-Za-z0-9][A-Za-z0-9_.:-]*$';
 BEGIN
-    IF check_name.value IS NOT NULL AND check_name.value !~ name_rule THEN
+    IF check_name.value IS NOT NULL AND (check_name.value !~ name_chars
+                                         OR octet_length(check_name.value) > 128) THEN
         RAISE EXCEPTION '%: invalid % name %: use 1-128 letters, digits and _ . : - (starting with a letter or digit)',
             check_name.caller, check_name.what, quote_literal(check_name.value)
             USING ERRCODE = 'invalid_parameter_value';
@@ -453,9 +454,13 @@ INSERT INTO settings (name, value) VALUES ('max_payload_bytes', '1048576');
 -- The rules every job meets, whichever way it is enqueued (jobd/validation.py states the same
 -- set for the Python API), so that a job one entry point accepts is never refused by another,
 -- nor accepted and then undeliverable. Raises invalid_parameter_value (22023) naming the first
--- rule a job breaks. Shared by jobd.enqueue and by the bulk path's size check. name_rule and
--- the 'jobd:' prefix are validation.NAME_RULE and RESERVED_KEY_PREFIX in Python; a test checks
--- that the two agree.
+-- rule a job breaks. The payload size, which needs the settings table, is checked apart:
+-- enqueue reads the limit in the statement that reads the lane's state, and
+-- check_payload_size (below, the bulk path's check too) raises. name_chars and the 128-byte
+-- bound are validation.NAME_CHARS and MAX_NAME_BYTES, the 'jobd:' prefix is
+-- RESERVED_KEY_PREFIX in Python; a test checks that the two agree. (A bounded repetition,
+-- {0,127}, states the same rule in one pattern, but its automaton made every match cost
+-- microseconds: migration 0021.)
 CREATE FUNCTION check_job(
     handler text, lane text, payload jsonb, run_at timestamptz, idempotency_key text,
     max_attempts integer, fairness_key text DEFAULT NULL
@@ -465,14 +470,16 @@ LANGUAGE plpgsql STABLE
 -- search_path costs each call a switch and a switch back (migration 0019).
 AS $$
 DECLARE
-    name_rule constant text := '^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$';
+    name_chars constant text := '^[A-Za-z0-9][A-Za-z0-9_.:-]*$';
 BEGIN
-    IF check_job.handler IS NULL OR check_job.handler !~ name_rule THEN
+    IF check_job.handler IS NULL OR check_job.handler !~ name_chars
+       OR octet_length(check_job.handler) > 128 THEN
         RAISE EXCEPTION 'jobd.enqueue: invalid handler name %: use 1-128 letters, digits and _ . : - (starting with a letter or digit)',
             coalesce(quote_literal(check_job.handler), 'NULL')
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    IF check_job.lane IS NULL OR check_job.lane !~ name_rule THEN
+    IF check_job.lane IS NULL OR check_job.lane !~ name_chars
+       OR octet_length(check_job.lane) > 128 THEN
         RAISE EXCEPTION 'jobd.enqueue: invalid lane name %: use 1-128 letters, digits and _ . : - (starting with a letter or digit)',
             coalesce(quote_literal(check_job.lane), 'NULL')
             USING ERRCODE = 'invalid_parameter_value';
@@ -519,7 +526,6 @@ BEGIN
         RAISE EXCEPTION 'jobd.enqueue: payload must not be SQL NULL (a JSON null is ''null''::jsonb; leave it out for {})'
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    PERFORM check_payload_size(octet_length(check_job.payload::text));
     -- Both limits are what the workers' decoder (Python's json) can read back: nesting
     -- below its recursion limit, integers below its 4300-digit limit.
     IF jsonb_path_exists(check_job.payload, 'strict $.**{257}') THEN
@@ -535,7 +541,8 @@ END
 $$;
 
 -- The payload size limit alone, for the bulk path: the client measures its largest payload and
--- asks in the statement that reserves the batch's ids.
+-- asks in the statement that reserves the batch's ids. enqueue calls it to raise the error
+-- once its own read of the limit found the payload too large.
 CREATE FUNCTION check_payload_size(size bigint) RETURNS void
 LANGUAGE plpgsql STABLE
 SET search_path FROM CURRENT
@@ -552,7 +559,8 @@ $$;
 
 -- One committed INSERT enqueues a job. With an idempotency key, the key ledger decides: the
 -- first caller inserts the job, every later caller gets the first job's id back, even after
--- that job finished and was archived.
+-- that job finished and was archived. It announces its job itself (the notifications of
+-- notify_new_jobs, below), for a fraction of what the trigger cost a one-row statement.
 CREATE FUNCTION enqueue(
     handler         text,
     payload         jsonb       DEFAULT '{}',
@@ -567,10 +575,28 @@ LANGUAGE plpgsql
 SET search_path FROM CURRENT
 AS $$
 DECLARE
-    new_id bigint;
+    new_id      bigint;
+    due_at      timestamptz := coalesce(enqueue.run_at, now());
+    level       integer     := coalesce(enqueue.priority, 0);
+    lane_state  record;
 BEGIN
     PERFORM check_job(enqueue.handler, enqueue.lane, enqueue.payload, enqueue.run_at,
                       enqueue.idempotency_key, enqueue.max_attempts, enqueue.fairness_key);
+    -- The lane's shared wake-up lock, held until commit, before the one read below: as in
+    -- notify_new_jobs, a worker arming meanwhile sees this enqueue as 'contended', and the
+    -- read's snapshot sees every arming committed before the lock was granted; the retention
+    -- duty cannot forget the job's priority under it.
+    PERFORM pg_advisory_xact_lock_shared(
+        hashtextextended(current_schema() || '.' || enqueue.lane, 0));
+    SELECT (SELECT s.value::bigint FROM settings AS s
+             WHERE s.name = 'max_payload_bytes') AS max_payload_bytes,
+           EXISTS (SELECT 1 FROM lane_priorities AS p
+                    WHERE p.lane = enqueue.lane AND p.priority = level) AS priority_known,
+           EXISTS (SELECT 1 FROM lane_waiters AS w WHERE w.lane = enqueue.lane) AS waited
+      INTO lane_state;
+    IF octet_length(enqueue.payload::text) > lane_state.max_payload_bytes THEN
+        PERFORM check_payload_size(octet_length(enqueue.payload::text));  -- raises
+    END IF;
     IF enqueue.idempotency_key IS NOT NULL THEN
         INSERT INTO job_keys AS k (idempotency_key, job_id)
              VALUES (enqueue.idempotency_key, nextval('job_id_seq'))
@@ -586,11 +612,29 @@ BEGIN
     ELSE
         new_id := nextval('job_id_seq');
     END IF;
+    -- The insert trigger steps aside for this one statement (jobs_notify_insert's WHEN); the
+    -- setting is cleared again before anything else can insert.
+    PERFORM set_config('jobd.enqueue_announces', 'on', true);
     INSERT INTO jobs (id, lane, handler, payload, priority, run_at, idempotency_key, max_attempts,
                       fairness_key)
-         VALUES (new_id, enqueue.lane, enqueue.handler, enqueue.payload,
-                 coalesce(enqueue.priority, 0), coalesce(enqueue.run_at, now()),
+         VALUES (new_id, enqueue.lane, enqueue.handler, enqueue.payload, level, due_at,
                  enqueue.idempotency_key, enqueue.max_attempts, enqueue.fairness_key);
+    PERFORM set_config('jobd.enqueue_announces', '', true);
+    IF NOT lane_state.priority_known THEN
+        INSERT INTO lane_priorities (lane, priority) VALUES (enqueue.lane, level)
+            ON CONFLICT DO NOTHING;
+    END IF;
+    -- The notifications notify_new_jobs sends for a statement of one job.
+    IF due_at > now() THEN
+        PERFORM pg_notify(current_schema() || '_wakeup',
+                          enqueue.lane || '@' || extract(epoch FROM due_at)::text);
+    ELSIF lane_state.waited
+          OR current_setting('transaction_isolation') <> 'read committed' THEN
+        PERFORM pg_notify(current_schema() || '_wakeup', enqueue.lane || '#1');
+        IF due_at < clock_timestamp() - interval '0.5 seconds' THEN
+            PERFORM pg_notify(current_schema() || '_wakeup', enqueue.lane || '!behind');
+        END IF;
+    END IF;
     RETURN new_id;
 END
 $$;
@@ -619,7 +663,8 @@ AS $$ SELECT hashtextextended(current_schema() || '.' || lane, 0) $$;
 -- transaction. The payload is 'lane#<n>' when n of the new jobs are due now (so the listener
 -- wakes as many workers as that needs), else 'lane@<epoch seconds>' of the earliest one
 -- (always sent), so it can wake the lane at that instant instead of polling for it. The
--- channel carries the schema name so several jobd schemas can share a database.
+-- channel carries the schema name so several jobd schemas can share a database. jobd.enqueue
+-- sends the same for its one job itself (the trigger's WHEN lets its insert by).
 CREATE FUNCTION notify_new_jobs() RETURNS trigger LANGUAGE plpgsql
 -- It reads jobd's tables: whatever search_path the enqueuing session has (a caller's COPY).
 SET search_path FROM CURRENT
@@ -666,9 +711,15 @@ BEGIN
 END
 $$;
 
+-- Every insert but jobd.enqueue's own, which announces itself. A trigger inside that insert
+-- (pg_trigger_depth() > 0: a caller's trigger on jobs that inserts more jobs) is announced
+-- here as before.
 CREATE TRIGGER jobs_notify_insert AFTER INSERT ON jobs
     REFERENCING NEW TABLE AS new_jobs
-    FOR EACH STATEMENT EXECUTE FUNCTION notify_new_jobs();
+    FOR EACH STATEMENT
+    WHEN (pg_trigger_depth() > 0
+          OR current_setting('jobd.enqueue_announces', true) IS DISTINCT FROM 'on')
+    EXECUTE FUNCTION notify_new_jobs();
 
 -- The retention duty forgets the priorities a lane no longer uses, one lane at a time and
 -- only while no enqueue into it is in flight (the exclusive try-lock): an enqueue that
