@@ -28,10 +28,12 @@ from fault_support import (
 )
 from invariants import assert_invariants
 
+import jobd
 from jobd.db import connect
 from jobd.localpg import LocalCluster
 
 daemons = daemon_support.daemons
+effects_db = daemon_support.effects_db
 private_cluster = private_cluster_factory
 
 pytestmark = pytest.mark.slow
@@ -99,6 +101,62 @@ def test_a_storm_of_backend_terminations_loses_and_doubles_nothing(
     wait_all_done(conn, ids, 90, daemon)
     assert daemon.running(), daemon.tail()
     assert_invariants(conn, ids, context=f"{storm.terminated}\n{daemon.tail()}")
+
+
+TURNOVER_LANE = "turnover"
+
+
+def worker_backend(conn: psycopg.Connection) -> tuple[int, str | None]:
+    """The pid and wait event type of the lane's one worker connection."""
+    row = conn.execute(
+        "SELECT pid, wait_event_type FROM pg_stat_activity"
+        " WHERE datname = current_database() AND application_name LIKE 'jobd worker %%'"
+        " AND application_name LIKE %s", [f"%{TURNOVER_LANE}/0%"]).fetchone()
+    assert row is not None, "no worker connection"
+    return int(row[0]), row[1]
+
+
+def test_a_connection_lost_while_the_slots_turn_over_loses_and_doubles_nothing(
+    daemons: Daemons, effects_db: psycopg.Connection, db_url: str
+) -> None:
+    # The worker's exchange waits on a row lock the test holds, so it waits for the server
+    # while its handlers finish and its slots turn over (outcomes collected, buffered jobs
+    # started); then its connection is terminated, mid-exchange. Nothing of that exchange
+    # committed: the outcomes collected meanwhile must still be written, each job once.
+    config = daemon_support.make_config({TURNOVER_LANE: {"concurrency": 2, "prefetch": 8}})
+    config["database"] = {"lock_timeout": "120s"}  # the test ends the wait, not the timeout
+    daemon = daemons(config, name="turnover")
+    daemon.wait_workers_started(TURNOVER_LANE, 1, timeout=30)
+    ids = jobd.enqueue_many(effects_db, [
+        jobd.JobSpec("slow", {"seconds": 0.3}, lane=TURNOVER_LANE) for _ in range(16)])
+
+    def ended() -> int:
+        return int(effects_db.execute("SELECT count(*) FROM public.test_effects"
+                                      " WHERE kind = 'end'").fetchone()[0])
+
+    with connect(db_url, autocommit=False) as holder:
+        # The first job, once running: its outcome's write will wait for this lock.
+        wait_until(lambda: daemon_support.job_state(effects_db, ids[0]) == "claimed", 30,
+                   message="the first job to be claimed")
+        holder.execute("SELECT 1 FROM jobs WHERE id = %s FOR UPDATE", [ids[0]])
+        wait_until(lambda: worker_backend(effects_db)[1] == "Lock", 30,
+                   message=lambda: f"the worker's exchange to wait\n{daemon.tail()}")
+        blocked_at = ended()
+        # More jobs end than the slots held: buffered jobs started while it waited.
+        wait_until(lambda: ended() >= blocked_at + 4 or worker_backend(effects_db)[1] != "Lock",
+                   30, message="the slots to turn over")
+        assert worker_backend(effects_db)[1] == "Lock", "the exchange stopped waiting"
+        pid = worker_backend(effects_db)[0]
+        assert effects_db.execute("SELECT pg_terminate_backend(%s)", [pid]).fetchone() == (True,)
+        holder.rollback()
+
+    wait_until(lambda: all(daemon_support.job_state(effects_db, i) == "done" for i in ids), 60,
+               message=lambda: f"every job done\n{daemon.tail()}")
+    runs = effects_db.execute(
+        "SELECT job_id, count(*) FILTER (WHERE kind = 'end') FROM public.test_effects"
+        " GROUP BY job_id").fetchall()
+    assert sorted(runs) == [(i, 1) for i in sorted(ids)]  # each ran once, none lost
+    assert daemon.running(), daemon.tail()
 
 
 @pytest.fixture
