@@ -135,9 +135,10 @@ def test_a_connection_lost_while_the_slots_turn_over_loses_and_doubles_nothing(
                                       " WHERE kind = 'end'").fetchone()[0])
 
     with connect(db_url, autocommit=False) as holder:
-        # The first job, once running: its outcome's write will wait for this lock.
-        wait_until(lambda: daemon_support.job_state(effects_db, ids[0]) == "claimed", 30,
-                   message="the first job to be claimed")
+        # The first job, once running (not merely buffered): its outcome's write, 0.3 s from
+        # now, will wait for this lock, with most of the jobs still to run.
+        wait_until(lambda: daemon_support.effects(effects_db, ids[0], "start"), 30,
+                   message="the first job to start")
         holder.execute("SELECT 1 FROM jobs WHERE id = %s FOR UPDATE", [ids[0]])
         wait_until(lambda: worker_backend(effects_db)[1] == "Lock", 30,
                    message=lambda: f"the worker's exchange to wait\n{daemon.tail()}")
