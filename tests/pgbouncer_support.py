@@ -180,6 +180,12 @@ class TcpRelay:
                 return  # closed
             upstream = socket.create_connection(self.target)
             with self._lock:
+                if self._server is not server:
+                    # close() ran since the accept: it cut the connections it knew of, and
+                    # this pair was not among them.
+                    client.close()
+                    upstream.close()
+                    return
                 self._sockets += [client, upstream]
             for source, sink in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
@@ -192,15 +198,18 @@ class TcpRelay:
         except OSError:
             pass  # the other direction closed both sockets, or close() did
         finally:
+            # Closed here too, not only by close(): a pair whose relay is never closed again
+            # must not be left to the garbage collector (a ResourceWarning in a later test).
             for sock in (source, sink):
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
+                sock.close()
 
     def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            self._server = None
         with self._lock:
+            if self._server is not None:
+                self._server.close()
+                self._server = None
             sockets, self._sockets = self._sockets, []
         for sock in sockets:
             with contextlib.suppress(OSError):
