@@ -116,6 +116,25 @@ def test_enqueue_announces_its_job_once_and_other_inserts_still_notify(
     assert conn.execute("SELECT count(*) FROM jobs").fetchone() == (3,)
 
 
+def test_jobs_a_callers_trigger_inserts_during_an_enqueue_are_announced(
+    conn: psycopg.Connection, listener: psycopg.Connection
+) -> None:
+    # The trigger's WHEN lets enqueue's own insert by, not inserts nested inside it.
+    conn.execute("""
+        CREATE FUNCTION public.spawn_child() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            INSERT INTO jobd.jobs (id, lane, handler)
+                 VALUES (nextval('jobd.job_id_seq'), 'child', 'h');
+            RETURN NULL;
+        END $$""")
+    conn.execute("CREATE TRIGGER spawn AFTER INSERT ON jobs FOR EACH ROW"
+                 " WHEN (NEW.handler = 'parent') EXECUTE FUNCTION public.spawn_child()")
+    for lane, worker_id in ((LANE, "w1"), ("child", "w2")):
+        assert queue.arm(conn, lane, worker_id, full_scan_params()) == "armed"
+    conn.execute("SELECT enqueue('parent')")
+    assert sorted(all_notifications(listener)) == ["child#1", f"{LANE}#1"]
+
+
 def test_an_enqueue_due_long_ago_tells_the_workers_to_claim_from_the_head(
     conn: psycopg.Connection, listener: psycopg.Connection
 ) -> None:
