@@ -1,4 +1,4 @@
--- Arming in two transactions (migration 0020), which arm_waiter (below) did in one: it held
+-- Arming in two transactions (migration 0020), which arm_waiter above did in one: it held
 -- the lane's exclusive lock through its probe for work, and every enqueue into the lane
 -- queued behind the probe (up to hundreds of milliseconds on a table bloated by an
 -- overload). Now the lock is held only while the worker's row goes in:
@@ -64,36 +64,12 @@ BEGIN
 END
 $$;
 
-
--- Arming in one transaction, for daemons of releases before migration 0020: the two steps
--- above under one lock held through the probe, so enqueues into the lane wait for it. The
--- answers are arm_waiter_register's, or arm_waiter_probe's once registered.
-CREATE OR REPLACE FUNCTION arm_waiter(lane text, worker_id text, floor_priorities integer[],
-                           floor_run_ats timestamptz[], floor_ids bigint[],
-                           floor_ages float8[], default_floor_age float8)
-RETURNS text
-LANGUAGE plpgsql
-SET search_path FROM CURRENT
-AS $$
-DECLARE
-    registered text := arm_waiter_register(arm_waiter.lane, arm_waiter.worker_id);
-BEGIN
-    IF registered <> 'registered' THEN
-        RETURN registered;
-    END IF;
-    RETURN arm_waiter_probe(arm_waiter.lane, arm_waiter.worker_id, floor_priorities,
-                            floor_run_ats, floor_ids, floor_ages, default_floor_age);
-END
-$$;
-
 DO $$
 BEGIN
     -- As migration 0014 pinned every function's search_path: the schema, then pg_temp.
     EXECUTE format('ALTER FUNCTION arm_waiter_register(text, text) SET search_path = %I, pg_temp',
                    current_schema());
     EXECUTE format('ALTER FUNCTION arm_waiter_probe(text, text, integer[], timestamptz[], bigint[],'
-                   ' float8[], float8) SET search_path = %I, pg_temp', current_schema());
-    EXECUTE format('ALTER FUNCTION arm_waiter(text, text, integer[], timestamptz[], bigint[],'
                    ' float8[], float8) SET search_path = %I, pg_temp', current_schema());
 END
 $$;

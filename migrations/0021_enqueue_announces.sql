@@ -125,7 +125,8 @@ BEGIN
     -- The lane's shared wake-up lock, held until commit, before the one read below: as in
     -- notify_new_jobs, a worker arming meanwhile sees this enqueue as 'contended', and the
     -- read's snapshot sees every arming committed before the lock was granted; the retention
-    -- duty cannot forget the job's priority under it.
+    -- duty cannot forget the job's priority under it. The key is wake_lock_key(lane), written
+    -- out as in notify_new_jobs: calling a function that sets search_path costs (0019).
     PERFORM pg_advisory_xact_lock_shared(
         hashtextextended(current_schema() || '.' || enqueue.lane, 0));
     SELECT (SELECT s.value::bigint FROM settings AS s

@@ -177,7 +177,7 @@ def test_the_comparison_sees_what_it_compares(
             "outbox_mark_dead", "notify_new_jobs", "ensure_archive_partitions",
             "drop_archive_partitions", "pause", "resume", "cancel", "quarantine",
             "check_name"} <= set(functions)
-    assert "arm_waiter_probe(" in str(functions["arm_waiter"])  # the body of 0020, not 0011
+    assert "arm_waiter_probe(" in str(functions["arm_waiter"])  # the body of 0022, not 0011
     assert "lane_pauses" in str(functions["arm_waiter_register"])
     assert "PERFORM check_job(" in str(functions["enqueue"])  # the body of 0006, not 0001
     assert f"SET search_path TO '{PLACEHOLDER}'" in str(functions["enqueue"])

@@ -585,7 +585,8 @@ BEGIN
     -- The lane's shared wake-up lock, held until commit, before the one read below: as in
     -- notify_new_jobs, a worker arming meanwhile sees this enqueue as 'contended', and the
     -- read's snapshot sees every arming committed before the lock was granted; the retention
-    -- duty cannot forget the job's priority under it.
+    -- duty cannot forget the job's priority under it. The key is wake_lock_key(lane), written
+    -- out as in notify_new_jobs: calling a function that sets search_path costs (0019).
     PERFORM pg_advisory_xact_lock_shared(
         hashtextextended(current_schema() || '.' || enqueue.lane, 0));
     SELECT (SELECT s.value::bigint FROM settings AS s
@@ -837,9 +838,9 @@ BEGIN
 END
 $$;
 
--- Arming in one transaction, for daemons of releases before migration 0020: the two steps
--- above under one lock held through the probe, so enqueues into the lane wait for it. The
--- answers are arm_waiter_register's, or arm_waiter_probe's once registered.
+-- Arming in one transaction, for daemons of releases before migration 0020 (this body since
+-- 0022): the two steps above under one lock held through the probe, so enqueues into the lane
+-- wait for it. The answers are arm_waiter_register's, or arm_waiter_probe's once registered.
 CREATE FUNCTION arm_waiter(lane text, worker_id text, floor_priorities integer[],
                            floor_run_ats timestamptz[], floor_ids bigint[],
                            floor_ages float8[], default_floor_age float8)
