@@ -142,7 +142,8 @@ def bounded(timeline: list[tuple[float, float]]) -> tuple[bool | None, float, fl
 # --- tables --------------------------------------------------------------------------------
 
 COLUMNS = ["phase", "s", "offered/s", "done/s", "p50 ms", "p95 ms", "p99 ms", "max ms",
-           "backlog", "dead tup", "heap MB", "idx MB", "reads/claim", "reads/job", "seq/claim",
+           "backlog", "dead tup", "heap MB", "idx MB", "reads/claim", "reads/job", "idx blks/claim",
+           "seq/claim",
            "enq p50", "enq p99", "late %", "horizon s", "other load"]
 
 
@@ -161,9 +162,9 @@ def phase_row(scenario: str, f: dict[str, Any]) -> list[str]:
             _f(f["pickup_p99_ms"]), _f(f["pickup_max_ms"]), _f(f.get("backlog_end")),
             _f(f["dead_tuples_end"]), _f(f["heap_mb"], 2), _f(f["index_mb"], 2),
             _f(claim.get("per_claim")), _f(claim["per_job"]),
-            _f(claim.get("seq_rows_per_claim")), _f(sends.get("call_p50_ms"), 2),
-            _f(sends.get("call_p99_ms"), 2), _f(sends.get("late_pct")),
-            _f(f.get("horizon_age_s")), _f(f.get("other_load_cores"), 2)]
+            _f(claim.get("index_blocks_per_claim")), _f(claim.get("seq_rows_per_claim")),
+            _f(sends.get("call_p50_ms"), 2), _f(sends.get("call_p99_ms"), 2),
+            _f(sends.get("late_pct")), _f(f.get("horizon_age_s")), _f(f.get("other_load_cores"), 2)]
 
 
 def waits_line(f: dict[str, Any]) -> str:

@@ -43,9 +43,13 @@ SELECT (SELECT coalesce(sum(n_dead_tup), 0) FROM pg_stat_user_tables
          WHERE relid IN (SELECT relid FROM rels)),
        (SELECT coalesce(sum(pg_relation_size(relid)), 0) FROM rels),
        (SELECT coalesce(sum(pg_indexes_size(relid)), 0) FROM rels),
-       (SELECT coalesce(json_object_agg(indexrelname, json_build_array(idx_scan, idx_tup_read)),
+       (SELECT coalesce(json_object_agg(i.indexrelname,
+                                        json_build_array(i.idx_scan, i.idx_tup_read,
+                                                         io.idx_blks_hit + io.idx_blks_read)),
                         '{}')
-          FROM pg_stat_user_indexes WHERE relid IN (SELECT relid FROM rels)),
+          FROM pg_stat_user_indexes AS i
+          JOIN pg_statio_user_indexes AS io USING (indexrelid)
+         WHERE i.relid IN (SELECT relid FROM rels)),
        clock_timestamp()
 """
 
@@ -92,7 +96,8 @@ class Monitor:
             "at": at.timestamp(), "dead_tuples": int(dead), "live_tuples": int(live),
             "vacuums": int(vacuums), "seq_tuples_read": int(seq_read),
             "heap_bytes": int(heap), "index_bytes": int(index),
-            "indexes": {name: {"scans": int(v[0]), "tuples_read": int(v[1])}
+            "indexes": {name: {"scans": int(v[0]), "tuples_read": int(v[1]),
+                               "blocks": int(v[2])}
                         for name, v in indexes.items()},
         }
         if self.statements:
@@ -140,6 +145,13 @@ def claim_reads(before: dict[str, Any], after: dict[str, Any], claim_index: str,
         result["jobs_per_claim"] = ((after["claim_rows"] - before["claim_rows"]) / calls
                                     if calls else math.nan)
         result["per_claim"] = read / calls if calls else math.nan
+        # Index blocks of every index but the primary key, per claim: what the claim side
+        # walks in all. The arming probe and the lease sweep read other indexes than the
+        # claim's, and a scan that checks a condition inside the index steps over entries
+        # without returning them, which idx_tup_read does not count.
+        blocks = sum(v["blocks"] - before["indexes"].get(n, {}).get("blocks", 0)
+                     for n, v in names.items() if not n.endswith("_pkey"))
+        result["index_blocks_per_claim"] = blocks / calls if calls else math.nan
         # Rows of jobd.jobs read by sequential scans, per claim: when the planner walks the
         # table instead of the claim index (a small table, fresh statistics), the index
         # figure alone would look like a claim that reads nothing.

@@ -18,7 +18,16 @@ floors"). A floor keeps the scan above them:
   the margin before it committed (``run_at`` defaults to the transaction's start), a job
   released or whose lease expired (it keeps its ``run_at``), a claim that skipped a locked
   row that another claimer then gave up. So at least every :data:`FULL_SCAN_INTERVAL` a
-  claim scans from the head, and such a job waits at most that long.
+  claim scans from the head, and such a job waits at most that long;
+- unless those scans grow costly: a scan from the head walks every dead entry the held
+  horizon keeps, so its cost grows with the horizon's age. The worker times each round trip
+  that carried one (:meth:`ClaimFloors.head_scan_took`) and spaces the next so that such
+  scans take at most :data:`HEAD_SCAN_SHARE` of its time, up to
+  :data:`MAX_FULL_SCAN_INTERVAL` apart. While they are spaced out, the claim once a second
+  looks back :data:`LOOK_BACK` seconds instead (the floors at the database's clock less
+  that): it walks the dead entries of those seconds only, whatever the horizon's age, and
+  finds what usually lands below the floors (an enqueue whose transaction took seconds). A
+  job below that, due for longer, waits up to the spacing.
 """
 
 from __future__ import annotations
@@ -31,8 +40,22 @@ from typing import Any
 # How far below the database's clock at a short claim a floor is set: an enqueue whose
 # transaction is younger than this when it commits is never below a floor.
 CAUGHT_UP_MARGIN = 0.5
-# The longest a job below a floor waits for a claim that scans from the head.
+# The longest a job below a floor waits for a claim that scans from the head, while such
+# scans are cheap (vacuum keeps up).
 FULL_SCAN_INTERVAL = 1.0
+# The share of a worker's time that scans from the head may take: one that took longer than
+# this share of FULL_SCAN_INTERVAL (2 ms beyond the usual round trip; from the head of a
+# lane that vacuum keeps clean, a scan costs about what one from the floors does) spaces the
+# next one out, to seconds / share. A held horizon's dead entries cost some 0.35 us each to
+# step over (bench/pressure.py), so this bounds what they add to about 80 entries per claim
+# at 75 claims/s, until the spacing reaches its cap (a scan of some 120 ms) ...
+HEAD_SCAN_SHARE = 0.002
+# ... but never further apart than this: the longest a job far below the floors then waits.
+MAX_FULL_SCAN_INTERVAL = 60.0
+# Meanwhile, once every FULL_SCAN_INTERVAL, a claim looks this far back (seconds before the
+# database's now()) from every priority, past the floors: its cost is the entries of those
+# seconds, not of the horizon's whole age.
+LOOK_BACK = 10.0
 # A priority's dry instant when a claim took jobs from it: not dry at all below its position
 # (the age sent makes the dry floor decades old, so the position alone counts).
 NOT_DRY = -math.inf
@@ -65,6 +88,10 @@ class ClaimFloors:
     # without a later one of their own.
     dry_at: float | None = None
     last_full_scan: float = -math.inf
+    # How far apart scans from the head are now: FULL_SCAN_INTERVAL, or longer while the
+    # last one took long (head_scan_took); the claims look back LOOK_BACK meanwhile.
+    full_scan_spacing: float = FULL_SCAN_INTERVAL
+    last_look_back: float = -math.inf
     # The database's clock at the last claim that took a job, and the monotonic instant then.
     clock: tuple[datetime, float] | None = None
     # A fair lane's positions per (priority, share key): the last (run_at, id) taken of the
@@ -84,10 +111,41 @@ class ClaimFloors:
         self.forget()
         return step
 
+    def head_scan_took(self, seconds: float) -> float:
+        """A round trip that scanned from the head took ``seconds``: space the next such scan
+        so that they take at most HEAD_SCAN_SHARE of the time. Returns the new spacing."""
+        self.full_scan_spacing = min(MAX_FULL_SCAN_INTERVAL,
+                                     max(FULL_SCAN_INTERVAL, seconds / HEAD_SCAN_SHARE))
+        return self.full_scan_spacing
+
+    @property
+    def spaced_out(self) -> bool:
+        """Scans from the head are spaced out: the claims look back once a second instead."""
+        return self.full_scan_spacing > FULL_SCAN_INTERVAL
+
+    def next_full_scan_at(self) -> float:
+        """When the next claim scans from the head (monotonic)."""
+        return self.last_full_scan + self.full_scan_spacing
+
+    def recheck_at(self, probe: str) -> float | None:
+        """When a worker that armed itself after a probe of this kind (:func:`kind`) looks
+        once more, past its floors: never after one from the head; after a look back, when
+        the next scan from the head is due; after one from the floors, at the next look past
+        them of either kind."""
+        if probe == HEAD:
+            return None
+        if probe == BACK or not self.spaced_out:
+            return self.next_full_scan_at()
+        return min(self.next_full_scan_at(), self.last_look_back + FULL_SCAN_INTERVAL)
+
     def params(self, now: float) -> dict[str, Any]:
-        """The floor parameters of the next claim; from the head when one is due."""
-        if now - self.last_full_scan >= FULL_SCAN_INTERVAL:
+        """The floor parameters of the next claim; from the head when one is due, looking
+        back LOOK_BACK when one of those is due while scans from the head are spaced out."""
+        if now >= self.next_full_scan_at():
             return full_scan_params()
+        if self.spaced_out and now >= self.last_look_back + FULL_SCAN_INTERVAL:
+            self.last_look_back = now
+            return look_back_params()
         priorities, run_ats, ids, ages = [], [], [], []
         for priority, floor in self.by_priority.items():
             priorities.append(priority)
@@ -170,6 +228,23 @@ class ClaimFloors:
         self.by_key.clear()
         self.dry_at = None
         self.last_full_scan = -math.inf
+
+
+# What a claim's floor parameters are (kind()).
+HEAD, BACK, FLOORS = "head", "look back", "floors"
+
+
+def kind(params: dict[str, Any]) -> str:
+    """Whether floor parameters scan from the head, look back LOOK_BACK, or start at floors."""
+    if params == full_scan_params():
+        return HEAD
+    if params == look_back_params():
+        return BACK
+    return FLOORS
+
+
+def look_back_params() -> dict[str, Any]:
+    return {**full_scan_params(), "default_floor_age": LOOK_BACK}
 
 
 def full_scan_params() -> dict[str, Any]:

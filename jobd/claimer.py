@@ -37,7 +37,7 @@ from datetime import timedelta
 import structlog
 
 from jobd import jobs, queue
-from jobd.claim_floors import FULL_SCAN_INTERVAL, ClaimFloors
+from jobd.claim_floors import ClaimFloors
 from jobd.config import LaneConfig
 from jobd.prefetch import Prefetch
 from jobd.protocol import WorkerMode
@@ -223,9 +223,10 @@ class Claimer:
             return self.recheck_at is not None and now >= self.recheck_at
         return self.next_try_at is None and self.lingering == len(LINGER)
 
-    def arm_result(self, result: str, now: float, from_head: bool) -> None:
+    def arm_result(self, result: str, now: float, probe: str) -> None:
         """What arming answered: sleep until woken, or claim again (now or shortly), or wait
-        unarmed for the lane's resume ('paused': the worker looks at the lane's pauses)."""
+        unarmed for the lane's resume ('paused': the worker looks at the lane's pauses).
+        ``probe``: the kind of floors its probe for work used (``claim_floors.kind``)."""
         if result == "paused":
             self.lane_paused = True
             self.recheck_at = None
@@ -235,8 +236,7 @@ class Claimer:
             self.armed = True
             self.lingering = None
             self.retries = 0
-            self.recheck_at = (None if from_head else
-                               self.floors.last_full_scan + FULL_SCAN_INTERVAL)
+            self.recheck_at = self.floors.recheck_at(probe)
             return
         # 'work' or 'contended': claim again. A worker that was armed stays so, and its claim
         # disarms it.

@@ -13,8 +13,7 @@ import time
 
 import structlog
 
-from jobd import fastpath, queue, recovery
-from jobd.claim_floors import full_scan_params
+from jobd import claim_floors, fastpath, queue, recovery
 from jobd.claimer import Claimer
 from jobd.completer import Completer, Counters
 from jobd.db import ManagedConnection
@@ -24,6 +23,12 @@ from jobd.worker_controls import Controls
 from jobd.worker_timers import Timers
 
 log = structlog.get_logger("jobd.worker")
+
+# A spacing of scans from the head (seconds) that the log mentions: shorter ones come and go
+# with a busy machine's round trips.
+SPACING_WORTH_SAYING = 10.0
+# The weight of the newest round trip in the moving average of the usual one.
+ROUND_TRIP_WEIGHT = 0.1
 
 
 class Exchange:
@@ -48,6 +53,8 @@ class Exchange:
         # broke, or the rows could not be loaded): the loop then checks the jobs claimed in
         # our name against the ones it holds.
         self.claims_unknown = False
+        # Seconds a claim round trip from the floors takes, a moving average.
+        self.usual_round_trip = 0.0
 
     def settle_and_claim(self, mode: WorkerMode, claim: bool = True) -> None:
         """Write finished jobs' outcomes and claim more work: one round trip, one commit."""
@@ -67,9 +74,13 @@ class Exchange:
         # and an outcome collected meanwhile would be neither.
         turn_over = fastpath.WhileWaiting(self.slots.results_fd,
                                           lambda: self.slots.turn_over(mode)) if claim else None
+        sent_at = time.monotonic()
         written = self.link.run("queue", lambda conn: queue.settle_and_claim(
             conn, batch.successes, batch.failures, request, separate=separate,
             while_waiting=turn_over))
+        if request is not None:
+            self._round_trip_took(claim_floors.kind(request.floors or {}),
+                                  time.monotonic() - sent_at)
         if written is None:
             if request is not None:
                 # The claim may have committed even if its rows did not reach us.
@@ -126,13 +137,36 @@ class Exchange:
         if self.link.conn is None or not self.claimer.wants_arm(mode, now):
             return
         floors = self.claimer.floors.params(now)
+        probe = claim_floors.kind(floors)
         result = self.link.run("queue", lambda conn: queue.arm(
             conn, self.lane.name, self.spec.worker_id, floors))
+        self._round_trip_took(probe, time.monotonic() - now)
         if result is not None:
-            self.claimer.arm_result(result, time.monotonic(),
-                                    from_head=floors == full_scan_params())
+            self.claimer.arm_result(result, time.monotonic(), probe)
             if result == "paused":
                 self.controls.stale = True  # learn which pauses, and whether still so
+
+    def _round_trip_took(self, probe: str, seconds: float) -> None:
+        """A claim or an arming whose probe was of kind ``probe`` took ``seconds`` (failed
+        ones too: a statement timeout says as much about the cost). A scan from the head is
+        charged what it took beyond the usual round trip, since the same round trip also
+        writes outcomes and commits; the log says when that spaces such scans out well past
+        a second, and when they are back to once a second."""
+        if probe != claim_floors.HEAD:
+            self.usual_round_trip += ROUND_TRIP_WEIGHT * (seconds - self.usual_round_trip)
+            return
+        floors = self.claimer.floors
+        before = floors.full_scan_spacing
+        spacing = floors.head_scan_took(max(0.0, seconds - self.usual_round_trip))
+        # Info, not a warning: one slow round trip (a stalled flush) does it too, and the
+        # horizon's holder is what the supervisor warns about (jobd.duties.horizon_watch).
+        if spacing >= SPACING_WORTH_SAYING > before:
+            log.info("claims from the head of the lane take long; spacing them out",
+                     lane=self.lane.name, head_scan_ms=round(seconds * 1000, 1),
+                     every_s=round(spacing, 1), look_back_s=claim_floors.LOOK_BACK)
+        elif not floors.spaced_out and before >= SPACING_WORTH_SAYING:
+            log.info("claims from the head of the lane are quick again", lane=self.lane.name,
+                     head_scan_ms=round(seconds * 1000, 1))
 
     def fail_claims_not_held(self) -> None:
         """Fail the jobs claimed under this worker's name that it does not hold: a claim whose

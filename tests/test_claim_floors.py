@@ -10,10 +10,17 @@ from jobd import queue
 from jobd.claim_floors import (
     CAUGHT_UP_MARGIN,
     CLOCK_STEP,
+    FLOORS,
     FULL_SCAN_INTERVAL,
+    HEAD,
+    HEAD_SCAN_SHARE,
+    LOOK_BACK,
+    MAX_FULL_SCAN_INTERVAL,
     NOT_DRY_AGE,
     ClaimFloors,
     full_scan_params,
+    kind,
+    look_back_params,
 )
 from jobd.claimer import RETRY_DELAYS, Claimer
 from jobd.config import LaneConfig
@@ -33,6 +40,56 @@ def test_the_first_claim_and_one_a_second_scan_from_the_head() -> None:
     floors.claimed(full_scan_params(), [(0, at(1), 7)], 10, 0.0)
     assert floors.params(0.5)["floor_priorities"] == [0]
     assert floors.params(FULL_SCAN_INTERVAL) == full_scan_params()
+
+
+def test_slow_scans_from_the_head_are_spaced_out_and_claims_look_back_meanwhile() -> None:
+    floors = ClaimFloors()
+    floors.claimed(full_scan_params(), [(0, at(1), 7)], 10, 0.0)
+    # A cheap scan (vacuum keeps up): one a second, and nothing looks back.
+    assert floors.head_scan_took(0.001) == FULL_SCAN_INTERVAL
+    assert kind(floors.params(0.5)) == FLOORS
+    assert kind(floors.params(FULL_SCAN_INTERVAL)) == HEAD
+    # One of 20 ms (a held horizon's dead entries): the next one 20 ms / share later.
+    spacing = floors.head_scan_took(0.02)
+    assert spacing == 0.02 / HEAD_SCAN_SHARE > FULL_SCAN_INTERVAL
+    # Meanwhile a claim looks back LOOK_BACK seconds, once a second, past every floor.
+    assert look_back_params()["default_floor_age"] == LOOK_BACK
+    assert floors.params(0.5) == look_back_params()
+    assert kind(floors.params(0.6)) == FLOORS
+    assert kind(floors.params(1.4)) == FLOORS
+    assert kind(floors.params(1.5)) == "look back"
+    assert kind(floors.params(spacing - 0.01)) != HEAD
+    assert kind(floors.params(spacing)) == HEAD
+    # However slow, at most MAX_FULL_SCAN_INTERVAL apart: a job far below the floors waits
+    # that long.
+    assert floors.head_scan_took(60.0) == MAX_FULL_SCAN_INTERVAL
+    assert kind(floors.params(MAX_FULL_SCAN_INTERVAL)) == HEAD
+    # Quick again (the horizon moved on): from the head once a second, no looking back.
+    assert floors.head_scan_took(0.001) == FULL_SCAN_INTERVAL
+    assert not floors.spaced_out
+    assert kind(floors.params(0.5)) == FLOORS
+
+
+def test_forgetting_the_floors_scans_from_the_head_at_once_however_slow_that_is() -> None:
+    floors = ClaimFloors()
+    floors.claimed(full_scan_params(), [(0, at(1), 7)], 10, 0.0)
+    floors.head_scan_took(1.0)  # spaced out to MAX_FULL_SCAN_INTERVAL
+    assert kind(floors.params(5.0)) != HEAD
+    floors.forget()  # jobs were given back below the floors, a BEHIND wake-up, a resume
+    assert kind(floors.params(5.0)) == HEAD
+
+
+def test_an_armed_worker_looks_past_its_floors_once_more_then_sleeps() -> None:
+    floors = ClaimFloors()
+    floors.claimed(full_scan_params(), [], 10, 0.0)
+    assert floors.recheck_at(HEAD) is None
+    assert floors.recheck_at(FLOORS) == floors.next_full_scan_at() == FULL_SCAN_INTERVAL
+    floors.head_scan_took(0.05)  # the next scan from the head is 25 s away
+    floors.params(0.2)  # a look back, at 0.2
+    # Armed after a probe from its floors: it looks back a second after the last look back;
+    # armed after that look back, only when the scan from the head is due.
+    assert floors.recheck_at(FLOORS) == 0.2 + FULL_SCAN_INTERVAL
+    assert floors.recheck_at("look back") == floors.next_full_scan_at() == 0.05 / HEAD_SCAN_SHARE
 
 
 def test_a_short_claim_leaves_every_priority_dry_with_a_margin() -> None:
@@ -166,26 +223,26 @@ def test_a_worker_lingers_then_arms_and_retries_while_enqueues_commit(monkeypatc
     assert claimer.wants_arm(WorkerMode.RUNNING, clock[0])
     assert not claimer.wants_arm(WorkerMode.DRAINING, clock[0])
 
-    claimer.arm_result("contended", clock[0], from_head=False)
+    claimer.arm_result("contended", clock[0], FLOORS)
     assert claimer.next_try_at == clock[0] + RETRY_DELAYS[0]
     clock[0] += RETRY_DELAYS[0]
     assert claimer.try_due(clock[0])
     claim_nothing(claimer)
     assert claimer.wants_arm(WorkerMode.RUNNING, clock[0])  # lingered already: arm again at once
-    claimer.arm_result("contended", clock[0], from_head=False)
+    claimer.arm_result("contended", clock[0], FLOORS)
     assert claimer.next_try_at == clock[0] + RETRY_DELAYS[1]
 
     clock[0] += RETRY_DELAYS[1]
     claimer.try_due(clock[0])
     claim_nothing(claimer)
-    claimer.arm_result("armed", clock[0], from_head=False)
+    claimer.arm_result("armed", clock[0], FLOORS)
     assert claimer.armed and not claimer.wants_arm(WorkerMode.RUNNING, clock[0])
     # Armed after a look above the floors: one more look, from the head, once a full scan
     # is due; armed after that one, it sleeps until woken.
     recheck = claimer.floors.last_full_scan + FULL_SCAN_INTERVAL
-    assert claimer.recheck_at == recheck
+    assert claimer.recheck_at == recheck == claimer.floors.next_full_scan_at()
     assert claimer.wants_arm(WorkerMode.RUNNING, recheck)
-    claimer.arm_result("armed", recheck, from_head=True)
+    claimer.arm_result("armed", recheck, HEAD)
     assert not claimer.wants_arm(WorkerMode.RUNNING, recheck + 100)
 
     # A wake-up: the next claim disarms.
@@ -199,7 +256,7 @@ def test_a_worker_lingers_then_arms_and_retries_while_enqueues_commit(monkeypatc
 
 def test_a_new_connection_forgets_the_arming() -> None:
     claimer = Claimer(LaneConfig("default"), "w")
-    claimer.arm_result("armed", 0.0, from_head=True)
+    claimer.arm_result("armed", 0.0, HEAD)
     claimer.disconnected()
     assert not claimer.armed
 

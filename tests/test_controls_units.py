@@ -15,6 +15,7 @@ import pytest
 
 import jobd
 from jobd import pauses, protocol, worker
+from jobd.claim_floors import HEAD
 from jobd.claimer import Claimer
 from jobd.config import Config, LaneConfig
 from jobd.db import DEFAULT_SCHEMA
@@ -105,7 +106,7 @@ def test_a_paused_handlers_buffered_jobs_stay_unstarted_and_go_back() -> None:
 
 def test_a_paused_answer_from_arming_stops_claiming() -> None:
     claimer = Claimer(LaneConfig(LANE), WORKER_ID)
-    claimer.arm_result("paused", 0.0, from_head=True)
+    claimer.arm_result("paused", 0.0, HEAD)
     assert claimer.lane_paused and not claimer.armed
     assert claimer.request(WorkerMode.RUNNING, 0) is None
 

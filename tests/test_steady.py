@@ -12,7 +12,7 @@ import pytest
 
 import jobd
 from jobd import claim_floors, queue, recovery
-from jobd.claim_floors import ClaimFloors, full_scan_params
+from jobd.claim_floors import ClaimFloors, full_scan_params, look_back_params
 from jobd.db import connect
 
 LANE = "default"
@@ -194,14 +194,18 @@ def test_unused_priorities_are_forgotten_unless_an_enqueue_is_in_flight(
 # --- claim floors --------------------------------------------------------------------------
 
 
-def index_entries_read(db_url: str) -> int:
+def statistic(db_url: str, statement: str) -> int:
+    """One counter of the statistics views, as of now (no snapshot of the views is kept)."""
     with connect(db_url) as stats:
         stats.execute("SET stats_fetch_consistency = none")
-        row = stats.execute(
-            "SELECT idx_tup_read FROM pg_stat_user_indexes "
-            "WHERE indexrelname = 'jobs_claimable_idx'").fetchone()
+        row = stats.execute(statement).fetchone()
     assert row is not None
     return int(row[0])
+
+
+def index_entries_read(db_url: str) -> int:
+    return statistic(db_url, "SELECT idx_tup_read FROM pg_stat_user_indexes "
+                             "WHERE indexrelname = 'jobs_claimable_idx'")
 
 
 def flush_stats(conn: psycopg.Connection) -> None:
@@ -226,7 +230,10 @@ def test_claims_from_floors_do_not_walk_what_a_held_horizon_keeps(
     floors = ClaimFloors()
     with connect(db_url, autocommit=False) as holder:
         holder.execute("SELECT txid_current()")  # holds the xmin horizon, like an idle session
-        jobd.enqueue_many(conn, [jobd.JobSpec("h") for _ in range(3000)])
+        # Due a minute ago: the history a look back (the last LOOK_BACK seconds) steps over.
+        [[db_now]] = conn.execute("SELECT now()").fetchall()
+        a_minute_ago = db_now - timedelta(seconds=60)
+        jobd.enqueue_many(conn, [jobd.JobSpec("h", run_at=a_minute_ago) for _ in range(3000)])
         clock = 0.0
         while True:
             clock += 0.01
@@ -246,6 +253,13 @@ def test_claims_from_floors_do_not_walk_what_a_held_horizon_keeps(
         assert reads < 100
         queue.release(conn, [job.lease for job in claimed])
 
+        # What the claims do once a second while scans from the head are spaced out.
+        looking_back = queue.ClaimRequest(LANE, "w", 100, 30, floors=look_back_params())
+        claimed, reads = claim_counting_reads(db_url, conn, looking_back)
+        assert len(claimed) == 10
+        assert reads < 100
+        queue.release(conn, [job.lease for job in claimed])
+
         from_head = queue.ClaimRequest(LANE, "w", 100, 30)
         claimed, reads = claim_counting_reads(db_url, conn, from_head)
         assert len(claimed) == 10
@@ -253,14 +267,60 @@ def test_claims_from_floors_do_not_walk_what_a_held_horizon_keeps(
         holder.rollback()
 
 
-def test_a_job_that_commits_below_a_floor_waits_for_the_next_scan_from_the_head(
+def index_blocks_touched(db_url: str) -> int:
+    """Index blocks of jobd.jobs read so far, buffer hits included. An index scan that checks
+    a condition inside the index (a column after one without a bound) steps over entries
+    without returning them, so idx_tup_read does not show that walk; the blocks do."""
+    return statistic(db_url, "SELECT sum(idx_blks_hit + idx_blks_read) "
+                             "FROM pg_statio_user_indexes "
+                             "WHERE relname = 'jobs' AND indexrelname <> 'jobs_pkey'")
+
+
+def test_the_arming_probe_walks_the_claim_index_from_the_floors_under_a_held_horizon(
     db_url: str, conn: psycopg.Connection
 ) -> None:
+    floors = ClaimFloors()
+    with connect(db_url, autocommit=False) as holder:
+        holder.execute("SELECT txid_current()")
+        for step in range(12):
+            jobd.enqueue_many(conn, [jobd.JobSpec("h") for _ in range(500)])
+            clock = step / 100
+            request = queue.ClaimRequest(LANE, "w", 500, 30, floors=floors.params(clock))
+            claimed = queue.settle_and_claim(conn, [], [], request)[2].jobs
+            floors.claimed(request.floors or {},
+                           [(j.priority, j.run_at, j.id) for j in claimed], 500, clock)
+            queue.complete(conn, [job.lease for job in claimed])
+            assert len(claimed) == 500
+        # Statistics of that moment, as autoanalyze takes them: no live row, pages of dead
+        # ones. The planner then rates jobs_fair_idx (the same predicate, the share key
+        # before run_at) as cheap as the claim index, and there a floor bounds nothing: an
+        # unordered probe walked all 6,000 dead entries (about 40 blocks).
+        conn.execute("ANALYZE jobs")
+        for attempt in range(6):  # past the five custom plans, to the cached generic one
+            flush_stats(conn)
+            before = index_blocks_touched(db_url)
+            assert queue.arm(conn, LANE, "w1", floors.params(0.2 + attempt / 100)) == "armed"
+            flush_stats(conn)
+            touched = index_blocks_touched(db_url) - before
+            assert touched < 10, f"probe {attempt + 1} read {touched} index blocks"
+            queue.disarm(conn, "w1")
+        holder.rollback()
+
+
+def floors_past_one_job(conn: psycopg.Connection) -> ClaimFloors:
+    """A worker's floors after it claimed (from the head) the one job of the lane."""
     floors = ClaimFloors()
     jobd.enqueue(conn, "h")
     request = queue.ClaimRequest(LANE, "w", 10, 30, floors=floors.params(0.0))
     [first] = queue.settle_and_claim(conn, [], [], request)[2].jobs
     floors.claimed(request.floors or {}, [(first.priority, first.run_at, first.id)], 10, 0.0)
+    return floors
+
+
+def test_a_job_that_commits_below_a_floor_waits_for_the_next_scan_from_the_head(
+    db_url: str, conn: psycopg.Connection
+) -> None:
+    floors = floors_past_one_job(conn)
 
     # An enqueue whose transaction began long before it committed: run_at is its start.
     [[db_now]] = conn.execute("SELECT now()").fetchall()
@@ -271,6 +331,25 @@ def test_a_job_that_commits_below_a_floor_waits_for_the_next_scan_from_the_head(
     later = claim_floors.FULL_SCAN_INTERVAL + 0.01
     request = queue.ClaimRequest(LANE, "w", 10, 30, floors=floors.params(later))
     assert [job.id for job in queue.settle_and_claim(conn, [], [], request)[2].jobs] == [straggler]
+
+
+def test_while_scans_from_the_head_are_spaced_out_a_look_back_finds_recent_stragglers(
+    db_url: str, conn: psycopg.Connection
+) -> None:
+    floors = floors_past_one_job(conn)
+    floors.head_scan_took(0.5)  # slow: the next scan from the head is a minute away
+
+    # Enqueues whose transactions began 5 s and 30 s before they committed.
+    [[db_now]] = conn.execute("SELECT now()").fetchall()
+    recent = jobd.enqueue(conn, "h", run_at=db_now - timedelta(seconds=5))
+    older = jobd.enqueue(conn, "h", run_at=db_now - timedelta(seconds=30))
+    request = queue.ClaimRequest(LANE, "w", 10, 30, floors=floors.params(0.1))  # looks back
+    assert [job.id for job in queue.settle_and_claim(conn, [], [], request)[2].jobs] == [recent]
+    request = queue.ClaimRequest(LANE, "w", 10, 30, floors=floors.params(0.2))  # its floors
+    assert queue.settle_and_claim(conn, [], [], request)[2].jobs == []
+    request = queue.ClaimRequest(LANE, "w", 10, 30,
+                                 floors=floors.params(floors.next_full_scan_at()))
+    assert [job.id for job in queue.settle_and_claim(conn, [], [], request)[2].jobs] == [older]
 
 
 def test_the_arming_probe_uses_the_floors(db_url: str, conn: psycopg.Connection) -> None:

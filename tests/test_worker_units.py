@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 
@@ -15,6 +16,13 @@ import pytest
 
 import jobd
 from jobd import handler_runner, protocol, queue, slots, worker
+from jobd.claim_floors import (
+    FULL_SCAN_INTERVAL,
+    HEAD_SCAN_SHARE,
+    MAX_FULL_SCAN_INTERVAL,
+    full_scan_params,
+    kind,
+)
 from jobd.completer import SETTLE_DELAY, Completer, Counters
 from jobd.config import LaneConfig
 from jobd.db import DEFAULT_SCHEMA
@@ -260,3 +268,34 @@ def test_outcomes_that_arrive_while_a_batch_is_written_wait_for_the_next_one(
     assert [o.job.id for o in completer.pending] == [second.id] and counters.completed == 1
     assert completer.since is not None  # it is written within SETTLE_DELAY, like any other
     assert state_of(conn, first.id)[0] == "done" and state_of(conn, second.id)[0] == "claimed"
+
+
+def test_a_slow_round_trip_from_the_head_of_the_lane_spaces_out_the_next_one(
+        loop: worker.Worker, db_url: str) -> None:
+    """What a held horizon does to a scan from the head (it walks every dead entry), made
+    here by a lock that holds the claim for a known time: the worker scans from its floors
+    until such scans take at most their share of its time again."""
+    floors = loop.claimer.floors
+    assert floors.params(time.monotonic()) == full_scan_params()  # a new worker: the head
+    loop._settle_and_claim()  # a first claim plans the statement on this connection
+    floors.forget()
+    loop.claimer.maybe_more = True
+    with psycopg.connect(db_url, autocommit=True) as holder:
+        holder.execute("BEGIN")
+        holder.execute("LOCK TABLE jobd.lane_pauses IN ACCESS EXCLUSIVE MODE")
+        releaser = threading.Timer(0.3, holder.execute, ("COMMIT",))
+        releaser.start()
+        started = time.monotonic()
+        loop._settle_and_claim()
+        waited = time.monotonic() - started
+        releaser.join()
+    assert waited >= 0.3
+    assert floors.full_scan_spacing == min(MAX_FULL_SCAN_INTERVAL, 0.3 / HEAD_SCAN_SHARE)
+    # Until then, once a second, a claim looks back LOOK_BACK seconds instead.
+    assert kind(floors.params(time.monotonic())) == "look back"
+    floors.forget()  # given back below the floors: the head at once, however slow
+    loop.claimer.maybe_more = True
+    loop._settle_and_claim()
+    # A quick one brings the spacing back down (to the second, when it took under 2 ms more
+    # than the usual round trip; a busy machine's jitter may leave it a few seconds).
+    assert FULL_SCAN_INTERVAL <= floors.full_scan_spacing <= 0.02 / HEAD_SCAN_SHARE

@@ -825,11 +825,16 @@ BEGIN
           FROM lane_floors(arm_waiter_probe.lane, floor_priorities, floor_run_ats, floor_ids,
                            floor_ages, default_floor_age, now()) AS l
     LOOP
-        IF EXISTS (SELECT 1 FROM jobs AS j
-                    WHERE j.lane = arm_waiter_probe.lane AND j.state IN ('pending', 'failed')
-                      AND j.priority = level AND (j.run_at, j.id) >= (floor_at, floor_id)
-                      AND j.run_at <= now() AND NOT j.suspect
-                      AND runnable(j.handler, paused_handlers)) THEN
+        -- In claim order, so jobs_claimable_idx serves it from the floor (0023): an
+        -- EXISTS drops its ORDER BY, and from jobs_fair_idx the floor bounds nothing.
+        PERFORM FROM jobs AS j
+          WHERE j.lane = arm_waiter_probe.lane AND j.state IN ('pending', 'failed')
+            AND j.priority = level AND (j.run_at, j.id) >= (floor_at, floor_id)
+            AND j.run_at <= now() AND NOT j.suspect
+            AND runnable(j.handler, paused_handlers)
+          ORDER BY j.run_at, j.id
+          LIMIT 1;
+        IF FOUND THEN
             DELETE FROM lane_waiters AS w WHERE w.worker_id = arm_waiter_probe.worker_id;
             RETURN 'work';
         END IF;
