@@ -23,11 +23,12 @@ floors"). A floor keeps the scan above them:
   horizon keeps, so its cost grows with the horizon's age. The worker times each round trip
   that carried one (:meth:`ClaimFloors.head_scan_took`) and spaces the next so that such
   scans take at most :data:`HEAD_SCAN_SHARE` of its time, up to
-  :data:`MAX_FULL_SCAN_INTERVAL` apart. While they are spaced out, the claim once a second
-  looks back :data:`LOOK_BACK` seconds instead (the floors at the database's clock less
-  that): it walks the dead entries of those seconds only, whatever the horizon's age, and
-  finds what usually lands below the floors (an enqueue whose transaction took seconds). A
-  job below that, due for longer, waits up to the spacing.
+  :data:`MAX_FULL_SCAN_INTERVAL` apart. While they are spaced out, a worker that is caught
+  up (its floors are dry instants of the last seconds) once a second looks back
+  :data:`LOOK_BACK` seconds instead (the floors at the database's clock less that): it walks
+  the dead entries of those seconds only, whatever the horizon's age, and finds what usually
+  lands below the floors (an enqueue whose transaction took seconds). A job below that, due
+  for longer, waits up to the spacing.
 """
 
 from __future__ import annotations
@@ -123,6 +124,16 @@ class ClaimFloors:
         """Scans from the head are spaced out: the claims look back once a second instead."""
         return self.full_scan_spacing > FULL_SCAN_INTERVAL
 
+    def caught_up(self, now: float) -> bool:
+        """Every priority's floor is its dry instant (the last claim came back short) and
+        later than LOOK_BACK ago: a look back then starts below every floor, so it only adds
+        to what the claim sees. A worker working through a backlog does not look back, which
+        would take jobs of the last seconds before the older ones its floors lead to (and
+        within those seconds its floors find a straggler anyway)."""
+        return (self.dry_at is not None
+                and now - self.dry_at <= LOOK_BACK - CAUGHT_UP_MARGIN
+                and all(floor.dry_at is None for floor in self.by_priority.values()))
+
     def next_full_scan_at(self) -> float:
         """When the next claim scans from the head (monotonic)."""
         return self.last_full_scan + self.full_scan_spacing
@@ -143,7 +154,8 @@ class ClaimFloors:
         back LOOK_BACK when one of those is due while scans from the head are spaced out."""
         if now >= self.next_full_scan_at():
             return full_scan_params()
-        if self.spaced_out and now >= self.last_look_back + FULL_SCAN_INTERVAL:
+        if (self.spaced_out and now >= self.last_look_back + FULL_SCAN_INTERVAL
+                and self.caught_up(now)):
             self.last_look_back = now
             return look_back_params()
         priorities, run_ats, ids, ages = [], [], [], []

@@ -70,6 +70,19 @@ def test_slow_scans_from_the_head_are_spaced_out_and_claims_look_back_meanwhile(
     assert kind(floors.params(0.5)) == FLOORS
 
 
+def test_a_worker_working_through_a_backlog_does_not_look_back() -> None:
+    # A look back would take the jobs of the last seconds before the older ones its floors
+    # lead to; within those seconds the floors themselves find a straggler.
+    floors = ClaimFloors()
+    floors.claimed(full_scan_params(), [(0, at(1), job_id) for job_id in range(10)], 10, 0.0)
+    floors.head_scan_took(0.02)  # spaced out
+    assert kind(floors.params(0.5)) == FLOORS  # full claims: no dry instant yet
+    floors.claimed(floors.params(0.6), [(0, at(2), 11)], 10, 0.6)  # short: caught up
+    assert kind(floors.params(0.7)) == "look back"
+    # Caught up long ago and nothing claimed since: its dry floor is older than LOOK_BACK.
+    assert not floors.caught_up(0.6 + LOOK_BACK)
+
+
 def test_forgetting_the_floors_scans_from_the_head_at_once_however_slow_that_is() -> None:
     floors = ClaimFloors()
     floors.claimed(full_scan_params(), [(0, at(1), 7)], 10, 0.0)
