@@ -24,6 +24,7 @@ from bench.pressure_stats import (
     claim_reads,
     per_second,
     recovered_after,
+    top_statements,
 )
 
 if TYPE_CHECKING:
@@ -108,6 +109,7 @@ def phase_figures(run: Run, p: PhaseRecord, pickups: dict[int, dict[str, Any]],
         "vacuums": p.after["vacuums"] - p.before["vacuums"],
         "claim": claim_reads(p.before, p.after, run.args.claim_index, claimed),
         "enqueue": sends, "waits": run.sampler.top(p.index),
+        "statements": top_statements(p.before, p.after),
     }
     figures.update({k: v for k, v in p.extra.items() if k not in figures})
     if p.kind == "held":
@@ -175,6 +177,12 @@ def waits_line(f: dict[str, Any]) -> str:
     return "; ".join(parts) or "-"
 
 
+def statements_line(f: dict[str, Any]) -> str:
+    return "; ".join(f"{r['statement']} {r['calls']:,} calls, {r['blocks_per_call']:,.1f} "
+                     f"blocks and {r['ms_per_call']:.2f} ms a call"
+                     for r in f.get("statements", [])) or "-"
+
+
 def text_table(rows: list[list[str]], header: list[str]) -> str:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
 
@@ -207,6 +215,10 @@ def print_scenario(result: dict[str, Any]) -> None:
         print("top wait events (average active backends per sample):")
         for f in phases:
             print(f"  {name}/{f['phase']}: {waits_line(f)}")
+        if any(f.get("statements") for f in phases):
+            print("statements that touched the most shared blocks (pg_stat_statements):")
+            for f in phases:
+                print(f"  {name}/{f['phase']}: {statements_line(f)}")
     for f in phases:
         if "recovered_after_s" in f:
             print(f"  {name}/{f['phase']}: pickup p99 back under {f['recovery_bound_ms']:.1f} ms "
@@ -372,6 +384,10 @@ def markdown(meta: dict[str, Any], results: list[dict[str, Any]],
             lines += [md_table([phase_row(name, f) for f in phases], COLUMNS), "",
                       "Top wait events (average active backends per sample):", ""]
             lines += [f"- {f['phase']}: {waits_line(f)}" for f in phases]
+            if any(f.get("statements") for f in phases):
+                lines += ["", "Statements that touched the most shared blocks "
+                          "(pg_stat_statements):", ""]
+                lines += [f"- {f['phase']}: {statements_line(f)}" for f in phases]
         for f in phases:
             if "recovered_after_s" in f:
                 lines.append(f"- {f['phase']}: pickup p99 back under "

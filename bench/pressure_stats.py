@@ -18,7 +18,9 @@ at most once a second while it is busy, so a phase's deltas lag its edges by abo
 
 from __future__ import annotations
 
+import functools
 import math
+import re
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -27,6 +29,7 @@ from typing import Any
 import psycopg
 
 from bench.daemon_bench import percentile
+from jobd import queries
 
 # jobd.jobs and, should it ever be partitioned, its partitions (pg_partition_tree lists nothing
 # for a plain table).
@@ -60,6 +63,15 @@ SELECT coalesce(sum(calls), 0)::bigint, coalesce(sum(rows), 0)::bigint
   FROM public.pg_stat_statements
  WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
    AND query ILIKE '%skip locked%'
+"""
+
+# Every statement of the benchmark database, for the heaviest of a phase (top_statements):
+# calls, shared blocks touched (hit or read) and execution time. Statements inside jobd's
+# functions count toward the call that ran them (pg_stat_statements.track = top).
+_STATEMENTS = """
+SELECT queryid, query, calls, shared_blks_hit + shared_blks_read, total_exec_time
+  FROM public.pg_stat_statements
+ WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
 """
 
 _BACKLOG = "SELECT count(*) FILTER (WHERE state <> 'claimed'), count(*) FROM jobd.jobs"
@@ -103,6 +115,9 @@ class Monitor:
         if self.statements:
             calls, rows = self.conn.execute(_CLAIM_STATEMENTS).fetchone() or (0, 0)
             snap["claim_calls"], snap["claim_rows"] = int(calls), int(rows)
+            snap["statements"] = {
+                queryid: (text, int(calls), int(blocks), float(ms))
+                for queryid, text, calls, blocks, ms in self.conn.execute(_STATEMENTS)}
         return snap
 
     def backlog(self) -> tuple[int, int]:
@@ -158,6 +173,60 @@ def claim_reads(before: dict[str, Any], after: dict[str, Any], claim_index: str,
         seq = after["seq_tuples_read"] - before["seq_tuples_read"]
         result["seq_rows_per_claim"] = seq / calls if calls else math.nan
     return result
+
+
+def top_statements(before: dict[str, Any], after: dict[str, Any],
+                   count: int = 5) -> list[dict[str, Any]]:
+    """The ``count`` statements that touched the most shared blocks between two snapshots:
+    each with its label (statement_label), calls, blocks per call and milliseconds per call."""
+    if "statements" not in after:
+        return []
+    rows = []
+    for queryid, (text, calls, blocks, ms) in after["statements"].items():
+        _text, calls0, blocks0, ms0 = before.get("statements", {}).get(queryid, ("", 0, 0, 0.0))
+        if calls > calls0:
+            rows.append({"statement": statement_label(text), "calls": calls - calls0,
+                         "blocks": blocks - blocks0,
+                         "blocks_per_call": (blocks - blocks0) / (calls - calls0),
+                         "ms_per_call": (ms - ms0) / (calls - calls0)})
+    return sorted(rows, key=lambda r: r["blocks"], reverse=True)[:count]
+
+
+@functools.cache
+def _jobd_query_names() -> dict[str, str]:
+    """jobd's named queries by their first lines of SQL (the names of those that share them
+    are joined with '|')."""
+    names: dict[str, list[str]] = {}
+    for name in queries.names():
+        for start in dict.fromkeys(_code_start(queries.text(name), lines) for lines in (2, 1)):
+            names.setdefault(start, []).append(name)
+    return {start: "|".join(found) for start, found in names.items()}
+
+
+# psycopg sends %(name)s as $n; pg_stat_statements shows constants as $n too.
+_PARAMETER = re.compile(r"%\(\w+\)s|\$\d+")
+
+
+def _code_start(text: str, lines: int = 2) -> str:
+    """The first ``lines`` lines of SQL, comments left out, parameters as '?' and jobd's
+    schema prefix dropped."""
+    code = [line.strip() for line in text.splitlines()
+            if line.strip() and not line.strip().startswith("--")][:lines]
+    joined = " ".join(code).replace("{schema}.", "").replace("jobd.", "")
+    return _PARAMETER.sub("?", joined)
+
+
+def statement_label(text: str) -> str:
+    """A statement's name in jobd/sql/queries.sql if it is one of jobd's, else its start (the
+    benchmark's own statements, a migration's)."""
+    # Constants show as parameters too, so a statement whose first two lines hold one may
+    # only match by its first.
+    known = _jobd_query_names()
+    for lines in (2, 1):
+        name = known.get(_code_start(text, lines))
+        if name:
+            return name
+    return _code_start(text)[:60]
 
 
 class RunFiles:

@@ -42,6 +42,12 @@ def names() -> list[str]:
     return sorted(_all())
 
 
+def text(name: str) -> str:
+    """A named query as written, ``{schema}`` placeholders and all (for tools that match
+    statements by their text, such as bench/pressure.py)."""
+    return _all()[name]
+
+
 @functools.cache
 def query(name: str) -> str:
     """The text of a named query for a connection whose search_path is the jobd schema."""
