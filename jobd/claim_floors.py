@@ -34,8 +34,10 @@ floors"). A floor keeps the scan above them:
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
+from types import MappingProxyType
 from typing import Any
 
 # How far below the database's clock at a short claim a floor is set: an enqueue whose
@@ -149,7 +151,7 @@ class ClaimFloors:
             return self.next_full_scan_at()
         return min(self.next_full_scan_at(), self.last_look_back + FULL_SCAN_INTERVAL)
 
-    def params(self, now: float) -> dict[str, Any]:
+    def params(self, now: float) -> Mapping[str, Any]:
         """The floor parameters of the next claim; from the head when one is due, looking
         back LOOK_BACK when one of those is due while scans from the head are spaced out."""
         if now >= self.next_full_scan_at():
@@ -184,7 +186,7 @@ class ClaimFloors:
         while len(self.by_key) > MAX_KEY_FLOORS:
             del self.by_key[next(iter(self.by_key))]
 
-    def claimed(self, params: dict[str, Any], taken: list[tuple[int, datetime, int]],
+    def claimed(self, params: Mapping[str, Any], taken: list[tuple[int, datetime, int]],
                 limit: int, now: float, *, fair: bool = False,
                 aged: bool = False) -> None:
         """Record what a claim sent with ``params`` took: (priority, run_at, id) per job.
@@ -196,7 +198,7 @@ class ClaimFloors:
         jobs of a low priority before it looked at the higher ones: a full claim says
         nothing of those.
         """
-        if params == full_scan_params():
+        if kind(params) == HEAD:
             self.last_full_scan = now
         if fair:
             if len(taken) < limit:
@@ -242,27 +244,34 @@ class ClaimFloors:
         self.last_full_scan = -math.inf
 
 
+# The floor parameters of a scan from the head and of a look back: built once and read-only,
+# since every claim's round trip asks which kind it sent (kind()).
+_FULL_SCAN: Mapping[str, Any] = MappingProxyType({
+    "floor_priorities": [], "floor_run_ats": [], "floor_ids": [], "floor_ages": [],
+    "default_floor_age": None, "key_floor_priorities": [], "key_floor_keys": [],
+    "key_floor_run_ats": [], "key_floor_ids": []})
+_LOOK_BACK: Mapping[str, Any] = MappingProxyType({**_FULL_SCAN, "default_floor_age": LOOK_BACK})
+
 # What a claim's floor parameters are (kind()).
 HEAD, BACK, FLOORS = "head", "look back", "floors"
 
 
-def kind(params: dict[str, Any]) -> str:
-    """Whether floor parameters scan from the head, look back LOOK_BACK, or start at floors."""
-    if params == full_scan_params():
+def kind(params: Mapping[str, Any] | None) -> str:
+    """Whether floor parameters scan from the head (so do none: ``queue.ClaimRequest``), look
+    back LOOK_BACK, or start at floors."""
+    if params is None or params is _FULL_SCAN or params == _FULL_SCAN:
         return HEAD
-    if params == look_back_params():
+    if params is _LOOK_BACK or params == _LOOK_BACK:
         return BACK
     return FLOORS
 
 
-def look_back_params() -> dict[str, Any]:
-    return {**full_scan_params(), "default_floor_age": LOOK_BACK}
+def look_back_params() -> Mapping[str, Any]:
+    return _LOOK_BACK
 
 
-def full_scan_params() -> dict[str, Any]:
-    return {"floor_priorities": [], "floor_run_ats": [], "floor_ids": [], "floor_ages": [],
-            "default_floor_age": None, "key_floor_priorities": [], "key_floor_keys": [],
-            "key_floor_run_ats": [], "key_floor_ids": []}
+def full_scan_params() -> Mapping[str, Any]:
+    return _FULL_SCAN
 
 
 def _age(dry_at: float, now: float) -> float:

@@ -17,7 +17,8 @@ worker's loop does the round trips.
   :data:`LINGER` (none by default), then arms itself (``queue.arm``): enqueues notify only
   while some worker is armed. An enqueue in flight at that moment makes the arming
   'contended': the worker claims again after :data:`RETRY_DELAYS` instead of sleeping. A
-  claim after a wake-up disarms it.
+  woken worker stays armed while its claims come back short; the claim after a full one
+  disarms it.
 - Pauses (``jobd.pause``): a worker of a paused lane claims nothing and does not arm; the
   buffered jobs of a paused lane or handler go back to the queue unstarted. The claim itself
   skips paused work, so this is what the worker knows, not what decides (see
@@ -36,7 +37,7 @@ from datetime import timedelta
 
 import structlog
 
-from jobd import jobs, queue
+from jobd import claim_floors, jobs, queue
 from jobd.claim_floors import ClaimFloors
 from jobd.config import LaneConfig
 from jobd.prefetch import Prefetch
@@ -53,6 +54,9 @@ LINGER: tuple[float, ...] = ()
 # Claim again after these delays while an arming finds enqueues in flight, or due work that
 # the next claim then does not get (a row another claimer holds); the last one repeats.
 RETRY_DELAYS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05)
+# An armed worker writes its row again after this long (armed_at), well inside the hour after
+# which the retention duty removes a row as a dead worker's (WAITER_STALE_AFTER).
+ARMED_REFRESH = 600.0
 
 log = structlog.get_logger("jobd.claimer")
 
@@ -81,6 +85,11 @@ class Claimer:
         self.held_back = False  # the buffer went back for its age; no claim until a slot frees
         self.floors = ClaimFloors()
         self.armed = False  # this worker's row is in lane_waiters (as far as it knows)
+        self.armed_at = 0.0  # monotonic: when it last wrote that row (armed_at)
+        # The next claim removes the row: the last one came back full (the worker has work,
+        # so wake-ups would only cost the producers a NOTIFY), or the last arming may have
+        # left it behind or taken it away ('work', 'contended').
+        self.disarm_due = False
         self.lingering: int | None = None  # how many LINGER claims came back short
         self.retries = 0  # arming attempts since the last claim that took something
         self.next_try_at: float | None = None  # a LINGER or RETRY_DELAYS claim is due then
@@ -140,7 +149,7 @@ class Claimer:
                                   self.lane.visibility_timeout,
                                   suspect_first=self.suspects_possible and not running,
                                   floors=self.floors.params(time.monotonic()),
-                                  disarm=self.armed,
+                                  disarm=self.armed and self.disarm_due,
                                   budget=self.lane.budget() if self.lane.limited else None,
                                   order=(self.lane.claim_order(self.key_cursor)
                                          if self.lane.ordered else None))
@@ -152,6 +161,7 @@ class Claimer:
         now = time.monotonic()
         if request.disarm:
             self.armed = False
+            self.disarm_due = False
             self.recheck_at = None
         assert request.floors is not None
         taken = [(job.priority, job.run_at, job.id) for job in claimed.jobs]
@@ -169,6 +179,8 @@ class Claimer:
         self._watch_clock(claimed, request, now)
         self.maybe_more = (len(claimed.jobs) == request.limit
                            or claimed.suspect is not None)
+        if self.armed:
+            self._stay_armed(request)
         self._after_claim(bool(claimed.jobs) or claimed.suspect is not None, now)
         if claimed.suspect is not None:
             self.isolating = claimed.suspect.id
@@ -207,6 +219,17 @@ class Claimer:
             self.lingering = len(LINGER)
             self.next_try_at = None  # lingered: arm now (wants_arm)
 
+    def _stay_armed(self, request: queue.ClaimRequest) -> None:
+        """An armed worker's claim left its row in lane_waiters. Came back short, it stays
+        armed: every enqueue since its arming has notified, so it sleeps without arming
+        again (two transactions and a row version in lane_waiters a job, at a steady rate
+        that leaves the workers idle between jobs). Its claim looked past the floors as a
+        probe would, so it looks once more when that probe would have (recheck_at)."""
+        if self.maybe_more:
+            self.disarm_due = True
+        else:
+            self.recheck_at = self.floors.recheck_at(claim_floors.kind(request.floors))
+
     def try_due(self, now: float) -> bool:
         """A LINGER or retry claim is due: claim if capacity allows."""
         if self.next_try_at is not None and now >= self.next_try_at:
@@ -219,8 +242,10 @@ class Claimer:
         if (mode != WorkerMode.RUNNING or self.isolating is not None or self.maybe_more
                 or self.lane_paused):
             return False
-        if self.armed:
-            return self.recheck_at is not None and now >= self.recheck_at
+        if self.armed and not self.disarm_due:
+            # Refreshed well before the retention duty takes it for a dead worker's.
+            return ((self.recheck_at is not None and now >= self.recheck_at)
+                    or now >= self.armed_at + ARMED_REFRESH)
         return self.next_try_at is None and self.lingering == len(LINGER)
 
     def arm_result(self, result: str, now: float, probe: str) -> None:
@@ -234,12 +259,15 @@ class Claimer:
             return
         if result == "armed":
             self.armed = True
+            self.armed_at = now
+            self.disarm_due = False
             self.lingering = None
             self.retries = 0
             self.recheck_at = self.floors.recheck_at(probe)
             return
-        # 'work' or 'contended': claim again. A worker that was armed stays so, and its claim
-        # disarms it.
+        # 'work' or 'contended': claim again. A worker that was armed may or may not still
+        # have its row (the probe removes it on 'work'): its claim disarms it.
+        self.disarm_due = self.armed
         self.recheck_at = None
         delay = RETRY_DELAYS[min(self.retries, len(RETRY_DELAYS) - 1)]
         self.retries += 1
@@ -248,6 +276,7 @@ class Claimer:
     def disconnected(self) -> None:
         """A new connection: the server may have lost lane_waiters (a restart empties it)."""
         self.armed = False
+        self.disarm_due = False
         self.recheck_at = None
         self.lingering = None
 

@@ -79,7 +79,7 @@ class Exchange:
             conn, batch.successes, batch.failures, request, separate=separate,
             while_waiting=turn_over))
         if request is not None:
-            self._round_trip_took(claim_floors.kind(request.floors or {}),
+            self._round_trip_took(claim_floors.kind(request.floors),
                                   time.monotonic() - sent_at)
         if written is None:
             if request is not None:

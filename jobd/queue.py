@@ -12,7 +12,7 @@ the clock without sleeping; production code passes nothing.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -116,7 +116,7 @@ class ClaimRequest:
     # with one claimed, the claim of other jobs in the same transaction takes none.
     suspect_first: bool = False
     # Where the scan starts (jobd.claim_floors); None scans from the head of the lane.
-    floors: dict[str, Any] | None = None
+    floors: Mapping[str, Any] | None = None
     # The worker is armed for wake-ups (lane_waiters); the claim transaction disarms it.
     disarm: bool = False
     # The lane's limits across nodes (LaneConfig.budget()): the claim takes its turn under
@@ -339,7 +339,7 @@ def settle_and_claim(
     return completed, failed, Claimed(_jobs(next(results)), suspects[0] if suspects else None)
 
 
-def arm(conn: psycopg.Connection, lane: str, worker: str, floors: dict[str, Any]) -> str:
+def arm(conn: psycopg.Connection, lane: str, worker: str, floors: Mapping[str, Any]) -> str:
     """Arm ``worker`` for wake-ups of ``lane`` unless work may have come since its last
     claim: 'armed', 'work' (claim again now), 'contended' (an enqueue is committing: claim
     again shortly) or 'paused' (the lane is paused: wait, unarmed, for its resume).

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
+import pytest
+
 from jobd import claimer as claimer_module
 from jobd import queue
 from jobd.claim_floors import (
@@ -22,8 +24,9 @@ from jobd.claim_floors import (
     kind,
     look_back_params,
 )
-from jobd.claimer import RETRY_DELAYS, Claimer
+from jobd.claimer import ARMED_REFRESH, RETRY_DELAYS, Claimer
 from jobd.config import LaneConfig
+from jobd.duties.retention import WAITER_STALE_AFTER
 from jobd.jobs import Job
 from jobd.protocol import WorkerMode
 
@@ -40,6 +43,15 @@ def test_the_first_claim_and_one_a_second_scan_from_the_head() -> None:
     floors.claimed(full_scan_params(), [(0, at(1), 7)], 10, 0.0)
     assert floors.params(0.5)["floor_priorities"] == [0]
     assert floors.params(FULL_SCAN_INTERVAL) == full_scan_params()
+
+
+def test_the_kind_of_floor_parameters_is_told_by_value_and_none_scans_from_the_head() -> None:
+    assert kind(None) == HEAD  # queue.ClaimRequest without floors
+    assert kind(dict(full_scan_params())) == HEAD
+    assert kind(dict(look_back_params())) == "look back"
+    assert kind({**full_scan_params(), "default_floor_age": 3.0}) == FLOORS
+    with pytest.raises(TypeError):  # shared by every claim: nobody may change them
+        full_scan_params()["default_floor_age"] = 1.0  # type: ignore[index]
 
 
 def test_slow_scans_from_the_head_are_spaced_out_and_claims_look_back_meanwhile() -> None:
@@ -258,13 +270,55 @@ def test_a_worker_lingers_then_arms_and_retries_while_enqueues_commit(monkeypatc
     claimer.arm_result("armed", recheck, HEAD)
     assert not claimer.wants_arm(WorkerMode.RUNNING, recheck + 100)
 
-    # A wake-up: the next claim disarms.
+    # A wake-up whose claim comes back short: the worker stays armed (every enqueue since
+    # its arming notified) and sleeps again without arming.
     claimer.maybe_more = True
+    request = claimer.request(WorkerMode.RUNNING, 0)
+    assert request is not None and not request.disarm
+    assert kind(request.floors) == FLOORS
+    claimer.took(queue.Claimed([]), request)
+    assert claimer.armed and not claimer.wants_arm(WorkerMode.RUNNING, clock[0])
+    # That claim started at the floors, as a probe would: one more look from the head when
+    # it is due, as after an arming.
+    assert claimer.recheck_at == claimer.floors.next_full_scan_at()
+
+
+def test_an_armed_worker_disarms_after_a_full_claim_and_refreshes_its_row(monkeypatch) -> None:
+    clock = [1000.0]
+    monkeypatch.setattr(claimer_module.time, "monotonic", lambda: clock[0])
+    claimer = Claimer(LaneConfig("default", concurrency=2, prefetch=0), "w")
+    claimer.suspects_possible = False
+    claimer.arm_result("armed", clock[0], HEAD)
+    # Woken into a backlog: the claim comes back full, so the next one removes the row and
+    # enqueues into the busy lane stop notifying.
+    claimer.maybe_more = True
+    request = claimer.request(WorkerMode.RUNNING, 0)
+    assert request is not None and not request.disarm and request.limit == 2
+    claimer.took(queue.Claimed([job_leased(1, T0), job_leased(2, T0)]), request)
+    for _ in range(2):
+        assert claimer.next_to_start(WorkerMode.RUNNING, 0) is not None  # ran and done
     request = claimer.request(WorkerMode.RUNNING, 0)
     assert request is not None and request.disarm
     claimer.took(queue.Claimed([]), request)
-    assert not claimer.armed
-    assert claimer.next_try_at == clock[0] + linger[0]
+    assert not claimer.armed and claimer.wants_arm(WorkerMode.RUNNING, clock[0])
+    # Armed for long without a reason to write its row again: it does, well before the
+    # retention duty would take the row for a dead worker's.
+    claimer.arm_result("armed", clock[0], HEAD)
+    assert not claimer.wants_arm(WorkerMode.RUNNING, clock[0] + ARMED_REFRESH - 1)
+    assert ARMED_REFRESH < WAITER_STALE_AFTER / 2
+    assert claimer.wants_arm(WorkerMode.RUNNING, clock[0] + ARMED_REFRESH)
+
+
+def test_an_arming_that_found_work_or_contention_leaves_the_row_to_the_next_claim() -> None:
+    claimer = Claimer(LaneConfig("default"), "w")
+    claimer.suspects_possible = False
+    claimer.arm_result("armed", 0.0, HEAD)
+    claimer.arm_result("work", 1.0, HEAD)  # a re-arm whose probe found work removed the row
+    claimer.try_due(2.0)
+    request = claimer.request(WorkerMode.RUNNING, 0)
+    assert request is not None and request.disarm
+    claimer.took(queue.Claimed([]), request)
+    assert not claimer.armed and claimer.wants_arm(WorkerMode.RUNNING, 2.0)
 
 
 def test_a_new_connection_forgets_the_arming() -> None:

@@ -4,6 +4,7 @@ not walk the dead index entries a held xmin horizon keeps."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 
@@ -13,7 +14,11 @@ import pytest
 import jobd
 from jobd import claim_floors, queue, recovery
 from jobd.claim_floors import ClaimFloors, full_scan_params, look_back_params
+from jobd.claimer import Claimer
+from jobd.config import LaneConfig
 from jobd.db import connect
+from jobd.jobs import Job
+from jobd.protocol import WorkerMode
 
 LANE = "default"
 
@@ -44,6 +49,51 @@ def test_due_work_notifies_only_while_a_worker_is_armed(
     assert notifications(listener) == [f"{LANE}#1"]
 
     queue.disarm(conn, "w1")
+    jobd.enqueue(conn, "h")
+    assert notifications(listener) == []
+
+
+def test_a_woken_worker_stays_armed_while_its_claims_come_back_short(
+    conn: psycopg.Connection, listener: psycopg.Connection
+) -> None:
+    # The claimer's decisions against the real tables: after a wake-up whose claim is short
+    # the worker's row stays (no arming per job), enqueues still notify; after a full claim
+    # the next claim removes it and the busy lane stops notifying.
+    worker = Claimer(LaneConfig(LANE, concurrency=2, prefetch=0), "w1")
+    worker.suspects_possible = False
+
+    def claim() -> list[Job]:
+        request = worker.request(WorkerMode.RUNNING, 0)
+        assert request is not None
+        claimed = queue.settle_and_claim(conn, [], [], request)[2]
+        worker.took(claimed, request)
+        taken = claimed.jobs
+        for _ in taken:
+            worker.next_to_start(WorkerMode.RUNNING, 0)  # started and done
+        return taken
+
+    def waiter_row() -> tuple[str, ...] | None:
+        return conn.execute("SELECT xmin::text, armed_at::text FROM lane_waiters "
+                            "WHERE worker_id = 'w1'").fetchone()
+
+    assert claim() == []
+    assert queue.arm(conn, LANE, "w1", worker.floors.params(0.0)) == "armed"
+    worker.arm_result("armed", time.monotonic(), claim_floors.HEAD)
+    armed = waiter_row()
+    for _ in range(3):
+        jobd.enqueue(conn, "h")
+        assert notifications(listener) == [f"{LANE}#1"]
+        worker.maybe_more = True  # the wake-up
+        assert len(claim()) == 1
+        assert worker.armed and not worker.wants_arm(WorkerMode.RUNNING, time.monotonic())
+        assert waiter_row() == armed  # not written again
+
+    jobd.enqueue_many(conn, [jobd.JobSpec("h") for _ in range(3)])
+    assert notifications(listener) == [f"{LANE}#3"]
+    worker.maybe_more = True
+    assert len(claim()) == 2  # full: the next claim disarms
+    assert len(claim()) == 1
+    assert waiter_row() is None and not worker.armed
     jobd.enqueue(conn, "h")
     assert notifications(listener) == []
 
