@@ -140,14 +140,17 @@ class ClaimFloors:
         """When the next claim scans from the head (monotonic)."""
         return self.last_full_scan + self.full_scan_spacing
 
-    def recheck_at(self, probe: str) -> float | None:
-        """When a worker that armed itself after a probe of this kind (:func:`kind`) looks
-        once more, past its floors: never after one from the head; after a look back, when
-        the next scan from the head is due; after one from the floors, at the next look past
-        them of either kind."""
+    def recheck_at(self, probe: str, now: float) -> float | None:
+        """When a worker that armed itself after a probe of this kind (:func:`kind`) at
+        ``now`` looks once more, past its floors: never after one from the head; after a
+        look back, when the next scan from the head is due; after one from the floors, at
+        the next look past them of either kind. A worker that is not caught up makes no
+        look back (params), so its next look past the floors is the scan from the head;
+        the time of the last look back, long past, would have it arm again at once, over and
+        over until then."""
         if probe == HEAD:
             return None
-        if probe == BACK or not self.spaced_out:
+        if probe == BACK or not self.spaced_out or not self.caught_up(now):
             return self.next_full_scan_at()
         return min(self.next_full_scan_at(), self.last_look_back + FULL_SCAN_INTERVAL)
 

@@ -87,8 +87,9 @@ class Claimer:
         self.armed = False  # this worker's row is in lane_waiters (as far as it knows)
         self.armed_at = 0.0  # monotonic: when it last wrote that row (armed_at)
         # The next claim removes the row: the last one came back full (the worker has work,
-        # so wake-ups would only cost the producers a NOTIFY), or the last arming may have
-        # left it behind or taken it away ('work', 'contended').
+        # so wake-ups would only cost the producers a NOTIFY). A limited lane's worker
+        # disarms at every claim, since a short claim there may mean "no budget" as well as
+        # "nothing due": it must not sleep with due work, and arms again to learn which.
         self.disarm_due = False
         self.lingering: int | None = None  # how many LINGER claims came back short
         self.retries = 0  # arming attempts since the last claim that took something
@@ -149,7 +150,7 @@ class Claimer:
                                   self.lane.visibility_timeout,
                                   suspect_first=self.suspects_possible and not running,
                                   floors=self.floors.params(time.monotonic()),
-                                  disarm=self.armed and self.disarm_due,
+                                  disarm=self.armed and (self.disarm_due or self.lane.limited),
                                   budget=self.lane.budget() if self.lane.limited else None,
                                   order=(self.lane.claim_order(self.key_cursor)
                                          if self.lane.ordered else None))
@@ -180,7 +181,7 @@ class Claimer:
         self.maybe_more = (len(claimed.jobs) == request.limit
                            or claimed.suspect is not None)
         if self.armed:
-            self._stay_armed(request)
+            self._stay_armed(request, now)
         self._after_claim(bool(claimed.jobs) or claimed.suspect is not None, now)
         if claimed.suspect is not None:
             self.isolating = claimed.suspect.id
@@ -219,7 +220,7 @@ class Claimer:
             self.lingering = len(LINGER)
             self.next_try_at = None  # lingered: arm now (wants_arm)
 
-    def _stay_armed(self, request: queue.ClaimRequest) -> None:
+    def _stay_armed(self, request: queue.ClaimRequest, now: float) -> None:
         """An armed worker's claim left its row in lane_waiters. Came back short, it stays
         armed: every enqueue since its arming has notified, so it sleeps without arming
         again (two transactions and a row version in lane_waiters a job, at a steady rate
@@ -228,7 +229,7 @@ class Claimer:
         if self.maybe_more:
             self.disarm_due = True
         else:
-            self.recheck_at = self.floors.recheck_at(claim_floors.kind(request.floors))
+            self.recheck_at = self.floors.recheck_at(claim_floors.kind(request.floors), now)
 
     def try_due(self, now: float) -> bool:
         """A LINGER or retry claim is due: claim if capacity allows."""
@@ -263,11 +264,16 @@ class Claimer:
             self.disarm_due = False
             self.lingering = None
             self.retries = 0
-            self.recheck_at = self.floors.recheck_at(probe)
+            self.recheck_at = self.floors.recheck_at(probe, now)
             return
-        # 'work' or 'contended': claim again. A worker that was armed may or may not still
-        # have its row (the probe removes it on 'work'): its claim disarms it.
-        self.disarm_due = self.armed
+        # 'work' or 'contended': claim again. On 'work' the worker is registered and keeps
+        # its row (migration 0024): it claims as an armed worker does after a wake-up (in a
+        # limited lane, where 'work' is often due work without budget, that claim disarms
+        # and the worker goes on polling after RETRY_DELAYS until the budget lets one
+        # through). On 'contended' nothing was written: the worker is armed as much as it was.
+        if result == "work":
+            self.armed = True
+            self.armed_at = now
         self.recheck_at = None
         delay = RETRY_DELAYS[min(self.retries, len(RETRY_DELAYS) - 1)]
         self.retries += 1

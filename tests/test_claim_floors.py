@@ -107,14 +107,20 @@ def test_forgetting_the_floors_scans_from_the_head_at_once_however_slow_that_is(
 def test_an_armed_worker_looks_past_its_floors_once_more_then_sleeps() -> None:
     floors = ClaimFloors()
     floors.claimed(full_scan_params(), [], 10, 0.0)
-    assert floors.recheck_at(HEAD) is None
-    assert floors.recheck_at(FLOORS) == floors.next_full_scan_at() == FULL_SCAN_INTERVAL
+    assert floors.recheck_at(HEAD, 0.1) is None
+    assert floors.recheck_at(FLOORS, 0.1) == floors.next_full_scan_at() == FULL_SCAN_INTERVAL
     floors.head_scan_took(0.05)  # the next scan from the head is 25 s away
     floors.params(0.2)  # a look back, at 0.2
     # Armed after a probe from its floors: it looks back a second after the last look back;
     # armed after that look back, only when the scan from the head is due.
-    assert floors.recheck_at(FLOORS) == 0.2 + FULL_SCAN_INTERVAL
-    assert floors.recheck_at("look back") == floors.next_full_scan_at() == 0.05 / HEAD_SCAN_SHARE
+    assert floors.recheck_at(FLOORS, 0.3) == 0.2 + FULL_SCAN_INTERVAL
+    assert (floors.recheck_at("look back", 0.3) == floors.next_full_scan_at()
+            == 0.05 / HEAD_SCAN_SHARE)
+    # Idle past LOOK_BACK it is no longer caught up: no look back comes, so it looks once
+    # more when the scan from the head is due, not at once (an arming a round trip).
+    idle = LOOK_BACK + 1.0
+    assert kind(floors.params(idle)) == FLOORS
+    assert floors.recheck_at(FLOORS, idle) == floors.next_full_scan_at() > idle
 
 
 def test_a_short_claim_leaves_every_priority_dry_with_a_margin() -> None:
@@ -309,16 +315,40 @@ def test_an_armed_worker_disarms_after_a_full_claim_and_refreshes_its_row(monkey
     assert claimer.wants_arm(WorkerMode.RUNNING, clock[0] + ARMED_REFRESH)
 
 
-def test_an_arming_that_found_work_or_contention_leaves_the_row_to_the_next_claim() -> None:
+def test_an_arming_that_finds_work_leaves_the_worker_armed_and_contention_changes_nothing(
+) -> None:
     claimer = Claimer(LaneConfig("default"), "w")
     claimer.suspects_possible = False
-    claimer.arm_result("armed", 0.0, HEAD)
-    claimer.arm_result("work", 1.0, HEAD)  # a re-arm whose probe found work removed the row
+    claimer.arm_result("contended", 0.0, HEAD)  # nothing was written
+    assert not claimer.armed
+    claimer.arm_result("work", 1.0, HEAD)  # registered; the row stays (migration 0024)
+    assert claimer.armed
+    claimer.try_due(2.0)
+    request = claimer.request(WorkerMode.RUNNING, 0)
+    assert request is not None and not request.disarm
+    claimer.took(queue.Claimed([]), request)  # short: armed, asleep until woken
+    assert claimer.armed and not claimer.wants_arm(WorkerMode.RUNNING, 2.0)
+    claimer.arm_result("contended", 3.0, HEAD)
+    assert claimer.armed
+
+
+def test_a_limited_lanes_worker_disarms_after_work_and_polls_for_budget() -> None:
+    # 'work' in a limited lane is often due work without budget: the claim removes the row
+    # and the worker goes on claiming after RETRY_DELAYS, not asleep.
+    claimer = Claimer(LaneConfig("default", max_running=1), "w")
+    claimer.suspects_possible = False
+    claimer.arm_result("work", 1.0, HEAD)
+    assert claimer.next_try_at == 1.0 + RETRY_DELAYS[0]
     claimer.try_due(2.0)
     request = claimer.request(WorkerMode.RUNNING, 0)
     assert request is not None and request.disarm
     claimer.took(queue.Claimed([]), request)
     assert not claimer.armed and claimer.wants_arm(WorkerMode.RUNNING, 2.0)
+    # Armed and woken, its claim disarms too: a short claim there says nothing of due work.
+    claimer.arm_result("armed", 3.0, HEAD)
+    claimer.maybe_more = True
+    request = claimer.request(WorkerMode.RUNNING, 0)
+    assert request is not None and request.disarm
 
 
 def test_a_new_connection_forgets_the_arming() -> None:

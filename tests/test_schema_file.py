@@ -180,6 +180,8 @@ def test_the_comparison_sees_what_it_compares(
     assert "arm_waiter_probe(" in str(functions["arm_waiter"])  # the body of 0022, not 0011
     assert "lane_pauses" in str(functions["arm_waiter_register"])
     assert "ORDER BY j.run_at, j.id" in str(functions["arm_waiter_probe"])  # 0023, not 0020
+    assert "DELETE" not in str(functions["arm_waiter_probe"])  # 0024: the row stays on 'work'
+    assert "DELETE FROM lane_waiters" in str(functions["arm_waiter"])  # 0024
     assert "PERFORM check_job(" in str(functions["enqueue"])  # the body of 0006, not 0001
     assert f"SET search_path TO '{PLACEHOLDER}'" in str(functions["enqueue"])
     relations = {row[0]: row for row in migrated["relations"]}

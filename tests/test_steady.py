@@ -19,6 +19,7 @@ from jobd.config import LaneConfig
 from jobd.db import connect
 from jobd.jobs import Job
 from jobd.protocol import WorkerMode
+from jobd.queries import query
 
 LANE = "default"
 
@@ -106,9 +107,25 @@ def test_work_for_later_always_tells_the_supervisors(
     assert payload.startswith(f"{LANE}@")
 
 
-def test_arming_with_due_work_visible_claims_instead(conn: psycopg.Connection) -> None:
+def test_arming_with_due_work_visible_claims_instead_and_stays_armed(
+    conn: psycopg.Connection, listener: psycopg.Connection
+) -> None:
     jobd.enqueue(conn, "h")
     assert queue.arm(conn, LANE, "w1", full_scan_params()) == "work"
+    # Registered before the probe, the row stays (0024): the worker claims while armed, and
+    # every enqueue meanwhile notifies.
+    assert conn.execute("SELECT worker_id FROM lane_waiters").fetchall() == [("w1",)]
+    jobd.enqueue(conn, "h")
+    assert notifications(listener) == [f"{LANE}#1"]
+
+
+def test_the_one_transaction_arming_of_older_daemons_removes_the_row_on_work(
+    conn: psycopg.Connection,
+) -> None:
+    # arm_waiter (daemons before 0020) answers as before: 'work' leaves the worker unarmed.
+    jobd.enqueue(conn, "h")
+    assert conn.execute(query("arm_waiter"), {"lane": LANE, "worker": "w1",
+                                              **full_scan_params()}).fetchone() == ("work",)
     assert conn.execute("SELECT count(*) FROM lane_waiters").fetchone() == (0,)
 
 
@@ -464,4 +481,4 @@ def test_an_enqueue_during_the_arming_probe_neither_waits_nor_goes_unheard(
             producer.commit()
     assert notifications(listener) == [f"{LANE}#1"]
     assert queue.arm(conn, LANE, "w1", full_scan_params()) == "work"
-    assert conn.execute("SELECT count(*) FROM lane_waiters").fetchone() == (0,)
+    assert conn.execute("SELECT count(*) FROM lane_waiters").fetchone() == (1,)  # still armed

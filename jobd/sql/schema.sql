@@ -835,7 +835,7 @@ BEGIN
           ORDER BY j.run_at, j.id
           LIMIT 1;
         IF FOUND THEN
-            DELETE FROM lane_waiters AS w WHERE w.worker_id = arm_waiter_probe.worker_id;
+            -- The worker's row stays (0024): it claims while armed, as after a wake-up.
             RETURN 'work';
         END IF;
     END LOOP;
@@ -844,8 +844,9 @@ END
 $$;
 
 -- Arming in one transaction, for daemons of releases before migration 0020 (this body since
--- 0022): the two steps above under one lock held through the probe, so enqueues into the lane
--- wait for it. The answers are arm_waiter_register's, or arm_waiter_probe's once registered.
+-- 0024): the two steps above under one lock held through the probe, so enqueues into the lane
+-- wait for it. The answers are arm_waiter_register's, or arm_waiter_probe's once registered;
+-- on 'work' the row is removed, as those daemons expect.
 CREATE FUNCTION arm_waiter(lane text, worker_id text, floor_priorities integer[],
                            floor_run_ats timestamptz[], floor_ids bigint[],
                            floor_ages float8[], default_floor_age float8)
@@ -855,12 +856,18 @@ SET search_path FROM CURRENT
 AS $$
 DECLARE
     registered text := arm_waiter_register(arm_waiter.lane, arm_waiter.worker_id);
+    probed     text;
 BEGIN
     IF registered <> 'registered' THEN
         RETURN registered;
     END IF;
-    RETURN arm_waiter_probe(arm_waiter.lane, arm_waiter.worker_id, floor_priorities,
-                            floor_run_ats, floor_ids, floor_ages, default_floor_age);
+    probed := arm_waiter_probe(arm_waiter.lane, arm_waiter.worker_id, floor_priorities,
+                               floor_run_ats, floor_ids, floor_ages, default_floor_age);
+    IF probed = 'work' THEN
+        -- Those daemons take 'work' as "not armed" (0024 keeps the row in the probe).
+        DELETE FROM lane_waiters AS w WHERE w.worker_id = arm_waiter.worker_id;
+    END IF;
+    RETURN probed;
 END
 $$;
 
