@@ -289,8 +289,8 @@ SELECT arm_waiter(%(lane)s, %(worker)s, %(floor_priorities)s::int[],
 SELECT arm_waiter_register(%(lane)s, %(worker)s)
 
 -- name: arm_waiter_probe
--- Arming, second transaction (arm_waiter_probe() in migrations/0020_arming_apart.sql):
--- 'work' (and the worker's row is removed) or 'armed'.
+-- Arming, second transaction (arm_waiter_probe() in migrations/0020_arming_apart.sql, its
+-- body since 0024): 'work' (the worker's row stays: it claims armed) or 'armed'.
 SELECT arm_waiter_probe(%(lane)s, %(worker)s, %(floor_priorities)s::int[],
                         %(floor_run_ats)s::timestamptz[], %(floor_ids)s::bigint[],
                         %(floor_ages)s::float8[], %(default_floor_age)s::float8)

@@ -783,7 +783,7 @@ $$;
 --    waits for this commit, then sees the row and notifies.
 -- 2. arm_waiter_probe, in a new transaction: its snapshot sees every job whose enqueue
 --    committed before that lock was granted, and every later one notifies. It answers
---    'work' (a due job above the floors; the worker's row is removed, the worker claims) or
+--    'work' (a due job above the floors: the worker claims, its row kept since 0024) or
 --    'armed'. No lock: producers never wait for it.
 CREATE FUNCTION arm_waiter_register(lane text, worker_id text) RETURNS text
 LANGUAGE plpgsql
