@@ -262,9 +262,9 @@ HEAD, BACK, FLOORS = "head", "look back", "floors"
 def kind(params: Mapping[str, Any] | None) -> str:
     """Whether floor parameters scan from the head (so do none: ``queue.ClaimRequest``), look
     back LOOK_BACK, or start at floors."""
-    if params is None or params is _FULL_SCAN or params == _FULL_SCAN:
+    if params is None or params == _FULL_SCAN:
         return HEAD
-    if params is _LOOK_BACK or params == _LOOK_BACK:
+    if params == _LOOK_BACK:
         return BACK
     return FLOORS
 

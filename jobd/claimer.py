@@ -243,7 +243,7 @@ class Claimer:
         if (mode != WorkerMode.RUNNING or self.isolating is not None or self.maybe_more
                 or self.lane_paused):
             return False
-        if self.armed and not self.disarm_due:
+        if self.armed:
             # Refreshed well before the retention duty takes it for a dead worker's.
             return ((self.recheck_at is not None and now >= self.recheck_at)
                     or now >= self.armed_at + ARMED_REFRESH)
