@@ -63,10 +63,14 @@ REFUSED = {
     "run_at in year 9999": Case(run_at=datetime(9999, 6, 1, tzinfo=UTC)),
     "run_at before 1970": Case(run_at=datetime(1969, 12, 31, tzinfo=UTC)),
     "10 KB idempotency key": Case(key="k" * 10_000),
+    "513-byte idempotency key": Case(key="k" * 513),
+    "empty idempotency key": Case(key=""),
+    "max_attempts 0": Case(max_attempts=0),
     "reserved idempotency key": Case(key="jobd:mine"),
     "payload nested 300 levels": Case(payload=nested(DEEP)),
     "payload with a 4301-digit number": Case(payload=[HUGE], payload_sql="[1" + "0" * 4300 + "]"),
     "payload with a NUL character": Case(payload={"s": "a\x00b"}),
+    "handler starting with a dot": Case(handler=".h"),
 }
 
 ACCEPTED = {
