@@ -23,6 +23,14 @@ transactions: statements go unnamed (Parse, Bind, Execute each time, so no prepa
 is left behind nor expected), and each transaction of the exchange starts with the
 connection's settings (``session_local``: search_path, timeouts) as transaction-local ones.
 One Sync ends the exchange, so the pooler keeps it on one server session throughout.
+
+Plans age: a session's prepared statements are dropped and prepared again once they are
+:data:`PLAN_LIFETIME` old, in the next exchange. PostgreSQL keeps a prepared statement's
+generic plan until something invalidates it (autovacuum or ANALYZE of a table it reads,
+DDL), and a plan made while the jobs table was small and clean (reading the heap whole for
+the rows of a batch of ids) went on being used while a held xmin horizon bloated the table,
+until autovacuum next processed it a minute or more later: every claim and completion read
+the whole heap (docs/design/queue.md, "Plans that age").
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from __future__ import annotations
 import functools
 import re
 import select
+import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -52,6 +61,10 @@ _COMMANDS = {BEGIN: b"BEGIN", COMMIT: b"COMMIT"}
 
 _PLACEHOLDER = re.compile(r"%\((\w+)\)s")
 _STATEMENT_PREFIX = "jobd_"
+# Seconds a session keeps the statements it prepared before preparing them again (above): a
+# plan then reflects the table's size of at most this long ago. Each renewal costs a few
+# plannings per statement (PostgreSQL plans the first executions for their parameters).
+PLAN_LIFETIME = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,8 +93,23 @@ def statement(name: str) -> Statement:
                      tuple(params))
 
 
-# Statements already prepared on each server session, by the libpq connection that holds it.
-_prepared: weakref.WeakKeyDictionary[pq.abc.PGconn, set[bytes]] = weakref.WeakKeyDictionary()
+@dataclass(slots=True)
+class _Session:
+    """The statements prepared on one server session, and since when (monotonic)."""
+
+    names: set[bytes]
+    since: float
+
+    def aged(self, now: float) -> list[bytes]:
+        """The names to deallocate now, forgotten here, if they are PLAN_LIFETIME old."""
+        if now - self.since < PLAN_LIFETIME:
+            return []
+        names, self.names, self.since = sorted(self.names), set(), now
+        return names
+
+
+# Each server session's prepared statements, by the libpq connection that holds it.
+_sessions: weakref.WeakKeyDictionary[pq.abc.PGconn, _Session] = weakref.WeakKeyDictionary()
 
 Step = tuple[str, Mapping[str, Any] | None]
 
@@ -118,8 +146,12 @@ def run(conn: psycopg.Connection, steps: Sequence[Step],
             prepared: set[bytes] = set()  # nothing is prepared on a borrowed session
             messages = _pooled_messages(transformer, steps, conn.session_gucs, binary)
         else:
-            prepared = _prepared.setdefault(pgconn, set())
-            messages = _messages(transformer, steps, prepared, binary)
+            now = time.monotonic()
+            session = _sessions.setdefault(pgconn, _Session(set(), now))
+            messages = [_Message(b"DEALLOCATE " + name, command=True, internal=True)
+                        for name in session.aged(now)]
+            prepared = session.names
+            messages += _messages(transformer, steps, prepared, binary)
         waiter = _Waiter(pgconn, while_waiting)
         try:
             pgconn.enter_pipeline_mode()

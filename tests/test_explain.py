@@ -247,6 +247,32 @@ def test_a_one_handler_lane_full_of_due_jobs_claims_by_an_ordered_index_scan(
                    for n in nodes(plan))
 
 
+FAIR_KEY_PROBE = """SELECT 1 FROM jobs AS j
+                     WHERE j.lane = 'default' AND j.state IN ('pending', 'failed')
+                       AND j.priority = 0 AND coalesce(j.fairness_key, j.handler) COLLATE "C" = 'h'
+                     LIMIT 1"""
+
+
+def test_only_the_fair_queries_can_be_planned_on_the_fair_index(
+    conn: psycopg.Connection,
+) -> None:
+    # Without the claim index and with sequential scans priced out, the planner takes any
+    # index it may. From jobs_fair_idx a claim's floor bounds nothing (the share key comes
+    # before run_at), so a claim must not be able to use it (migration 0025); the fair
+    # queries, which compare the share key, still do.
+    conn.execute("INSERT INTO jobs (lane, handler) SELECT 'default', 'h'"
+                 " FROM generate_series(1, 100)")
+    conn.execute("ANALYZE jobs")
+    with conn.transaction(force_rollback=True):
+        conn.execute("DROP INDEX jobs_claimable_idx")
+        conn.execute("SET LOCAL enable_seqscan = off")
+        claim = explain(conn, "claim_jobs", claim_params("default"))
+        assert "jobs_fair_idx" not in indexes_used(claim)
+        row = conn.execute(f"EXPLAIN (FORMAT JSON) {FAIR_KEY_PROBE}").fetchone()
+        assert row is not None
+        assert indexes_used(row[0][0]["Plan"]) == {"jobs_fair_idx"}
+
+
 # --- the metrics sampler's counts ----------------------------------------------------------
 #
 # Last in this module: they vacuum the table first. A live queue table is vacuumed often

@@ -291,6 +291,7 @@ def test_indexes_the_queries_rely_on(conn: psycopg.Connection) -> None:
     assert "jobs_archive_id_idx" in definitions
     fair = definitions["jobs_fair_idx"]
     assert '(lane, priority DESC, COALESCE(fairness_key, handler) COLLATE "C", run_at, id)' in fair
+    assert 'COALESCE(fairness_key, handler) COLLATE "C") IS NOT NULL' in fair  # 0025
 
 
 def test_fresh_template_and_fresh_migration_build_the_same_schema(

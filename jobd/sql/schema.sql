@@ -90,9 +90,13 @@ CREATE INDEX jobs_claimable_idx ON jobs (lane, priority DESC, run_at, id)
 -- takes each key's oldest jobs without walking past another key's herd.
 -- The key compares in code point order (COLLATE "C"): cheaper than a language's rules, and
 -- the order the workers' cursors (jobd/claimer.py) assume.
+-- The key's IS NOT NULL holds for every row (handler is NOT NULL); it keeps every query but
+-- the fair ones, whose comparisons on the key imply it, off this index: from here a claim's
+-- floor would bound nothing (migration 0025).
 CREATE INDEX jobs_fair_idx ON jobs (lane, priority DESC,
                                     (coalesce(fairness_key, handler) COLLATE "C"), run_at, id)
-    WHERE state IN ('pending', 'failed');
+    WHERE state IN ('pending', 'failed')
+      AND (coalesce(fairness_key, handler) COLLATE "C") IS NOT NULL;
 
 -- Every (lane, priority) that has had claimable jobs: the claim reads a lane's priorities
 -- here instead of discovering them by walking the index (where a held xmin horizon keeps

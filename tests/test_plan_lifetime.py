@@ -1,0 +1,62 @@
+"""The fast path's prepared statements are prepared again once PLAN_LIFETIME old
+(jobd/fastpath.py): a plan made while the jobs table was small does not outlive the table's
+growth until autovacuum next passes (docs/design/queue.md, "Plans that age")."""
+
+from __future__ import annotations
+
+import psycopg
+import pytest
+
+import jobd
+from jobd import fastpath
+
+# Ids no job has: the completion finds nothing, and only its plan matters here.
+COMPLETE = ("complete_jobs", {"ids": [-3, -2, -1], "tokens": [1, 1, 1], "now": None})
+
+
+def complete_plan(conn: psycopg.Connection) -> str:
+    """The plan the session's prepared completion runs with, after enough runs for
+    PostgreSQL to settle on its generic plan."""
+    for _ in range(8):
+        assert fastpath.run(conn, [COMPLETE]) == [[]]
+    plan = conn.execute("EXPLAIN EXECUTE jobd_complete_jobs('{-3,-2,-1}', '{1,1,1}', NULL)")
+    return "\n".join(line for (line,) in plan.fetchall())
+
+
+@pytest.fixture
+def small_jobs_table(conn: psycopg.Connection) -> psycopg.Connection:
+    # No autovacuum: nothing invalidates the plans while the table grows.
+    conn.execute("ALTER TABLE jobs SET (autovacuum_enabled = false)")
+    jobd.enqueue(conn, "h")
+    conn.execute("ANALYZE jobs")
+    return conn
+
+
+def test_a_plan_made_on_a_small_table_is_made_again_once_it_has_grown(
+    small_jobs_table: psycopg.Connection,
+) -> None:
+    conn = small_jobs_table
+    assert "Seq Scan on jobs" in complete_plan(conn)  # one row: its page beats the index
+    jobd.enqueue_many(conn, [jobd.JobSpec("h")] * 20_000)
+    # Nothing invalidated the plan: it reads the grown table whole.
+    assert "Seq Scan on jobs" in complete_plan(conn)
+    fastpath._sessions[conn.pgconn].since -= fastpath.PLAN_LIFETIME  # the lifetime is over
+    plan = complete_plan(conn)
+    assert "Seq Scan on jobs" not in plan and "jobs_pkey" in plan, plan
+
+
+def test_statements_are_prepared_again_when_the_lifetime_is_over(
+    conn: psycopg.Connection,
+) -> None:
+    fastpath.run(conn, [COMPLETE])
+    prepared = "SELECT count(*) FROM pg_prepared_statements WHERE name = 'jobd_complete_jobs'"
+    assert conn.execute(prepared).fetchone() == (1,)
+    session = fastpath._sessions[conn.pgconn]
+    since = session.since
+    fastpath.run(conn, [COMPLETE])
+    assert session.since == since  # still young: kept
+    session.since -= fastpath.PLAN_LIFETIME
+    fastpath.run(conn, [COMPLETE])  # deallocated, prepared again, run: one exchange
+    assert session.since > since
+    assert session.names == {b"jobd_complete_jobs"}
+    assert conn.execute(prepared).fetchone() == (1,)
