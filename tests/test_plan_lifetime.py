@@ -8,7 +8,9 @@ import psycopg
 import pytest
 
 import jobd
-from jobd import fastpath
+from jobd import fastpath, queue
+from jobd.db import connect
+from jobd.queue import ClaimRequest
 
 # Ids no job has: the completion finds nothing, and only its plan matters here.
 COMPLETE = ("complete_jobs", {"ids": [-3, -2, -1], "tokens": [1, 1, 1], "now": None})
@@ -60,3 +62,25 @@ def test_statements_are_prepared_again_when_the_lifetime_is_over(
     assert session.since > since
     assert session.names == {b"jobd_complete_jobs"}
     assert conn.execute(prepared).fetchone() == (1,)
+
+
+def test_an_exchange_that_fails_after_the_renewal_leaves_the_session_usable(
+    conn: psycopg.Connection, db_url: str,
+) -> None:
+    jobd.enqueue(conn, "h")
+    [job] = queue.settle_and_claim(conn, [], [], ClaimRequest("default", "w1", 1, 30.0))[2].jobs
+    fastpath.run(conn, [COMPLETE])
+    session = fastpath._sessions[conn.pgconn]
+    session.since -= fastpath.PLAN_LIFETIME
+    conn.execute("SET lock_timeout = '50ms'")
+    complete = ("complete_jobs", {"ids": [job.id], "tokens": [job.lease.token], "now": None})
+    with connect(db_url, autocommit=False) as holder:
+        holder.execute("SELECT 1 FROM jobs WHERE id = %s FOR UPDATE", (job.id,))
+        # The statements were deallocated; the completion waits for the row and fails.
+        with pytest.raises(psycopg.errors.LockNotAvailable):
+            fastpath.run(conn, [complete])
+    conn.execute("RESET lock_timeout")
+    # Prepared again in the next exchange, whatever the failed one left prepared.
+    assert fastpath.run(conn, [complete]) == [[(job.id, "done")]]
+    assert conn.execute("SELECT count(*) FROM pg_prepared_statements"
+                        " WHERE name = 'jobd_complete_jobs'").fetchone() == (1,)
