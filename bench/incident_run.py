@@ -347,9 +347,9 @@ class Drill:
                 time.sleep(WATCH_S)
         log(f"tail: {s.tail_s:g}s")
         self._hold(s.tail_s)
-        self.poison.set_rate(0)
+        self.poison.pause()
         for producer in self.producers.values():
-            producer.set_rate(0)
+            producer.pause()
         self._wait_steady_done()
         marks.mark("end")
         self.marks.notes["db_end"] = self._db_now()

@@ -107,6 +107,8 @@ class Producer:
         self.logs = [SendLog() for _ in range(connections)]
         self._plan = Plan(0.0, 1, time.perf_counter(), 0)
         self._made = [0] * connections  # sends made under the current plan, per connection
+        # Per connection, the generation of the last plan of rate 0 it saw between sends.
+        self._paused_under = [-1] * connections
         self._failures = _Failures("the producer")
         self._stop = threading.Event()
         self._ready = threading.Barrier(connections + 1)
@@ -132,6 +134,19 @@ class Producer:
     def set_rate(self, rate: float, batch: int = 1) -> None:
         """Offer ``rate`` jobs/s from now on, ``batch`` per statement (0 pauses)."""
         self._plan = Plan(rate, batch, time.perf_counter(), self._plan.generation + 1)
+
+    def pause(self, timeout: float = 30.0) -> None:
+        """Stop sending, and return once no send is in flight, so that every job this
+        producer will ever send is counted in ``jobs_sent`` (a send already under way when
+        the rate went to 0 would otherwise land after the count was read)."""
+        self.set_rate(0)
+        generation = self._plan.generation
+        deadline = time.monotonic() + timeout
+        while any(seen != generation for seen in self._paused_under):
+            self._failures.raise_error()
+            if time.monotonic() > deadline:
+                raise LoadError(f"the producer's sends did not stop within {timeout:g} s")
+            time.sleep(0.005)
 
     def restart(self) -> None:
         """The same rate on a schedule that starts now: sends still due are dropped, so a
@@ -180,6 +195,7 @@ class Producer:
                 generation, k = plan.generation, 0
                 self._made[index] = 0
             if plan.rate <= 0:
+                self._paused_under[index] = plan.generation
                 self._stop.wait(0.01)
                 continue
             interval = self.connections * plan.batch / plan.rate

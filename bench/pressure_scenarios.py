@@ -37,7 +37,7 @@ def scenario_baseline(run: Run) -> None:
         start_producer(run, stack, run.args.producers)
         run.phase("warmup", "warmup", run.durations.warmup)
         run.phase("clean", "clean", run.durations.baseline)
-        run.producer.set_rate(0)  # type: ignore[union-attr]
+        run.producer.pause()  # type: ignore[union-attr]
         run.wait_drained()
 
 
@@ -57,7 +57,7 @@ def scenario_held(run: Run, holder: Callable[[], Any]) -> None:
             run.checks.clear()
         rec.extra.update(describe_holder(held))
         run.phase("recovery", "recovery", d.recovery)
-        run.producer.set_rate(0)  # type: ignore[union-attr]
+        run.producer.pause()  # type: ignore[union-attr]
         run.wait_drained()
 
 
@@ -107,7 +107,7 @@ def scenario_overload(run: Run) -> None:
         run.hold(rec, until=lambda: backlog_cleared(run, threshold), timeout=BACKLOG_TIMEOUT_S)
         run.end(rec)
         run.phase("recovery", "recovery", d.recovery)
-        producer.set_rate(0)
+        producer.pause()
         run.wait_drained()
 
 
@@ -174,7 +174,7 @@ def scenario_enqueue(run: Run) -> None:
             start_producer(run, stack, connections)
             run.phase(f"warmup_c{connections}", "warmup", d.warmup)
             run.phase(f"open_c{connections}", "open", d.open_loop)
-            run.producer.set_rate(0)  # type: ignore[union-attr]
+            run.producer.pause()  # type: ignore[union-attr]
             run.wait_drained()
 
 

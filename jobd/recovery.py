@@ -3,6 +3,7 @@ claims a worker made but never received. Each decides what a job's attempt count
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -59,6 +60,9 @@ class Sweep:
     expired_by_lane: dict[str, int]
     # The workers whose leases were taken (their ids name their node), with how many each.
     holders: dict[str, int] = field(default_factory=dict)
+    # False when the scan stopped at its row limit: more may have run out.
+    complete: bool = True
+    scan_seconds: float = 0.0  # what the scan for expired leases took
 
 
 def expire_leases(
@@ -76,13 +80,19 @@ def sweep_expired_leases(
     policy_for: PolicyLookup,
     now: datetime | None = None,
     limit: int = 1000,
+    look_back: float | None = None,
 ) -> Sweep:
     """The lease-expiry sweep: a job whose lease ran out counts as a failed attempt.
 
     It becomes claimable again after its backoff, or dead when its budget is spent. A worker
-    that renews its lease between the scan and the write keeps its job.
+    that renews its lease between the scan and the write keeps its job. With ``look_back``
+    (seconds), only leases that ran out since the database's ``now`` less that are read
+    (``jobd.head_scans``).
     """
-    rows = conn.execute(query("expired_leases"), {"now": now, "limit": limit}).fetchall()
+    started = time.perf_counter()
+    rows = conn.execute(query("expired_leases"),
+                        {"now": now, "limit": limit, "look_back": look_back}).fetchall()
+    scan_seconds = time.perf_counter() - started
     outcome = _fail_rows(
         conn, rows, lambda worker: f"lease expired (held by {worker})", policy_for, now, True
     )
@@ -100,7 +110,8 @@ def sweep_expired_leases(
         if row[0] in swept:
             expired[row[2]] = expired.get(row[2], 0) + 1
             holders[row[4]] = holders.get(row[4], 0) + 1
-    return Sweep(outcome, expired, holders)
+    return Sweep(outcome, expired, holders, complete=len(rows) < limit,
+                 scan_seconds=scan_seconds)
 
 
 def handler_application_name(lease: Lease) -> str:

@@ -132,7 +132,8 @@ def test_the_fallback_poll_sees_no_due_work_in_a_paused_lane_and_names_its_pause
 
     def poll() -> dict[str, tuple[bool, str]]:
         rows = conn.execute(query("lane_heads"),
-                            {"lanes": [LANE, "other"], "now": None}).fetchall()
+                            {"lanes": [LANE, "other"], "now": None,
+                             "look_back": None}).fetchall()
         return {lane: (head is not None, names) for lane, head, _now, _s, names in rows}
 
     assert poll() == {LANE: (True, ""), "other": (False, "")}

@@ -62,6 +62,26 @@ def test_the_lease_sweep_fails_expired_leases_and_wakes_their_lanes(
     assert router.next_moment() < math.inf  # and a timer for the retry
 
 
+def test_while_reads_from_the_head_are_spaced_out_the_sweep_looks_back(
+    conn: psycopg.Connection,
+) -> None:
+    now = db_now(conn)
+    recent = jobd.enqueue(conn, "h", run_at=now - timedelta(seconds=35))
+    old = jobd.enqueue(conn, "h", run_at=now - timedelta(minutes=5))
+    queue.claim(conn, "default", "w-frozen", 1, 30, now=now - timedelta(minutes=5))
+    queue.claim(conn, "default", "w-frozen", 1, 30, now=now - timedelta(seconds=35))
+    sweep = LeaseSweep(lambda: 10.0, policy, WakeRouter(), lambda: ["default"])
+    sweep.head_scans.ran(NOW - 10.0, None, 1.0)  # a slow read from the head, spaced to 60 s
+
+    def failed() -> set[int]:
+        return {row[0] for row in conn.execute("SELECT id FROM jobs WHERE state = 'failed'")}
+
+    sweep.run(conn, NOW)
+    assert failed() == {recent}  # ran out 5 s ago; the other 4.5 minutes ago
+    sweep.run(conn, sweep.head_scans.next_from_head)
+    assert failed() == {recent, old}
+
+
 def test_the_node_heartbeat_reports_the_node_and_measures_the_clock(
     conn: psycopg.Connection,
 ) -> None:
@@ -147,6 +167,20 @@ def test_the_lane_poll_finds_due_work_future_work_and_suspects(
     assert wakes(router) == {"now": None, "idle": None}
     assert "later" in router._at
     assert router._suspects == {"idle"}
+
+
+def test_while_reads_from_the_head_are_spaced_out_the_lane_poll_looks_back(
+    conn: psycopg.Connection,
+) -> None:
+    config = Config(lanes={"old": LaneConfig("old", poll_interval=2.0)})
+    jobd.enqueue(conn, "h", lane="old", run_at=db_now(conn) - timedelta(minutes=5))
+    router = WakeRouter()
+    poll = LanePoll(lambda: config, router)
+    poll.head_scans.ran(NOW - 2.0, None, 1.0)  # a slow read from the head, spaced to 60 s
+    poll.run(conn, NOW)
+    assert wakes(router) == {}  # due only since before the look back
+    poll.run(conn, poll.head_scans.next_from_head)
+    assert wakes(router) == {"old": None}
 
 
 def test_retention_runs_hourly(conn: psycopg.Connection) -> None:

@@ -171,7 +171,7 @@ def test_claim_finds_jobs_due_at_an_injected_time_with_the_same_plan(
 
 
 def test_expired_leases_ride_the_lease_index(big_queue: psycopg.Connection) -> None:
-    params = {"now": None, "limit": 1000}
+    params = {"now": None, "limit": 1000, "look_back": None}
     plan = explain(big_queue, "expired_leases", params)
     assert seq_scans_on_jobs(plan) == []
     assert "jobs_lease_idx" in indexes_used(plan)

@@ -482,3 +482,68 @@ def test_an_enqueue_during_the_arming_probe_neither_waits_nor_goes_unheard(
     assert notifications(listener) == [f"{LANE}#1"]
     assert queue.arm(conn, LANE, "w1", full_scan_params()) == "work"
     assert conn.execute("SELECT count(*) FROM lane_waiters").fetchone() == (1,)  # still armed
+
+
+def entries_read_by(db_url: str, conn: psycopg.Connection, index: str, statement: str,
+                    params: dict[str, object]) -> tuple[list[tuple[object, ...]], int]:
+    """The rows of one of jobd's named statements and the entries it read of ``index``."""
+    counter = ("SELECT idx_tup_read FROM pg_stat_user_indexes "
+               f"WHERE indexrelname = '{index}'")
+    flush_stats(conn)
+    before = statistic(db_url, counter)
+    rows = conn.execute(query(statement), params).fetchall()
+    flush_stats(conn)
+    return rows, statistic(db_url, counter) - before
+
+
+def test_the_supervisors_poll_and_sweep_look_back_past_what_a_held_horizon_keeps(
+    db_url: str, conn: psycopg.Connection
+) -> None:
+    [[db_now]] = conn.execute("SELECT now()").fetchall()
+    then = db_now - timedelta(minutes=5)
+    with connect(db_url, autocommit=False) as holder:
+        holder.execute("SELECT txid_current()")  # holds the xmin horizon
+        # 3,000 jobs due, claimed (leases ran out 4.5 minutes ago) and done: dead entries
+        # in the claim index and in the lease index that nothing can remove.
+        jobd.enqueue_many(conn, [jobd.JobSpec("h", run_at=then) for _ in range(3000)])
+        done = queue.claim(conn, LANE, "w", 3000, 30, now=then)
+        assert len(done) == 3000
+        queue.complete(conn, [job.lease for job in done])
+        conn.execute("VACUUM jobs")  # removes nothing the holder may still see
+
+        due_now = jobd.enqueue(conn, "h")
+        due_long_ago = jobd.enqueue(conn, "h", run_at=db_now - timedelta(minutes=2))
+        only_old = jobd.enqueue(conn, "h", lane="quiet", run_at=db_now - timedelta(minutes=2))
+        run_at = dict(conn.execute("SELECT id, extract(epoch FROM run_at)::float8 FROM jobs "
+                                   "WHERE id = ANY(%s)", [[due_now, due_long_ago, only_old]]))
+
+        def poll(look_back: float | None) -> tuple[dict[object, object], int]:
+            rows, reads = entries_read_by(
+                db_url, conn, "jobs_claimable_idx", "lane_heads",
+                {"lanes": [LANE, "quiet"], "now": None, "look_back": look_back})
+            return {row[0]: row[1] for row in rows}, reads
+
+        heads, reads = poll(claim_floors.LOOK_BACK)
+        assert reads < 100
+        # The lane is due either way; a job due only before the look back waits for the next
+        # poll from the head.
+        assert heads == {LANE: run_at[due_now], "quiet": None}
+        heads, reads = poll(None)
+        assert reads > 3000
+        assert heads == {LANE: run_at[due_long_ago], "quiet": run_at[only_old]}
+
+        # Leases that ran out 5 s and 70 s ago.
+        [recent] = queue.claim(conn, LANE, "w", 1, 30, now=db_now - timedelta(seconds=35))
+        [old] = queue.claim(conn, "quiet", "w", 1, 30, now=db_now - timedelta(seconds=100))
+
+        def expired(look_back: float | None) -> tuple[list[object], int]:
+            rows, reads = entries_read_by(db_url, conn, "jobs_lease_idx", "expired_leases",
+                                          {"now": None, "limit": 1000, "look_back": look_back})
+            return [row[0] for row in rows], reads
+
+        ids, reads = expired(claim_floors.LOOK_BACK)
+        assert (ids, reads < 100) == ([recent.id], True)
+        ids, reads = expired(None)
+        assert ids == [old.id, recent.id]
+        assert reads > 3000
+        holder.rollback()

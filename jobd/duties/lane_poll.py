@@ -6,12 +6,14 @@ reload, a pause or resume happened while this node was not listening)."""
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable
 
 import psycopg
 
 from jobd.config import Config
 from jobd.duties import NEVER, Duty
+from jobd.head_scans import HeadScans
 from jobd.queries import query
 from jobd.wake_routing import WakeRouter
 
@@ -25,6 +27,8 @@ class LanePoll(Duty):
         self.config = config
         self.router = router
         self.pauses: dict[str, str] = {}  # lane -> its pauses as lane_heads names them
+        # Polls read the claim index from the head only now and then while that is slow.
+        self.head_scans = HeadScans()
 
     def poll_now(self) -> None:
         self.next_at = 0.0
@@ -37,7 +41,11 @@ class LanePoll(Duty):
         interval = min(lane.poll_interval for lane in lanes.values())
         # Jitter keeps the supervisors of a fleet from polling in lockstep.
         self.next_at = now + interval * random.uniform(0.8, 1.2)
-        rows = conn.execute(query("lane_heads"), {"lanes": list(lanes), "now": None}).fetchall()
+        look_back = self.head_scans.look_back(now)
+        started = time.perf_counter()
+        rows = conn.execute(query("lane_heads"), {"lanes": list(lanes), "now": None,
+                                                  "look_back": look_back}).fetchall()
+        self.head_scans.ran(now, look_back, time.perf_counter() - started)
         for lane, head, db_now, suspects, pauses in rows:
             if pauses != self.pauses.get(lane, ""):
                 # Workers read their lane's pauses when they start; a change since that no

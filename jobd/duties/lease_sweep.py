@@ -12,18 +12,23 @@ import psycopg
 import structlog
 
 from jobd import recovery
-from jobd.duties import Periodic
+from jobd.duties import Duty
+from jobd.head_scans import HeadScans
 from jobd.wake_routing import WakeRouter
 
 log = structlog.get_logger("jobd.duties.lease_sweep")
 
 
-class LeaseSweep(Periodic):
+class LeaseSweep(Duty):
+    """Every ``interval()`` seconds, as a :class:`~jobd.duties.Periodic` duty, but its turn
+    needs the clock (the look back of ``head_scans``)."""
+
     name = "lease sweep"
 
     def __init__(self, interval: Callable[[], float], policy_for: recovery.PolicyLookup,
                  router: WakeRouter, lanes: Callable[[], Iterable[str]]) -> None:
-        super().__init__(interval)
+        super().__init__()
+        self.interval = interval
         self.policy_for = policy_for
         self.router = router
         self.lanes = lanes
@@ -31,10 +36,16 @@ class LeaseSweep(Periodic):
         # the last turn's share is taken back if the shared transaction does not commit.
         self.expired: dict[str, int] = {}
         self.last_turn: dict[str, int] = {}
+        # Sweeps read the lease index from the head only now and then while that is slow.
+        self.head_scans = HeadScans()
 
-    def work(self, conn: psycopg.Connection) -> None:
+    def run(self, conn: psycopg.Connection, now: float) -> None:
+        # Scheduled before the work: a failure waits for the next turn, not a spin.
+        self.next_at = now + self.interval()
         self.last_turn = {}
-        sweep = recovery.sweep_expired_leases(conn, self.policy_for)
+        look_back = self.head_scans.look_back(now)
+        sweep = recovery.sweep_expired_leases(conn, self.policy_for, look_back=look_back)
+        self.head_scans.ran(now, look_back, sweep.scan_seconds, sweep.complete)
         self.last_turn = sweep.expired_by_lane
         for lane, count in sweep.expired_by_lane.items():
             self.expired[lane] = self.expired.get(lane, 0) + count
@@ -50,3 +61,5 @@ class LeaseSweep(Periodic):
         for lane, count in self.last_turn.items():
             self.expired[lane] -= count
         self.last_turn = {}
+        # What that turn swept is still to sweep, below the next turn's look back perhaps.
+        self.head_scans = HeadScans()

@@ -511,10 +511,14 @@ SELECT count(*) FILTER (WHERE pg_terminate_backend(pid))
    AND pid <> pg_backend_pid()
 
 -- name: expired_leases
--- Candidates for the lease-expiry sweep; rides jobs_lease_idx.
+-- Candidates for the lease-expiry sweep; rides jobs_lease_idx. With a look back (seconds),
+-- only leases that ran out since now() less that: the scan starts there instead of at the
+-- head, past the dead entries a held horizon keeps (jobd/head_scans.py).
 SELECT id, lease_token, lane, attempts, claimed_by
   FROM jobs
  WHERE state = 'claimed' AND lease_until < coalesce(%(now)s::timestamptz, now())
+   AND lease_until >= coalesce(coalesce(%(now)s::timestamptz, now())
+                               - make_interval(secs => %(look_back)s::float8), '-infinity')
  ORDER BY lease_until
  LIMIT %(limit)s
 
@@ -814,8 +818,12 @@ SELECT drop_archive_partitions(%(cutoff)s::timestamptz)
 -- lane with suspects to look for them when idle. A paused lane has nothing due. The last
 -- column names the lane's pauses ('*' for the lane's own): a change the supervisor did not
 -- hear of (its LISTEN connection was down) shows there, and it tells the lane's workers.
+-- The head is lane_head(), written out to take a look back (seconds): with one, only jobs
+-- due since now() less that count, and each priority's scan of jobs_claimable_idx starts
+-- there instead of at the head, past the dead entries a held horizon keeps; jobs due
+-- earlier wait for the next poll without one (jobd/head_scans.py).
 SELECT l.lane,
-       CASE WHEN NOT c.lane_paused THEN extract(epoch FROM lane_head(l.lane))::float8 END,
+       CASE WHEN NOT c.lane_paused THEN extract(epoch FROM h.head)::float8 END,
        extract(epoch FROM coalesce(%(now)s::timestamptz, now()))::float8,
        NOT c.lane_paused
        AND EXISTS (SELECT 1 FROM jobs AS j
@@ -823,6 +831,18 @@ SELECT l.lane,
                       AND j.run_at <= coalesce(%(now)s::timestamptz, now())),
        c.pauses
   FROM unnest(%(lanes)s::text[]) AS l(lane)
+ CROSS JOIN LATERAL (
+       SELECT min(first.run_at) AS head
+         FROM lane_priorities AS p
+        CROSS JOIN LATERAL (
+              SELECT j.run_at FROM jobs AS j
+               WHERE j.lane = p.lane AND j.state IN ('pending', 'failed')
+                 AND j.priority = p.priority
+                 AND j.run_at >= coalesce(coalesce(%(now)s::timestamptz, now())
+                                          - make_interval(secs => %(look_back)s::float8),
+                                          '-infinity')
+               ORDER BY j.run_at LIMIT 1) AS first
+        WHERE p.lane = l.lane) AS h
  CROSS JOIN LATERAL (
        SELECT coalesce(bool_or(p.handler IS NULL), false) AS lane_paused,
               coalesce(string_agg(coalesce(p.handler, '*'), ',' ORDER BY p.handler NULLS FIRST),
