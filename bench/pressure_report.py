@@ -114,7 +114,18 @@ def phase_figures(run: Run, p: PhaseRecord, pickups: dict[int, dict[str, Any]],
     figures.update({k: v for k, v in p.extra.items() if k not in figures})
     if p.kind == "held":
         figures["reads_timeline"] = reads_timeline(p, run.args.claim_index)
+        figures["statements_by_fifth"] = statements_by_fifth(p)
     return figures
+
+
+def statements_by_fifth(p: PhaseRecord, count: int = 3) -> list[list[dict[str, Any]]]:
+    """The ``count`` statements that touched the most shared blocks in each fifth of a phase
+    (by its snapshots): which reads grow as the phase goes on. Empty without statements."""
+    points = [p.before, *p.timeline, p.after]
+    if "statements" not in p.after or len(points) < 6:
+        return []
+    edges = [points[round(i * (len(points) - 1) / 5)] for i in range(6)]
+    return [top_statements(a, b, count) for a, b in itertools.pairwise(edges)]
 
 
 def reads_timeline(p: PhaseRecord, claim_index: str) -> list[tuple[float, float]]:
@@ -226,6 +237,9 @@ def print_scenario(result: dict[str, Any]) -> None:
         if "reads_timeline" in f:
             print(f"  {name}/{f['phase']}: index entries read per claim by snapshot "
                   "interval: " + " ".join(_f(v, 0) for _, v in f["reads_timeline"]))
+        for number, rows in enumerate(f.get("statements_by_fifth", []), 1):
+            print(f"  {name}/{f['phase']}, fifth {number}: "
+                  f"{statements_line({'statements': rows})}")
     check = result["check"]
     print(f"exactly once: {'ok' if check['ok'] else 'FAILED'} ({check_text(check)}); daemon "
           f"warnings: {result['daemon_warnings']}", flush=True)
@@ -396,6 +410,9 @@ def markdown(meta: dict[str, Any], results: list[dict[str, Any]],
             if "reads_timeline" in f:
                 lines.append(f"- {f['phase']}: index entries read per claim, 5 s intervals: "
                              + " ".join(_f(v, 0) for _, v in f["reads_timeline"]))
+            for number, rows in enumerate(f.get("statements_by_fifth", []), 1):
+                lines.append(f"- {f['phase']}, fifth {number} of the phase: "
+                             f"{statements_line({'statements': rows})}")
         if result["extra"]:
             shown = {k: v for k, v in result["extra"].items() if k != "closed_loop"}
             if shown:
