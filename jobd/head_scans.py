@@ -57,12 +57,16 @@ class HeadScans:
             return None
         return max(LOOK_BACK, now - self.last_run + LOOK_BACK_MARGIN)
 
+    def from_head_next(self) -> None:
+        """The next run reads from the head, however slow that has been."""
+        self.next_from_head = -math.inf
+
     def ran(self, now: float, look_back: float | None, took: float,
             complete: bool = True) -> None:
         """A run at ``now`` with this ``look_back`` took ``took`` seconds; ``complete`` is
         False when it stopped at its row limit, so something may be left below its bound."""
         self.last_run = now
         if not complete:
-            self.next_from_head = -math.inf
+            self.from_head_next()
         elif look_back is None:
             self.next_from_head = now + min(MAX_FULL_SCAN_INTERVAL, took / DUTY_HEAD_SCAN_SHARE)

@@ -182,6 +182,14 @@ def test_while_reads_from_the_head_are_spaced_out_the_lane_poll_looks_back(
     poll.run(conn, poll.head_scans.next_from_head)
     assert wakes(router) == {"old": None}
 
+    # After a reload or a LISTEN reconnect the poll reads from the head at once.
+    router = WakeRouter()
+    poll = LanePoll(lambda: config, router)
+    poll.head_scans.ran(NOW - 2.0, None, 1.0)
+    poll.poll_now()
+    poll.run(conn, NOW)
+    assert wakes(router) == {"old": None}
+
 
 def test_retention_runs_hourly(conn: psycopg.Connection) -> None:
     retention = Retention(lambda: 7 * 86400.0)

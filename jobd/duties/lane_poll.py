@@ -31,7 +31,10 @@ class LanePoll(Duty):
         self.head_scans = HeadScans()
 
     def poll_now(self) -> None:
+        """Poll at once, from the head: after a reload (lanes new to this node may hold jobs
+        due long ago) or a LISTEN reconnect (notifications were lost meanwhile)."""
         self.next_at = 0.0
+        self.head_scans.from_head_next()
 
     def run(self, conn: psycopg.Connection, now: float) -> None:
         lanes = self.config().lanes
