@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 from jobd.config import LaneConfig
-from jobd.prefetch import HOLD_AFTER_CRASH, HORIZON, IDLE_RESET, MAX_JOBS, WINDOW, Prefetch
+from jobd.prefetch import (
+    HOLD_AFTER_CRASH,
+    HORIZON,
+    IDLE_RESET,
+    MAX_FACTOR,
+    MAX_JOBS,
+    WINDOW,
+    Prefetch,
+)
 
 
 def run_at_rate(prefetch: Prefetch, per_second: float, seconds: float,
@@ -19,10 +27,10 @@ def run_at_rate(prefetch: Prefetch, per_second: float, seconds: float,
 
 def test_jobs_that_take_microseconds_fill_a_buffer_up_to_the_cap() -> None:
     prefetch = Prefetch(LaneConfig("l", concurrency=10))
-    assert prefetch.floor == 30 and prefetch.cap == 200
+    assert prefetch.floor == 30 and prefetch.cap == 500
     assert prefetch.current(0, 100.0) == 30  # nothing measured yet: the floor
     size, _, _ = run_at_rate(prefetch, 20_000, 0.5)
-    assert size == 200
+    assert size == 500
 
 
 def test_jobs_in_between_get_the_horizon_of_their_rate() -> None:
@@ -40,12 +48,13 @@ def test_slow_jobs_keep_the_floor() -> None:
 def test_a_worker_idle_for_a_while_starts_again_from_the_floor() -> None:
     prefetch = Prefetch(LaneConfig("l", concurrency=10))
     size, now, started = run_at_rate(prefetch, 20_000, 0.5)
-    assert size == 200
-    assert prefetch.current(started, now + WINDOW / 2) == 200  # a window still open
+    assert size == 500
+    assert prefetch.current(started, now + WINDOW / 2) == 500  # a window still open
     assert prefetch.current(started, now + IDLE_RESET) == 30
 
 
 def test_the_cap_is_bounded_in_jobs_and_a_lane_can_fix_the_size() -> None:
+    assert Prefetch(LaneConfig("l", concurrency=4)).cap == 4 * MAX_FACTOR
     assert Prefetch(LaneConfig("l", concurrency=100)).cap == MAX_JOBS
     assert Prefetch(LaneConfig("l", concurrency=400)).cap == 1200  # the floor wins
     fixed = Prefetch(LaneConfig("l", concurrency=10, prefetch=5))
@@ -57,12 +66,12 @@ def test_the_cap_is_bounded_in_jobs_and_a_lane_can_fix_the_size() -> None:
 def test_after_a_crash_in_the_lane_the_floor_holds_for_a_while() -> None:
     prefetch = Prefetch(LaneConfig("l", concurrency=10))
     size, now, started = run_at_rate(prefetch, 20_000, 0.5)
-    assert size == 200
+    assert size == 500
     prefetch.hold(now)
     size, now, started = run_at_rate(prefetch, 20_000, HOLD_AFTER_CRASH - 1, now, started)
     assert size == 30
     size, _, _ = run_at_rate(prefetch, 20_000, 2.0, now, started)
-    assert size == 200
+    assert size == 500
 
 
 def test_a_fair_lane_keeps_the_floor() -> None:
