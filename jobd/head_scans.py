@@ -11,10 +11,12 @@ thousand blocks a call every 5 s and the sweep 24 thousand every 10 s, growing w
 horizon's age, when the claims themselves read about 40.
 
 So, as with the workers' scans from the head (``jobd.claim_floors``), a read from the head
-is timed and the next is spaced so that such reads take at most :data:`DUTY_HEAD_SCAN_SHARE`
-of the time, up to ``MAX_FULL_SCAN_INTERVAL`` apart. The runs between read only from ``now()`` less
-a look back: :data:`~jobd.claim_floors.LOOK_BACK`, or the time since the last run and a
-margin when that is longer, so consecutive runs always overlap. What a bounded run misses
+is timed and the next is spaced so that such reads take at most
+:data:`DUTY_HEAD_SCAN_SHARE` of the time, up to ``MAX_FULL_SCAN_INTERVAL`` apart. The runs
+between read only from ``now()`` less a look back: :data:`~jobd.claim_floors.LOOK_BACK`, or
+the time since the last run and a margin when that is longer, so consecutive runs always
+overlap. A run asked for at once (``from_head_next``: a reload, a LISTEN reconnect, a sweep
+that rolled back) reads from the head. What a bounded run misses
 and the next read from the head catches:
 
 - the poll: a job claimable with a ``run_at`` older than the look back that no notification
@@ -23,6 +25,9 @@ and the next read from the head catches:
 - the sweep: a lease that ran out longer ago than the look back and was not swept when it
   did (a step of the database's clock; a claim whose transaction outlived its own lease
   before it committed). A sweep that reached its row limit reads from the head next time.
+
+A run that fails (a lost connection, a statement timeout) records nothing, so the next look
+back reaches back to the last run that succeeded.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import structlog
 from daemon_support import wait_until
 
 import jobd
-from jobd import queue
+from jobd import queue, recovery
 from jobd.backoff import Backoff, RetryPolicy
 from jobd.config import Config, LaneConfig, ScheduleConfig
 from jobd.db import ManagedConnection, connect
@@ -80,6 +80,24 @@ def test_while_reads_from_the_head_are_spaced_out_the_sweep_looks_back(
     assert failed() == {recent}  # ran out 5 s ago; the other 4.5 minutes ago
     sweep.run(conn, sweep.head_scans.next_from_head)
     assert failed() == {recent, old}
+
+
+def test_a_sweep_cut_short_or_rolled_back_reads_from_the_head_next(
+    conn: psycopg.Connection,
+) -> None:
+    then = db_now(conn) - timedelta(minutes=5)
+    jobd.enqueue_many(conn, [jobd.JobSpec("h", run_at=then) for _ in range(2)])
+    queue.claim(conn, "default", "w-frozen", 2, 30, now=then)
+    cut_short = recovery.sweep_expired_leases(conn, policy, limit=1)
+    assert len(cut_short.failed.retried) == 1 and not cut_short.complete
+    last = recovery.sweep_expired_leases(conn, policy, limit=2)  # room to spare
+    assert len(last.failed.retried) == 1 and last.complete
+
+    sweep = LeaseSweep(lambda: 10.0, policy, WakeRouter(), lambda: ["default"])
+    sweep.head_scans.ran(NOW - 10.0, None, 1.0)  # spaced out: the next turn would look back
+    assert sweep.head_scans.look_back(NOW) is not None
+    sweep.rolled_back()
+    assert sweep.head_scans.look_back(NOW) is None
 
 
 def test_the_node_heartbeat_reports_the_node_and_measures_the_clock(

@@ -261,18 +261,18 @@ def test_unused_priorities_are_forgotten_unless_an_enqueue_is_in_flight(
 # --- claim floors --------------------------------------------------------------------------
 
 
-def statistic(db_url: str, statement: str) -> int:
+def statistic(db_url: str, statement: str, params: tuple[object, ...] = ()) -> int:
     """One counter of the statistics views, as of now (no snapshot of the views is kept)."""
     with connect(db_url) as stats:
         stats.execute("SET stats_fetch_consistency = none")
-        row = stats.execute(statement).fetchone()
+        row = stats.execute(statement, params).fetchone()
     assert row is not None
     return int(row[0])
 
 
-def index_entries_read(db_url: str) -> int:
+def index_entries_read(db_url: str, index: str = "jobs_claimable_idx") -> int:
     return statistic(db_url, "SELECT idx_tup_read FROM pg_stat_user_indexes "
-                             "WHERE indexrelname = 'jobs_claimable_idx'")
+                             "WHERE indexrelname = %s", (index,))
 
 
 def flush_stats(conn: psycopg.Connection) -> None:
@@ -487,13 +487,11 @@ def test_an_enqueue_during_the_arming_probe_neither_waits_nor_goes_unheard(
 def entries_read_by(db_url: str, conn: psycopg.Connection, index: str, statement: str,
                     params: dict[str, object]) -> tuple[list[tuple[object, ...]], int]:
     """The rows of one of jobd's named statements and the entries it read of ``index``."""
-    counter = ("SELECT idx_tup_read FROM pg_stat_user_indexes "
-               f"WHERE indexrelname = '{index}'")
     flush_stats(conn)
-    before = statistic(db_url, counter)
+    before = index_entries_read(db_url, index)
     rows = conn.execute(query(statement), params).fetchall()
     flush_stats(conn)
-    return rows, statistic(db_url, counter) - before
+    return rows, index_entries_read(db_url, index) - before
 
 
 def test_the_supervisors_poll_and_sweep_look_back_past_what_a_held_horizon_keeps(

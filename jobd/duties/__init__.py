@@ -58,9 +58,10 @@ class Periodic(Duty):
     def run(self, conn: psycopg.Connection, now: float) -> None:
         # Scheduled before the work: a failure waits for the next turn, not a spin.
         self.next_at = now + self.interval()
-        self.work(conn)
+        self.work(conn, now)
 
-    def work(self, conn: psycopg.Connection) -> None:
+    def work(self, conn: psycopg.Connection, now: float) -> None:
+        """One turn; ``now`` is the monotonic instant it began."""
         raise NotImplementedError
 
 

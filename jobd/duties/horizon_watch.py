@@ -52,7 +52,7 @@ class HorizonWatch(Periodic):
         self.clock = now
         super().run(conn, now)
 
-    def work(self, conn: psycopg.Connection) -> None:
+    def work(self, conn: psycopg.Connection, now: float) -> None:
         holders = [Holder(*row) for row in conn.execute(query("horizon_holders")).fetchall()]
         over = [h for h in holders if h.over(self.threshold())]
         current = {(h.kind, h.pid, h.name) for h in over}

@@ -12,23 +12,19 @@ import psycopg
 import structlog
 
 from jobd import recovery
-from jobd.duties import Duty
+from jobd.duties import Periodic
 from jobd.head_scans import HeadScans
 from jobd.wake_routing import WakeRouter
 
 log = structlog.get_logger("jobd.duties.lease_sweep")
 
 
-class LeaseSweep(Duty):
-    """Every ``interval()`` seconds, as a :class:`~jobd.duties.Periodic` duty, but its turn
-    needs the clock (the look back of ``head_scans``)."""
-
+class LeaseSweep(Periodic):
     name = "lease sweep"
 
     def __init__(self, interval: Callable[[], float], policy_for: recovery.PolicyLookup,
                  router: WakeRouter, lanes: Callable[[], Iterable[str]]) -> None:
-        super().__init__()
-        self.interval = interval
+        super().__init__(interval)
         self.policy_for = policy_for
         self.router = router
         self.lanes = lanes
@@ -39,9 +35,7 @@ class LeaseSweep(Duty):
         # Sweeps read the lease index from the head only now and then while that is slow.
         self.head_scans = HeadScans()
 
-    def run(self, conn: psycopg.Connection, now: float) -> None:
-        # Scheduled before the work: a failure waits for the next turn, not a spin.
-        self.next_at = now + self.interval()
+    def work(self, conn: psycopg.Connection, now: float) -> None:
         self.last_turn = {}
         look_back = self.head_scans.look_back(now)
         sweep = recovery.sweep_expired_leases(conn, self.policy_for, look_back=look_back)
@@ -62,4 +56,4 @@ class LeaseSweep(Duty):
             self.expired[lane] -= count
         self.last_turn = {}
         # What that turn swept is still to sweep, below the next turn's look back perhaps.
-        self.head_scans = HeadScans()
+        self.head_scans.from_head_next()

@@ -36,7 +36,7 @@ class NodeHeartbeat(Periodic):
         self.snapshot = snapshot
         self.router = router
 
-    def work(self, conn: psycopg.Connection) -> None:
+    def work(self, conn: psycopg.Connection, now: float) -> None:
         live, counters = self.snapshot()
         # Every configured lane is listed, with 0 while none of its workers runs (restarting,
         # or unable to start), so status shows what the node serves, not only what is up.

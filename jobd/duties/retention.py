@@ -31,7 +31,7 @@ class Retention(Periodic):
         super().__init__(lambda: MAINTENANCE_INTERVAL)
         self.retention = retention
 
-    def work(self, conn: psycopg.Connection) -> None:
+    def work(self, conn: psycopg.Connection, now: float) -> None:
         done = archive.apply_retention(conn, timedelta(seconds=self.retention()))
         conn.execute(query("prune_nodes"), {"older_than": NODE_STALE_AFTER})
         conn.execute(query("prune_waiters"), {"older_than": WAITER_STALE_AFTER})
