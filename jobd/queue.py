@@ -185,6 +185,7 @@ def claim(
         if budget is None:
             return _jobs(cursor.execute(query(_claim_query(request)), params).fetchall())
         with conn.transaction():
+            cursor.execute(query("claim_commits_async"))
             cursor.execute(query("lock_lane_budget"), {"lane": lane})
             return _jobs(cursor.execute(query("claim_jobs_limited"), params).fetchall())
 
@@ -296,9 +297,9 @@ def settle_and_claim(
     outcomes = bool(completions or failures)
     # One commit for the outcomes and the claim: half the WAL flushes per cycle. Apart (the
     # claim in a transaction of its own after the outcomes' COMMIT) a failing claim cannot
-    # undo the outcomes; the worker asks for that after a failed exchange. A limited lane's
-    # claim is always apart: it commits asynchronously (see lock_lane_budget), the outcomes
-    # must not.
+    # undo the outcomes; the worker asks for that after a failed exchange. A claim apart
+    # commits asynchronously (claim_commits_async), the outcomes never do. A limited lane's
+    # claim is always apart: its turn under the budget lock ends at its commit.
     together = (outcomes and request is not None and not separate
                 and request.budget is None)
     steps: list[fastpath.Step] = []
@@ -311,6 +312,8 @@ def settle_and_claim(
         if not together:
             steps.append((fastpath.COMMIT, None))
     if request is not None:
+        if not together:
+            steps.append(("claim_commits_async", {}))
         if request.disarm:
             steps.append(("disarm_waiter", {"worker": request.worker}))
         if request.suspect_first:
@@ -331,6 +334,8 @@ def settle_and_claim(
         next(results)  # COMMIT
     if request is None:
         return completed, failed, Claimed([])
+    if not together:
+        next(results)  # claim_commits_async
     if request.disarm:
         next(results)
     suspects = _jobs(next(results)) if request.suspect_first else []

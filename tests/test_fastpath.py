@@ -130,6 +130,47 @@ def test_one_cycle_is_one_commit(conn: psycopg.Connection) -> None:
         queue.complete(conn, [fresh.lease])
 
 
+def test_a_claim_of_its_own_commits_asynchronously_outcomes_never(
+        conn: psycopg.Connection) -> None:
+    """The commit each transaction of a cycle asks for, as the server sees it while the rows
+    change (a trigger notes the setting): a claim alone, or apart from outcomes, does not
+    wait for its WAL flush; outcomes always do, alone, apart, or with a claim that then
+    waits with them. The session's own setting is left as it was."""
+    for _ in range(3):
+        jobd.enqueue(conn, "h")
+    held = [job.lease for job in queue.claim(conn, LANE, "w1", 3, 30.0)]
+    conn.execute("""
+        CREATE TABLE commit_modes (n serial, what text, mode text);
+        CREATE FUNCTION note_commit_mode() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            INSERT INTO commit_modes (what, mode)
+                 VALUES (TG_ARGV[0], current_setting('synchronous_commit'));
+            RETURN NULL;
+        END $$;
+        CREATE TRIGGER note_claim AFTER UPDATE ON jobs
+            FOR EACH STATEMENT EXECUTE FUNCTION note_commit_mode('claim');
+        CREATE TRIGGER note_outcome AFTER INSERT ON jobs_archive
+            FOR EACH STATEMENT EXECUTE FUNCTION note_commit_mode('outcome');
+    """)
+
+    def modes(completions: list[jobs.Lease], claim: bool, separate: bool = False
+              ) -> list[tuple[str, str]]:
+        conn.execute("TRUNCATE commit_modes")
+        jobd.enqueue(conn, "h")
+        queue.settle_and_claim(conn, completions, [], request(limit=1) if claim else None,
+                               separate=separate)
+        return [(what, mode) for what, mode in conn.execute(
+            "SELECT what, mode FROM commit_modes ORDER BY n").fetchall()]
+
+    assert modes([], claim=True) == [("claim", "off")]
+    assert modes([held[0]], claim=False) == [("outcome", "on")]
+    assert modes([held[1]], claim=True) == [("outcome", "on"), ("claim", "on")]
+    assert modes([held[2]], claim=True, separate=True) == [("outcome", "on"),
+                                                           ("claim", "off")]
+    row = conn.execute("SHOW synchronous_commit").fetchone()
+    assert row is not None and row[0] == "on"
+
+
 def test_statements_lost_by_the_session_are_prepared_again(conn: psycopg.Connection) -> None:
     first, second = jobd.enqueue(conn, "h"), jobd.enqueue(conn, "h")
     claimed = queue.settle_and_claim(conn, [], [], request(limit=1))[2]
