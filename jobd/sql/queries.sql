@@ -263,9 +263,9 @@ SELECT * FROM claimed
 
 -- name: claim_commits_async
 -- First in a claim's own transaction (queue.settle_and_claim): it commits asynchronously, so
--- the claimed jobs start when the claim is visible rather than after its WAL flush (the
--- flush was most of a claim's round trip: 2.2 ms of the 2.6 ms from a wake-up's claim to
--- its handler at 200 jobs/s on a 2-core machine). Losing a claim to a crash of the server
+-- the claimed jobs start when the claim is visible rather than after its WAL flush (a third
+-- of the time from a wake-up's claim to its handler: p50 1.68 -> 1.13 ms at 200 jobs/s on a
+-- 2-core machine, docs/performance.md). Losing a claim to a crash of the server
 -- is safe: the job is as it was before the claim, and every later write of the claim's
 -- worker is fenced by a lease token that no longer exists (at-least-once: the job runs
 -- again). A handler's own transaction (exactly-once) commits synchronously, and its WAL
