@@ -13,12 +13,11 @@ worker's loop does the round trips.
 - A suspect (see ``recovery.settle_crashed_worker``) runs alone: it is asked for only by a
   worker that holds nothing, and nothing else is claimed while it runs.
 - Claims start at the worker's floors (``jobd.claim_floors``), not at the head of the lane.
-- Wake-ups: a worker whose claim came back short claims again after each delay of
-  :data:`LINGER` (none by default), then arms itself (``queue.arm``): enqueues notify only
-  while some worker is armed. An enqueue in flight at that moment makes the arming
-  'contended': the worker claims again after :data:`RETRY_DELAYS` instead of sleeping. A
-  woken worker stays armed while its claims come back short; the claim after a full one
-  disarms it.
+- Wake-ups (``jobd.arming``): a worker whose claim came back short arms itself
+  (``queue.arm``): enqueues notify only while some worker is armed. An enqueue in flight at
+  that moment makes the arming 'contended': the worker claims again shortly instead of
+  sleeping. A woken worker stays armed while its claims come back short; the claim after a
+  full one disarms it.
 - Pauses (``jobd.pause``): a worker of a paused lane claims nothing and does not arm; the
   buffered jobs of a paused lane or handler go back to the queue unstarted. The claim itself
   skips paused work, so this is what the worker knows, not what decides (see
@@ -26,7 +25,7 @@ worker's loop does the round trips.
 - Limits (``max_running``, ``rate``): the claim takes its turn and is capped by the lane's
   budget across nodes (``claim_jobs_limited``). A short claim may then mean "no budget" as
   well as "nothing due", so it does not mark the lane dry; with due work left, the worker's
-  arming answers 'work' and it claims again after :data:`RETRY_DELAYS`.
+  arming answers 'work' and it claims again after ``arming.RETRY_DELAYS``.
 """
 
 from __future__ import annotations
@@ -38,6 +37,7 @@ from datetime import timedelta
 import structlog
 
 from jobd import claim_floors, jobs, queue
+from jobd.arming import Arming
 from jobd.claim_floors import ClaimFloors
 from jobd.config import LaneConfig
 from jobd.prefetch import Prefetch
@@ -46,17 +46,6 @@ from jobd.protocol import WorkerMode
 # Claimed jobs waiting for a free slot go back to the queue after this long: a buffer that
 # sits still must not keep work from other workers, or priorities from being looked at anew.
 BUFFER_MAX_AGE = 2.0
-# After a short claim, claim again after each of these delays (seconds) before arming. Empty:
-# polls of 1, 2 and 4 ms spared some NOTIFYs at 400 jobs/s but added milliseconds to the
-# pickup of an idle lane (p50 2.3-3.1 ms, p99 10-12 ms at 200/s, against 2.1-2.5 and 5-9
-# without, disturbed runs); an idle lane's pickup comes first.
-LINGER: tuple[float, ...] = ()
-# Claim again after these delays while an arming finds enqueues in flight, or due work that
-# the next claim then does not get (a row another claimer holds); the last one repeats.
-RETRY_DELAYS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05)
-# An armed worker writes its row again after this long (armed_at), well inside the hour after
-# which the retention duty removes a row as a dead worker's (WAITER_STALE_AFTER).
-ARMED_REFRESH = 600.0
 
 log = structlog.get_logger("jobd.claimer")
 
@@ -84,19 +73,7 @@ class Claimer:
         self.isolating: int | None = None  # the suspect this worker runs alone
         self.held_back = False  # the buffer went back for its age; no claim until a slot frees
         self.floors = ClaimFloors()
-        self.armed = False  # this worker's row is in lane_waiters (as far as it knows)
-        self.armed_at = 0.0  # monotonic: when it last wrote that row (armed_at)
-        # The next claim removes the row: the last one came back full (the worker has work,
-        # so wake-ups would only cost the producers a NOTIFY). A limited lane's worker
-        # disarms at every claim, since a short claim there may mean "no budget" as well as
-        # "nothing due": it must not sleep with due work, and arms again to learn which.
-        self.disarm_due = False
-        self.lingering: int | None = None  # how many LINGER claims came back short
-        self.retries = 0  # arming attempts since the last claim that took something
-        self.next_try_at: float | None = None  # a LINGER or RETRY_DELAYS claim is due then
-        # Armed after a look above the floors only: look from the head of the lane then, so
-        # a job that became due below them does not wait for the fallback poll.
-        self.recheck_at: float | None = None
+        self.arming = Arming()
         # The share key this worker's last fair claim ended at: the next one starts after it
         # (claim_order), so the keys of a lane with more keys than a claim takes rotate.
         self.key_cursor: str | None = None
@@ -150,7 +127,12 @@ class Claimer:
                                   self.lane.visibility_timeout,
                                   suspect_first=self.suspects_possible and not running,
                                   floors=self.floors.params(time.monotonic()),
-                                  disarm=self.armed and (self.disarm_due or self.lane.limited),
+                                  # A limited lane's worker disarms at every claim: a
+                                  # short claim there may mean "no budget" as well as
+                                  # "nothing due", so it must not sleep with due work,
+                                  # and arms again to learn which.
+                                  disarm=self.arming.armed and (self.arming.disarm_due
+                                                                or self.lane.limited),
                                   budget=self.lane.budget() if self.lane.limited else None,
                                   order=(self.lane.claim_order(self.key_cursor)
                                          if self.lane.ordered else None))
@@ -161,9 +143,7 @@ class Claimer:
             self.suspects_possible = False  # none due now; the supervisor says when again
         now = time.monotonic()
         if request.disarm:
-            self.armed = False
-            self.disarm_due = False
-            self.recheck_at = None
+            self.arming.disarmed()
         assert request.floors is not None
         taken = [(job.priority, job.run_at, job.id) for job in claimed.jobs]
         fair = self.lane.fair_by != "none"
@@ -180,9 +160,15 @@ class Claimer:
         self._watch_clock(claimed, request, now)
         self.maybe_more = (len(claimed.jobs) == request.limit
                            or claimed.suspect is not None)
-        if self.armed:
-            self._stay_armed(request, now)
-        self._after_claim(bool(claimed.jobs) or claimed.suspect is not None, now)
+        if self.arming.armed and self.maybe_more:
+            self.arming.disarm_due = True  # it has work: the next claim removes its row
+        elif self.arming.armed:
+            # Its claim looked past the floors as a probe would: it looks once more when
+            # that probe would have.
+            self.arming.stay_armed(self.floors.recheck_at(claim_floors.kind(request.floors),
+                                                          now))
+        self.arming.claimed(bool(claimed.jobs) or claimed.suspect is not None,
+                            self.maybe_more, now)
         if claimed.suspect is not None:
             self.isolating = claimed.suspect.id
             log.info("running a suspect alone", job_id=claimed.suspect.id,
@@ -204,37 +190,11 @@ class Claimer:
             log.warning("the database's clock stepped; claims scan from the head of the lane",
                         lane=self.lane.name, step_seconds=round(step, 3))
 
-    # --- wake-ups ----------------------------------------------------------------------------
-
-    def _after_claim(self, took: bool, now: float) -> None:
-        if took:
-            self.retries = 0
-            self.lingering = None
-        if self.maybe_more:
-            self.next_try_at = None
-        elif (self.lingering or 0) < len(LINGER):
-            step = self.lingering or 0
-            self.next_try_at = now + LINGER[step]
-            self.lingering = step + 1
-        else:
-            self.lingering = len(LINGER)
-            self.next_try_at = None  # lingered: arm now (wants_arm)
-
-    def _stay_armed(self, request: queue.ClaimRequest, now: float) -> None:
-        """An armed worker's claim left its row in lane_waiters. Came back short, it stays
-        armed: every enqueue since its arming has notified, so it sleeps without arming
-        again (two transactions and a row version in lane_waiters a job, at a steady rate
-        that leaves the workers idle between jobs). Its claim looked past the floors as a
-        probe would, so it looks once more when that probe would have (recheck_at)."""
-        if self.maybe_more:
-            self.disarm_due = True
-        else:
-            self.recheck_at = self.floors.recheck_at(claim_floors.kind(request.floors), now)
+    # --- wake-ups (jobd.arming) --------------------------------------------------------------
 
     def try_due(self, now: float) -> bool:
         """A LINGER or retry claim is due: claim if capacity allows."""
-        if self.next_try_at is not None and now >= self.next_try_at:
-            self.next_try_at = None
+        if self.arming.due(now):
             self.maybe_more = True
             return True
         return False
@@ -243,11 +203,7 @@ class Claimer:
         if (mode != WorkerMode.RUNNING or self.isolating is not None or self.maybe_more
                 or self.lane_paused):
             return False
-        if self.armed:
-            # Refreshed well before the retention duty takes it for a dead worker's.
-            return ((self.recheck_at is not None and now >= self.recheck_at)
-                    or now >= self.armed_at + ARMED_REFRESH)
-        return self.next_try_at is None and self.lingering == len(LINGER)
+        return self.arming.wants(now)
 
     def arm_result(self, result: str, now: float, probe: str) -> None:
         """What arming answered: sleep until woken, or claim again (now or shortly), or wait
@@ -255,36 +211,11 @@ class Claimer:
         ``probe``: the kind of floors its probe for work used (``claim_floors.kind``)."""
         if result == "paused":
             self.lane_paused = True
-            self.recheck_at = None
-            self.lingering = None
-            return
-        if result == "armed":
-            self.armed = True
-            self.armed_at = now
-            self.disarm_due = False
-            self.lingering = None
-            self.retries = 0
-            self.recheck_at = self.floors.recheck_at(probe, now)
-            return
-        # 'work' or 'contended': claim again. On 'work' the worker is registered and keeps
-        # its row (migration 0024): it claims as an armed worker does after a wake-up (in a
-        # limited lane, where 'work' is often due work without budget, that claim disarms
-        # and the worker goes on polling after RETRY_DELAYS until the budget lets one
-        # through). On 'contended' nothing was written: the worker is armed as much as it was.
-        if result == "work":
-            self.armed = True
-            self.armed_at = now
-        self.recheck_at = None
-        delay = RETRY_DELAYS[min(self.retries, len(RETRY_DELAYS) - 1)]
-        self.retries += 1
-        self.next_try_at = now + delay
-
-    def disconnected(self) -> None:
-        """A new connection: the server may have lost lane_waiters (a restart empties it)."""
-        self.armed = False
-        self.disarm_due = False
-        self.recheck_at = None
-        self.lingering = None
+            self.arming.paused()
+        elif result == "armed":
+            self.arming.armed_now(now, self.floors.recheck_at(probe, now))
+        else:
+            self.arming.claim_again(result, now)
 
     def next_to_start(self, mode: WorkerMode, running: int) -> jobs.Job | None:
         if (not self.buffer or running >= self.lane.concurrency or mode != WorkerMode.RUNNING

@@ -153,7 +153,8 @@ class Worker:
                  None if oldest_claim is None else oldest_claim + BUFFER_MAX_AGE]
         # The poll and retries only matter to a worker that takes work.
         database = [*((self.timers.next_poll, *self.timers.wake_at) if running else ()),
-                    self.completer.due_at(), claimer.next_try_at, claimer.recheck_at]
+                    self.completer.due_at(), claimer.arming.next_try_at,
+                    claimer.arming.recheck_at]
         return select_timeout(time.monotonic(), local=local, database=database,
                               database_ready=self.link.ready_at(),
                               connected=self.conn is not None)
@@ -185,7 +186,7 @@ class Worker:
     def _ensure_connection(self) -> None:
         if self.link.ensure():
             self.claimer.maybe_more = True
-            self.claimer.disconnected()
+            self.claimer.arming.disconnected()
             self.controls.stale = True
 
     def _claims_now_unknown(self) -> None:
@@ -223,7 +224,7 @@ class Worker:
             released = self.link.run("queue", lambda conn: queue.release(conn, unfinished))
             log.info("released unfinished jobs", job_ids=[lease.id for lease in unfinished],
                      released=len(released.applied) if released else 0)
-        if self.claimer.armed:
+        if self.claimer.arming.armed:
             self.link.run("queue", lambda conn: queue.disarm(conn, self.spec.worker_id))
         self._report(force=True)
         self.link.close()

@@ -51,6 +51,6 @@ class Controls:
             log.info("lane pauses", lane=lane, lane_paused=lane_paused,
                      paused_handlers=sorted(handlers), resumed=resumed)
         # Armed, the worker would make every enqueue into the paused lane notify.
-        if (lane_paused and self.claimer.armed and self.link.run(
+        if (lane_paused and self.claimer.arming.armed and self.link.run(
                 "queue", lambda conn: queue.disarm(conn, self.spec.worker_id)) is not None):
-            self.claimer.armed = False
+            self.claimer.arming.disarmed()

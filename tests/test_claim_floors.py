@@ -7,8 +7,10 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from jobd import arming as arming_module
 from jobd import claimer as claimer_module
 from jobd import queue
+from jobd.arming import ARMED_REFRESH, RETRY_DELAYS
 from jobd.claim_floors import (
     CAUGHT_UP_MARGIN,
     CLOCK_STEP,
@@ -24,7 +26,7 @@ from jobd.claim_floors import (
     kind,
     look_back_params,
 )
-from jobd.claimer import ARMED_REFRESH, RETRY_DELAYS, Claimer
+from jobd.claimer import Claimer
 from jobd.config import LaneConfig
 from jobd.duties.retention import WAITER_STALE_AFTER
 from jobd.jobs import Job
@@ -240,13 +242,13 @@ def test_a_worker_lingers_then_arms_and_retries_while_enqueues_commit(monkeypatc
     clock = [1000.0]
     monkeypatch.setattr(claimer_module.time, "monotonic", lambda: clock[0])
     linger = (0.001, 0.002, 0.004)  # the default is none; the mechanism is tested with some
-    monkeypatch.setattr(claimer_module, "LINGER", linger)
+    monkeypatch.setattr(arming_module, "LINGER", linger)
     claimer = Claimer(LaneConfig("default", concurrency=2), "w")
     claimer.suspects_possible = False
     claim_nothing(claimer)
     for delay in linger:
         assert not claimer.wants_arm(WorkerMode.RUNNING, clock[0])
-        assert claimer.next_try_at == clock[0] + delay
+        assert claimer.arming.next_try_at == clock[0] + delay
         assert not claimer.try_due(clock[0])  # not yet
         clock[0] += delay
         assert claimer.try_due(clock[0])
@@ -255,23 +257,23 @@ def test_a_worker_lingers_then_arms_and_retries_while_enqueues_commit(monkeypatc
     assert not claimer.wants_arm(WorkerMode.DRAINING, clock[0])
 
     claimer.arm_result("contended", clock[0], FLOORS)
-    assert claimer.next_try_at == clock[0] + RETRY_DELAYS[0]
+    assert claimer.arming.next_try_at == clock[0] + RETRY_DELAYS[0]
     clock[0] += RETRY_DELAYS[0]
     assert claimer.try_due(clock[0])
     claim_nothing(claimer)
     assert claimer.wants_arm(WorkerMode.RUNNING, clock[0])  # lingered already: arm again at once
     claimer.arm_result("contended", clock[0], FLOORS)
-    assert claimer.next_try_at == clock[0] + RETRY_DELAYS[1]
+    assert claimer.arming.next_try_at == clock[0] + RETRY_DELAYS[1]
 
     clock[0] += RETRY_DELAYS[1]
     claimer.try_due(clock[0])
     claim_nothing(claimer)
     claimer.arm_result("armed", clock[0], FLOORS)
-    assert claimer.armed and not claimer.wants_arm(WorkerMode.RUNNING, clock[0])
+    assert claimer.arming.armed and not claimer.wants_arm(WorkerMode.RUNNING, clock[0])
     # Armed after a look above the floors: one more look, from the head, once a full scan
     # is due; armed after that one, it sleeps until woken.
     recheck = claimer.floors.last_full_scan + FULL_SCAN_INTERVAL
-    assert claimer.recheck_at == recheck == claimer.floors.next_full_scan_at()
+    assert claimer.arming.recheck_at == recheck == claimer.floors.next_full_scan_at()
     assert claimer.wants_arm(WorkerMode.RUNNING, recheck)
     claimer.arm_result("armed", recheck, HEAD)
     assert not claimer.wants_arm(WorkerMode.RUNNING, recheck + 100)
@@ -283,10 +285,10 @@ def test_a_worker_lingers_then_arms_and_retries_while_enqueues_commit(monkeypatc
     assert request is not None and not request.disarm
     assert kind(request.floors) == FLOORS
     claimer.took(queue.Claimed([]), request)
-    assert claimer.armed and not claimer.wants_arm(WorkerMode.RUNNING, clock[0])
+    assert claimer.arming.armed and not claimer.wants_arm(WorkerMode.RUNNING, clock[0])
     # That claim started at the floors, as a probe would: one more look from the head when
     # it is due, as after an arming.
-    assert claimer.recheck_at == claimer.floors.next_full_scan_at()
+    assert claimer.arming.recheck_at == claimer.floors.next_full_scan_at()
 
 
 def test_an_armed_worker_disarms_after_a_full_claim_and_refreshes_its_row(monkeypatch) -> None:
@@ -306,7 +308,7 @@ def test_an_armed_worker_disarms_after_a_full_claim_and_refreshes_its_row(monkey
     request = claimer.request(WorkerMode.RUNNING, 0)
     assert request is not None and request.disarm
     claimer.took(queue.Claimed([]), request)
-    assert not claimer.armed and claimer.wants_arm(WorkerMode.RUNNING, clock[0])
+    assert not claimer.arming.armed and claimer.wants_arm(WorkerMode.RUNNING, clock[0])
     # Armed for long without a reason to write its row again: it does, well before the
     # retention duty would take the row for a dead worker's.
     claimer.arm_result("armed", clock[0], HEAD)
@@ -320,16 +322,16 @@ def test_an_arming_that_finds_work_leaves_the_worker_armed_and_contention_change
     claimer = Claimer(LaneConfig("default"), "w")
     claimer.suspects_possible = False
     claimer.arm_result("contended", 0.0, HEAD)  # nothing was written
-    assert not claimer.armed
+    assert not claimer.arming.armed
     claimer.arm_result("work", 1.0, HEAD)  # registered; the row stays (migration 0024)
-    assert claimer.armed
+    assert claimer.arming.armed
     claimer.try_due(2.0)
     request = claimer.request(WorkerMode.RUNNING, 0)
     assert request is not None and not request.disarm
     claimer.took(queue.Claimed([]), request)  # short: armed, asleep until woken
-    assert claimer.armed and not claimer.wants_arm(WorkerMode.RUNNING, 2.0)
+    assert claimer.arming.armed and not claimer.wants_arm(WorkerMode.RUNNING, 2.0)
     claimer.arm_result("contended", 3.0, HEAD)
-    assert claimer.armed
+    assert claimer.arming.armed
 
 
 def test_a_limited_lanes_worker_disarms_after_work_and_polls_for_budget() -> None:
@@ -338,12 +340,12 @@ def test_a_limited_lanes_worker_disarms_after_work_and_polls_for_budget() -> Non
     claimer = Claimer(LaneConfig("default", max_running=1), "w")
     claimer.suspects_possible = False
     claimer.arm_result("work", 1.0, HEAD)
-    assert claimer.next_try_at == 1.0 + RETRY_DELAYS[0]
+    assert claimer.arming.next_try_at == 1.0 + RETRY_DELAYS[0]
     claimer.try_due(2.0)
     request = claimer.request(WorkerMode.RUNNING, 0)
     assert request is not None and request.disarm
     claimer.took(queue.Claimed([]), request)
-    assert not claimer.armed and claimer.wants_arm(WorkerMode.RUNNING, 2.0)
+    assert not claimer.arming.armed and claimer.wants_arm(WorkerMode.RUNNING, 2.0)
     # Armed and woken, its claim disarms too: a short claim there says nothing of due work.
     claimer.arm_result("armed", 3.0, HEAD)
     claimer.maybe_more = True
@@ -354,15 +356,15 @@ def test_a_limited_lanes_worker_disarms_after_work_and_polls_for_budget() -> Non
 def test_a_new_connection_forgets_the_arming() -> None:
     claimer = Claimer(LaneConfig("default"), "w")
     claimer.arm_result("armed", 0.0, HEAD)
-    claimer.disconnected()
-    assert not claimer.armed
+    claimer.arming.disconnected()
+    assert not claimer.arming.armed
 
 
 def test_without_linger_a_short_claim_arms_at_once() -> None:
     claimer = Claimer(LaneConfig("default"), "w")
     claimer.suspects_possible = False
     claim_nothing(claimer)
-    assert claimer.next_try_at is None
+    assert claimer.arming.next_try_at is None
     assert claimer.wants_arm(WorkerMode.RUNNING, 0.0)
 
 

@@ -107,7 +107,7 @@ def test_a_paused_handlers_buffered_jobs_stay_unstarted_and_go_back() -> None:
 def test_a_paused_answer_from_arming_stops_claiming() -> None:
     claimer = Claimer(LaneConfig(LANE), WORKER_ID)
     claimer.arm_result("paused", 0.0, HEAD)
-    assert claimer.lane_paused and not claimer.armed
+    assert claimer.lane_paused and not claimer.arming.armed
     assert claimer.request(WorkerMode.RUNNING, 0) is None
 
 

@@ -86,7 +86,7 @@ def test_a_woken_worker_stays_armed_while_its_claims_come_back_short(
         assert notifications(listener) == [f"{LANE}#1"]
         worker.maybe_more = True  # the wake-up
         assert len(claim()) == 1
-        assert worker.armed and not worker.wants_arm(WorkerMode.RUNNING, time.monotonic())
+        assert worker.arming.armed and not worker.wants_arm(WorkerMode.RUNNING, time.monotonic())
         assert waiter_row() == armed  # not written again
 
     jobd.enqueue_many(conn, [jobd.JobSpec("h") for _ in range(3)])
@@ -94,7 +94,7 @@ def test_a_woken_worker_stays_armed_while_its_claims_come_back_short(
     worker.maybe_more = True
     assert len(claim()) == 2  # full: the next claim disarms
     assert len(claim()) == 1
-    assert waiter_row() is None and not worker.armed
+    assert waiter_row() is None and not worker.arming.armed
     jobd.enqueue(conn, "h")
     assert notifications(listener) == []
 
