@@ -8,7 +8,9 @@ Where the server comes from, in order:
 If none works, the run stops with a message naming what was tried.
 
 Each run migrates one template database and clones a fresh database from it for every test
-that asks for one; all of them are dropped at the end.
+that asks for one; all of them are dropped at the end. A run stopped with SIGTERM (a CI
+timeout, ``kill``) tears down as on Ctrl-C, so the daemons, clusters and databases the tests
+started do not outlive it.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import signal
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from types import FrameType
 
 import psycopg
 import pytest
@@ -30,6 +34,16 @@ from jobd.migrate import migrate
 
 LOCAL_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
 SCHEMA = "jobd"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Python's default for SIGTERM ends the process without running a single finally block:
+    # every fixture's teardown is skipped, and the daemons a test started keep running.
+    signal.signal(signal.SIGTERM, _interrupt)
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
 
 
 @dataclass
