@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any
 
 import daemon_support
@@ -42,11 +43,20 @@ def fires(conn: psycopg.Connection) -> int:
     return int(row[0])
 
 
-def rewind(conn: psycopg.Connection, minutes: int) -> None:
+def rewind(conn: psycopg.Connection, minutes: int) -> datetime:
     """Move the cursor back: with catch-up `all`, the next tick fires the occurrences of the
-    last ``minutes`` that the ledger does not have yet."""
-    conn.execute("UPDATE schedules SET materialized_until = now() - make_interval(mins => %s)"
-                 " WHERE id = 's'", (minutes,))
+    last ``minutes`` that the ledger does not have yet. Returns the cursor's new position."""
+    row = conn.execute("UPDATE schedules SET materialized_until = now() - make_interval(mins => %s)"
+                       " WHERE id = 's' RETURNING materialized_until", (minutes,)).fetchone()
+    assert row is not None
+    return row[0]
+
+
+def fires_due_after(conn: psycopg.Connection, since: datetime) -> int:
+    row = conn.execute("SELECT count(*) FROM schedule_fires WHERE schedule_id = 's'"
+                       " AND fire_at > %s", (since,)).fetchone()
+    assert row is not None
+    return int(row[0])
 
 
 def instance_of(daemon: Daemon) -> str:
@@ -99,9 +109,13 @@ def test_a_node_without_the_schedule_keeps_it_firing_until_the_declaring_node_le
     assert (listed["state"], listed["enabled"]) == ("enabled", True)
     assert listed["declared_by"] == [a_instance]
     before = fires(effects_db)
-    rewind(effects_db, 15)  # ten more minutes the ledger does not have
-    wait_until(lambda: fires(effects_db) >= before + 10, 15,
-               message=lambda: f"ten more fires after B started\n{a.tail()}\n{b.tail()}")
+    # Fifteen minutes back: the ledger has the last five or six of them (six when a minute
+    # began since the first rewind), so nine or ten fire now; then every one of the fifteen
+    # occurrences after the cursor is in the ledger.
+    since = rewind(effects_db, 15)
+    wait_until(lambda: fires_due_after(effects_db, since) >= 15, 15,
+               message=lambda: f"the 15 minutes after the cursor fired\n{a.tail()}\n{b.tail()}")
+    assert fires(effects_db) >= before + 9
 
     # A leaves: nobody declares s any more, so it stops firing; it is not disabled.
     a.signal(signal.SIGTERM)
