@@ -37,8 +37,11 @@ def every_minute(**options: Any) -> dict[str, Any]:
     return {"id": "s", "cron": "* * * * *", "handler": "ok", "catchup": "all", **options}
 
 
-def fires(conn: psycopg.Connection) -> int:
-    row = conn.execute("SELECT count(*) FROM schedule_fires WHERE schedule_id = 's'").fetchone()
+def fires(conn: psycopg.Connection, due_after: datetime | None = None) -> int:
+    """The ledger's fires of s; with ``due_after``, only those of occurrences after it."""
+    row = conn.execute("SELECT count(*) FROM schedule_fires WHERE schedule_id = 's'"
+                       " AND (%s::timestamptz IS NULL OR fire_at > %s)",
+                       (due_after, due_after)).fetchone()
     assert row is not None
     return int(row[0])
 
@@ -50,13 +53,6 @@ def rewind(conn: psycopg.Connection, minutes: int) -> datetime:
                        " WHERE id = 's' RETURNING materialized_until", (minutes,)).fetchone()
     assert row is not None
     return row[0]
-
-
-def fires_due_after(conn: psycopg.Connection, since: datetime) -> int:
-    row = conn.execute("SELECT count(*) FROM schedule_fires WHERE schedule_id = 's'"
-                       " AND fire_at > %s", (since,)).fetchone()
-    assert row is not None
-    return int(row[0])
 
 
 def instance_of(daemon: Daemon) -> str:
@@ -113,7 +109,7 @@ def test_a_node_without_the_schedule_keeps_it_firing_until_the_declaring_node_le
     # began since the first rewind), so nine or ten fire now; then every one of the fifteen
     # occurrences after the cursor is in the ledger.
     since = rewind(effects_db, 15)
-    wait_until(lambda: fires_due_after(effects_db, since) >= 15, 15,
+    wait_until(lambda: fires(effects_db, due_after=since) >= 15, 15,
                message=lambda: f"the 15 minutes after the cursor fired\n{a.tail()}\n{b.tail()}")
     assert fires(effects_db) >= before + 9
 
