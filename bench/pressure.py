@@ -49,7 +49,9 @@ overload
     phase, then the producer offers 1.5x the drain rate for a minute, several jobs per
     statement (at most 25 statements/s per connection: the enqueue's commits, not the
     workers, would otherwise set the pace); then ``--rate`` again until the backlog is gone
-    (the backlog phase, whose done/s is the backlog drain rate); then a recovery phase.
+    (the backlog phase, whose done/s is the backlog drain rate); then a recovery phase;
+    then, the producer stopped and ``jobd.jobs`` vacuumed, a drain of as many jobs as the
+    overload left (``drain_same_size``, reported beside the backlog verdict).
 
 Every phase but the warm-up is reported. ``--duration S`` sets every phase to S seconds
 (recovery at most 60, lead at most 30); ``--quick`` is ``--duration 20`` with shorter

@@ -336,7 +336,7 @@ def verdicts(results: dict[str, dict[str, Any]], rate: float) -> list[dict[str, 
                 add(target, backlog["done_per_s"] >= clean and "timed_out_after_s" not in backlog,
                     f"{backlog['done_per_s']:,.0f} done/s over {backlog['seconds']:.0f} s vs "
                     f"clean {clean:,.0f}/s ({overload['backlog_end']:,} jobs at the overload's "
-                    "end)")
+                    f"end){same_size_text(extra)}")
         if recovery is not None:
             after = recovery.get("recovered_after_s")
             add(f"overload: pickup back to baseline within {RECOVERY_S:g} s of the backlog "
@@ -347,6 +347,14 @@ def verdicts(results: dict[str, dict[str, Any]], rate: float) -> list[dict[str, 
         check = result["check"]
         add(f"{name}: every sent job done exactly once", check["ok"], check_text(check))
     return out
+
+
+def same_size_text(extra: dict[str, Any]) -> str:
+    """The drain of as many jobs as the backlog's, after the recovery, if the run made one."""
+    if "same_size_drain_per_s" not in extra:
+        return ""
+    return (f"; a drain of the same {extra['same_size_drain_jobs']:,} jobs after the recovery: "
+            f"{extra['same_size_drain_per_s']:,.0f}/s")
 
 
 def verdict_word(met: bool | None) -> str:

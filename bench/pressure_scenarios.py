@@ -29,6 +29,8 @@ SCENARIOS = ("enqueue", "baseline", "idle_in_tx", "active_readers", "overload")
 CLOSED_LANE = "pressure_closed"  # no worker serves it
 OVERLOAD_FACTOR = 1.5
 DRAIN_ROUNDS = 2
+# Below this many jobs a backlog fits in the buffers as the clean drain's does: nothing to tell.
+SAME_SIZE_MIN_JOBS = 100_000
 BACKLOG_TIMEOUT_S = 600.0
 
 
@@ -85,7 +87,7 @@ def scenario_overload(run: Run) -> None:
         # The drains come first, on a table without history: the lead phase's dead tuples
         # (autovacuum has not visited yet) would slow them, and an underestimate makes the
         # overload no overload. The faster of two: other work on the machine can slow one.
-        drains = [measure_drain(run, d.drain_jobs, r + 1) for r in range(DRAIN_ROUNDS)]
+        drains = [measure_drain(run, d.drain_jobs, f"drain_{r + 1}") for r in range(DRAIN_ROUNDS)]
         drain_rate = max(drains)
         producer = start_producer(run, stack, run.args.producers)
         run.phase("warmup", "warmup", d.warmup)
@@ -101,6 +103,7 @@ def scenario_overload(run: Run) -> None:
         producer.set_rate(rate, batch)
         run.hold(rec, d.overload)
         run.end(rec)
+        left = int(rec.extra["backlog_end"])
         producer.set_rate(run.args.rate)
         threshold = max(20, int(run.args.rate * 0.05))
         rec = run.begin("backlog", "backlog", run.args.rate)
@@ -109,6 +112,21 @@ def scenario_overload(run: Run) -> None:
         run.phase("recovery", "recovery", d.recovery)
         producer.pause()
         run.wait_drained()
+        same_size_drain(run, left)
+
+
+def same_size_drain(run: Run, jobs: int) -> None:
+    """A drain of as many jobs as the overload left, with no producer, on the table vacuumed.
+
+    The clean drain is of 20,000 jobs, a heap that fits in shared buffers; an overload's
+    backlog is hundreds of thousands. This drain tells the two causes of a slower backlog
+    drain apart: the backlog's size (this drain is as slow) or what the overload left
+    behind, its dead rows and the producers beside it (this drain is faster)."""
+    if jobs < SAME_SIZE_MIN_JOBS:
+        return
+    run.monitor.conn.execute("VACUUM jobd.jobs")
+    rate = measure_drain(run, jobs, "drain_same_size")
+    run.extra.update(same_size_drain_per_s=round(rate, 1), same_size_drain_jobs=jobs)
 
 
 def backlog_cleared(run: Run, threshold: int) -> bool:
@@ -118,14 +136,14 @@ def backlog_cleared(run: Run, threshold: int) -> bool:
     return run.monitor.due_unclaimed() <= threshold
 
 
-def measure_drain(run: Run, jobs: int, round_no: int) -> float:
+def measure_drain(run: Run, jobs: int, name: str) -> float:
     """Jobs/s from the first claim to the last finish of ``jobs`` enqueued at once.
 
     The backlog goes in with ``jobd.enqueue_many`` (one COPY): its one notification names
     every job, so the supervisor wakes every worker the backlog needs. The same jobs sent as
     ``jobd.enqueue`` calls in one transaction would notify ``lane#1`` once per call, which
     PostgreSQL folds into one notification, and only one worker would drain them."""
-    rec = run.begin(f"drain_{round_no}", "drain", 0.0)
+    rec = run.begin(name, "drain", 0.0)
     run.runs.read_new()  # everything before the backlog has been read: what follows is its
     with psycopg.connect(run.env.url, autocommit=True,
                          application_name="pressure-prefill") as conn:
@@ -154,7 +172,7 @@ def measure_drain(run: Run, jobs: int, round_no: int) -> float:
     seconds = last_finish - first_claim
     rec.extra.update(drain_jobs=jobs, drain_seconds=round(seconds, 3),
                      drain_per_s=round(jobs / seconds, 1))
-    log(f"overload: drain {round_no}: {jobs} jobs in {seconds:.2f}s = {jobs / seconds:,.0f}/s")
+    log(f"overload: {name}: {jobs} jobs in {seconds:.2f}s = {jobs / seconds:,.0f}/s")
     return jobs / seconds
 
 

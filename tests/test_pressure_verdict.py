@@ -1,5 +1,6 @@
-"""The pressure benchmark's verdict on claim reads under a held horizon (pure logic): a ramp
-up to a plateau is bounded, reads that keep growing with the horizon's age are not."""
+"""The pressure benchmark's verdicts (pure logic): on claim reads under a held horizon, a ramp
+up to a plateau is bounded, reads that keep growing with the horizon's age are not; the
+overload's backlog drain is judged against the clean drain, the same-size drain beside it."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/ is not installed
 
-from bench.pressure_report import bounded
+from typing import Any
+
+from bench.pressure_report import bounded, verdicts
 
 
 def timeline(values: list[float]) -> list[tuple[float, float]]:
@@ -41,3 +44,32 @@ def test_a_few_reads_a_claim_count_as_bounded_whatever_they_grew_from() -> None:
 def test_too_short_a_phase_gets_no_verdict() -> None:
     ok, _, _ = bounded(timeline([3, 90, 120, 140]))
     assert ok is None
+
+
+def overload_results(backlog_per_s: float, **extra: Any) -> dict[str, dict[str, Any]]:
+    phases = [
+        {"phase": "overload", "offered_per_s": 60_000.0, "done_per_s": 20_000.0,
+         "backlog_end": 500_000},
+        {"phase": "backlog", "seconds": 12.0, "done_per_s": backlog_per_s},
+    ]
+    return {"overload": {"phases": phases, "check": {"ok": True},
+                         "extra": {"clean_drain_per_s": 50_000.0, **extra}}}
+
+
+def overload_verdict(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    return next(v for v in verdicts(results, 400.0) if v["target"].startswith(
+        "overload: backlog drains"))
+
+
+def test_a_backlog_drain_slower_than_the_clean_drain_is_not_met() -> None:
+    found = overload_verdict(overload_results(41_000.0))
+    assert found["met"] is False
+    assert "same" not in found["figures"]
+
+
+def test_the_same_size_drain_is_reported_beside_the_verdict() -> None:
+    results = overload_results(52_000.0, same_size_drain_per_s=43_210.0,
+                               same_size_drain_jobs=500_000)
+    found = overload_verdict(results)
+    assert found["met"] is True
+    assert "same 500,000 jobs after the recovery: 43,210/s" in found["figures"]
