@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/ is not installed
-
-from typing import Any
 
 from bench.pressure_report import bounded, verdicts
 
