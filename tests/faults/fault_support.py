@@ -192,6 +192,13 @@ time.sleep = _sleep
 '''
 
 
+def replace_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so that a reader sees the old file or the new one, whole."""
+    scratch = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    scratch.write_text(text)
+    scratch.replace(path)
+
+
 class FakeClock:
     """The wall clock of one daemon and its workers: an offset from the real clock, read
     from a file on every call, so the test can step it while the node runs. The monotonic
@@ -202,13 +209,14 @@ class FakeClock:
         self.path = directory / f"faketime-{id(self)}.spec"
         self.site = directory / "faketime-site"
         self.site.mkdir(exist_ok=True)
-        (self.site / "sitecustomize.py").write_text(SLEEP_SHIM)
+        # Nodes share the directory, and one may be starting (importing the shim) while the
+        # next node's clock is made: a file truncated and rewritten in place could be read
+        # empty, leaving that node with the real time.sleep.
+        replace_atomically(self.site / "sitecustomize.py", SLEEP_SHIM)
         self.set(offset_seconds)
 
     def set(self, offset_seconds: float) -> None:
-        scratch = self.path.with_suffix(".tmp")
-        scratch.write_text(f"{offset_seconds:+.0f}\n")
-        scratch.replace(self.path)
+        replace_atomically(self.path, f"{offset_seconds:+.0f}\n")
 
     def env(self) -> dict[str, str]:
         return {"LD_PRELOAD": self.library, "FAKETIME_TIMESTAMP_FILE": str(self.path),
