@@ -13,7 +13,7 @@ Each scenario gets a database of its own, migrated with ``jobd migrate``, and a 
 own, ``jobd run -c CONFIG`` with one lane of 2 workers x concurrency 10 and the no-op handler
 ``bench.pressure_handlers:noop`` (this repository on ``PYTHONPATH``). The benchmark talks to
 jobd only through its public surface: those two commands, ``SELECT jobd.enqueue(...)`` (and
-the documented bulk call ``jobd.enqueue_many`` for the overload's backlog), the ``jobd.jobs``
+the documented bulk call ``jobd.enqueue_many`` for the drains and the overload), the ``jobd.jobs``
 table and the ``jobd.all_jobs`` view.
 
 The load is an open-loop producer (``--rate`` jobs/s, default 400, from ``--producers``
@@ -47,8 +47,9 @@ overload
     ``jobd.enqueue_many`` (``measure_drain`` in bench/pressure_scenarios.py says why), twice;
     the faster drain (first claim to last finish) is the clean drain rate. Then a clean lead
     phase, then the producer offers 1.5x the drain rate for a minute, several jobs per
-    statement (at most 25 statements/s per connection: the enqueue's commits, not the
-    workers, would otherwise set the pace); then ``--rate`` again until the backlog is gone
+    send with ``jobd.enqueue_many`` (at most 25 sends/s per connection: with a
+    ``jobd.enqueue`` call per job the producers' own server time, not the workers, would set
+    the pace on two cores); then ``--rate`` again until the backlog is gone
     (the backlog phase, whose done/s is the backlog drain rate); then a recovery phase;
     then, the producer stopped and ``jobd.jobs`` vacuumed, a drain of as many jobs as the
     overload left (``drain_same_size``, reported beside the backlog verdict).

@@ -98,7 +98,7 @@ def scenario_overload(run: Run) -> None:
                          drains_per_s=[round(x, 1) for x in drains],
                          overload_target_per_s=round(rate, 1), overload_batch=batch)
         log(f"overload: clean drain {drain_rate:,.0f} jobs/s; offering {rate:,.0f} jobs/s in "
-            f"statements of {batch}")
+            f"sends of {batch} (jobd.enqueue_many)")
         rec = run.begin("overload", "overload", rate)
         producer.set_rate(rate, batch)
         run.hold(rec, d.overload)
