@@ -25,12 +25,11 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 from bench.daemon_bench import Daemon, Env, LoadMeter, log
-from bench.pressure_load import LANE, Producer, WaitSampler
+from bench.pressure_load import HANDLER, LANE, Producer, WaitSampler
 from bench.pressure_stats import Monitor, RunFiles
 from jobd.localpg import find_bindir, throwaway_cluster
 
 REPO = Path(__file__).resolve().parent.parent
-HANDLER = "noop"
 HANDLER_PATH = f"bench.pressure_handlers:{HANDLER}"
 WORKERS, CONCURRENCY = 2, 10
 VISIBILITY_TIMEOUT_S = 30.0
