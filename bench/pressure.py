@@ -46,7 +46,10 @@ overload
     First, on the fresh table, a backlog of 20,000 jobs is enqueued at once with
     ``jobd.enqueue_many`` (``measure_drain`` in bench/pressure_scenarios.py says why), twice;
     the faster drain (first claim to last finish) is the clean drain rate. Then a clean lead
-    phase, then the producer offers 1.5x the drain rate for a minute, several jobs per
+    phase; two more drains of 20,000 jobs while the producer keeps sending at ``--rate``
+    (``drain_loaded_1``/``_2``: the faster is the clean drain beside the standing load the
+    backlog phase also has, printed beside the backlog verdict); then the producer offers
+    1.5x the drain rate for a minute, several jobs per
     send with ``jobd.enqueue_many`` (at most 25 sends/s per connection: with a
     ``jobd.enqueue`` call per job the producers' own server time, not the workers, would set
     the pace on two cores); then ``--rate`` again until the backlog is gone

@@ -350,11 +350,16 @@ def verdicts(results: dict[str, dict[str, Any]], rate: float) -> list[dict[str, 
 
 
 def same_size_text(extra: dict[str, Any]) -> str:
-    """The drain of as many jobs as the backlog's, after the recovery, if the run made one."""
-    if "same_size_drain_per_s" not in extra:
-        return ""
-    return (f"; a drain of the same {extra['same_size_drain_jobs']:,} jobs after the recovery: "
-            f"{extra['same_size_drain_per_s']:,.0f}/s")
+    """The drains that tell the backlog's causes apart, those the run made: a clean drain
+    beside the producer's standing load, and one of as many jobs as the backlog's."""
+    parts = []
+    if "loaded_drain_per_s" in extra:
+        parts.append(f"a clean drain beside the producer's standing load: "
+                     f"{extra['loaded_drain_per_s']:,.0f}/s")
+    if "same_size_drain_per_s" in extra:
+        parts.append(f"a drain of the same {extra['same_size_drain_jobs']:,} jobs after the "
+                     f"recovery: {extra['same_size_drain_per_s']:,.0f}/s")
+    return "".join(f"; {part}" for part in parts)
 
 
 def verdict_word(met: bool | None) -> str:

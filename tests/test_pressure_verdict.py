@@ -72,3 +72,11 @@ def test_the_same_size_drain_is_reported_beside_the_verdict() -> None:
     found = overload_verdict(results)
     assert found["met"] is True
     assert "same 500,000 jobs after the recovery: 43,210/s" in found["figures"]
+
+
+def test_the_drain_beside_the_standing_load_is_reported_and_judges_nothing() -> None:
+    results = overload_results(41_000.0, loaded_drain_per_s=40_500.0,
+                               same_size_drain_per_s=43_210.0, same_size_drain_jobs=500_000)
+    found = overload_verdict(results)
+    assert found["met"] is False  # still judged against the clean drain without a producer
+    assert "beside the producer's standing load: 40,500/s; a drain of the same" in found["figures"]
