@@ -336,7 +336,7 @@ def verdicts(results: dict[str, dict[str, Any]], rate: float) -> list[dict[str, 
                 add(target, backlog["done_per_s"] >= clean and "timed_out_after_s" not in backlog,
                     f"{backlog['done_per_s']:,.0f} done/s over {backlog['seconds']:.0f} s vs "
                     f"clean {clean:,.0f}/s ({overload['backlog_end']:,} jobs at the overload's "
-                    f"end){same_size_text(extra)}")
+                    f"end){cause_drains_text(extra)}")
         if recovery is not None:
             after = recovery.get("recovered_after_s")
             add(f"overload: pickup back to baseline within {RECOVERY_S:g} s of the backlog "
@@ -349,7 +349,7 @@ def verdicts(results: dict[str, dict[str, Any]], rate: float) -> list[dict[str, 
     return out
 
 
-def same_size_text(extra: dict[str, Any]) -> str:
+def cause_drains_text(extra: dict[str, Any]) -> str:
     """The drains that tell the backlog's causes apart, those the run made: a clean drain
     beside the producer's standing load, and one of as many jobs as the backlog's."""
     parts = []
