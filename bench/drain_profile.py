@@ -4,6 +4,7 @@ at once, a daemon with one lane) with the daemon's and the server's side watched
 Usage::
 
     .venv/bin/python -m bench.drain_profile [--settings 1x10,2x10] [--py-spy PATH]
+                                            [--jobs N] [--no-explain]
 
 For each setting (worker processes x concurrency), one drain, on the same throwaway cluster as
 the daemon benchmark; the jobs are enqueued while the lane is paused and the drain is timed from
@@ -139,13 +140,13 @@ def server_counts(env: Env) -> dict[str, int]:
     return {"commits": commits, "wal_writes": wal_writes, "wal_syncs": wal_syncs}
 
 
-def profile_drain(env: Env, workers: int, concurrency: int,
-                  py_spy: str | None) -> dict[str, Any]:
+def profile_drain(env: Env, workers: int, concurrency: int, py_spy: str | None,
+                  jobs: int = DRAIN_JOBS) -> dict[str, Any]:
     reset_queue(env)
     stamps = env.scratch(f"profile-w{workers}c{concurrency}")
     config = write_config(env, f"profile-w{workers}c{concurrency}",
                           {LANE: (workers, concurrency)})
-    specs = [jobd.JobSpec("noop", {}, LANE) for _ in range(DRAIN_JOBS)]
+    specs = [jobd.JobSpec("noop", {}, LANE) for _ in range(jobs)]
     with Daemon(env, config, stamps, workers=workers) as daemon:
         time.sleep(DRAIN_SETTLE_S)
         with env.bench_conn() as conn:
@@ -164,7 +165,7 @@ def profile_drain(env: Env, workers: int, concurrency: int,
         started = time.monotonic()
         with env.bench_conn() as conn:
             jobd.resume(conn, LANE)
-        wait_drained(env, DRAIN_JOBS, interval=0.05)
+        wait_drained(env, jobs, interval=0.05)
         seconds = time.monotonic() - started
         activity = sampler.finish()
         load = meter.stop()
@@ -173,12 +174,12 @@ def profile_drain(env: Env, workers: int, concurrency: int,
                   for name, value in server_counts(env).items()}
         stacks = _stop_py_spy(spy) if spy else None
     result: dict[str, Any] = {
-        "workers": workers, "concurrency": concurrency, "jobs": DRAIN_JOBS,
-        "seconds": round(seconds, 3), "jobs_per_s": round(DRAIN_JOBS / seconds),
-        "cpu_ms_per_job": {name: round(1000.0 * s / DRAIN_JOBS, 3) for name, s in cpu.items()},
+        "workers": workers, "concurrency": concurrency, "jobs": jobs,
+        "seconds": round(seconds, 3), "jobs_per_s": round(jobs / seconds),
+        "cpu_ms_per_job": {name: round(1000.0 * s / jobs, 3) for name, s in cpu.items()},
         "cpu_cores": {name: round(s / seconds, 2) for name, s in cpu.items()},
         "backend_activity_pct": activity, "activity_samples": sampler.samples,
-        "per_1000_jobs": {name: round(1000.0 * n / DRAIN_JOBS, 1) for name, n in counts.items()},
+        "per_1000_jobs": {name: round(1000.0 * n / jobs, 1) for name, n in counts.items()},
         **load}
     log(f"drain {workers}x{concurrency}: {result['jobs_per_s']:,} jobs/s ({seconds:.2f}s, "
         f"from the resume); other load {load['other_load_cores']:.2f} cores")
@@ -290,21 +291,37 @@ def explain_claim(env: Env, limit: int, repeats: int = 5) -> tuple[str, list[flo
     return plan, times
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: {value}")
+    return value
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--settings", type=_drain_settings, default=((1, 10), (2, 10)),
                         help="worker processes x concurrency, e.g. 1x10,2x10")
     parser.add_argument("--py-spy", default=None, help="the py-spy binary (optional)")
+    parser.add_argument("--jobs", type=_positive_int, default=DRAIN_JOBS,
+                        help=f"jobs per drain (default {DRAIN_JOBS:,}; a drain of 20,000 "
+                             "lasts about a second, so rates spread; more steadies them)")
+    parser.add_argument("--no-explain", action="store_true",
+                        help="skip the EXPLAIN ANALYZE of the claim after the drains")
     args = parser.parse_args(argv)
     results = []
     with environment(statements=False, keep=False) as env:
         for workers, concurrency in args.settings:
-            results.append(profile_drain(env, workers, concurrency, args.py_spy))
-        workers, concurrency = args.settings[0]
-        limit = LaneConfig(LANE, concurrency=concurrency).buffer_size + concurrency
-        plan, times = explain_claim(env, limit)
-        log(f"EXPLAIN ANALYZE of claim_jobs, limit {limit}, {DRAIN_JOBS:,} due jobs, "
-            f"execution times (ms) {times}; the last plan:\n{plan}")
+            results.append(profile_drain(env, workers, concurrency, args.py_spy, args.jobs))
+        if not args.no_explain:
+            workers, concurrency = args.settings[0]
+            limit = LaneConfig(LANE, concurrency=concurrency).buffer_size + concurrency
+            plan, times = explain_claim(env, limit)
+            log(f"EXPLAIN ANALYZE of claim_jobs, limit {limit}, {DRAIN_JOBS:,} due jobs, "
+                f"execution times (ms) {times}; the last plan:\n{plan}")
     for result in results:
         print(json.dumps(result))
     return 0

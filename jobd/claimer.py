@@ -91,9 +91,6 @@ class Claimer:
     def leases(self) -> list[jobs.Lease]:
         return [job.lease for job, _claimed in self.buffer]
 
-    def oldest_claim(self) -> float | None:
-        return self.buffer[0][1] if self.buffer else None
-
     def set_controls(self, lane_paused: bool, paused_handlers: frozenset[str]) -> bool:
         """The lane's pauses as the database has them now. Returns whether something was
         resumed: the worker then claims again, from the head of the lane, where the jobs
@@ -217,20 +214,29 @@ class Claimer:
         else:
             self.arming.claim_again(result, now)
 
-    def next_to_start(self, mode: WorkerMode, running: int) -> jobs.Job | None:
-        if (not self.buffer or running >= self.lane.concurrency or mode != WorkerMode.RUNNING
+    def next_to_start(self, mode: WorkerMode, running: int,
+                      room: int | None = None) -> tuple[jobs.Job, float] | None:
+        """The next buffered job to hand to the handlers and when it was claimed, given
+        ``running`` handed over already and ``room`` for them (the lane's concurrency unless
+        jobs may wait on deck: ``jobd.slots``), or None."""
+        room = self.lane.concurrency if room is None else room
+        if (not self.buffer or running >= room or mode != WorkerMode.RUNNING
                 or self.isolating is not None or self.lane_paused):
             return None
         if not self.paused_handlers:
             self.started += 1
-            return self.buffer.popleft()[0]
+            return self.buffer.popleft()
         # Paused jobs stay in the buffer until they are given back (to_release).
-        for index, (job, _claimed) in enumerate(self.buffer):
-            if job.handler not in self.paused_handlers:
+        for index, entry in enumerate(self.buffer):
+            if entry[0].handler not in self.paused_handlers:
                 del self.buffer[index]
                 self.started += 1
-                return job
+                return entry
         return None
+
+    def put_back(self, entries: list[tuple[jobs.Job, float]]) -> None:
+        """Jobs taken off the deck, back at the buffer's front with their claim times."""
+        self.buffer.extendleft(reversed(entries))
 
     def take(self, ids: set[int]) -> list[jobs.Job]:
         """Remove the buffered jobs ``ids`` and return them (asked to stop: jobd.cancel)."""
@@ -241,10 +247,21 @@ class Claimer:
 
     def to_release(self, mode: WorkerMode, now: float) -> list[jobs.Job]:
         """Buffered jobs to give back now."""
-        if mode != WorkerMode.RUNNING or self.suspects_possible or self.lane_paused:
+        if self._releases_all(mode):
             return [job for job, _claimed in self.buffer]
         return [job for job, claimed_at in self.buffer
                 if claimed_at < now - BUFFER_MAX_AGE or job.handler in self.paused_handlers]
+
+    def would_release(self, mode: WorkerMode, entries: list[tuple[jobs.Job, float]],
+                      now: float) -> bool:
+        """Whether :meth:`to_release` would give back any of ``entries`` (jobs on deck)
+        were they in the buffer."""
+        return bool(entries) and (self._releases_all(mode) or any(
+            claimed_at < now - BUFFER_MAX_AGE or job.handler in self.paused_handlers
+            for job, claimed_at in entries))
+
+    def _releases_all(self, mode: WorkerMode) -> bool:
+        return mode != WorkerMode.RUNNING or self.suspects_possible or self.lane_paused
 
     def released(self, mode: WorkerMode, ids: set[int]) -> None:
         self.held_back = mode == WorkerMode.RUNNING and not self.suspects_possible

@@ -119,8 +119,12 @@ class Exchange:
         self.slots.fill(mode)
 
     def release_buffer(self, mode: WorkerMode) -> None:
-        """Give back the buffered jobs the claimer no longer wants to hold."""
-        leaving = self.claimer.to_release(mode, time.monotonic())
+        """Give back the buffered jobs the claimer no longer wants to hold, the ones on
+        deck included (taken back first: jobd.slots)."""
+        now = time.monotonic()
+        if self.claimer.would_release(mode, self.slots.on_deck(), now):
+            self.slots.take_back_deck()
+        leaving = self.claimer.to_release(mode, now)
         if not leaving:
             return
         leases = [job.lease for job in leaving]

@@ -1,7 +1,13 @@
 """Running handlers: sync ones on long-lived threads (one per slot of the lane's
 ``concurrency``), ``async def`` ones on an event-loop thread, transactional ones on a
 connection of their own (:mod:`jobd.exactly_once`). Each run ends in an :class:`Outcome`,
-handed to the worker's loop through a queue and one pipe wake-up per batch."""
+handed to the worker's loop through a queue and one pipe wake-up per batch.
+
+Sync jobs may be handed over ahead of a free thread (``jobd.slots``, the deck): they wait in
+the threads' queue, and a thread that finishes takes the next one itself, without a turn of
+the worker's loop between them. A run's start is the moment its thread takes it
+(:class:`Start`); until then the loop may take it back (:meth:`HandlerRunner.take_back`),
+and a thread that reaches a job taken back skips it."""
 
 from __future__ import annotations
 
@@ -13,7 +19,7 @@ import time
 import traceback
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from psycopg_pool import ConnectionPool
 
@@ -37,6 +43,15 @@ class Outcome:
     # How long the handler ran (monotonic seconds); None when the worker gave up on it at
     # its timeout (the run then lasted the timeout, at least).
     seconds: float | None = None
+
+
+class Start(Protocol):
+    """A job handed to the runner, and when its run started (monotonic; None while it waits
+    in the threads' queue). ``taken_back``: the loop took it back before a thread did."""
+
+    job: jobs.Job
+    started: float | None
+    taken_back: bool
 
 
 # The error recorded for an async handler that ended with the CancelledError it was given.
@@ -84,8 +99,11 @@ class HandlerRunner:
         self.handlers = resolved
         self.outcomes: stdlib_queue.SimpleQueue[Outcome] = stdlib_queue.SimpleQueue()
         self.handler_queue: stdlib_queue.SimpleQueue[
-            tuple[handler_registry.ResolvedHandler, jobs.Job]] = stdlib_queue.SimpleQueue()
+            tuple[handler_registry.ResolvedHandler, Start]] = stdlib_queue.SimpleQueue()
         self.handler_threads: list[threading.Thread] = []
+        # Held while a thread marks a run started, or the loop takes waiting runs back: a
+        # run is one or the other, never both.
+        self._starting = threading.Lock()
         self._poked = False
         self.tx_pool: ConnectionPool | None = None
         if any(h.is_transactional for h in resolved.values()):
@@ -117,8 +135,18 @@ class HandlerRunner:
         resolved = self.handlers.get(handler)
         return resolved is not None and resolved.is_transactional
 
-    def start(self, job: jobs.Job) -> None:
+    @property
+    def threads_only(self) -> bool:
+        """Every handler of the lane runs on the threads: none is ``async def``."""
+        return self.asyncio_loop is None
+
+    def start(self, start: Start) -> None:
+        """Run ``start.job``: at once on the event loop (async), or when a thread is free
+        (sync; ``start.started`` is set then)."""
+        job = start.job
         resolved = self.handlers.get(job.handler)
+        if resolved is None or resolved.is_async:
+            start.started = time.monotonic()
         if resolved is None:
             self._deliver(Outcome(job, f"LookupError: no handler named {job.handler!r} on this "
                                        f"worker (lane {job.lane!r})", seconds=0.0))
@@ -131,7 +159,16 @@ class HandlerRunner:
                 lambda done, job=job, started=started: self._finish_async(job, done, started))
         else:
             self._ensure_handler_threads()
-            self.handler_queue.put((resolved, job))
+            self.handler_queue.put((resolved, start))
+
+    def take_back(self, handed: list[Start]) -> list[Start]:
+        """Of the runs ``handed`` over, the ones no thread has started: taken back, so none
+        ever will (from the loop's thread)."""
+        with self._starting:
+            waiting = [s for s in handed if s.started is None and not s.taken_back]
+            for start in waiting:
+                start.taken_back = True
+        return waiting
 
     def _ensure_handler_threads(self) -> None:
         # A plain queue and long-lived threads: cheaper per job than an executor's futures
@@ -157,9 +194,13 @@ class HandlerRunner:
 
     def _handler_thread(self) -> None:
         while True:
-            resolved, job = self.handler_queue.get()
+            resolved, start = self.handler_queue.get()
+            with self._starting:
+                if start.taken_back:
+                    continue
+                start.started = started = time.monotonic()
+            job = start.job
             logs.bind_job(job.id, job.handler)
-            started = time.monotonic()
             try:
                 if resolved.is_transactional:
                     result = self._run_transactional(resolved, job)

@@ -54,6 +54,9 @@ class LeaseKeeper:
             conn, held, self.lane.visibility_timeout))
         if renewed is None:
             return  # tried again at the next heartbeat; the leases last visibility_timeout
+        if renewed.lease_lost or renewed.cancelled:
+            # Not started yet, the jobs on deck are handled as the buffered ones they are.
+            self.slots.take_back_deck()
         # Buffered and swept (a worker too slow to renew): never started, just dropped.
         self.claimer.drop(set(renewed.lease_lost))
         if renewed.cancelled:

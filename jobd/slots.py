@@ -2,7 +2,15 @@
 ``concurrency``, from its start to the outcome the completer writes.
 
 Starting pulls from the claimer's buffer, so a freed slot takes the next job without a round
-trip. A job leaves its slot when its handler's outcome arrives, or when it overruns the
+trip. Where jobs are short (the claimer's buffer is above its floor) and every handler runs
+on a thread, up to ``concurrency`` more jobs wait on deck, in the threads' queue: a thread
+that finishes takes the next one itself instead of waiting for the loop to hand it over
+(two thread hand-offs and a pipe wake-up per job at 1 x 10). A job on deck has not started:
+its timeout runs from its thread's start, and whenever the buffer is acted on for anything
+but starting (given back, asked to stop, a lease lost, shutdown) the deck goes back to the
+buffer first (:meth:`Slots.take_back_deck`), so the buffer's rules apply to it unchanged.
+
+A job leaves its slot when its handler's outcome arrives, or when it overruns the
 lane's timeout: it is failed then (its attempt is spent like any hung job's), but the thread
 that runs it stays taken until the handler returns, which is why an abandoned run still sits
 here and counts toward :meth:`Slots.wedged`.
@@ -29,11 +37,20 @@ log = structlog.get_logger("jobd.worker")
 @dataclass(slots=True)
 class Running:
     job: jobs.Job
-    started: float
-    deadline: float | None
+    claimed_at: float  # monotonic: when its claim came back (the buffer's age rule)
+    timeout: float | None  # the lane's
+    started: float | None = None  # monotonic; None while it waits on deck
+    taken_back: bool = False  # taken off the deck before a thread started it
     abandoned: bool = False  # failed for its timeout; the thread has not returned yet
     lease_lost: bool = False  # a heartbeat found it expired and swept, or claimed again
     cancel_sent: bool = False  # the handler was told to stop (jobd.cancel)
+
+    @property
+    def deadline(self) -> float | None:
+        """When the run overruns the lane's timeout; None without one or before it starts."""
+        if self.started is None or not self.timeout:
+            return None
+        return self.started + self.timeout
 
 
 class Slots:
@@ -50,16 +67,44 @@ class Slots:
     def __len__(self) -> int:
         return len(self.inflight)
 
-    def start(self, job: jobs.Job) -> None:
-        started = time.monotonic()
-        deadline = started + self.lane.timeout if self.lane.timeout else None
-        self.inflight[job.id] = Running(job, started, deadline)
-        self.runner.start(job)
+    def start(self, job: jobs.Job, claimed_at: float | None = None) -> None:
+        running = Running(job, time.monotonic() if claimed_at is None else claimed_at,
+                          self.lane.timeout or None)
+        self.inflight[job.id] = running
+        self.runner.start(running)
 
     def fill(self, mode: WorkerMode) -> None:
-        """Start buffered jobs in the free slots: no round trip between one job and the next."""
-        while (job := self.claimer.next_to_start(mode, len(self.inflight))) is not None:
-            self.start(job)
+        """Start buffered jobs in the free slots, and on deck: no round trip between one job
+        and the next."""
+        room = self.lane.concurrency + self.deck_size()
+        claimer, inflight = self.claimer, self.inflight
+        while (taken := claimer.next_to_start(mode, len(inflight), room)) is not None:
+            self.start(*taken)
+
+    def deck_size(self) -> int:
+        """How many jobs may wait on deck now: ``concurrency`` while the claimer's buffer is
+        above its floor (the jobs take milliseconds, so one waits at most about that long)
+        and no handler is async (the event loop takes every job at once), else none."""
+        prefetch = self.claimer.prefetch
+        if self.runner.threads_only and prefetch.size > prefetch.floor:
+            return self.lane.concurrency
+        return 0
+
+    def on_deck(self) -> list[tuple[jobs.Job, float]]:
+        """The jobs waiting on deck, with their claim times, in the order they were handed
+        over (a thread may start one at any moment: this is a snapshot)."""
+        return [(r.job, r.claimed_at) for r in self.inflight.values() if r.started is None]
+
+    def take_back_deck(self) -> None:
+        """Put the jobs on deck back at the front of the buffer, in their order: none of
+        them starts after this (see ``HandlerRunner.take_back``)."""
+        waiting = [r for r in self.inflight.values() if r.started is None]
+        if not waiting:
+            return
+        taken = self.runner.take_back(waiting)
+        for running in taken:
+            del self.inflight[running.job.id]
+        self.claimer.put_back([(r.job, r.claimed_at) for r in taken])
 
     @property
     def results_fd(self) -> int:
@@ -89,7 +134,8 @@ class Slots:
 
     def expire_timeouts(self, now: float) -> None:
         for running in self._working():
-            if running.deadline is None or now < running.deadline:
+            deadline = running.deadline
+            if deadline is None or now < deadline:
                 continue
             job = running.job
             if self.runner.is_async(job.handler):
@@ -104,7 +150,8 @@ class Slots:
 
     def deadlines(self) -> list[float]:
         """When runs still in their time overrun it (the loop wakes then to fail them)."""
-        return [r.deadline for r in self._working() if r.deadline is not None]
+        deadlines = (r.deadline for r in self._working())
+        return [deadline for deadline in deadlines if deadline is not None]
 
     def lost_leases(self, job_ids: list[int]) -> list[int]:
         """Mark the runs whose lease a renewal found gone; returns the ones now lost. A
@@ -148,9 +195,14 @@ class Slots:
         return sum(1 for _running in self._working())
 
     def wedged(self) -> bool:
-        """Every slot is held by a handler that ignored its timeout: nothing can run."""
-        return len(self.inflight) >= self.lane.concurrency and all(
-            r.abandoned for r in self.inflight.values())
+        """Every thread is held by a handler that ignored its timeout: nothing can run.
+        (Counted, not compared with the whole: jobs waiting behind them never start.)"""
+        held = sum(1 for r in self.inflight.values() if r.abandoned)
+        return held >= self.lane.concurrency
+
+    def running(self) -> int:
+        """Jobs a thread or the event loop has started and not finished."""
+        return sum(1 for r in self.inflight.values() if r.started is not None)
 
     def _working(self) -> Iterator[Running]:
         return (r for r in self.inflight.values() if not r.abandoned)

@@ -147,7 +147,11 @@ class Worker:
 
     def _select_timeout(self) -> float:
         claimer, running = self.claimer, self.lifecycle.mode == protocol.WorkerMode.RUNNING
-        oldest_claim = claimer.oldest_claim()
+        # The deck's jobs go back by the buffer's age rule too (Exchange.release_buffer).
+        claims = [claimed_at for _job, claimed_at in self.slots.on_deck()]
+        if claimer.buffer:
+            claims.append(claimer.buffer[0][1])
+        oldest_claim = min(claims, default=None)
         local = [self.leases.next_at, self.status.next_at, self.lifecycle.drain_deadline,
                  *self.slots.deadlines(),
                  None if oldest_claim is None else oldest_claim + BUFFER_MAX_AGE]
@@ -208,12 +212,14 @@ class Worker:
         self.exchange.settle_and_claim(self.lifecycle.mode, claim)
 
     def _report(self, force: bool = False) -> None:
-        self.status.report(time.monotonic(), self.lifecycle.mode, len(self.slots),
-                           len(self.claimer.buffer), self.claimer.capacity,
-                           self.conn is not None, force)
+        running = self.slots.running()
+        self.status.report(time.monotonic(), self.lifecycle.mode, running,
+                           len(self.claimer.buffer) + len(self.slots) - running,
+                           self.claimer.capacity, self.conn is not None, force)
 
     def _shutdown(self) -> None:
         """Write what finished, give back what did not, and close."""
+        self.slots.take_back_deck()  # no thread may start a job given back
         self._collect_outcomes()
         if self.conn is None:
             self.link.retry_at = 0.0  # one more try, whatever the backoff said

@@ -94,7 +94,7 @@ def test_a_paused_handlers_buffered_jobs_stay_unstarted_and_go_back() -> None:
                            (job(3, "poison"), 10.0)])
     claimer.set_controls(False, frozenset({"poison"}))
     started = claimer.next_to_start(WorkerMode.RUNNING, 0)
-    assert started is not None and started.id == 2
+    assert started is not None and started[0].id == 2
     assert claimer.next_to_start(WorkerMode.RUNNING, 1) is None
     assert [j.id for j in claimer.to_release(WorkerMode.RUNNING, 10.5)] == [1, 3]
     assert claimer.request(WorkerMode.RUNNING, 1) is not None  # the lane still claims

@@ -155,7 +155,7 @@ def test_a_late_result_of_an_abandoned_run_leaves_the_new_run_held(
     queue.fail(conn, [queue.Failure(first.lease, "timed out", 0.0, 8)])
     (second,) = queue.claim(conn, LANE, WORKER_ID, 1, 30.0)
     assert second.id == first.id and second.lease_token != first.lease_token
-    loop.inflight[second.id] = slots.Running(second, 0.0, None)
+    loop.inflight[second.id] = slots.Running(second, 0.0, None, started=0.0)
     loop.runner.outcomes.put(handler_runner.Outcome(first, None))
     loop._collect_outcomes()
     assert loop.inflight[second.id].job is second and loop.completer.pending == []
@@ -167,7 +167,7 @@ def test_a_run_past_its_timeout_fails_and_frees_its_claim_but_holds_its_slot(
     jobd.enqueue(conn, "h")
     (job,) = queue.claim(conn, LANE, WORKER_ID, 1, 30.0)
     started = time.monotonic()
-    subject.inflight[job.id] = slots.Running(job, started, started + 5.0)
+    subject.inflight[job.id] = slots.Running(job, started, 5.0, started=started)
     subject.slots.expire_timeouts(started + 1.0)
     assert subject.completer.pending == [] and subject.slots.deadlines() == [started + 5.0]
     subject.slots.expire_timeouts(started + 5.0)
@@ -186,7 +186,8 @@ def test_a_renewal_that_finds_a_lease_gone_stops_renewing_it(
     jobd.enqueue(conn, "h")
     kept, taken_away = queue.claim(conn, LANE, WORKER_ID, 2, 30.0)
     for job in (kept, taken_away):
-        loop.inflight[job.id] = slots.Running(job, time.monotonic(), None)
+        now = time.monotonic()
+        loop.inflight[job.id] = slots.Running(job, now, None, started=now)
     queue.release(conn, [taken_away.lease])  # as a sweep of an expired lease would
     loop._renew_leases()  # due at once: the worker has not started its loop
     assert loop.inflight[taken_away.id].lease_lost and not loop.inflight[kept.id].lease_lost

@@ -1,0 +1,212 @@
+"""Jobs on deck (``jobd.slots``): sync jobs handed to the handler threads ahead of a free one,
+driven in-process against a real PostgreSQL with real handler threads. A job on deck starts
+only when a thread takes it, its timeout runs from then, and whatever the worker does to its
+buffer (a drain, a cancel, shutdown) it does to the deck first: taken back, such a job never
+starts."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+
+import jobd
+from jobd import handlers, jobs, protocol, queue, worker
+from jobd.claimer import Claimer
+from jobd.completer import Completer, Counters
+from jobd.config import LaneConfig
+from jobd.db import DEFAULT_SCHEMA
+from jobd.handler_runner import HandlerRunner
+from jobd.protocol import WorkerMode
+from jobd.slots import Slots
+
+LANE = "default"
+WORKER_ID = "test-node:default#0:deck"
+WAIT_S = 10.0  # a bound for what happens at once, never a pause
+
+
+class Gate:
+    """A handler that records each job it runs and holds it until that job is let go."""
+
+    def __init__(self) -> None:
+        self.ran: list[int] = []
+        self._let_go: dict[int, threading.Event] = {}
+        self._lock = threading.Lock()
+
+    def _event(self, job_id: int) -> threading.Event:
+        with self._lock:
+            return self._let_go.setdefault(job_id, threading.Event())
+
+    def __call__(self, job: jobs.Job) -> None:
+        self.ran.append(job.id)
+        self._event(job.id).wait(WAIT_S)
+
+    def let_go(self, job_id: int) -> None:
+        self._event(job_id).set()
+
+
+@pytest.fixture
+def gate() -> Gate:
+    return Gate()
+
+
+@pytest.fixture
+def subject(db_url: str, gate: Gate) -> Iterator[worker.Worker]:
+    """A connected worker of one thread (timeout 5 s) whose handler is ``gate``."""
+    status_r, status_w = os.pipe()
+    wake_r, wake_w = os.pipe()
+    spec = protocol.WorkerSpec(
+        worker_id=WORKER_ID, lane=LaneConfig(LANE, concurrency=1, timeout=5.0),
+        handlers={}, database_url=db_url, schema=DEFAULT_SCHEMA, slot=0, generation=1,
+        status_fd=status_w, wake_fd=wake_r, shutdown_timeout=1.0)
+    made = worker.Worker(spec, {"gate": handlers.resolved("gate", gate)})
+    made._ensure_connection()
+    assert made.conn is not None
+    yield made
+    for job_id in gate.ran:
+        gate.let_go(job_id)
+    if made.conn is not None:
+        made.conn.close()
+    for fd in (status_r, status_w, wake_r, wake_w):
+        os.close(fd)
+
+
+def claim_into_buffer(subject: worker.Worker, conn: psycopg.Connection,
+                      count: int) -> list[jobs.Job]:
+    for _ in range(count):
+        jobd.enqueue(conn, "gate")
+    claimed = queue.claim(conn, LANE, WORKER_ID, count, 30.0)
+    subject.claimer.suspects_possible = False  # none due: the buffer may be held
+    subject.claimer.buffer.extend((job, time.monotonic()) for job in claimed)
+    return claimed
+
+
+def hand_over(subject: worker.Worker, deck: int) -> None:
+    """Fill the slots and ``deck`` places on deck (the claimer's measure decides how many in
+    a running worker: ``test_the_deck_is_open_only_to_short_sync_jobs``)."""
+    subject.slots.deck_size = lambda: deck  # type: ignore[method-assign]
+    subject.slots.fill(WorkerMode.RUNNING)
+
+
+def until(condition: object, what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {WAIT_S}s: {what}")
+        time.sleep(0.005)
+
+
+def test_a_job_on_deck_starts_when_a_thread_frees_and_its_timeout_runs_from_then(
+        subject: worker.Worker, conn: psycopg.Connection, gate: Gate) -> None:
+    first, second = claim_into_buffer(subject, conn, 2)
+    hand_over(subject, deck=1)
+    assert set(subject.inflight) == {first.id, second.id} and not subject.claimer.buffer
+    until(lambda: gate.ran == [first.id], "the first job runs")
+    on_deck = subject.inflight[second.id]
+    assert on_deck.started is None and on_deck.deadline is None
+    started = subject.inflight[first.id].started
+    assert started is not None and subject.slots.deadlines() == [started + 5.0]
+    assert subject.slots.running() == 1
+    gate.let_go(first.id)
+    until(lambda: gate.ran == [first.id, second.id], "the job on deck runs next")
+    assert on_deck.started is not None and on_deck.deadline == on_deck.started + 5.0
+
+
+def test_jobs_taken_back_from_the_deck_return_in_order_and_never_start(
+        subject: worker.Worker, conn: psycopg.Connection, gate: Gate) -> None:
+    first, second, third, marker = claim_into_buffer(subject, conn, 4)
+    subject.claimer.buffer.pop()  # the marker is handed over after the take-back
+    hand_over(subject, deck=2)
+    until(lambda: gate.ran == [first.id], "the first job runs")
+    subject.slots.take_back_deck()
+    assert [job.id for job, _claimed in subject.claimer.buffer] == [second.id, third.id]
+    assert set(subject.inflight) == {first.id}
+    # The taken-back jobs still sit in the threads' queue; the marker goes in behind them,
+    # so once it runs the thread has passed them.
+    subject.claimer.buffer.clear()
+    subject.claimer.buffer.append((marker, time.monotonic()))
+    hand_over(subject, deck=2)
+    gate.let_go(first.id)
+    until(lambda: marker.id in gate.ran, "the marker runs")
+    assert gate.ran == [first.id, marker.id]
+
+
+def test_a_drain_gives_back_the_jobs_on_deck_at_once(
+        subject: worker.Worker, conn: psycopg.Connection, gate: Gate) -> None:
+    first, second, third = claim_into_buffer(subject, conn, 3)
+    hand_over(subject, deck=2)
+    until(lambda: gate.ran == [first.id], "the first job runs")
+    subject.exchange.release_buffer(WorkerMode.DRAINING)
+    assert set(subject.inflight) == {first.id} and not subject.claimer.buffer
+    rows = conn.execute("SELECT id, state, claimed_by FROM jobs ORDER BY id").fetchall()
+    assert rows == [(first.id, "claimed", WORKER_ID), (second.id, "pending", None),
+                    (third.id, "pending", None)]
+    gate.let_go(first.id)
+    until(lambda: not subject.runner.handler_queue.qsize() and subject.runner.outcomes.qsize(),
+          "the first job's outcome arrives")
+    assert gate.ran == [first.id]
+
+
+def test_a_job_on_deck_asked_to_stop_is_finished_unstarted(
+        subject: worker.Worker, conn: psycopg.Connection, gate: Gate) -> None:
+    first, second = claim_into_buffer(subject, conn, 2)
+    hand_over(subject, deck=1)
+    until(lambda: gate.ran == [first.id], "the first job runs")
+    jobd.cancel(conn, [second.id])
+    subject.leases.renew_now()
+    subject._renew_leases()
+    assert [outcome.job.id for outcome in subject.completer.pending] == [second.id]
+    assert set(subject.inflight) == {first.id} and not subject.claimer.buffer
+    subject._settle_and_claim(claim=False)
+    assert conn.execute("SELECT state FROM all_jobs WHERE id = %s",
+                        (second.id,)).fetchone() == ("cancelled",)
+    assert gate.ran == [first.id]
+
+
+def test_a_thread_held_past_its_timeout_wedges_the_worker_whatever_waits_behind_it(
+        subject: worker.Worker, conn: psycopg.Connection, gate: Gate) -> None:
+    first, second = claim_into_buffer(subject, conn, 2)
+    hand_over(subject, deck=1)
+    until(lambda: gate.ran == [first.id], "the first job runs")
+    started = subject.inflight[first.id].started
+    assert started is not None
+    subject.slots.expire_timeouts(started + 5.0)
+    assert subject.inflight[first.id].abandoned and subject.slots.wedged()
+    # The job behind it never started: shutdown gives it back rather than failing it.
+    subject._shutdown()
+    assert conn.execute("SELECT state, attempts FROM all_jobs WHERE id = %s",
+                        (second.id,)).fetchone() == ("pending", 0)
+    assert gate.ran == [first.id]
+
+
+def test_the_deck_is_open_only_to_short_sync_jobs() -> None:
+    lane = LaneConfig(LANE, concurrency=4)
+    spec = protocol.WorkerSpec(
+        worker_id=WORKER_ID, lane=lane, handlers={}, database_url="postgresql:///unused",
+        schema=DEFAULT_SCHEMA, slot=0, generation=1, status_fd=-1, wake_fd=-1,
+        shutdown_timeout=1.0)
+
+    def sync_handler(job: jobs.Job) -> None:
+        pass
+
+    async def async_handler(job: jobs.Job) -> None:
+        pass
+
+    only_sync = {"s": handlers.resolved("s", sync_handler)}
+    with_async = {**only_sync, "a": handlers.resolved("a", async_handler)}
+    for resolved, places_when_short in ((only_sync, 4), (with_async, 0)):
+        runner = HandlerRunner(spec, resolved)
+        claimer = Claimer(lane, WORKER_ID)
+        slots = Slots(lane, runner, claimer, Completer(lane, Counters.for_spec(spec)))
+        assert slots.deck_size() == 0  # at the buffer's floor: the jobs are not known short
+        claimer.prefetch.size = claimer.prefetch.floor + 1
+        assert slots.deck_size() == places_when_short
+        event_loop = runner.asyncio_loop
+        if event_loop is not None:
+            event_loop.call_soon_threadsafe(event_loop.stop)
+            until(lambda loop=event_loop: not loop.is_running(), "the event loop stops")
+            event_loop.close()
