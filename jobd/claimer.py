@@ -235,8 +235,10 @@ class Claimer:
         return None
 
     def put_back(self, entries: list[tuple[jobs.Job, float]]) -> None:
-        """Jobs taken off the deck, back at the buffer's front with their claim times."""
+        """Jobs taken off the deck, back at the buffer's front with their claim times (not
+        started after all: the start rate does not count them twice)."""
         self.buffer.extendleft(reversed(entries))
+        self.started -= len(entries)
 
     def take(self, ids: set[int]) -> list[jobs.Job]:
         """Remove the buffered jobs ``ids`` and return them (asked to stop: jobd.cancel)."""

@@ -122,8 +122,7 @@ class Exchange:
         """Give back the buffered jobs the claimer no longer wants to hold, the ones on
         deck included (taken back first: jobd.slots)."""
         now = time.monotonic()
-        if self.claimer.would_release(mode, self.slots.on_deck(), now):
-            self.slots.take_back_deck()
+        self.slots.recall_deck(mode, now)
         leaving = self.claimer.to_release(mode, now)
         if not leaving:
             return

@@ -199,6 +199,10 @@ class HandlerRunner:
                 if start.taken_back:
                     continue
                 start.started = started = time.monotonic()
+            if self.lane.timeout:
+                # The loop may have set its sleep before this start: wake it, so it watches
+                # the run's deadline from now (one poke per batch, as for outcomes).
+                self._wake_loop()
             job = start.job
             logs.bind_job(job.id, job.handler)
             try:
@@ -280,6 +284,9 @@ class HandlerRunner:
         outcome queued after the drain started always finds it clear and pokes again.
         """
         self.outcomes.put(outcome)
+        self._wake_loop()
+
+    def _wake_loop(self) -> None:
         if not self._poked:
             self._poked = True
             pipes.poke(self._results_w)

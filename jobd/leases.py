@@ -54,7 +54,8 @@ class LeaseKeeper:
             conn, held, self.lane.visibility_timeout))
         if renewed is None:
             return  # tried again at the next heartbeat; the leases last visibility_timeout
-        if renewed.lease_lost or renewed.cancelled:
+        reported = {*renewed.lease_lost, *renewed.cancelled}
+        if any(job.id in reported for job, _claimed in self.slots.on_deck()):
             # Not started yet, the jobs on deck are handled as the buffered ones they are.
             self.slots.take_back_deck()
         # Buffered and swept (a worker too slow to renew): never started, just dropped.

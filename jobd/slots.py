@@ -93,12 +93,24 @@ class Slots:
     def on_deck(self) -> list[tuple[jobs.Job, float]]:
         """The jobs waiting on deck, with their claim times, in the order they were handed
         over (a thread may start one at any moment: this is a snapshot)."""
-        return [(r.job, r.claimed_at) for r in self.inflight.values() if r.started is None]
+        isolating = self.claimer.isolating
+        return [(r.job, r.claimed_at) for r in self.inflight.values()
+                if r.started is None and r.job.id != isolating]
 
-    def take_back_deck(self) -> None:
+    def recall_deck(self, mode: WorkerMode, now: float) -> None:
+        """Take the deck back if the buffer's rules would give back any job on it (a drain,
+        a pause, a suspect due, its age): at once, so that no thread starts it meanwhile."""
+        if self.claimer.would_release(mode, self.on_deck(), now):
+            self.take_back_deck()
+
+    def take_back_deck(self, suspect_too: bool = False) -> None:
         """Put the jobs on deck back at the front of the buffer, in their order: none of
-        them starts after this (see ``HandlerRunner.take_back``)."""
-        waiting = [r for r in self.inflight.values() if r.started is None]
+        them starts after this (see ``HandlerRunner.take_back``). A suspect waiting for its
+        thread is not taken back unless ``suspect_too`` (the worker exits): it was claimed to
+        run alone, whatever else the loop does."""
+        isolating = None if suspect_too else self.claimer.isolating
+        waiting = [r for r in self.inflight.values()
+                   if r.started is None and r.job.id != isolating]
         if not waiting:
             return
         taken = self.runner.take_back(waiting)

@@ -123,6 +123,8 @@ class Worker:
             if self.claims_unknown and self.conn is not None:
                 self.exchange.fail_claims_not_held()
             self._refresh_controls()
+            # A drain or a pause just learnt of: no thread may start a job on deck meanwhile.
+            self.slots.recall_deck(self.lifecycle.mode, time.monotonic())
             self._collect_outcomes()
             self.slots.fill(self.lifecycle.mode)
             self.slots.expire_timeouts(time.monotonic())
@@ -219,7 +221,7 @@ class Worker:
 
     def _shutdown(self) -> None:
         """Write what finished, give back what did not, and close."""
-        self.slots.take_back_deck()  # no thread may start a job given back
+        self.slots.take_back_deck(suspect_too=True)  # no thread may start a job given back
         self._collect_outcomes()
         if self.conn is None:
             self.link.retry_at = 0.0  # one more try, whatever the backoff said

@@ -22,7 +22,7 @@ from jobd.config import LaneConfig
 from jobd.db import DEFAULT_SCHEMA
 from jobd.handler_runner import HandlerRunner
 from jobd.protocol import WorkerMode
-from jobd.slots import Slots
+from jobd.slots import Running, Slots
 
 LANE = "default"
 WORKER_ID = "test-node:default#0:deck"
@@ -92,6 +92,14 @@ def hand_over(subject: worker.Worker, deck: int) -> None:
     subject.slots.fill(WorkerMode.RUNNING)
 
 
+def passes_marker(subject: worker.Worker, gate: Gate, marker: jobs.Job) -> None:
+    """Hand ``marker`` to the threads' queue, behind whatever waits there, and wait for it to
+    run: the thread has then dealt with everything queued before it."""
+    gate.let_go(marker.id)
+    subject.runner.start(Running(marker, time.monotonic(), None))
+    until(lambda: marker.id in gate.ran, "the marker runs")
+
+
 def until(condition: object, what: str) -> None:
     deadline = time.monotonic() + WAIT_S
     while not condition():  # type: ignore[operator]
@@ -122,16 +130,14 @@ def test_jobs_taken_back_from_the_deck_return_in_order_and_never_start(
     subject.claimer.buffer.pop()  # the marker is handed over after the take-back
     hand_over(subject, deck=2)
     until(lambda: gate.ran == [first.id], "the first job runs")
+    assert subject.claimer.started == 3
     subject.slots.take_back_deck()
     assert [job.id for job, _claimed in subject.claimer.buffer] == [second.id, third.id]
     assert set(subject.inflight) == {first.id}
-    # The taken-back jobs still sit in the threads' queue; the marker goes in behind them,
-    # so once it runs the thread has passed them.
-    subject.claimer.buffer.clear()
-    subject.claimer.buffer.append((marker, time.monotonic()))
-    hand_over(subject, deck=2)
+    assert subject.claimer.started == 1  # the start rate counts what started, once
+    # The taken-back jobs still sit in the threads' queue: the marker goes in behind them.
     gate.let_go(first.id)
-    until(lambda: marker.id in gate.ran, "the marker runs")
+    passes_marker(subject, gate, marker)
     assert gate.ran == [first.id, marker.id]
 
 
@@ -153,7 +159,8 @@ def test_a_drain_gives_back_the_jobs_on_deck_at_once(
 
 def test_a_job_on_deck_asked_to_stop_is_finished_unstarted(
         subject: worker.Worker, conn: psycopg.Connection, gate: Gate) -> None:
-    first, second = claim_into_buffer(subject, conn, 2)
+    first, second, marker = claim_into_buffer(subject, conn, 3)
+    subject.claimer.buffer.pop()
     hand_over(subject, deck=1)
     until(lambda: gate.ran == [first.id], "the first job runs")
     jobd.cancel(conn, [second.id])
@@ -164,12 +171,15 @@ def test_a_job_on_deck_asked_to_stop_is_finished_unstarted(
     subject._settle_and_claim(claim=False)
     assert conn.execute("SELECT state FROM all_jobs WHERE id = %s",
                         (second.id,)).fetchone() == ("cancelled",)
-    assert gate.ran == [first.id]
+    gate.let_go(first.id)
+    passes_marker(subject, gate, marker)
+    assert gate.ran == [first.id, marker.id]
 
 
 def test_a_thread_held_past_its_timeout_wedges_the_worker_whatever_waits_behind_it(
         subject: worker.Worker, conn: psycopg.Connection, gate: Gate) -> None:
-    first, second = claim_into_buffer(subject, conn, 2)
+    first, second, marker = claim_into_buffer(subject, conn, 3)
+    subject.claimer.buffer.pop()
     hand_over(subject, deck=1)
     until(lambda: gate.ran == [first.id], "the first job runs")
     started = subject.inflight[first.id].started
@@ -180,7 +190,64 @@ def test_a_thread_held_past_its_timeout_wedges_the_worker_whatever_waits_behind_
     subject._shutdown()
     assert conn.execute("SELECT state, attempts FROM all_jobs WHERE id = %s",
                         (second.id,)).fetchone() == ("pending", 0)
-    assert gate.ran == [first.id]
+    gate.let_go(first.id)  # the handler returns at last
+    passes_marker(subject, gate, marker)
+    assert gate.ran == [first.id, marker.id]
+
+
+def test_a_suspect_waiting_for_its_thread_is_never_taken_back(
+        subject: worker.Worker, conn: psycopg.Connection, gate: Gate) -> None:
+    first, suspect = claim_into_buffer(subject, conn, 2)
+    subject.claimer.buffer.pop()
+    hand_over(subject, deck=0)
+    until(lambda: gate.ran == [first.id], "the first job runs")
+    # As Exchange._started starts a suspect: handed over at once, to run alone.
+    subject.claimer.isolating = suspect.id
+    subject.claimer.suspects_possible = True  # so the buffer's rules give back everything
+    subject.slots.start(suspect)
+    subject.exchange.release_buffer(WorkerMode.RUNNING)
+    subject.leases.renew_now()
+    subject._renew_leases()
+    assert set(subject.inflight) == {first.id, suspect.id} and not subject.claimer.buffer
+    gate.let_go(first.id)
+    until(lambda: gate.ran == [first.id, suspect.id], "the suspect runs")
+    gate.let_go(suspect.id)
+    until(lambda: subject.runner.outcomes.qsize() == 2, "both outcomes arrive")
+    subject._collect_outcomes()
+    assert subject.claimer.isolating is None  # done: the worker claims again
+
+
+def test_a_pause_learnt_of_takes_the_deck_back_and_gives_it_back(
+        subject: worker.Worker, conn: psycopg.Connection, gate: Gate) -> None:
+    first, second, third, marker = claim_into_buffer(subject, conn, 4)
+    subject.claimer.buffer.pop()
+    hand_over(subject, deck=2)
+    until(lambda: gate.ran == [first.id], "the first job runs")
+    subject.claimer.set_controls(False, frozenset({"gate"}))
+    subject.slots.recall_deck(WorkerMode.RUNNING, time.monotonic())
+    assert set(subject.inflight) == {first.id}
+    subject.slots.fill(WorkerMode.RUNNING)  # a paused handler's jobs are not handed over
+    assert set(subject.inflight) == {first.id}
+    subject.exchange.release_buffer(WorkerMode.RUNNING)
+    assert not subject.claimer.buffer
+    assert conn.execute("SELECT count(*) FROM jobs WHERE state = 'pending' AND id IN (%s, %s)",
+                        (second.id, third.id)).fetchone() == (2,)
+    gate.let_go(first.id)
+    passes_marker(subject, gate, marker)
+    assert gate.ran == [first.id, marker.id]
+
+
+def test_a_heartbeat_renews_the_leases_of_jobs_on_deck(
+        subject: worker.Worker, conn: psycopg.Connection, gate: Gate) -> None:
+    first, second = claim_into_buffer(subject, conn, 2)
+    hand_over(subject, deck=1)
+    until(lambda: gate.ran == [first.id], "the first job runs")
+    conn.execute("UPDATE jobs SET lease_until = now() + interval '1 second'")
+    subject.leases.renew_now()
+    subject._renew_leases()
+    assert conn.execute("SELECT count(*) FROM jobs WHERE lease_until > now() + interval '20s'"
+                        ).fetchone() == (2,)
+    assert subject.inflight[second.id].started is None
 
 
 def test_the_deck_is_open_only_to_short_sync_jobs() -> None:
