@@ -63,6 +63,7 @@ from bench.daemon_bench import (
 )
 from jobd import queue
 from jobd.claim_floors import full_scan_params
+from jobd.cli_types import positive_int
 from jobd.config import LaneConfig
 from jobd.queries import query
 
@@ -291,22 +292,12 @@ def explain_claim(env: Env, limit: int, repeats: int = 5) -> tuple[str, list[flo
     return plan, times
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1: {value}")
-    return value
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--settings", type=_drain_settings, default=((1, 10), (2, 10)),
                         help="worker processes x concurrency, e.g. 1x10,2x10")
     parser.add_argument("--py-spy", default=None, help="the py-spy binary (optional)")
-    parser.add_argument("--jobs", type=_positive_int, default=DRAIN_JOBS,
+    parser.add_argument("--jobs", type=positive_int, default=DRAIN_JOBS,
                         help=f"jobs per drain (default {DRAIN_JOBS:,}; a drain of 20,000 "
                              "lasts about a second, so rates spread; more steadies them)")
     parser.add_argument("--no-explain", action="store_true",

@@ -85,6 +85,17 @@ def claim_into_buffer(subject: worker.Worker, conn: psycopg.Connection,
     return claimed
 
 
+def first_running_and_deck(subject: worker.Worker, conn: psycopg.Connection, gate: Gate,
+                           on_deck: int) -> tuple[jobs.Job, list[jobs.Job], jobs.Job]:
+    """Claim a first job, ``on_deck`` more and a marker (kept back); hand the first and the
+    deck over and wait for the first to hold the one thread."""
+    first, *deck, marker = claim_into_buffer(subject, conn, on_deck + 2)
+    subject.claimer.buffer.pop()
+    hand_over(subject, deck=on_deck)
+    until(lambda: gate.ran == [first.id], "the first job runs")
+    return first, deck, marker
+
+
 def hand_over(subject: worker.Worker, deck: int) -> None:
     """Fill the slots and ``deck`` places on deck (the claimer's measure decides how many in
     a running worker: ``test_the_deck_is_open_only_to_short_sync_jobs``)."""
@@ -126,10 +137,7 @@ def test_a_job_on_deck_starts_when_a_thread_frees_and_its_timeout_runs_from_then
 
 def test_jobs_taken_back_from_the_deck_return_in_order_and_never_start(
         subject: worker.Worker, conn: psycopg.Connection, gate: Gate) -> None:
-    first, second, third, marker = claim_into_buffer(subject, conn, 4)
-    subject.claimer.buffer.pop()  # the marker is handed over after the take-back
-    hand_over(subject, deck=2)
-    until(lambda: gate.ran == [first.id], "the first job runs")
+    first, (second, third), marker = first_running_and_deck(subject, conn, gate, 2)
     assert subject.claimer.started == 3
     subject.slots.take_back_deck()
     assert [job.id for job, _claimed in subject.claimer.buffer] == [second.id, third.id]
@@ -143,26 +151,21 @@ def test_jobs_taken_back_from_the_deck_return_in_order_and_never_start(
 
 def test_a_drain_gives_back_the_jobs_on_deck_at_once(
         subject: worker.Worker, conn: psycopg.Connection, gate: Gate) -> None:
-    first, second, third = claim_into_buffer(subject, conn, 3)
-    hand_over(subject, deck=2)
-    until(lambda: gate.ran == [first.id], "the first job runs")
+    first, (second, third), marker = first_running_and_deck(subject, conn, gate, 2)
     subject.exchange.release_buffer(WorkerMode.DRAINING)
     assert set(subject.inflight) == {first.id} and not subject.claimer.buffer
-    rows = conn.execute("SELECT id, state, claimed_by FROM jobs ORDER BY id").fetchall()
+    rows = conn.execute("SELECT id, state, claimed_by FROM jobs WHERE id <> %s ORDER BY id",
+                        (marker.id,)).fetchall()
     assert rows == [(first.id, "claimed", WORKER_ID), (second.id, "pending", None),
                     (third.id, "pending", None)]
     gate.let_go(first.id)
-    until(lambda: not subject.runner.handler_queue.qsize() and subject.runner.outcomes.qsize(),
-          "the first job's outcome arrives")
-    assert gate.ran == [first.id]
+    passes_marker(subject, gate, marker)
+    assert gate.ran == [first.id, marker.id]
 
 
 def test_a_job_on_deck_asked_to_stop_is_finished_unstarted(
         subject: worker.Worker, conn: psycopg.Connection, gate: Gate) -> None:
-    first, second, marker = claim_into_buffer(subject, conn, 3)
-    subject.claimer.buffer.pop()
-    hand_over(subject, deck=1)
-    until(lambda: gate.ran == [first.id], "the first job runs")
+    first, (second,), marker = first_running_and_deck(subject, conn, gate, 1)
     jobd.cancel(conn, [second.id])
     subject.leases.renew_now()
     subject._renew_leases()
@@ -178,10 +181,7 @@ def test_a_job_on_deck_asked_to_stop_is_finished_unstarted(
 
 def test_a_thread_held_past_its_timeout_wedges_the_worker_whatever_waits_behind_it(
         subject: worker.Worker, conn: psycopg.Connection, gate: Gate) -> None:
-    first, second, marker = claim_into_buffer(subject, conn, 3)
-    subject.claimer.buffer.pop()
-    hand_over(subject, deck=1)
-    until(lambda: gate.ran == [first.id], "the first job runs")
+    first, (second,), marker = first_running_and_deck(subject, conn, gate, 1)
     started = subject.inflight[first.id].started
     assert started is not None
     subject.slots.expire_timeouts(started + 5.0)
@@ -219,10 +219,7 @@ def test_a_suspect_waiting_for_its_thread_is_never_taken_back(
 
 def test_a_pause_learnt_of_takes_the_deck_back_and_gives_it_back(
         subject: worker.Worker, conn: psycopg.Connection, gate: Gate) -> None:
-    first, second, third, marker = claim_into_buffer(subject, conn, 4)
-    subject.claimer.buffer.pop()
-    hand_over(subject, deck=2)
-    until(lambda: gate.ran == [first.id], "the first job runs")
+    first, (second, third), marker = first_running_and_deck(subject, conn, gate, 2)
     subject.claimer.set_controls(False, frozenset({"gate"}))
     subject.slots.recall_deck(WorkerMode.RUNNING, time.monotonic())
     assert set(subject.inflight) == {first.id}
