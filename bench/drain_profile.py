@@ -4,7 +4,7 @@ at once, a daemon with one lane) with the daemon's and the server's side watched
 Usage::
 
     .venv/bin/python -m bench.drain_profile [--settings 1x10,2x10] [--py-spy PATH]
-                                            [--jobs N] [--no-explain]
+                                            [--jobs N] [--no-explain] [--gil]
 
 For each setting (worker processes x concurrency), one drain, on the same throwaway cluster as
 the daemon benchmark; the jobs are enqueued while the lane is paused and the drain is timed from
@@ -17,7 +17,8 @@ the resume, so that nothing but the drain is measured. During it:
 - ``pg_stat_activity`` is sampled every 10 ms from the ``postgres`` database: for each worker
   backend, whether it is idle (waiting for its worker: the time is the client's), active on
   CPU, or active waiting (and on what: ``wait_event_type:wait_event``);
-- with ``--py-spy``, ``py-spy record --nonblocking --threads --idle --format raw`` samples the
+- with ``--py-spy``, ``py-spy record --nonblocking --threads --idle --format raw`` (``--gil``
+  in place of ``--idle`` with ``--gil``: the Python CPU alone) samples the
   first worker process at 100 Hz: the main (loop) thread's samples are split into asleep in
   ``select``, waiting for the server inside an exchange, the exchange's own client work, and
   the rest of the loop; the top frames of the main thread and of the handler threads are
@@ -142,7 +143,7 @@ def server_counts(env: Env) -> dict[str, int]:
 
 
 def profile_drain(env: Env, workers: int, concurrency: int, py_spy: str | None,
-                  jobs: int = DRAIN_JOBS) -> dict[str, Any]:
+                  jobs: int = DRAIN_JOBS, gil_only: bool = False) -> dict[str, Any]:
     reset_queue(env)
     stamps = env.scratch(f"profile-w{workers}c{concurrency}")
     config = write_config(env, f"profile-w{workers}c{concurrency}",
@@ -157,7 +158,7 @@ def profile_drain(env: Env, workers: int, concurrency: int, py_spy: str | None,
             jobd.enqueue_many(conn, specs)
         workers_now, backends = worker_pids(daemon.pid), backend_pids(env)
         groups = {"supervisor": [daemon.pid], "workers": workers_now, "backends": backends}
-        spy = _start_py_spy(py_spy, workers_now[0], stamps) if py_spy else None
+        spy = _start_py_spy(py_spy, workers_now[0], stamps, gil_only) if py_spy else None
         sampler = ActivitySampler(env)
         before = {name: own_cpu_seconds(pids) for name, pids in groups.items()}
         counts_before = server_counts(env)
@@ -199,11 +200,15 @@ def profile_drain(env: Env, workers: int, concurrency: int, py_spy: str | None,
     return result
 
 
-def _start_py_spy(py_spy: str, pid: int, stamps: Path) -> tuple[subprocess.Popen[bytes], Path]:
+def _start_py_spy(py_spy: str, pid: int, stamps: Path,
+                  gil_only: bool) -> tuple[subprocess.Popen[bytes], Path]:
     out = stamps / f"py-spy-{pid}.txt"
+    # Every thread's waits included, or only the thread holding the GIL: where the
+    # process's Python CPU goes.
+    which = "--gil" if gil_only else "--idle"
     proc = subprocess.Popen(
         [py_spy, "record", "--pid", str(pid), "--rate", str(PY_SPY_RATE), "--nonblocking",
-         "--threads", "--idle", "--format", "raw", "--output", str(out)],
+         "--threads", which, "--format", "raw", "--output", str(out)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     time.sleep(0.5)  # attached before the jobs arrive
     return proc, out
@@ -300,13 +305,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--jobs", type=positive_int, default=DRAIN_JOBS,
                         help=f"jobs per drain (default {DRAIN_JOBS:,}; a drain of 20,000 "
                              "lasts about a second, so rates spread; more steadies them)")
+    parser.add_argument("--gil", action="store_true",
+                        help="with --py-spy, sample only the thread holding the GIL (where "
+                             "the worker's Python CPU goes) instead of every thread with its "
+                             "waits")
     parser.add_argument("--no-explain", action="store_true",
                         help="skip the EXPLAIN ANALYZE of the claim after the drains")
     args = parser.parse_args(argv)
     results = []
     with environment(statements=False, keep=False) as env:
         for workers, concurrency in args.settings:
-            results.append(profile_drain(env, workers, concurrency, args.py_spy, args.jobs))
+            results.append(profile_drain(env, workers, concurrency, args.py_spy, args.jobs,
+                                         args.gil))
         if not args.no_explain:
             workers, concurrency = args.settings[0]
             limit = LaneConfig(LANE, concurrency=concurrency).buffer_size + concurrency
