@@ -12,13 +12,13 @@ from datetime import timedelta
 
 import psycopg
 import pytest
+from worker_support import connected_worker
 
 import jobd
 from jobd import pauses, protocol, worker
 from jobd.claim_floors import HEAD
 from jobd.claimer import Claimer
 from jobd.config import Config, LaneConfig
-from jobd.db import DEFAULT_SCHEMA
 from jobd.duties.lane_poll import LanePoll
 from jobd.protocol import WorkerMode
 from jobd.wake_routing import WakeRouter
@@ -159,20 +159,9 @@ def test_the_lane_poll_tells_workers_of_pause_changes_it_did_not_hear_of(
 def loop(db_url: str) -> Iterator[tuple[worker.Worker, int]]:
     """A worker with no handlers (no threads), connected, not started; and its wake pipe's
     write end, as the supervisor holds it."""
-    status_r, status_w = os.pipe()
-    wake_r, wake_w = os.pipe()
-    spec = protocol.WorkerSpec(
-        worker_id=WORKER_ID, lane=LaneConfig(LANE, concurrency=1, prefetch=4),
-        handlers={}, database_url=db_url, schema=DEFAULT_SCHEMA, slot=0, generation=1,
-        status_fd=status_w, wake_fd=wake_r, shutdown_timeout=1.0)
-    subject = worker.Worker(spec, {})
-    subject._ensure_connection()
-    assert subject.conn is not None
-    yield subject, wake_w
-    if subject.conn is not None:
-        subject.conn.close()
-    for fd in (status_r, status_w, wake_r, wake_w):
-        os.close(fd)
+    lane = LaneConfig(LANE, concurrency=1, prefetch=4)
+    with connected_worker(db_url, lane, WORKER_ID) as made:
+        yield made
 
 
 def states(conn: psycopg.Connection) -> dict[int, str]:

@@ -6,13 +6,13 @@ starts."""
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Iterator
 
 import psycopg
 import pytest
+from worker_support import connected_worker
 
 import jobd
 from jobd import handlers, jobs, protocol, queue, worker
@@ -57,22 +57,12 @@ def gate() -> Gate:
 @pytest.fixture
 def subject(db_url: str, gate: Gate) -> Iterator[worker.Worker]:
     """A connected worker of one thread (timeout 5 s) whose handler is ``gate``."""
-    status_r, status_w = os.pipe()
-    wake_r, wake_w = os.pipe()
-    spec = protocol.WorkerSpec(
-        worker_id=WORKER_ID, lane=LaneConfig(LANE, concurrency=1, timeout=5.0),
-        handlers={}, database_url=db_url, schema=DEFAULT_SCHEMA, slot=0, generation=1,
-        status_fd=status_w, wake_fd=wake_r, shutdown_timeout=1.0)
-    made = worker.Worker(spec, {"gate": handlers.resolved("gate", gate)})
-    made._ensure_connection()
-    assert made.conn is not None
-    yield made
-    for job_id in gate.ran:
-        gate.let_go(job_id)
-    if made.conn is not None:
-        made.conn.close()
-    for fd in (status_r, status_w, wake_r, wake_w):
-        os.close(fd)
+    lane = LaneConfig(LANE, concurrency=1, timeout=5.0)
+    with connected_worker(db_url, lane, WORKER_ID,
+                          {"gate": handlers.resolved("gate", gate)}) as (made, _wake):
+        yield made
+        for job_id in gate.ran:
+            gate.let_go(job_id)
 
 
 def claim_into_buffer(subject: worker.Worker, conn: psycopg.Connection,

@@ -5,7 +5,6 @@ signal does to its mode)."""
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 import time
@@ -13,9 +12,10 @@ from collections.abc import Iterator
 
 import psycopg
 import pytest
+from worker_support import connected_worker
 
 import jobd
-from jobd import handler_runner, protocol, queue, slots, worker
+from jobd import handler_runner, queue, slots, worker
 from jobd.claim_floors import (
     FULL_SCAN_INTERVAL,
     HEAD_SCAN_SHARE,
@@ -25,7 +25,6 @@ from jobd.claim_floors import (
 )
 from jobd.completer import SETTLE_DELAY, Completer, Counters
 from jobd.config import LaneConfig
-from jobd.db import DEFAULT_SCHEMA
 from jobd.protocol import WorkerMode
 from jobd.worker_mode import Lifecycle
 from jobd.worker_timers import select_timeout
@@ -34,32 +33,17 @@ LANE = "default"
 WORKER_ID = "test-node:default#0:cafe"
 
 
-def connected_worker(db_url: str, lane: LaneConfig) -> Iterator[worker.Worker]:
-    """A worker of ``lane`` with no handlers (no threads, no pools), connected, not started."""
-    status_r, status_w = os.pipe()
-    wake_r, wake_w = os.pipe()
-    spec = protocol.WorkerSpec(
-        worker_id=WORKER_ID, lane=lane, handlers={}, database_url=db_url,
-        schema=DEFAULT_SCHEMA, slot=0, generation=1, status_fd=status_w, wake_fd=wake_r,
-        shutdown_timeout=1.0)
-    subject = worker.Worker(spec, {})
-    subject._ensure_connection()
-    assert subject.conn is not None
-    yield subject
-    if subject.conn is not None:
-        subject.conn.close()
-    for fd in (status_r, status_w, wake_r, wake_w):
-        os.close(fd)
-
-
 @pytest.fixture
 def loop(db_url: str) -> Iterator[worker.Worker]:
-    yield from connected_worker(db_url, LaneConfig(LANE))
+    with connected_worker(db_url, LaneConfig(LANE), WORKER_ID) as (subject, _wake):
+        yield subject
 
 
 @pytest.fixture
 def one_slot_with_timeout(db_url: str) -> Iterator[worker.Worker]:
-    yield from connected_worker(db_url, LaneConfig(LANE, concurrency=1, timeout=5.0))
+    lane = LaneConfig(LANE, concurrency=1, timeout=5.0)
+    with connected_worker(db_url, lane, WORKER_ID) as (subject, _wake):
+        yield subject
 
 
 def state_of(conn: psycopg.Connection, job_id: int) -> tuple[str, int, str | None]:
