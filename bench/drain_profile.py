@@ -5,6 +5,7 @@ Usage::
 
     .venv/bin/python -m bench.drain_profile [--settings 1x10,2x10] [--py-spy PATH]
                                             [--jobs N] [--no-explain] [--gil]
+                                            [--against KEY=VALUE [--pairs N]]
 
 For each setting (worker processes x concurrency), one drain, on the same throwaway cluster as
 the daemon benchmark; the jobs are enqueued while the lane is paused and the drain is timed from
@@ -26,7 +27,10 @@ the resume, so that nothing but the drain is measured. During it:
 
 Then ``EXPLAIN (ANALYZE, BUFFERS)`` of the worker's claim (``claim_jobs``, the limit a worker
 of the first setting asks for) on a queue of 20,000 due jobs, in a transaction rolled back.
-Output on stderr, then one JSON line per drain. py-spy is an optional dependency (the
+With ``--against KEY=VALUE`` each setting drains in pairs, the lane as configured by default
+and with that key set (e.g. ``settle_connection=false``), alternating, and the medians and
+their ratio are printed: a baseline measured in the same run. Output on stderr, then one
+JSON line per drain. py-spy is an optional dependency (the
 ``bench`` extra has it); without ``--py-spy`` there is no stack profile.
 """
 
@@ -37,6 +41,7 @@ import collections
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -143,11 +148,13 @@ def server_counts(env: Env) -> dict[str, int]:
 
 
 def profile_drain(env: Env, workers: int, concurrency: int, py_spy: str | None,
-                  jobs: int = DRAIN_JOBS, gil_only: bool = False) -> dict[str, Any]:
+                  jobs: int = DRAIN_JOBS, gil_only: bool = False,
+                  lane_options: dict[str, Any] | None = None) -> dict[str, Any]:
     reset_queue(env)
     stamps = env.scratch(f"profile-w{workers}c{concurrency}")
     config = write_config(env, f"profile-w{workers}c{concurrency}",
-                          {LANE: (workers, concurrency)})
+                          {LANE: (workers, concurrency)},
+                          lane_options={LANE: dict(lane_options or {})})
     specs = [jobd.JobSpec("noop", {}, LANE) for _ in range(jobs)]
     with Daemon(env, config, stamps, workers=workers) as daemon:
         time.sleep(DRAIN_SETTLE_S)
@@ -177,13 +184,15 @@ def profile_drain(env: Env, workers: int, concurrency: int, py_spy: str | None,
         stacks = _stop_py_spy(spy) if spy else None
     result: dict[str, Any] = {
         "workers": workers, "concurrency": concurrency, "jobs": jobs,
+        "lane_options": dict(lane_options or {}),
         "seconds": round(seconds, 3), "jobs_per_s": round(jobs / seconds),
         "cpu_ms_per_job": {name: round(1000.0 * s / jobs, 3) for name, s in cpu.items()},
         "cpu_cores": {name: round(s / seconds, 2) for name, s in cpu.items()},
         "backend_activity_pct": activity, "activity_samples": sampler.samples,
         "per_1000_jobs": {name: round(1000.0 * n / jobs, 1) for name, n in counts.items()},
         **load}
-    log(f"drain {workers}x{concurrency}: {result['jobs_per_s']:,} jobs/s ({seconds:.2f}s, "
+    log(f"drain {workers}x{concurrency} {json.dumps(lane_options or {})}: "
+        f"{result['jobs_per_s']:,} jobs/s ({seconds:.2f}s, "
         f"from the resume); other load {load['other_load_cores']:.2f} cores")
     log(f"  CPU ms per job: {result['cpu_ms_per_job']}; cores: {result['cpu_cores']}")
     log(f"  worker backends (% of samples): {activity}")
@@ -297,6 +306,31 @@ def explain_claim(env: Env, limit: int, repeats: int = 5) -> tuple[str, list[flo
     return plan, times
 
 
+def _lane_option(text: str) -> dict[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, not {text!r}")
+    try:
+        return {key: json.loads(value)}
+    except json.JSONDecodeError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a JSON value") from None
+
+
+def _compare(workers: int, concurrency: int, against: dict[str, Any],
+             pairs: list[list[dict[str, Any]]]) -> None:
+    """The medians of both sides, their ratio, and how many pairs the defaults won."""
+    rates = [[drain["jobs_per_s"] for drain in pair] for pair in pairs]
+    ours, theirs = (statistics.median(side) for side in zip(*rates, strict=True))
+    won = sum(default > other for default, other in rates)
+    log(f"{workers}x{concurrency}: defaults {ours:,.0f} jobs/s (median of {rates_of(rates, 0)}), "
+        f"{json.dumps(against)} {theirs:,.0f} ({rates_of(rates, 1)}); ratio "
+        f"{ours / theirs:.2f}, defaults faster in {won} of {len(pairs)} pairs")
+
+
+def rates_of(rates: list[list[int]], side: int) -> str:
+    return " / ".join(f"{pair[side]:,}" for pair in rates)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--settings", type=_drain_settings, default=((1, 10), (2, 10)),
@@ -311,12 +345,25 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "waits")
     parser.add_argument("--no-explain", action="store_true",
                         help="skip the EXPLAIN ANALYZE of the claim after the drains")
+    parser.add_argument("--against", type=_lane_option, default=None, metavar="KEY=VALUE",
+                        help="also drain with this lane key set (a JSON value, e.g. "
+                             "settle_connection=false), alternating with the defaults, and "
+                             "print the medians and their ratio per setting")
+    parser.add_argument("--pairs", type=positive_int, default=3,
+                        help="with --against: pairs of drains per setting (default 3)")
     args = parser.parse_args(argv)
     results = []
     with environment(statements=False, keep=False) as env:
         for workers, concurrency in args.settings:
-            results.append(profile_drain(env, workers, concurrency, args.py_spy, args.jobs,
-                                         args.gil))
+            if args.against is None:
+                results.append(profile_drain(env, workers, concurrency, args.py_spy,
+                                             args.jobs, args.gil))
+                continue
+            pairs = [[profile_drain(env, workers, concurrency, args.py_spy, args.jobs,
+                                    args.gil, options)
+                      for options in ({}, args.against)] for _ in range(args.pairs)]
+            results += [drain for pair in pairs for drain in pair]
+            _compare(workers, concurrency, args.against, pairs)
         if not args.no_explain:
             workers, concurrency = args.settings[0]
             limit = LaneConfig(LANE, concurrency=concurrency).buffer_size + concurrency

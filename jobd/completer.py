@@ -7,7 +7,9 @@ plus the buffer), unless nothing else runs: a worker that wrote every ``concurre
 on their own paid a commit per slotful of jobs; waiting (never longer than
 :data:`SETTLE_DELAY`) lets the buffer's next jobs run first, and their outcomes share the
 commit. While a batch is being written the slots keep turning over (``Slots.turn_over``):
-outcomes that arrive then stay pending for the next batch. A job whose outcome waits is not
+outcomes that arrive then stay pending for the next batch. A batch may also be handed over
+to be written on a connection of its own (:mod:`jobd.settler`): until its answer is taken
+its outcomes stay pending, and no other batch is made. A job whose outcome waits is not
 lost: its lease is the worker's until the outcome is written, and the fenced write decides
 what still applies.
 """
@@ -97,6 +99,7 @@ class Completer:
         self.counters = counters
         self.pending: list[Outcome] = []
         self.since: float | None = None  # when the oldest pending outcome arrived
+        self.handed_over = False  # a batch is being written elsewhere (jobd.settler)
 
     def add(self, outcome: Outcome) -> None:
         if not self.pending:
@@ -104,19 +107,34 @@ class Completer:
         self.pending.append(outcome)
 
     def due_at(self) -> float | None:
-        return None if self.since is None else self.since + SETTLE_DELAY
+        if self.handed_over or self.since is None:
+            return None
+        return self.since + SETTLE_DELAY
 
     def due(self, busy: bool, capacity: int) -> bool:
         """Whether pending outcomes with no claim to ride along should be written now;
         ``busy``: other jobs are running or waiting, so more outcomes will come soon;
         ``capacity``: all the worker can hold (slots and buffer), so no more can come."""
-        if not self.pending:
+        if not self.pending or self.handed_over:
             return False
         if not busy or len(self.pending) >= capacity:
             return True
         return self.since is not None and time.monotonic() >= self.since + SETTLE_DELAY
 
+    def hand_over(self) -> Batch:
+        """The pending outcomes as a batch written elsewhere; until :meth:`written` or
+        :meth:`not_written`, no other batch is made."""
+        batch = self.batch()
+        self.handed_over = True
+        return batch
+
+    def not_written(self) -> None:
+        """The batch handed over was not written: its outcomes go in the next one."""
+        self.handed_over = False
+        self.since = time.monotonic() if self.pending else None
+
     def batch(self) -> Batch:
+        assert not self.handed_over, "a batch is being written elsewhere"
         batch = Batch(size=len(self.pending))
         for outcome in self.pending:
             if outcome.committed:
@@ -141,6 +159,7 @@ class Completer:
         (monotonic), for the worker's own timers. Outcomes that arrived while it was being
         written stay pending, for the next batch."""
         written, self.pending = self.pending[:batch.size], self.pending[batch.size:]
+        self.handed_over = False
         # Their arrival is not kept per outcome; from now, they wait SETTLE_DELAY at most.
         self.since = time.monotonic() if self.pending else None
         cancelled = completed.cancelled + failed.cancelled + batch.committed_cancelled

@@ -45,6 +45,9 @@ class LaneConfig:
     # Jobs a worker process claims ahead of its free slots (None: 3 x concurrency), so the
     # database sees larger claims while handlers see ``concurrency`` jobs at a time.
     prefetch: int | None = None
+    # Outcomes written on a second connection per worker process while claims go on the
+    # first (jobd/settler.py); false: one connection, outcomes ride with the claims.
+    settle_connection: bool = True
     # The pickup SLO (``slo.pickup``): a due job should be claimed within this many seconds.
     # Only `jobd status`, `jobd top` and the metrics read it; workers run the same with or
     # without it. compare=False so that a reload changing only the SLO does not replace the
@@ -175,6 +178,7 @@ def _lane(name: str, located: yamlcheck.Located, path: str) -> LaneConfig:
         backoff=Backoff(base, cap),
         poll_interval=section.take("poll_interval", yamlcheck.positive_duration, 5.0),
         prefetch=section.take("prefetch", yamlcheck.int_between(0, 10_000), None),
+        settle_connection=section.take("settle_connection", yamlcheck.boolean, True),
         slo_pickup=slo_pickup,
         max_running=section.take("max_running", yamlcheck.int_between(1, 1_000_000), None),
         rate_limit=rate_limit,

@@ -4,7 +4,10 @@ a wake-up when the lane runs dry, and the repair after a claim whose rows never 
 
 What to claim and when is :class:`jobd.claimer.Claimer`'s decision, which outcomes go in a
 batch :class:`jobd.completer.Completer`'s; this module does the statements and hands their
-answers back to them.
+answers back to them. With a :class:`jobd.settler.Settler` the outcomes go on its
+connection instead, written while the claims go on the link: the answer comes back in a
+later turn of the loop. After a failure there, or to write the last outcomes before the
+worker exits, they go with the claims again.
 """
 
 from __future__ import annotations
@@ -15,9 +18,10 @@ import structlog
 
 from jobd import claim_floors, fastpath, queue, recovery
 from jobd.claimer import Claimer
-from jobd.completer import Completer, Counters
+from jobd.completer import Batch, Completer, Counters
 from jobd.db import ManagedConnection
 from jobd.protocol import WorkerMode, WorkerSpec
+from jobd.settler import Settler
 from jobd.slots import Slots
 from jobd.worker_controls import Controls
 from jobd.worker_timers import Timers
@@ -36,7 +40,7 @@ class Exchange:
 
     def __init__(self, spec: WorkerSpec, link: ManagedConnection, claimer: Claimer,
                  completer: Completer, counters: Counters, slots: Slots, timers: Timers,
-                 controls: Controls) -> None:
+                 controls: Controls, settler: Settler | None = None) -> None:
         self.spec = spec
         self.lane = spec.lane
         self.link = link
@@ -46,6 +50,7 @@ class Exchange:
         self.slots = slots
         self.timers = timers
         self.controls = controls
+        self.settler = settler
         # After an exchange failed, the next one writes outcomes apart from its claim, so a
         # claim that keeps failing cannot keep undoing them.
         self.separate_next = False
@@ -57,15 +62,25 @@ class Exchange:
         self.usual_round_trip = 0.0
 
     def settle_and_claim(self, mode: WorkerMode, claim: bool = True) -> None:
-        """Write finished jobs' outcomes and claim more work: one round trip, one commit."""
+        """Write finished jobs' outcomes and claim more work: one round trip, one commit;
+        with a settler, the outcomes on its connection and the claim here, side by side."""
+        # The last write before exiting (claim=False) waits for the batch on its way, and
+        # writes what is left here.
+        self.take_settled(wait=not claim)
         if self.link.conn is None:
             return
         request = self._claim_request(mode) if claim else None
-        if request is None and not (self.completer.pending and (
-                not claim or self.completer.due(busy=self._busy(mode),
-                                                capacity=self.claimer.capacity))):
+        # Outcomes that came while a batch is on its way wait for its answer.
+        outcomes_due = bool(self.completer.pending) and not self.completer.handed_over and (
+            not claim or request is not None
+            or self.completer.due(busy=self._busy(mode), capacity=self.claimer.capacity))
+        if (outcomes_due and claim and self.settler is not None
+                and self.settler.usable(time.monotonic())):
+            self.settler.submit(self.completer.hand_over())
+            outcomes_due = False
+        if request is None and not outcomes_due:
             return
-        batch = self.completer.batch()
+        batch = self.completer.batch() if outcomes_due else Batch()
         separate = self.separate_next
         # While the server commits (most of the round trip), the slots keep turning over:
         # finished jobs' outcomes are collected for the next batch and buffered jobs start.
@@ -89,11 +104,25 @@ class Exchange:
             return  # kept for the next connection: the leases still decide what applies
         self.separate_next = False
         completed, failed, claimed = written
-        self.timers.wake_at.extend(self.completer.written(batch, completed, failed))
+        if outcomes_due:
+            self.timers.wake_at.extend(self.completer.written(batch, completed, failed))
         # Freed capacity alone is no reason to claim: only a claim that came back full, a
         # wake-up, a timer or a poll says there may be more work (maybe_more).
         if request is not None:
             self._started(mode, claimed, request)
+
+    def take_settled(self, wait: bool = False) -> None:
+        """The settler's answer for the batch on its way, if it has one (``wait``: block for
+        it): counted and logged as any batch, or, not written, put back for the next."""
+        answer = None if self.settler is None else self.settler.take(wait)
+        if answer is None:
+            return
+        batch, written = answer
+        if written is None:
+            self.completer.not_written()
+            return
+        completed, failed, _claimed = written
+        self.timers.wake_at.extend(self.completer.written(batch, completed, failed))
 
     def _claim_request(self, mode: WorkerMode) -> queue.ClaimRequest | None:
         """What to claim now, or None: only when running, with room, and maybe work."""

@@ -42,6 +42,7 @@ from jobd.exchange import Exchange
 from jobd.handler_runner import HandlerRunner
 from jobd.leases import LeaseKeeper
 from jobd.protocol import EXIT_BOOT_FAILURE, EXIT_OK, EXIT_WEDGED, WorkerSpec
+from jobd.settler import Settler
 from jobd.slots import Running, Slots
 from jobd.worker_controls import Controls
 from jobd.worker_mode import HANDLED_SIGNALS, Lifecycle
@@ -74,8 +75,9 @@ class Worker:
         self.slots = Slots(spec.lane, self.runner, self.claimer, self.completer)
         self.timers = Timers(spec.lane)
         self.controls = Controls(spec, self.link, self.claimer, self.timers)
+        self.settler = Settler(spec) if spec.lane.settle_connection else None
         self.exchange = Exchange(spec, self.link, self.claimer, self.completer, self.counters,
-                                 self.slots, self.timers, self.controls)
+                                 self.slots, self.timers, self.controls, self.settler)
         self.leases = LeaseKeeper(spec.lane, self.link, self.slots, self.claimer,
                                   self.completer)
         self.status = StatusReporter(spec, self.counters)
@@ -85,6 +87,8 @@ class Worker:
             os.set_blocking(fd, False)
         self.loop.register(spec.wake_fd, self._on_wake)
         self.loop.register(self.runner.results_r, pipes.drain)
+        if self.settler is not None:
+            self.loop.register(self.settler.wake_fd, pipes.drain)
 
     @property
     def conn(self) -> psycopg.Connection | None:
@@ -235,6 +239,8 @@ class Worker:
         if self.claimer.arming.armed:
             self.link.run("queue", lambda conn: queue.disarm(conn, self.spec.worker_id))
         self._report(force=True)
+        if self.settler is not None:
+            self.settler.close()
         self.link.close()
         self.runner.close()
 

@@ -142,6 +142,12 @@ def int_between(low: int, high: int) -> Any:
     return convert
 
 
+def boolean(value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"must be true or false, not {value!r}")
+    return value
+
+
 def positive_duration(value: object) -> float:
     seconds = parse_duration(value)
     if seconds <= 0:

@@ -193,6 +193,7 @@ def test_the_worker_gives_back_its_buffer_when_told_of_a_pause_and_claims_on_res
     subject.claimer.maybe_more = True  # a wake-up from the released jobs' notification
     subject._collect_outcomes()
     subject._settle_and_claim()
+    subject.exchange.take_settled(wait=True)  # written on the settler's connection
     assert states(conn) == {first: "failed", **dict.fromkeys(rest, "pending")}  # no claim
     pauses.resume(conn, LANE)
     os.write(wake_w, protocol.CONTROLS)

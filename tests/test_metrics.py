@@ -472,6 +472,8 @@ def counting_worker(db_url: str) -> Iterator[worker.Worker]:
     subject._ensure_connection()
     yield subject
     subject.link.close()
+    if subject.settler is not None:
+        subject.settler.close()
     for fd in fds:
         os.close(fd)
 

@@ -210,8 +210,10 @@ def test_the_daemons_connections_name_node_lane_and_role(
                             " LIKE 'jobd %%' ORDER BY 1").fetchall()
         return [row[0] for row in rows]
 
-    wait_until(lambda: len(names()) == 4, 15, message=lambda: f"4 jobd backends: {names()}")
+    # Each worker's two: its claims', and the one its outcomes are written on.
+    wait_until(lambda: len(names()) == 6, 15, message=lambda: f"6 jobd backends: {names()}")
     supervisor, listener, *workers = sorted(names(), key=lambda n: n.split()[1] != "supervisor")
     assert (supervisor, listener) == ("jobd supervisor node=web-1", "jobd listener node=web-1")
     assert sorted(re.sub(r"^jobd worker [0-9a-f]{12} ", "", w) for w in workers) == [
-        "default/0 node=web-1", "default/1 node=web-1"]
+        "default/0 node=web-1", "default/0 settle node=web-1",
+        "default/1 node=web-1", "default/1 settle node=web-1"]

@@ -32,5 +32,7 @@ def connected_worker(db_url: str, lane: LaneConfig, worker_id: str,
     finally:
         if subject.conn is not None:
             subject.conn.close()
+        if subject.settler is not None:
+            subject.settler.close()
         for fd in (status_r, status_w, wake_r, wake_w):
             os.close(fd)

@@ -106,24 +106,32 @@ def test_a_storm_of_backend_terminations_loses_and_doubles_nothing(
 TURNOVER_LANE = "turnover"
 
 
-def worker_backend(conn: psycopg.Connection) -> tuple[int, str | None]:
-    """The pid and wait event type of the lane's one worker connection."""
+def worker_backend(conn: psycopg.Connection, role: str = "node=") -> tuple[int, str | None]:
+    """The pid and wait event type of the lane's worker connection: its claims' (``role``
+    "node=") or the one its outcomes are written on ("settle")."""
     row = conn.execute(
         "SELECT pid, wait_event_type FROM pg_stat_activity"
         " WHERE datname = current_database() AND application_name LIKE 'jobd worker %%'"
-        " AND application_name LIKE %s", [f"%{TURNOVER_LANE}/0%"]).fetchone()
-    assert row is not None, "no worker connection"
+        " AND application_name LIKE %s", [f"%{TURNOVER_LANE}/0 {role}%"]).fetchone()
+    assert row is not None, f"no worker connection {role}"
     return int(row[0]), row[1]
 
 
+@pytest.mark.parametrize(("settle_connection", "role"), [(False, "node="), (True, "settle")],
+                         ids=["one connection", "outcomes apart"])
 def test_a_connection_lost_while_the_slots_turn_over_loses_and_doubles_nothing(
-    daemons: Daemons, effects_db: psycopg.Connection, db_url: str
+    daemons: Daemons, effects_db: psycopg.Connection, db_url: str, settle_connection: bool,
+    role: str,
 ) -> None:
-    # The worker's exchange waits on a row lock the test holds, so it waits for the server
-    # while its handlers finish and its slots turn over (outcomes collected, buffered jobs
-    # started); then its connection is terminated, mid-exchange. Nothing of that exchange
-    # committed: the outcomes collected meanwhile must still be written, each job once.
-    config = daemon_support.make_config({TURNOVER_LANE: {"concurrency": 2, "prefetch": 8}})
+    # The connection the outcomes go on waits on a row lock the test holds: with one
+    # connection per worker (settle_connection: false) the worker's exchange, which waits
+    # for the server while its handlers finish and its slots turn over (outcomes collected,
+    # buffered jobs started); with the outcomes apart (jobd.settler) their batch, while the
+    # worker goes on claiming and running jobs on its other connection. Then that connection
+    # is terminated mid-statement. Nothing of it committed: the outcomes must still be
+    # written, each job once.
+    config = daemon_support.make_config({TURNOVER_LANE: {
+        "concurrency": 2, "prefetch": 8, "settle_connection": settle_connection}})
     config["database"] = {"lock_timeout": "120s"}  # the test ends the wait, not the timeout
     daemon = daemons(config, name="turnover")
     daemon.wait_workers_started(TURNOVER_LANE, 1, timeout=30)
@@ -134,20 +142,23 @@ def test_a_connection_lost_while_the_slots_turn_over_loses_and_doubles_nothing(
         return int(effects_db.execute("SELECT count(*) FROM public.test_effects"
                                       " WHERE kind = 'end'").fetchone()[0])
 
+    def waits_on_lock() -> bool:
+        return worker_backend(effects_db, role)[1] == "Lock"
+
     with connect(db_url, autocommit=False) as holder:
         # The first job, once running (not merely buffered): its outcome's write, 0.3 s from
         # now, will wait for this lock, with most of the jobs still to run.
         wait_until(lambda: daemon_support.effects(effects_db, ids[0], "start"), 30,
                    message="the first job to start")
         holder.execute("SELECT 1 FROM jobs WHERE id = %s FOR UPDATE", [ids[0]])
-        wait_until(lambda: worker_backend(effects_db)[1] == "Lock", 30,
-                   message=lambda: f"the worker's exchange to wait\n{daemon.tail()}")
+        wait_until(waits_on_lock, 30,
+                   message=lambda: f"the outcomes' write to wait\n{daemon.tail()}")
         blocked_at = ended()
         # More jobs end than the slots held: buffered jobs started while it waited.
-        wait_until(lambda: ended() >= blocked_at + 4 or worker_backend(effects_db)[1] != "Lock",
+        wait_until(lambda: ended() >= blocked_at + 4 or not waits_on_lock(),
                    30, message="the slots to turn over")
-        assert worker_backend(effects_db)[1] == "Lock", "the exchange stopped waiting"
-        pid = worker_backend(effects_db)[0]
+        assert waits_on_lock(), "the write stopped waiting"
+        pid = worker_backend(effects_db, role)[0]
         assert effects_db.execute("SELECT pg_terminate_backend(%s)", [pid]).fetchone() == (True,)
         holder.rollback()
 

@@ -1,0 +1,141 @@
+"""Outcomes on a connection of their own (``jobd.settler``): driven turn by turn in-process,
+with real handler threads and a real PostgreSQL. A batch on its way keeps its outcomes
+pending until its answer is taken; one that fails goes with the link's next statement and
+applies once; shutdown waits for it; ``settle_connection: false`` keeps one connection."""
+
+from __future__ import annotations
+
+import select
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from worker_support import connected_worker
+
+import jobd
+from jobd import handlers, jobs, protocol, settler, worker
+from jobd.config import LaneConfig, load
+from jobd.errors import ConfigError
+
+LANE = "default"
+WORKER_ID = "test-node:default#0:settle"
+SETTLE_NAME = protocol.backend_name(WORKER_ID, f"{LANE}/0 settle node=")
+WAIT_S = 10.0  # a bound for what happens at once, never a pause
+
+
+def ok(job: jobs.Job) -> None:
+    """A handler that succeeds at once."""
+
+
+@pytest.fixture
+def subject(db_url: str) -> Iterator[worker.Worker]:
+    """A connected worker of two threads whose handler ``ok`` succeeds at once."""
+    with connected_worker(db_url, LaneConfig(LANE, concurrency=2, prefetch=2), WORKER_ID,
+                          {"ok": handlers.resolved("ok", ok)}) as (made, _wake):
+        yield made
+
+
+def states(conn: psycopg.Connection) -> dict[int, str]:
+    return dict(conn.execute("SELECT id, state FROM all_jobs ORDER BY id").fetchall())
+
+
+def run_to_outcomes(subject: worker.Worker, conn: psycopg.Connection, count: int) -> list[int]:
+    """Enqueue ``count`` jobs, claim them in one turn and wait until all have an outcome."""
+    ids = [jobd.enqueue(conn, "ok") for _ in range(count)]
+    subject.claimer.maybe_more = True
+    subject._settle_and_claim()
+    deadline = time.monotonic() + WAIT_S
+    while len(subject.completer.pending) < count:
+        assert time.monotonic() < deadline, "the handlers did not finish"
+        select.select([subject.runner.results_r], [], [], 0.05)
+        subject._collect_outcomes()
+        subject.slots.fill(subject.lifecycle.mode)
+    return ids
+
+
+def wait_for_answer(subject: worker.Worker) -> None:
+    assert subject.settler is not None
+    readable, _, _ = select.select([subject.settler.wake_fd], [], [], WAIT_S)
+    assert readable, "the settler never answered"
+
+
+def settle_backends(conn: psycopg.Connection) -> list[int]:
+    return [pid for (pid,) in conn.execute(
+        "SELECT pid FROM pg_stat_activity WHERE application_name = %s", (SETTLE_NAME,))]
+
+
+def test_outcomes_are_written_on_a_connection_of_their_own(
+        subject: worker.Worker, conn: psycopg.Connection) -> None:
+    ids = run_to_outcomes(subject, conn, 4)
+    subject._settle_and_claim()
+    assert subject.settler is not None and subject.settler.busy
+    # On their way: still pending (so never seen as lost), and no other batch is made.
+    assert [o.job.id for o in subject.completer.pending] == ids
+    assert subject.completer.handed_over and subject.completer.due_at() is None
+    wait_for_answer(subject)
+    subject._settle_and_claim()
+    assert not subject.completer.pending and not subject.settler.busy
+    assert states(conn) == dict.fromkeys(ids, "done")
+    assert subject.counters.completed == 4
+    assert len(settle_backends(conn)) == 1  # named like the worker's: crash attribution ends it
+
+
+def test_a_batch_whose_connection_was_lost_goes_with_the_link_and_applies_once(
+        subject: worker.Worker, conn: psycopg.Connection) -> None:
+    assert subject.settler is not None
+    ids = run_to_outcomes(subject, conn, 3)
+    deadline = time.monotonic() + WAIT_S
+    while not settle_backends(conn):  # it connects in the background at start
+        assert time.monotonic() < deadline, "the settler never connected"
+        time.sleep(0.01)
+    conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                 " WHERE application_name = %s", (SETTLE_NAME,))
+    subject._settle_and_claim()
+    wait_for_answer(subject)
+    subject.exchange.take_settled()
+    # Not written: back in the queue of outcomes, and the next write goes on the link.
+    assert [o.job.id for o in subject.completer.pending] == ids
+    assert not subject.completer.handed_over
+    assert not subject.settler.usable(time.monotonic())
+    subject._settle_and_claim()
+    assert not subject.completer.pending and not subject.settler.busy
+    assert states(conn) == dict.fromkeys(ids, "done")
+    assert (subject.counters.completed, subject.counters.lease_lost) == (3, 0)
+    # After the pause the settler takes batches again, on a new connection.
+    assert subject.settler.usable(time.monotonic() + settler.FALLBACK)
+
+
+def test_shutdown_waits_for_the_batch_on_its_way(
+        subject: worker.Worker, conn: psycopg.Connection) -> None:
+    ids = run_to_outcomes(subject, conn, 2)
+    subject._settle_and_claim()
+    assert subject.settler is not None and subject.settler.busy
+    subject._shutdown()
+    assert states(conn) == dict.fromkeys(ids, "done")
+    assert not subject.completer.pending
+    assert subject.settler.link.conn is None
+
+
+def test_one_connection_when_settle_connection_is_off(db_url: str,
+                                                      conn: psycopg.Connection) -> None:
+    lane = LaneConfig(LANE, concurrency=2, prefetch=2, settle_connection=False)
+    with connected_worker(db_url, lane, WORKER_ID,
+                          {"ok": handlers.resolved("ok", ok)}) as (made, _wake):
+        assert made.settler is None
+        ids = run_to_outcomes(made, conn, 2)
+        made._settle_and_claim()  # the outcomes go now, on the link
+        assert not made.completer.pending
+        assert states(conn) == dict.fromkeys(ids, "done")
+        assert settle_backends(conn) == []
+
+
+def test_settle_connection_must_be_true_or_false(tmp_path: Path) -> None:
+    path = tmp_path / "jobd.yaml"
+    path.write_text("lanes:\n  default:\n    settle_connection: 1\n")
+    with pytest.raises(ConfigError) as raised:
+        load(path)
+    assert "lanes.default.settle_connection: must be true or false, not 1" in str(raised.value)
+    path.write_text("lanes:\n  default:\n    settle_connection: false\n")
+    assert not load(path).lanes["default"].settle_connection
