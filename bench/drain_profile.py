@@ -28,9 +28,9 @@ the resume, so that nothing but the drain is measured. During it:
 Then ``EXPLAIN (ANALYZE, BUFFERS)`` of the worker's claim (``claim_jobs``, the limit a worker
 of the first setting asks for) on a queue of 20,000 due jobs, in a transaction rolled back.
 With ``--against KEY=VALUE`` each setting drains in pairs, the lane as configured by default
-and with that key set (e.g. ``settle_connection=false``), alternating, and the medians and
-their ratio are printed: a baseline measured in the same run. Output on stderr, then one
-JSON line per drain. py-spy is an optional dependency (the
+and with that key set (e.g. ``settle_connection=false``), the order alternating from pair to
+pair, and the medians and their ratio are printed: a baseline measured in the same run.
+Output on stderr, then one JSON line per drain. py-spy is an optional dependency (the
 ``bench`` extra has it); without ``--py-spy`` there is no stack profile.
 """
 
@@ -316,6 +316,16 @@ def _lane_option(text: str) -> dict[str, Any]:
         raise argparse.ArgumentTypeError(f"{value!r} is not a JSON value") from None
 
 
+def _pair(env: Env, workers: int, concurrency: int, args: argparse.Namespace,
+          first_default: bool) -> list[dict[str, Any]]:
+    """One drain with the defaults and one with ``--against``, in the order given (pairs
+    alternate it, so a drift over the run favours neither), defaults first in the list."""
+    order = [{}, args.against] if first_default else [args.against, {}]
+    drains = [profile_drain(env, workers, concurrency, args.py_spy, args.jobs, args.gil,
+                            options) for options in order]
+    return drains if first_default else drains[::-1]
+
+
 def _compare(workers: int, concurrency: int, against: dict[str, Any],
              pairs: list[list[dict[str, Any]]]) -> None:
     """The medians of both sides, their ratio, and how many pairs the defaults won."""
@@ -349,9 +359,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="also drain with this lane key set (a JSON value, e.g. "
                              "settle_connection=false), alternating with the defaults, and "
                              "print the medians and their ratio per setting")
-    parser.add_argument("--pairs", type=positive_int, default=3,
+    parser.add_argument("--pairs", type=positive_int, default=None,
                         help="with --against: pairs of drains per setting (default 3)")
     args = parser.parse_args(argv)
+    if args.pairs is not None and args.against is None:
+        parser.error("--pairs needs --against")
     results = []
     with environment(statements=False, keep=False) as env:
         for workers, concurrency in args.settings:
@@ -359,9 +371,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 results.append(profile_drain(env, workers, concurrency, args.py_spy,
                                              args.jobs, args.gil))
                 continue
-            pairs = [[profile_drain(env, workers, concurrency, args.py_spy, args.jobs,
-                                    args.gil, options)
-                      for options in ({}, args.against)] for _ in range(args.pairs)]
+            pairs = [_pair(env, workers, concurrency, args, first_default=n % 2 == 0)
+                     for n in range(args.pairs or 3)]
             results += [drain for pair in pairs for drain in pair]
             _compare(workers, concurrency, args.against, pairs)
         if not args.no_explain:

@@ -126,11 +126,21 @@ class Exchange:
 
     def _claim_request(self, mode: WorkerMode) -> queue.ClaimRequest | None:
         """What to claim now, or None: only when running, with room, and maybe work."""
+        if self._outcomes_backed_up():
+            return None
         now = time.monotonic()
         if self.timers.take_due(now):
             self.claimer.maybe_more = True
         self.claimer.try_due(now)
         return self.claimer.request(mode, len(self.slots))
+
+    def _outcomes_backed_up(self) -> bool:
+        """Backpressure: while the settler's batch is on its way, a worker's worth of
+        outcomes (all it can hold) waiting behind it stops the claims until the answer
+        comes (which wakes the loop). Without it a batch stuck on a lock would let finished
+        jobs pile up unwritten, their leases not renewed, for as long as it waits."""
+        return (self.settler is not None and self.settler.busy
+                and len(self.completer.pending) >= self.claimer.capacity)
 
     def _busy(self, mode: WorkerMode) -> bool:
         """More outcomes will come soon: jobs run or wait, and the worker takes work."""

@@ -9,7 +9,10 @@ claimed jobs while the outcomes commit: at 1 x 10 the drain ran 7-37 % faster in
 pairs of runs out of eight (docs/performance.md, "Outcomes on a connection of their own").
 River's completer and Graphile Worker's batched completion work the same way.
 
-What it does not change: a batch is one transaction, retried with the same leases if it
+Backpressure: while a batch is on its way, once the outcomes waiting behind it reach all the
+worker can hold, the loop claims nothing more until the answer comes
+(``Exchange._outcomes_backed_up``), so a batch stuck on a lock cannot let unwritten outcomes
+pile up. What it does not change: a batch is one transaction, retried with the same leases if it
 fails, so what still applies is decided as before; a job whose outcome is on its way stays
 in the completer's ``pending`` until the answer is taken, so it is never seen as lost, and a
 worker does not exit before it is written or given up. The claims, now always in a
@@ -74,7 +77,11 @@ class Settler:
 
     def submit(self, batch: Batch) -> None:
         assert self._on_the_way is None, "one batch at a time"
-        self._on_the_way = (batch, self._thread.submit(self._write, batch))
+        future = self._thread.submit(self._write, batch)
+        # Once the answer is set (a poke from _write itself could wake the loop before it
+        # is, and the loop would go back to sleep without it).
+        future.add_done_callback(lambda _done: pipes.poke(self._wake_w))
+        self._on_the_way = (batch, future)
 
     def take(self, wait: bool = False) -> tuple[Batch, Written | None] | None:
         """The batch on its way and its answer (None: not written) once it has one; None
@@ -102,11 +109,8 @@ class Settler:
         os.close(self._wake_w)
 
     def _write(self, batch: Batch) -> Written | None:
-        try:
-            self.link.ensure()
-            return self.link.run("queue", _settle(batch))
-        finally:
-            pipes.poke(self._wake_w)
+        self.link.ensure()
+        return self.link.run("queue", _settle(batch))
 
 
 def _settle(batch: Batch) -> Callable[..., Written]:

@@ -44,10 +44,11 @@ def states(conn: psycopg.Connection) -> dict[int, str]:
 def run_to_outcomes(subject: worker.Worker, conn: psycopg.Connection, count: int) -> list[int]:
     """Enqueue ``count`` jobs, claim them in one turn and wait until all have an outcome."""
     ids = [jobd.enqueue(conn, "ok") for _ in range(count)]
+    expected = len(subject.completer.pending) + count
     subject.claimer.maybe_more = True
     subject._settle_and_claim()
     deadline = time.monotonic() + WAIT_S
-    while len(subject.completer.pending) < count:
+    while len(subject.completer.pending) < expected:
         assert time.monotonic() < deadline, "the handlers did not finish"
         select.select([subject.runner.results_r], [], [], 0.05)
         subject._collect_outcomes()
@@ -105,6 +106,33 @@ def test_a_batch_whose_connection_was_lost_goes_with_the_link_and_applies_once(
     assert (subject.counters.completed, subject.counters.lease_lost) == (3, 0)
     # After the pause the settler takes batches again, on a new connection.
     assert subject.settler.usable(time.monotonic() + settler.FALLBACK)
+
+
+def test_claims_stop_while_a_workers_worth_of_outcomes_waits_behind_a_stuck_batch(
+        subject: worker.Worker, conn: psycopg.Connection, db_url: str) -> None:
+    assert subject.claimer.capacity == 4  # two slots, a buffer of two
+    stuck = run_to_outcomes(subject, conn, 2)
+    with psycopg.connect(db_url, autocommit=False) as holder:
+        holder.execute("SELECT 1 FROM jobd.jobs WHERE id = ANY(%s) FOR UPDATE", [stuck])
+        subject._settle_and_claim()  # the batch goes, and waits for the lock
+        deadline = time.monotonic() + WAIT_S
+        while not conn.execute("SELECT 1 FROM pg_stat_activity WHERE application_name = %s"
+                               " AND wait_event_type = 'Lock'", (SETTLE_NAME,)).fetchone():
+            assert time.monotonic() < deadline, "the batch never waited for the lock"
+            time.sleep(0.01)
+        behind = run_to_outcomes(subject, conn, 2)  # claimed and run meanwhile: 4 waiting
+        later = jobd.enqueue(conn, "ok")
+        subject.claimer.maybe_more = True
+        subject._settle_and_claim()
+        assert states(conn)[later] == "pending"  # no claim while they wait
+        holder.rollback()
+    wait_for_answer(subject)
+    subject._settle_and_claim()  # the answer taken: the next batch goes, and a claim
+    assert states(conn)[later] == "claimed"
+    assert {i: states(conn)[i] for i in stuck} == dict.fromkeys(stuck, "done")
+    wait_for_answer(subject)
+    subject.exchange.take_settled()
+    assert {i: states(conn)[i] for i in behind} == dict.fromkeys(behind, "done")
 
 
 def test_shutdown_waits_for_the_batch_on_its_way(
