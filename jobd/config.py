@@ -46,8 +46,9 @@ class LaneConfig:
     # database sees larger claims while handlers see ``concurrency`` jobs at a time.
     prefetch: int | None = None
     # Outcomes written on a second connection per worker process while claims go on the
-    # first (jobd/settler.py); false: one connection, outcomes ride with the claims.
-    settle_connection: bool = True
+    # first (jobd/settler.py); false: one connection, outcomes ride with the claims; None
+    # ("auto"): see settles_apart.
+    settle_connection: bool | None = None
     # The pickup SLO (``slo.pickup``): a due job should be claimed within this many seconds.
     # Only `jobd status`, `jobd top` and the metrics read it; workers run the same with or
     # without it. compare=False so that a reload changing only the SLO does not replace the
@@ -75,6 +76,17 @@ class LaneConfig:
         """The claim parameters of the lane's fairness (claim_order in migration 0013)."""
         return {"ordered": self.ordered, "max_wait": self.max_wait,
                 "fair": self.fair_by != "none", "key_cursor": key_cursor}
+
+    def settles_apart(self, cores: int) -> bool:
+        """Whether the lane's workers write outcomes on a second connection, on a machine
+        of ``cores`` cores. Auto: while the workers and their backends (two busy processes
+        each in a drain) leave cores idle, the loop claims while the outcomes commit; with
+        more, the cores are busy anyway and the second connection's transactions cost more
+        than it overlaps (docs/performance.md, "Outcomes on a connection of their own": on
+        2 cores 1 x 10 drained 13 % faster, 4 x 100 18 % slower)."""
+        if self.settle_connection is not None:
+            return self.settle_connection
+        return 2 * self.workers <= cores
 
     @property
     def buffer_size(self) -> int:
@@ -178,7 +190,7 @@ def _lane(name: str, located: yamlcheck.Located, path: str) -> LaneConfig:
         backoff=Backoff(base, cap),
         poll_interval=section.take("poll_interval", yamlcheck.positive_duration, 5.0),
         prefetch=section.take("prefetch", yamlcheck.int_between(0, 10_000), None),
-        settle_connection=section.take("settle_connection", yamlcheck.boolean, True),
+        settle_connection=section.take("settle_connection", yamlcheck.boolean_or_auto, None),
         slo_pickup=slo_pickup,
         max_running=section.take("max_running", yamlcheck.int_between(1, 1_000_000), None),
         rate_limit=rate_limit,

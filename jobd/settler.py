@@ -5,9 +5,11 @@ claimed rows into jobs and hands them out, and the loop waits while the server w
 last batch's outcomes and claims the next. Here a thread writes each batch of outcomes on a
 second connection (one batch at a time, as :class:`jobd.completer.Completer` hands them
 over), so the server writes outcomes while the loop claims, and the loop goes on with the
-claimed jobs while the outcomes commit: at 1 x 10 the drain ran 7-37 % faster in seven
-pairs of runs out of eight (docs/performance.md, "Outcomes on a connection of their own").
-River's completer and Graphile Worker's batched completion work the same way.
+claimed jobs while the outcomes commit: at 1 x 10 the drain ran 13 % faster, in four pairs
+of runs out of four; where no core idles (4 x 100 on two cores) 18 % slower, hence the
+lane's ``settle_connection: auto`` (``LaneConfig.settles_apart``; docs/performance.md,
+"Outcomes on a connection of their own"). River's completer and Graphile Worker's batched
+completion work the same way.
 
 Backpressure: while a batch is on its way, once the outcomes waiting behind it reach all the
 worker can hold, the loop claims nothing more until the answer comes

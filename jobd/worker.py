@@ -75,7 +75,8 @@ class Worker:
         self.slots = Slots(spec.lane, self.runner, self.claimer, self.completer)
         self.timers = Timers(spec.lane)
         self.controls = Controls(spec, self.link, self.claimer, self.timers)
-        self.settler = Settler(spec) if spec.lane.settle_connection else None
+        cores = len(os.sched_getaffinity(0))
+        self.settler = Settler(spec) if spec.lane.settles_apart(cores) else None
         self.exchange = Exchange(spec, self.link, self.claimer, self.completer, self.counters,
                                  self.slots, self.timers, self.controls, self.settler)
         self.leases = LeaseKeeper(spec.lane, self.link, self.slots, self.claimer,

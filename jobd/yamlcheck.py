@@ -142,9 +142,12 @@ def int_between(low: int, high: int) -> Any:
     return convert
 
 
-def boolean(value: object) -> bool:
+def boolean_or_auto(value: object) -> bool | None:
+    """true, false, or "auto" (None: the program decides)."""
+    if value == "auto":
+        return None
     if not isinstance(value, bool):
-        raise ValueError(f"must be true or false, not {value!r}")
+        raise ValueError(f"must be true, false or auto, not {value!r}")
     return value
 
 

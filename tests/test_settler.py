@@ -1,7 +1,8 @@
 """Outcomes on a connection of their own (``jobd.settler``): driven turn by turn in-process,
 with real handler threads and a real PostgreSQL. A batch on its way keeps its outcomes
 pending until its answer is taken; one that fails goes with the link's next statement and
-applies once; shutdown waits for it; ``settle_connection: false`` keeps one connection."""
+applies once; shutdown waits for it; ``settle_connection: false`` keeps one connection, and
+"auto" (the default) writes apart while the lane's workers leave cores idle."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from daemon_support import wait_until
 from worker_support import connected_worker
 
 import jobd
@@ -32,7 +34,8 @@ def ok(job: jobs.Job) -> None:
 @pytest.fixture
 def subject(db_url: str) -> Iterator[worker.Worker]:
     """A connected worker of two threads whose handler ``ok`` succeeds at once."""
-    with connected_worker(db_url, LaneConfig(LANE, concurrency=2, prefetch=2), WORKER_ID,
+    lane = LaneConfig(LANE, concurrency=2, prefetch=2, settle_connection=True)
+    with connected_worker(db_url, lane, WORKER_ID,
                           {"ok": handlers.resolved("ok", ok)}) as (made, _wake):
         yield made
 
@@ -47,12 +50,14 @@ def run_to_outcomes(subject: worker.Worker, conn: psycopg.Connection, count: int
     expected = len(subject.completer.pending) + count
     subject.claimer.maybe_more = True
     subject._settle_and_claim()
-    deadline = time.monotonic() + WAIT_S
-    while len(subject.completer.pending) < expected:
-        assert time.monotonic() < deadline, "the handlers did not finish"
+
+    def finished() -> bool:
         select.select([subject.runner.results_r], [], [], 0.05)
         subject._collect_outcomes()
         subject.slots.fill(subject.lifecycle.mode)
+        return len(subject.completer.pending) >= expected
+
+    wait_until(finished, WAIT_S, interval=0, message="the handlers to finish")
     return ids
 
 
@@ -87,10 +92,8 @@ def test_a_batch_whose_connection_was_lost_goes_with_the_link_and_applies_once(
         subject: worker.Worker, conn: psycopg.Connection) -> None:
     assert subject.settler is not None
     ids = run_to_outcomes(subject, conn, 3)
-    deadline = time.monotonic() + WAIT_S
-    while not settle_backends(conn):  # it connects in the background at start
-        assert time.monotonic() < deadline, "the settler never connected"
-        time.sleep(0.01)
+    # It connects in the background at start.
+    wait_until(lambda: settle_backends(conn), WAIT_S, message="the settler to connect")
     conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
                  " WHERE application_name = %s", (SETTLE_NAME,))
     subject._settle_and_claim()
@@ -115,11 +118,10 @@ def test_claims_stop_while_a_workers_worth_of_outcomes_waits_behind_a_stuck_batc
     with psycopg.connect(db_url, autocommit=False) as holder:
         holder.execute("SELECT 1 FROM jobd.jobs WHERE id = ANY(%s) FOR UPDATE", [stuck])
         subject._settle_and_claim()  # the batch goes, and waits for the lock
-        deadline = time.monotonic() + WAIT_S
-        while not conn.execute("SELECT 1 FROM pg_stat_activity WHERE application_name = %s"
-                               " AND wait_event_type = 'Lock'", (SETTLE_NAME,)).fetchone():
-            assert time.monotonic() < deadline, "the batch never waited for the lock"
-            time.sleep(0.01)
+        wait_until(lambda: conn.execute(
+            "SELECT 1 FROM pg_stat_activity WHERE application_name = %s"
+            " AND wait_event_type = 'Lock'", (SETTLE_NAME,)).fetchone(), WAIT_S,
+            message="the batch to wait for the lock")
         behind = run_to_outcomes(subject, conn, 2)  # claimed and run meanwhile: 4 waiting
         later = jobd.enqueue(conn, "ok")
         subject.claimer.maybe_more = True
@@ -159,11 +161,29 @@ def test_one_connection_when_settle_connection_is_off(db_url: str,
         assert settle_backends(conn) == []
 
 
-def test_settle_connection_must_be_true_or_false(tmp_path: Path) -> None:
+def test_settle_connection_is_true_false_or_auto(tmp_path: Path) -> None:
     path = tmp_path / "jobd.yaml"
     path.write_text("lanes:\n  default:\n    settle_connection: 1\n")
     with pytest.raises(ConfigError) as raised:
         load(path)
-    assert "lanes.default.settle_connection: must be true or false, not 1" in str(raised.value)
-    path.write_text("lanes:\n  default:\n    settle_connection: false\n")
-    assert not load(path).lanes["default"].settle_connection
+    assert ("lanes.default.settle_connection: must be true, false or auto, not 1"
+            in str(raised.value))
+    for text, expected in (("false", False), ("true", True), ("auto", None)):
+        path.write_text(f"lanes:\n  default:\n    settle_connection: {text}\n")
+        assert load(path).lanes["default"].settle_connection is expected
+    path.write_text("lanes:\n  default: {}\n")
+    assert load(path).lanes["default"].settle_connection is None  # auto by default
+
+
+@pytest.mark.parametrize(("workers", "cores", "setting", "apart"), [
+    (1, 2, None, True),  # a worker and its backend leave a core idle
+    (2, 4, None, True),
+    (2, 2, None, False),  # the cores are busy anyway
+    (4, 2, None, False),
+    (4, 2, True, True),  # said outright, it holds
+    (1, 8, False, False),
+])
+def test_auto_writes_outcomes_apart_while_the_workers_leave_cores_idle(
+        workers: int, cores: int, setting: bool | None, apart: bool) -> None:
+    lane = LaneConfig(LANE, workers=workers, settle_connection=setting)
+    assert lane.settles_apart(cores) is apart
