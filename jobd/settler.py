@@ -34,10 +34,14 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import structlog
+
 from jobd import pipes, queue
 from jobd.completer import Batch
 from jobd.db import ManagedConnection
 from jobd.protocol import WorkerSpec, backend_name
+
+log = structlog.get_logger("jobd.worker")
 
 Written = tuple[queue.WriteOutcome, queue.FailOutcome, queue.Claimed]
 
@@ -66,7 +70,7 @@ class Settler:
         self._closed = False
         # Connected at start, as the link is: a node's connections are all there to count
         # in pg_stat_activity, and a refused one is logged before the first job ends.
-        self._thread.submit(self.link.ensure)
+        self._thread.submit(self.link.ensure).add_done_callback(_log_unexpected)
 
     @property
     def busy(self) -> bool:
@@ -113,6 +117,14 @@ class Settler:
     def _write(self, batch: Batch) -> Written | None:
         self.link.ensure()
         return self.link.run("queue", _settle(batch))
+
+
+def _log_unexpected(connected: Future[bool]) -> None:
+    """The connection at start has no caller to raise to: a failure ensure() does not
+    handle itself (it logs a refused connection) is a bug, logged rather than lost."""
+    error = connected.exception()
+    if error is not None:
+        log.error("opening the outcomes connection failed", error=repr(error))
 
 
 def _settle(batch: Batch) -> Callable[..., Written]:
