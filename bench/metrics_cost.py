@@ -73,9 +73,9 @@ from jobd.completer import Completer, Counters
 from jobd.config import LaneConfig
 from jobd.db import DEFAULT_SESSION, connect, supervisor_session
 from jobd.duties.metrics_sampler import SAMPLE_INTERVAL, take_sample
-from jobd.handler_runner import Outcome
 from jobd.jobs import Job
 from jobd.localpg import free_port
+from jobd.outcomes import Outcome
 from jobd.queries import query
 from jobd.queue import FailOutcome, WriteOutcome
 from jobd.worker_metrics import WorkObserver

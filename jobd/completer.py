@@ -23,7 +23,7 @@ import structlog
 
 from jobd import jobs, queue
 from jobd.config import LaneConfig
-from jobd.handler_runner import Outcome, first_line_of
+from jobd.outcomes import Outcome, first_line_of
 from jobd.protocol import WorkerSpec
 from jobd.worker_metrics import (
     CANCELLED,

@@ -11,38 +11,20 @@ and a thread that reaches a job taken back skips it."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import queue as stdlib_queue
 import threading
 import time
-import traceback
-from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from psycopg_pool import ConnectionPool
 
 from jobd import exactly_once, jobs, logs, pipes
 from jobd import handlers as handler_registry
+from jobd.async_handlers import AsyncHandlers
 from jobd.db import conninfo, users_connection_setup
+from jobd.outcomes import Outcome, failed
 from jobd.protocol import WorkerSpec, backend_name
-
-MAX_ERROR_CHARS = 4000
-
-
-@dataclass(slots=True)
-class Outcome:
-    job: jobs.Job
-    error: str | None  # None: success
-    committed: bool = False  # a transactional handler already completed the job
-    # A transactional handler's commit archived the job as cancelled (it was asked to stop).
-    cancelled: bool = False
-    lease_lost: bool = False  # the lease was lost before the commit; nothing was written
-    final: bool = False  # the failure cannot be retried away (an undecodable payload)
-    # How long the handler ran (monotonic seconds); None when the worker gave up on it at
-    # its timeout (the run then lasted the timeout, at least).
-    seconds: float | None = None
 
 
 class Start(Protocol):
@@ -52,43 +34,6 @@ class Start(Protocol):
     job: jobs.Job
     started: float | None
     taken_back: bool
-
-
-# The error recorded for an async handler that ended with the CancelledError it was given.
-CANCELLED_ERROR = "CancelledError: the job was asked to stop (jobd.cancel)"
-
-
-class JobTimedOut(Exception):
-    """An async handler overran the lane's timeout and was cancelled."""
-
-
-def format_error(exc: BaseException) -> str:
-    """The text stored as a failed attempt's error: the exception's headline, then its
-    traceback, each at most MAX_ERROR_CHARS, and always storable: PostgreSQL text cannot hold
-    NUL or lone surrogates, and an exception whose ``__str__`` fails still fails its job
-    rather than the worker thread that ran it."""
-    try:
-        headline = f"{type(exc).__name__}: {exc}"
-    except Exception as broken:
-        headline = f"{type(exc).__name__} (its message could not be formatted: {broken!r})"
-    try:
-        text = "".join(traceback.format_exception(exc))
-    except Exception:
-        text = headline
-    headline, text = _storable(headline)[:MAX_ERROR_CHARS], _storable(text)
-    if len(text) > MAX_ERROR_CHARS:
-        text = text[-MAX_ERROR_CHARS:]
-    return f"{headline}\n{text}" if text.strip() != headline else headline
-
-
-def first_line_of(text: str) -> str:
-    """The headline of an error text (format_error puts it first)."""
-    return text.split("\n", 1)[0]
-
-
-def _storable(text: str) -> str:
-    return (text.replace("\x00", "\\x00")
-            .encode("utf-8", "backslashreplace").decode("utf-8"))
 
 
 class HandlerRunner:
@@ -116,13 +61,8 @@ class HandlerRunner:
                 min_size=0, max_size=spec.lane.concurrency, open=True,
                 kwargs={"autocommit": True}, name=f"jobd-{spec.lane.name}-handlers",
                 configure=users_connection_setup(spec.database_url, spec.session))
-        self.asyncio_loop: asyncio.AbstractEventLoop | None = None
-        # The tasks of running async jobs, by job id; touched only on the event loop's thread.
-        self._tasks: dict[int, asyncio.Task[Any]] = {}
-        if any(h.is_async for h in resolved.values()):
-            self.asyncio_loop = asyncio.new_event_loop()
-            threading.Thread(target=self.asyncio_loop.run_forever, name="jobd-async",
-                             daemon=True).start()
+        self.async_handlers = (AsyncHandlers(spec.lane.timeout, self._deliver)
+                               if any(h.is_async for h in resolved.values()) else None)
         self.results_r, self._results_w = os.pipe()
         for fd in (self.results_r, self._results_w):
             os.set_blocking(fd, False)
@@ -138,7 +78,7 @@ class HandlerRunner:
     @property
     def threads_only(self) -> bool:
         """Every handler of the lane runs on the threads: none is ``async def``."""
-        return self.asyncio_loop is None
+        return self.async_handlers is None
 
     def start(self, start: Start) -> None:
         """Run ``start.job``: at once on the event loop (async), or when a thread is free
@@ -151,12 +91,8 @@ class HandlerRunner:
             self._deliver(Outcome(job, f"LookupError: no handler named {job.handler!r} on this "
                                        f"worker (lane {job.lane!r})", seconds=0.0))
         elif resolved.is_async:
-            assert self.asyncio_loop is not None
-            future = asyncio.run_coroutine_threadsafe(self._run_async(resolved, job),
-                                                      self.asyncio_loop)
-            started = time.monotonic()
-            future.add_done_callback(
-                lambda done, job=job, started=started: self._finish_async(job, done, started))
+            assert self.async_handlers is not None
+            self.async_handlers.start(resolved, job)
         else:
             self._ensure_handler_threads()
             self.handler_queue.put((resolved, start))
@@ -184,13 +120,8 @@ class HandlerRunner:
         task is cancelled (CancelledError at its next await). Its outcome arrives as any
         other when the run ends."""
         job.request_cancel()
-        if self.asyncio_loop is not None and self.is_async(job.handler):
-            self.asyncio_loop.call_soon_threadsafe(self._cancel_task, job.id)
-
-    def _cancel_task(self, job_id: int) -> None:
-        task = self._tasks.get(job_id)
-        if task is not None:
-            task.cancel()
+        if self.async_handlers is not None and self.is_async(job.handler):
+            self.async_handlers.cancel(job.id)
 
     def _handler_thread(self) -> None:
         while True:
@@ -216,7 +147,7 @@ class HandlerRunner:
             except exactly_once.LeaseLost:
                 outcome = Outcome(job, None, lease_lost=True)
             except BaseException as exc:  # a handler's sys.exit() fails its job, no more
-                outcome = self._failure(job, exc)
+                outcome = failed(job, exc)
             finally:
                 logs.unbind_job()
             outcome.seconds = time.monotonic() - started
@@ -228,54 +159,6 @@ class HandlerRunner:
         with self.tx_pool.connection() as conn:
             return exactly_once.run_transactional(conn, job, resolved.func, self.spec.schema,
                                                   self.lane.timeout)
-
-    async def _run_async(self, resolved: handler_registry.ResolvedHandler,
-                         job: jobs.Job) -> Any:
-        task = asyncio.current_task()
-        assert task is not None
-        self._tasks[job.id] = task
-        try:
-            if job.cancelled:  # asked to stop before it started
-                raise asyncio.CancelledError
-            return await self._run_async_within_timeout(resolved, job)
-        finally:
-            del self._tasks[job.id]
-
-    async def _run_async_within_timeout(self, resolved: handler_registry.ResolvedHandler,
-                                        job: jobs.Job) -> Any:
-        if not self.lane.timeout:
-            return await resolved.func(job)
-        scope = asyncio.timeout(self.lane.timeout)
-        try:
-            async with scope:
-                return await resolved.func(job)
-        except TimeoutError:
-            if scope.expired():  # our deadline, not a TimeoutError raised by the handler
-                raise JobTimedOut(f"timed out after {self.lane.timeout:g}s") from None
-            raise
-
-    def _finish_async(self, job: jobs.Job, future: Future[Any], started: float) -> None:
-        try:
-            exc = future.exception()
-        except BaseException as cancelled:  # CancelledError: the event loop went away
-            exc = cancelled
-        if isinstance(exc, JobTimedOut):
-            outcome = Outcome(job, str(exc))
-        elif isinstance(exc, asyncio.CancelledError) and job.cancelled:
-            outcome = Outcome(job, CANCELLED_ERROR)
-        elif exc is not None:
-            outcome = self._failure(job, exc)
-        else:
-            outcome = Outcome(job, None)
-        outcome.seconds = time.monotonic() - started
-        self._deliver(outcome)
-
-    @staticmethod
-    def _failure(job: jobs.Job, exc: BaseException) -> Outcome:
-        if job.undecodable:
-            # Every attempt would fail the same way: to the dead-letter queue at once.
-            return Outcome(job, format_error(exc), final=True)
-        return Outcome(job, format_error(exc))
 
     def _deliver(self, outcome: Outcome) -> None:
         """From any thread: hand an outcome to the loop, waking it if it may be asleep.

@@ -17,7 +17,7 @@ from jobd.claimer import Claimer
 from jobd.completer import Completer
 from jobd.config import LaneConfig
 from jobd.db import ManagedConnection
-from jobd.handler_runner import Outcome
+from jobd.outcomes import Outcome
 from jobd.slots import Slots
 
 log = structlog.get_logger("jobd.worker")

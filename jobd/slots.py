@@ -28,7 +28,8 @@ from jobd import jobs, pipes
 from jobd.claimer import Claimer
 from jobd.completer import Completer
 from jobd.config import LaneConfig
-from jobd.handler_runner import HandlerRunner, Outcome
+from jobd.handler_runner import HandlerRunner
+from jobd.outcomes import Outcome
 from jobd.protocol import WorkerMode
 
 log = structlog.get_logger("jobd.worker")

@@ -10,7 +10,8 @@ in order each turn; the pieces it drives each keep one concern:
 - :mod:`jobd.exchange`: the round trips (outcomes and claim in one commit, give-backs, arming);
 - :mod:`jobd.completer`: outcomes in batches, and the accounting of what was written;
 - :mod:`jobd.slots`: the running jobs (start, outcomes, timeouts, cancels);
-- :mod:`jobd.handler_runner`: the handlers, on threads (sync) or an event loop (async);
+- :mod:`jobd.handler_runner`: the handlers, on threads (sync) or an event loop (async,
+  :mod:`jobd.async_handlers`), each run ending in an outcome (:mod:`jobd.outcomes`);
 - :mod:`jobd.leases`: lease renewal, which also reports lost leases and cancels;
 - :mod:`jobd.worker_controls`, :mod:`jobd.worker_mode`, :mod:`jobd.worker_timers`,
   :mod:`jobd.worker_status`: pauses, signals, when to wake, the report to the supervisor.

@@ -22,6 +22,7 @@ from cli_support import cli
 from daemon_support import HANDLERS, Daemon, db_now, job_state, make_config, wait_until
 
 import jobd
+from jobd.outcomes import CANCELLED_ERROR
 
 daemons = daemon_support.daemons
 effects_db = daemon_support.effects_db
@@ -258,7 +259,7 @@ def test_cancel_stops_running_jobs_of_every_kind_on_every_node(
     assert told is not None and told[0] - asked_at < timedelta(seconds=1)
     [sleepy] = effects_db.execute("SELECT last_error FROM jobs_archive WHERE id = %s",
                                   (running["sleepy"],)).fetchone() or [None]
-    assert "CancelledError" in sleepy
+    assert sleepy == CANCELLED_ERROR
     # The nodes count the outcome as cancelled (their heartbeat, every 500 ms here).
     wait_until(lambda: effects_db.execute(
         "SELECT coalesce(sum((counters->'default'->>'cancelled')::int), 0) FROM nodes"

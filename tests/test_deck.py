@@ -259,8 +259,8 @@ def test_the_deck_is_open_only_to_short_sync_jobs() -> None:
         assert slots.deck_size() == 0  # at the buffer's floor: the jobs are not known short
         claimer.prefetch.size = claimer.prefetch.floor + 1
         assert slots.deck_size() == places_when_short
-        event_loop = runner.asyncio_loop
-        if event_loop is not None:
+        if runner.async_handlers is not None:
+            event_loop = runner.async_handlers.loop
             event_loop.call_soon_threadsafe(event_loop.stop)
             until(lambda loop=event_loop: not loop.is_running(), "the event loop stops")
             event_loop.close()

@@ -40,7 +40,6 @@ from jobd.db import DEFAULT_SCHEMA
 from jobd.duties.lease_sweep import LeaseSweep
 from jobd.duties.metrics_sampler import DEPTH_STATES, take_sample
 from jobd.eventloop import SelectLoop
-from jobd.handler_runner import Outcome
 from jobd.jobs import Job
 from jobd.localpg import free_port
 from jobd.looplag import WINDOW, LoopLag
@@ -53,6 +52,7 @@ from jobd.metrics import (
     families,
     handler_labels,
 )
+from jobd.outcomes import Outcome
 from jobd.restarts import RESTART_REASONS, restart_reason
 from jobd.wake_routing import WakeRouter
 from jobd.worker_metrics import (

@@ -15,7 +15,7 @@ import pytest
 from worker_support import connected_worker
 
 import jobd
-from jobd import handler_runner, queue, slots, worker
+from jobd import outcomes, queue, slots, worker
 from jobd.claim_floors import (
     FULL_SCAN_INTERVAL,
     HEAD_SCAN_SHARE,
@@ -61,9 +61,9 @@ def test_an_error_text_with_a_nul_byte_is_stored_escaped(
     try:
         raise ValueError("cannot parse b'\x00\x01'")
     except ValueError as exc:
-        error = handler_runner.format_error(exc)
-    loop.completer.pending = [handler_runner.Outcome(good, None),
-                              handler_runner.Outcome(bad, error)]
+        error = outcomes.format_error(exc)
+    loop.completer.pending = [outcomes.Outcome(good, None),
+                              outcomes.Outcome(bad, error)]
     loop._settle_and_claim(claim=False)
     assert loop.completer.pending == []
     assert state_of(conn, good.id)[0] == "done"
@@ -96,7 +96,7 @@ def test_after_a_lost_connection_claims_it_never_received_fail_as_an_attempt(
         jobd.enqueue(conn, "h")
     # A claim whose result was lost with the connection, next to a job the worker did get.
     held, *orphans = queue.claim(conn, LANE, WORKER_ID, 3, 30.0)
-    loop.completer.pending = [handler_runner.Outcome(held, None)]
+    loop.completer.pending = [outcomes.Outcome(held, None)]
     loop.link.lost("test", psycopg.OperationalError("server closed the connection"))
     loop._ensure_connection()
     loop.exchange.fail_claims_not_held()
@@ -140,7 +140,7 @@ def test_a_late_result_of_an_abandoned_run_leaves_the_new_run_held(
     (second,) = queue.claim(conn, LANE, WORKER_ID, 1, 30.0)
     assert second.id == first.id and second.lease_token != first.lease_token
     loop.inflight[second.id] = slots.Running(second, 0.0, None, started=0.0)
-    loop.runner.outcomes.put(handler_runner.Outcome(first, None))
+    loop.runner.outcomes.put(outcomes.Outcome(first, None))
     loop._collect_outcomes()
     assert loop.inflight[second.id].job is second and loop.completer.pending == []
 
@@ -225,11 +225,11 @@ def test_a_busy_worker_holds_outcomes_for_company_until_its_whole_capacity_or_th
         jobd.enqueue(conn, "h")
     claimed = queue.claim(conn, LANE, WORKER_ID, 5, 30.0)
     for job in claimed[:4]:
-        completer.add(handler_runner.Outcome(job, None))
+        completer.add(outcomes.Outcome(job, None))
     # A full round of slots (concurrency) is no reason to commit alone while the buffer's
     # jobs can run first; with nothing else running there is nothing to wait for.
     assert not completer.due(busy=True, capacity=5) and completer.due(busy=False, capacity=5)
-    completer.add(handler_runner.Outcome(claimed[4], None))
+    completer.add(outcomes.Outcome(claimed[4], None))
     assert completer.due(busy=True, capacity=5)  # all the worker can hold: no more can come
     completer.pending = completer.pending[:1]
     assert completer.since is not None
@@ -244,10 +244,10 @@ def test_outcomes_that_arrive_while_a_batch_is_written_wait_for_the_next_one(
     for _ in range(2):
         jobd.enqueue(conn, "h")
     first, second = queue.claim(conn, LANE, WORKER_ID, 2, 30.0)
-    completer.add(handler_runner.Outcome(first, None))
+    completer.add(outcomes.Outcome(first, None))
     batch = completer.batch()
     # The slots turn over while the exchange waits for the server (Slots.turn_over).
-    completer.add(handler_runner.Outcome(second, None))
+    completer.add(outcomes.Outcome(second, None))
     completed, failed, _ = queue.settle_and_claim(conn, batch.successes, batch.failures, None)
     completer.written(batch, completed, failed)
     assert [o.job.id for o in completer.pending] == [second.id] and counters.completed == 1

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from jobd.handler_runner import first_line_of
 from jobd.jobs import Job
+from jobd.outcomes import first_line_of
 
 
 @dataclass(frozen=True, slots=True)

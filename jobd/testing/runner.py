@@ -29,8 +29,8 @@ from jobd import exactly_once, handlers, outbox, queue
 from jobd.backoff import RetryPolicy
 from jobd.claimer import next_key_cursor
 from jobd.config import Config, LaneConfig
-from jobd.handler_runner import JobTimedOut, format_error
 from jobd.jobs import Job
+from jobd.outcomes import error_text, within_timeout
 from jobd.testing.clock import Clock
 from jobd.testing.results import JobFailed, JobRun, RunSummary
 from jobd.testing.session import Session, Target, open_session
@@ -175,7 +175,7 @@ def _call(resolved: handlers.ResolvedHandler, job: Job, timeout: float | None) -
         return
     coroutine: Coroutine[Any, Any, Any] = resolved.func(job)
     if timeout:
-        coroutine = _within(coroutine, timeout)
+        coroutine = within_timeout(coroutine, timeout)
     try:
         asyncio.get_running_loop()
     except RuntimeError:  # no loop in this thread: the usual case
@@ -186,22 +186,10 @@ def _call(resolved: handlers.ResolvedHandler, job: Job, timeout: float | None) -
         executor.submit(asyncio.run, coroutine).result()
 
 
-async def _within(coroutine: Coroutine[Any, Any, Any], timeout: float) -> Any:
-    """The lane's ``timeout`` for an async handler, failing as on a worker."""
-    scope = asyncio.timeout(timeout)
-    try:
-        async with scope:
-            return await coroutine
-    except TimeoutError:
-        if scope.expired():  # the lane's deadline, not a TimeoutError of the handler's
-            raise JobTimedOut(f"timed out after {timeout:g}s") from None
-        raise
-
-
 def _failed(session: Session, plan: _Plan, job: Job, exc: BaseException,
             now: datetime | None) -> JobRun:
-    # A timeout is recorded as the worker records it: the deadline, no traceback.
-    error = str(exc) if isinstance(exc, JobTimedOut) else format_error(exc)
+    # Recorded as the worker records it (a timeout: the deadline, no traceback).
+    error = error_text(exc)
     policy = plan.lane.retry_policy
     failure = queue.Failure(job.lease, error, policy.backoff.delay(job.attempt),
                             policy.max_attempts, final=job.undecodable)

@@ -1,0 +1,63 @@
+"""``async def`` handlers: each job a task on an event loop running on a thread of its own,
+its outcome handed back through the runner's ``deliver``. A cancel cancels the task
+(CancelledError at the handler's next await); the lane's timeout cancels it too."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from jobd import jobs
+from jobd.handlers import ResolvedHandler
+from jobd.outcomes import CANCELLED_ERROR, Outcome, failed, within_timeout
+
+
+class AsyncHandlers:
+    def __init__(self, timeout: float | None, deliver: Callable[[Outcome], None]) -> None:
+        self.timeout = timeout
+        self._deliver = deliver
+        # The tasks of running jobs, by job id; touched only on the event loop's thread.
+        self._tasks: dict[int, asyncio.Task[Any]] = {}
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, name="jobd-async", daemon=True).start()
+
+    def start(self, resolved: ResolvedHandler, job: jobs.Job) -> None:
+        """Run the job's handler now (from any thread)."""
+        asyncio.run_coroutine_threadsafe(self._run(resolved, job), self.loop)
+
+    def cancel(self, job_id: int) -> None:
+        """Cancel the job's task, if it runs (from any thread)."""
+        self.loop.call_soon_threadsafe(self._cancel_task, job_id)
+
+    def _cancel_task(self, job_id: int) -> None:
+        task = self._tasks.get(job_id)
+        if task is not None:
+            task.cancel()
+
+    async def _run(self, resolved: ResolvedHandler, job: jobs.Job) -> None:
+        # The outcome is decided here, inside the task, not from its future: the future
+        # that run_coroutine_threadsafe returns replaces a CancelledError or TimeoutError
+        # with a new exception, without the handler's traceback.
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks[job.id] = task
+        started = time.monotonic()
+        try:
+            if job.cancelled:  # asked to stop before it started
+                raise asyncio.CancelledError
+            if self.timeout:
+                await within_timeout(resolved.func(job), self.timeout)
+            else:
+                await resolved.func(job)
+            outcome = Outcome(job, None)
+        except asyncio.CancelledError as exc:
+            outcome = Outcome(job, CANCELLED_ERROR) if job.cancelled else failed(job, exc)
+        except BaseException as exc:  # a handler's sys.exit() fails its job, no more
+            outcome = failed(job, exc)
+        finally:
+            del self._tasks[job.id]
+        outcome.seconds = time.monotonic() - started
+        self._deliver(outcome)
