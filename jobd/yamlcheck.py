@@ -24,6 +24,8 @@ from jobd.errors import UsageError
 MAX_DURATION_SECONDS = 3650 * 86400.0
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+_INT_TAG = "tag:yaml.org,2002:int"
+_DECIMAL = re.compile(r"[-+]?(0|[1-9][0-9]*)")
 _LISTEN = re.compile(r"^(?P<host>[^\s:]+|\[[0-9a-fA-F:]+\]):(?P<port>\d{1,5})$")
 
 
@@ -78,11 +80,19 @@ def plain(node: yaml.Node, path: str = "") -> Located:
 
 
 def _scalar(node: yaml.Node, line: int, path: str) -> Any:
-    """The value of a scalar node. Composing the document accepted what constructing the
-    value may still refuse: a tag the safe loader does not know (!!python/object), a lone
-    "!"."""
+    """The value of a scalar node (an empty one is null: the key's default). Composing the
+    document accepted what constructing the value may still refuse: a tag the safe loader
+    does not know (!!python/object), a lone "!". An integer must be written in decimal:
+    YAML 1.1 reads 010 as 8 and 1:30 as 90, which nobody writing a config means."""
+    if node.tag == _INT_TAG and not _DECIMAL.fullmatch(node.value.replace("_", "")):
+        raise Invalid(line, path, f"write integers in decimal, not {node.value!r} (YAML 1.1 "
+                                  f"would read it as {_construct(node, line, path)})")
+    return _construct(node, line, path)
+
+
+def _construct(node: yaml.Node, line: int, path: str) -> Any:
     try:
-        return yaml.safe_load(yaml.serialize(node))
+        return yaml.SafeLoader("").construct_object(node, deep=True)
     except yaml.YAMLError as exc:
         problem = getattr(exc, "problem", None) or str(exc).strip().splitlines()[0]
         raise Invalid(line, path, f"invalid YAML value: {' '.join(str(problem).split())}"
@@ -117,7 +127,7 @@ class Section:
         if located is None or located.value is None:
             return default
         try:
-            return convert(located.value)
+            return convert(unwrap(located))
         except (ValueError, TypeError) as exc:
             raise Invalid(located.line, self._key_path(key), str(exc)) from None
 
@@ -144,7 +154,7 @@ def int_between(low: int, high: int) -> Any:
 
 def boolean_or_auto(value: object) -> bool | None:
     """true, false, or "auto" (None: the program decides)."""
-    if value == "auto":
+    if isinstance(value, str) and value.lower() == "auto":
         return None
     if not isinstance(value, bool):
         raise ValueError(f"must be true, false or auto, not {value!r}")

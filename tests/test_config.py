@@ -197,6 +197,41 @@ def test_invalid_yaml(tmp_path: Path, text: str, line: int) -> None:
     assert "invalid YAML" in message
 
 
+def test_a_key_left_empty_takes_its_default(tmp_path: Path) -> None:
+    # An empty value is YAML's null, as ~ is: the key's default, as if it were left out.
+    path = tmp_path / "jobd.yaml"
+    path.write_text("node:\n  name:\nmetrics:\nschedules:\n  # none yet\nlanes:\n"
+                    "  default:\n    workers:\n    prefetch:\n    settle_connection:\n"
+                    "  other:\n", "utf-8")
+    config = load(path)
+    default, other = config.lanes["default"], config.lanes["other"]
+    assert (default.workers, default.prefetch, default.settle_connection) == (
+        other.workers, other.prefetch, other.settle_connection)
+    assert not config.schedules and config.metrics_listen is None
+
+
+@pytest.mark.parametrize(("written", "read_as"), [("010", "8"), ("0x10", "16"), ("1:30", "90"),
+                                                  ("0b11", "3")])
+def test_an_integer_written_other_than_in_decimal_is_refused(
+        tmp_path: Path, written: str, read_as: str) -> None:
+    _, line, message = config_error(
+        tmp_path, f"lanes:\n  default:\n    workers: 1\n    concurrency: {written}\n")
+    assert line == 4
+    assert message.endswith(f"lanes.default.concurrency: write integers in decimal, not "
+                            f"'{written}' (YAML 1.1 would read it as {read_as})")
+
+
+@pytest.mark.parametrize(("text", "shown"), [
+    ("lanes:\n  default:\n    settle_connection: [true]\n", "not [True]"),
+    ("lanes:\n  default:\n    rate: {limit: 5, per: [1]}\n", "not [1]"),
+    ("lanes:\n  default:\n    fair_by: {a: b}\n", "not {'a': 'b'}"),
+])
+def test_a_wrong_value_is_shown_as_written_in_the_error(
+        tmp_path: Path, text: str, shown: str) -> None:
+    _, _, message = config_error(tmp_path, text)
+    assert shown in message and "Located" not in message
+
+
 def test_duplicate_schedule_id(tmp_path: Path) -> None:
     _, _, message = config_error(
         tmp_path,

@@ -168,7 +168,7 @@ def test_settle_connection_is_true_false_or_auto(tmp_path: Path) -> None:
         load(path)
     assert ("lanes.default.settle_connection: must be true, false or auto, not 1"
             in str(raised.value))
-    for text, expected in (("false", False), ("true", True), ("auto", None)):
+    for text, expected in (("false", False), ("true", True), ("auto", None), ("Auto", None)):
         path.write_text(f"lanes:\n  default:\n    settle_connection: {text}\n")
         assert load(path).lanes["default"].settle_connection is expected
     path.write_text("lanes:\n  default: {}\n")
