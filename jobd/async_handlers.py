@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from jobd import jobs
+from jobd import jobs, logs
 from jobd.handlers import ResolvedHandler
 from jobd.outcomes import CANCELLED_ERROR, Outcome, failed, within_timeout
 
@@ -19,7 +19,8 @@ class AsyncHandlers:
     def __init__(self, timeout: float | None, deliver: Callable[[Outcome], None]) -> None:
         self.timeout = timeout
         self._deliver = deliver
-        # The tasks of running jobs, by job id; touched only on the event loop's thread.
+        # The tasks of running jobs, by job id; touched only on the event loop's thread. A job
+        # claimed again while a run whose lease was lost still goes on maps to its new run.
         self._tasks: dict[int, asyncio.Task[Any]] = {}
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, name="jobd-async", daemon=True).start()
@@ -44,6 +45,7 @@ class AsyncHandlers:
         task = asyncio.current_task()
         assert task is not None
         self._tasks[job.id] = task
+        logs.bind_task_job(job.id, job.handler)
         started = time.monotonic()
         try:
             if job.cancelled:  # asked to stop before it started
@@ -58,6 +60,7 @@ class AsyncHandlers:
         except BaseException as exc:  # a handler's sys.exit() fails its job, no more
             outcome = failed(job, exc)
         finally:
-            del self._tasks[job.id]
+            if self._tasks.get(job.id) is task:
+                del self._tasks[job.id]
         outcome.seconds = time.monotonic() - started
         self._deliver(outcome)

@@ -26,7 +26,7 @@ TRANSACTIONAL_ATTRIBUTE = "__jobd_transactional__"
 
 
 class HandlerImportError(Exception):
-    """A handler's import path does not lead to a callable."""
+    """A handler's import path does not lead to a handler jobd can run."""
 
 
 def transactional(func: Handler) -> Handler:
@@ -63,8 +63,13 @@ def resolved(name: str, target: Handler) -> ResolvedHandler:
     # A class instance with an ``async def __call__`` is an async handler too.
     is_async = inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(
         type(target).__call__)
-    return ResolvedHandler(name, target, is_async,
-                           bool(getattr(target, TRANSACTIONAL_ATTRIBUTE, False)))
+    is_transactional = bool(getattr(target, TRANSACTIONAL_ATTRIBUTE, False))
+    if is_async and is_transactional:
+        # Its transaction is a psycopg (sync) connection's, committed on a handler thread.
+        raise HandlerImportError(
+            f"handler {name!r} is async and @jobd.transactional: a transactional handler "
+            f"runs on a thread with a sync connection; write it as a plain def")
+    return ResolvedHandler(name, target, is_async, is_transactional)
 
 
 def resolve_all(paths: Mapping[str, str]) -> dict[str, ResolvedHandler]:

@@ -12,11 +12,14 @@ import logging
 import sys
 import threading
 from collections.abc import MutableMapping
+from contextvars import ContextVar
 from typing import Any
 
 import structlog
 
 _job = threading.local()
+# Async handlers share the event loop's thread: each task names its job in its own context.
+_task_job: ContextVar[dict[str, Any] | None] = ContextVar("jobd_task_job", default=None)
 
 
 def bind_job(job_id: int, handler: str) -> None:
@@ -30,9 +33,15 @@ def unbind_job() -> None:
     _job.fields = None
 
 
+def bind_task_job(job_id: int, handler: str) -> None:
+    """Name the job in every record the calling asyncio task logs (its context is its own,
+    so nothing to undo when it ends)."""
+    _task_job.set({"job_id": job_id, "handler": handler})
+
+
 def _add_job(_logger: Any, _method: str, event: MutableMapping[str, Any]
              ) -> MutableMapping[str, Any]:
-    fields = getattr(_job, "fields", None)
+    fields = getattr(_job, "fields", None) or _task_job.get()
     if fields:
         for key, value in fields.items():
             event.setdefault(key, value)

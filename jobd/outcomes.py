@@ -49,15 +49,22 @@ class JobTimedOut(Exception):
 
 async def within_timeout(run: Awaitable[Result], timeout: float) -> Result:
     """Await ``run`` under the lane's ``timeout``: JobTimedOut when our deadline passed, the
-    handler's own TimeoutError when it raised one itself."""
+    handler's own TimeoutError when it raised one itself. A handler that returns after the
+    deadline timed out too: it swallowed the cancel, or blocked the event loop so that the
+    cancel never came."""
     scope = asyncio.timeout(timeout)
     try:
         async with scope:
-            return await run
+            result = await run
     except TimeoutError:
         if scope.expired():
             raise JobTimedOut(f"timed out after {timeout:g}s") from None
         raise
+    deadline = scope.when()
+    if scope.expired() or (deadline is not None
+                           and asyncio.get_running_loop().time() >= deadline):
+        raise JobTimedOut(f"timed out after {timeout:g}s")
+    return result
 
 
 def error_text(exc: BaseException) -> str:

@@ -13,7 +13,9 @@ buffer first (:meth:`Slots.take_back_deck`), so the buffer's rules apply to it u
 A job leaves its slot when its handler's outcome arrives, or when it overruns the
 lane's timeout: it is failed then (its attempt is spent like any hung job's), but the thread
 that runs it stays taken until the handler returns, which is why an abandoned run still sits
-here and counts toward :meth:`Slots.wedged`.
+here and counts toward :meth:`Slots.wedged`. An async run is cancelled at its timeout by its
+own deadline on the event loop; the worker fails it itself :data:`ASYNC_GRACE` later, if it
+has not ended by then (it blocks the loop, or swallowed the cancel).
 """
 
 from __future__ import annotations
@@ -34,12 +36,17 @@ from jobd.protocol import WorkerMode
 
 log = structlog.get_logger("jobd.worker")
 
+# How long past the lane's timeout an async run may take to end by the cancel its own
+# deadline sends (jobd.outcomes.within_timeout) before the worker fails it itself, as it
+# fails a sync run: the handler blocked the event loop, or swallowed the CancelledError.
+ASYNC_GRACE = 1.0
+
 
 @dataclass(slots=True)
 class Running:
     job: jobs.Job
     claimed_at: float  # monotonic: when its claim came back (the buffer's age rule)
-    timeout: float | None  # the lane's
+    timeout: float | None  # the lane's, plus ASYNC_GRACE for an async handler
     started: float | None = None  # monotonic; None while it waits on deck
     taken_back: bool = False  # taken off the deck before a thread started it
     abandoned: bool = False  # failed for its timeout; the thread has not returned yet
@@ -69,8 +76,11 @@ class Slots:
         return len(self.inflight)
 
     def start(self, job: jobs.Job, claimed_at: float | None = None) -> None:
+        timeout = self.lane.timeout or None
+        if timeout and self.runner.is_async(job.handler):
+            timeout += ASYNC_GRACE
         running = Running(job, time.monotonic() if claimed_at is None else claimed_at,
-                          self.lane.timeout or None)
+                          timeout)
         self.inflight[job.id] = running
         self.runner.start(running)
 
@@ -151,8 +161,6 @@ class Slots:
             if deadline is None or now < deadline:
                 continue
             job = running.job
-            if self.runner.is_async(job.handler):
-                continue  # asyncio.wait_for cancels it and reports the timeout itself
             running.abandoned = True
             # Failed for its timeout, it spends its attempt like any hung job; the thread
             # it holds must not keep the worker from claiming.

@@ -1,5 +1,6 @@
-"""``async def`` handlers on their event loop: how each way a run can end is recorded.
-Pure: the runner's thread and event loop, no database."""
+"""``async def`` handlers on their event loop: how each way a run can end is recorded, and
+the worker's own deadline for a run that does not end at its timeout. Pure: the runner's
+thread and event loop, no database."""
 
 from __future__ import annotations
 
@@ -10,15 +11,29 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-from jobd import handlers, jobs
+from jobd import handlers, jobs, logs, protocol
 from jobd.async_handlers import AsyncHandlers
+from jobd.claimer import Claimer
+from jobd.completer import Completer, Counters
+from jobd.config import LaneConfig
+from jobd.db import DEFAULT_SCHEMA
+from jobd.handler_runner import HandlerRunner
 from jobd.outcomes import CANCELLED_ERROR, Outcome
+from jobd.slots import ASYNC_GRACE, Slots
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 
 
-def job(job_id: int) -> jobs.Job:
-    return jobs.Job(job_id, 1, "default", "h", "{}", 0, NOW, 1, None, None, NOW, NOW)
+def job(job_id: int, lease_token: int = 1) -> jobs.Job:
+    return jobs.Job(job_id, lease_token, "default", "h", "{}", 0, NOW, 1, None, None, NOW, NOW)
+
+
+def stop(loop: asyncio.AbstractEventLoop) -> None:
+    loop.call_soon_threadsafe(loop.stop)
+    deadline = time.monotonic() + 10
+    while loop.is_running() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    loop.close()
 
 
 def run(func: Any, *, timeout: float | None = None, cancel: bool = False,
@@ -37,11 +52,7 @@ def run(func: Any, *, timeout: float | None = None, cancel: bool = False,
             runner.cancel(the_job.id)
         return delivered.get(timeout=10)
     finally:
-        runner.loop.call_soon_threadsafe(runner.loop.stop)
-        deadline = time.monotonic() + 10
-        while runner.loop.is_running() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        runner.loop.close()
+        stop(runner.loop)
 
 
 def test_a_run_that_returns_succeeds() -> None:
@@ -102,3 +113,90 @@ def test_a_cancelled_error_nobody_asked_for_is_an_ordinary_failure() -> None:
 
     error = run(handler).error
     assert error is not None and error.startswith("CancelledError: a library gave up\n")
+
+
+def test_a_run_that_swallows_the_cancel_of_its_timeout_has_timed_out() -> None:
+    async def handler(job: jobs.Job) -> None:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            pass
+        await asyncio.sleep(0.01)
+
+    assert run(handler, timeout=0.05).error == "timed out after 0.05s"
+
+
+def test_a_run_that_blocks_the_event_loop_past_its_timeout_has_timed_out() -> None:
+    async def handler(job: jobs.Job) -> None:
+        time.sleep(0.2)  # the cancel cannot come while the loop is blocked
+
+    assert run(handler, timeout=0.05).error == "timed out after 0.05s"
+
+
+def test_a_job_claimed_again_while_its_lost_run_goes_on_gets_both_outcomes() -> None:
+    # The lease of run 1 was swept and this worker claimed the job again: the slots keep the
+    # outcome of the lease they hold, so each run must deliver its own.
+    delivered: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
+    runner = AsyncHandlers(None, delivered.put)
+    release_first = threading.Event()
+
+    async def handler(job: jobs.Job) -> None:
+        if job.lease_token == 1:
+            while not release_first.is_set():
+                await asyncio.sleep(0.005)
+
+    try:
+        resolved = handlers.resolved("h", handler)
+        runner.start(resolved, job(7, lease_token=1))
+        runner.start(resolved, job(7, lease_token=2))
+        second = delivered.get(timeout=10)
+        release_first.set()
+        first = delivered.get(timeout=10)
+        assert [(o.job.lease_token, o.error) for o in (second, first)] == [(2, None), (1, None)]
+    finally:
+        stop(runner.loop)
+
+
+def test_what_an_async_handler_logs_names_its_job() -> None:
+    seen: list[dict[str, Any]] = []
+
+    async def handler(job: jobs.Job) -> None:
+        await asyncio.sleep(0)
+        seen.append(dict(logs._add_job(None, "info", {"event": "hello"})))
+
+    run(handler)
+    assert seen == [{"event": "hello", "job_id": 7, "handler": "h"}]
+
+
+def test_the_worker_fails_an_async_run_that_has_not_ended_a_grace_after_its_timeout() -> None:
+    lane = LaneConfig("default", concurrency=2, timeout=0.05)
+    spec = protocol.WorkerSpec(
+        worker_id="test-node:default#0:async", lane=lane, handlers={},
+        database_url="postgresql:///unused", schema=DEFAULT_SCHEMA, slot=0, generation=1,
+        status_fd=-1, wake_fd=-1, shutdown_timeout=1.0)
+    running, release = threading.Event(), threading.Event()
+
+    async def handler(job: jobs.Job) -> None:
+        running.set()
+        release.wait(10)  # blocks the event loop: its own deadline cannot cancel it
+
+    runner = HandlerRunner(spec, {"h": handlers.resolved("h", handler)})
+    completer = Completer(lane, Counters.for_spec(spec))
+    slots = Slots(lane, runner, Claimer(lane, spec.worker_id), completer)
+    try:
+        slots.start(job(7))
+        assert running.wait(10)
+        [run] = slots.inflight.values()
+        assert run.started is not None
+        slots.expire_timeouts(run.started + 0.05 + ASYNC_GRACE / 2)
+        assert not run.abandoned and completer.pending == []
+        slots.expire_timeouts(run.started + 0.05 + ASYNC_GRACE)
+        assert run.abandoned
+        assert [o.error for o in completer.pending] == ["timed out after 0.05s"]
+    finally:
+        release.set()
+        # The run's own outcome, once the loop is free again (the slots would ignore it:
+        # abandoned); awaited so that no task is left pending when the loop stops.
+        runner.outcomes.get(timeout=10)
+        assert runner.async_handlers is not None
+        stop(runner.async_handlers.loop)

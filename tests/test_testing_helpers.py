@@ -224,6 +224,30 @@ def test_async_handlers_run_to_success_and_failure(user_conn: psycopg.Connection
     summary = run_jobs(user_conn, handlers=HANDLERS)
     assert [(r.id, r.outcome) for r in summary.runs] == [(ok, "done"), (failing, "failed")]
     assert summary.errors[0].startswith("RuntimeError: async handler failed")
+    # The traceback is the handler's, as a worker stores it: nothing of how it was run.
+    assert "no running event loop" not in summary.errors[0]
+
+
+def test_a_cancelled_error_of_the_handlers_own_fails_its_job_as_on_a_worker(
+    user_conn: psycopg.Connection,
+) -> None:
+    async def gives_up(job: jobd.Job) -> None:
+        raise asyncio.CancelledError("the upstream call was cancelled")
+
+    jobd.enqueue(user_conn, "gives_up", {})
+    summary = run_jobs(user_conn, handlers={"gives_up": gives_up})
+    assert summary.failed == 1
+    assert summary.errors[0].startswith("CancelledError: the upstream call was cancelled\n")
+
+
+def test_an_async_transactional_handler_is_refused(user_conn: psycopg.Connection) -> None:
+    @jobd.transactional
+    async def charge(job: jobd.Job, conn: psycopg.Connection) -> None:
+        pass
+
+    jobd.enqueue(user_conn, "charge", {})
+    with pytest.raises(jobd.handlers.HandlerImportError, match=r"async and @jobd\.transactional"):
+        run_jobs(user_conn, handlers={"charge": charge})
 
 
 def test_run_jobs_works_when_called_from_async_code(user_conn: psycopg.Connection) -> None:

@@ -151,7 +151,8 @@ def _run(session: Session, plan: _Plan, job: Job, now: datetime | None) -> JobRu
         _call(resolved, job, plan.lane.timeout)
     except exactly_once.LeaseLost:
         return JobRun(job, "lease_lost")
-    except (Exception, SystemExit) as exc:  # as on a worker: a sys.exit() fails the job
+    # As on a worker: a sys.exit() or a CancelledError nobody asked for fails the job.
+    except (Exception, SystemExit, asyncio.CancelledError) as exc:
         return _failed(session, plan, job, exc, now)
     with session.jobd_statements() as conn:
         written = queue.complete(conn, [job.lease], now)
@@ -179,6 +180,12 @@ def _call(resolved: handlers.ResolvedHandler, job: Job, timeout: float | None) -
     try:
         asyncio.get_running_loop()
     except RuntimeError:  # no loop in this thread: the usual case
+        in_async_code = False
+    else:
+        in_async_code = True
+    if not in_async_code:
+        # Outside the except block: the handler's exception must not carry the RuntimeError
+        # above as its context (its stored traceback would show it).
         asyncio.run(coroutine)
         return
     # Called from async code (an async test): asyncio.run needs a thread without a loop.
