@@ -106,10 +106,17 @@ def build_parser() -> argparse.ArgumentParser:
                                    formatter_class=argparse.RawDescriptionHelpFormatter,
                                    **kwargs)
 
+    def leaf(actions: Any, name: str, help_text: str) -> argparse.ArgumentParser:
+        """An action of a command (jobs show, dlq replay ...), explained in its own --help."""
+        return actions.add_parser(name, parents=[common], help=help_text,
+                                  description=help_text, epilog=EPILOG,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+
     run_cmd = add("run", "Run the supervisor daemon in the foreground: lane-pinned worker "
                          "processes, wake-ups, lease sweeps. SIGHUP reloads the config, "
-                         "SIGTERM/SIGINT drain (a second one stops fast). Exit code 3: a "
-                         "handler cannot be imported.")
+                         "SIGTERM/SIGINT drain (a second one stops fast). Needs a config "
+                         "file (-c FILE or $JOBD_CONFIG). Exit code 3: a handler cannot be "
+                         "imported.")
     run_cmd.set_defaults(func=cmd_run)
 
     migrate_cmd = add("migrate", "Create or upgrade jobd's schema (safe to run on many nodes at "
@@ -168,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     jobs_cmd = add("jobs", "Inspect jobs, live or finished.")
     jobs_sub = jobs_cmd.add_subparsers(dest="jobs_command", metavar="ACTION", required=True,
                                        parser_class=_Parser, help="what to do with jobs")
-    show = jobs_sub.add_parser("show", parents=[common], help="show one job with its history")
+    show = leaf(jobs_sub, "show", "show one job with its history")
     show.add_argument("id", type=positive_int, help="the job's id")
     show.add_argument("--payload", action="store_true",
                       help=f"print the payload however long (default: only payloads of at "
@@ -177,18 +184,18 @@ def build_parser() -> argparse.ArgumentParser:
                       help="print each attempt's whole error text, traceback included "
                            "(default: its first line)")
     show.set_defaults(func=cmd_jobs_show)
-    listing = jobs_sub.add_parser("list", parents=[common], help="list jobs, newest first")
+    listing = leaf(jobs_sub, "list", "list jobs, newest first")
     listing.add_argument("--state", choices=views.JOB_STATES,
                          help="only jobs in this state (default: any)")
     listing.add_argument("--lane", help="only jobs of this lane (default: any)")
     listing.add_argument("--limit", type=positive_int, default=50,
                          help="at most this many (default: 50)")
     listing.set_defaults(func=cmd_jobs_list)
-    cancel = jobs_sub.add_parser(
-        "cancel", parents=[common],
-        help="cancel jobs: pending or failed ones become cancelled at once (archived, shown "
-             "by jobs show and all_jobs); running ones are asked to stop and are recorded "
-             "cancelled when their run ends, whatever it returns")
+    cancel = leaf(
+        jobs_sub, "cancel",
+        "cancel jobs: pending or failed ones become cancelled at once (archived, shown "
+        "by jobs show and all_jobs); running ones are asked to stop and are recorded "
+        "cancelled when their run ends, whatever it returns")
     cancel.add_argument("ids", type=positive_int, nargs="+", metavar="ID",
                         help="ids of jobs; an id that names no job cancels nothing at all")
     cancel.set_defaults(func=cmd_jobs_cancel)
@@ -196,16 +203,16 @@ def build_parser() -> argparse.ArgumentParser:
     dlq_cmd = add("dlq", "Operate the dead-letter queue.")
     dlq_sub = dlq_cmd.add_subparsers(dest="dlq_command", metavar="ACTION", required=True,
                                      parser_class=_Parser, help="what to do with dead jobs")
-    dlq_list = dlq_sub.add_parser("list", parents=[common], help="list dead jobs, newest first")
+    dlq_list = leaf(dlq_sub, "list", "list dead jobs, newest first")
     dlq_list.add_argument("--lane", help="only dead jobs of this lane (default: any)")
     dlq_list.add_argument("--limit", type=positive_int, default=50,
                           help="at most this many (default: 50)")
     dlq_list.set_defaults(func=cmd_dlq_list)
-    replay = dlq_sub.add_parser(
-        "replay", parents=[common],
-        help="requeue dead jobs with a fresh attempt budget, by id or every dead job of a "
-             "handler; each is due at once, or at its own run_at if later (a quarantined "
-             "job scheduled for later)")
+    replay = leaf(
+        dlq_sub, "replay",
+        "requeue dead jobs with a fresh attempt budget, by id or every dead job of a "
+        "handler; each is due at once, or at its own run_at if later (a quarantined "
+        "job scheduled for later)")
     replay.add_argument("ids", type=positive_int, nargs="*", metavar="ID",
                         help="ids of dead jobs; all are replayed or none")
     replay.add_argument("--handler", metavar="H",
@@ -214,11 +221,11 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--lane", metavar="L",
                         help="with --handler: only its dead jobs of this lane (default: any)")
     replay.set_defaults(func=cmd_dlq_replay)
-    quarantine = dlq_sub.add_parser(
-        "quarantine", parents=[common],
-        help="move every pending or failed job of a handler to the dead-letter queue in one "
-             "statement (a poison payload that keeps arriving); running jobs are left to "
-             "finish; dlq replay --handler brings them back")
+    quarantine = leaf(
+        dlq_sub, "quarantine",
+        "move every pending or failed job of a handler to the dead-letter queue in one "
+        "statement (a poison payload that keeps arriving); running jobs are left to "
+        "finish; dlq replay --handler brings them back")
     quarantine.add_argument("--handler", required=True, metavar="H", help="the handler")
     quarantine.add_argument("--lane", metavar="L",
                             help="only its jobs of this lane (default: every lane)")
@@ -229,8 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
                                  "customer=42, email=a@example.com, 'code=\"42\"'); "
                                  "repeat to require several (default: every payload)")
     quarantine.set_defaults(func=cmd_dlq_quarantine)
-    purge = dlq_sub.add_parser("purge", parents=[common],
-                               help="delete dead jobs that died before a time")
+    purge = leaf(
+        dlq_sub, "purge",
+        "delete dead jobs that died before a time")
     purge.add_argument("--before", type=timestamp_or_age, required=True,
                        metavar="ISO8601|AGE", help="an instant, or an age such as 30d")
     purge.set_defaults(func=cmd_dlq_purge)
@@ -244,8 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "the queue"),
             ("resume", "end a pause made with the same arguments: the lane's own, or with "
                        "--handler that handler's (other pauses stay)")):
-        control = lanes_sub.add_parser(action, parents=[common], help=summary,
-                                       description=summary)
+        control = leaf(lanes_sub, action, summary)
         control.add_argument("lane", metavar="LANE", help="the lane")
         control.add_argument("--handler", metavar="H",
                              help="only this handler's jobs in the lane (default: the whole "
@@ -256,24 +263,23 @@ def build_parser() -> argparse.ArgumentParser:
                                      "included).")
     schedules_sub = schedules_cmd.add_subparsers(dest="schedules_command", metavar="ACTION",
                                                  required=True, parser_class=_Parser)
-    schedules_list = schedules_sub.add_parser(
-        "list", parents=[common],
-        help="the schedules in the database with their next fire, the live nodes declaring "
-             "them and their state (enabled, conflict, undeclared, disabled)")
+    schedules_list = leaf(
+        schedules_sub, "list",
+        "the schedules in the database with their next fire, the live nodes declaring "
+        "them and their state (enabled, conflict, undeclared, disabled)")
     schedules_list.set_defaults(func=cmd_schedules_list)
     for action, summary in (
             ("disable", "retire a schedule: no node fires it, whatever the configs declare, "
                         "until it is enabled again"),
             ("enable", "let a disabled schedule fire again while a live node declares it; "
                        "occurrences due while it was disabled are skipped")):
-        toggle = schedules_sub.add_parser(action, parents=[common], help=summary,
-                                          description=summary)
+        toggle = leaf(schedules_sub, action, summary)
         toggle.add_argument("id", metavar="ID", help="the schedule's id (see schedules list)")
         toggle.set_defaults(func=cmd_schedules_toggle, enabled=action == "enable")
-    preview = schedules_sub.add_parser(
-        "next", parents=[common],
-        help="occurrences of an expression strictly after --from, with the materializer's "
-             "DST policy")
+    preview = leaf(
+        schedules_sub, "next",
+        "occurrences of an expression strictly after --from, with the materializer's "
+        "DST policy")
     preview.add_argument("--cron", required=True, metavar="EXPR",
                          help='five fields, e.g. "30 2 * * *", or @daily, @hourly ...')
     preview.add_argument("--tz", default="UTC", metavar="ZONE",

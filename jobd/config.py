@@ -77,16 +77,17 @@ class LaneConfig:
         return {"ordered": self.ordered, "max_wait": self.max_wait,
                 "fair": self.fair_by != "none", "key_cursor": key_cursor}
 
-    def settles_apart(self, cores: int) -> bool:
-        """Whether the lane's workers write outcomes on a second connection, on a machine
-        of ``cores`` cores. Auto: while the workers and their backends (two busy processes
-        each in a drain) leave cores idle, the loop claims while the outcomes commit; with
-        more, the cores are busy anyway and the second connection's transactions cost more
-        than it overlaps (docs/performance.md, "Outcomes on a connection of their own": on
-        2 cores 1 x 10 drained 13 % faster, 4 x 100 18 % slower)."""
+    def settles_apart(self, cores: int, node_workers: int) -> bool:
+        """Whether the lane's workers write outcomes on a second connection, on a node of
+        ``node_workers`` worker processes (every lane's) and ``cores`` cores. Auto: while the
+        workers and their backends (two busy processes each in a drain) leave cores idle,
+        the loop claims while the outcomes commit; with more, the cores are busy anyway and
+        the second connection's transactions cost more than it overlaps
+        (docs/performance.md, "Outcomes on a connection of their own": on 2 cores 1 x 10
+        drained 13 % faster, 4 x 100 18 % slower)."""
         if self.settle_connection is not None:
             return self.settle_connection
-        return 2 * self.workers <= cores
+        return 2 * node_workers <= cores
 
     @property
     def buffer_size(self) -> int:
@@ -153,6 +154,11 @@ class Config:
     log_level: str = "info"
     outbox_lane: str = "outbox"
     outbox_senders: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def workers(self) -> int:
+        """The node's worker processes, every lane's."""
+        return sum(lane.workers for lane in self.lanes.values())
 
     def worker_handlers(self) -> dict[str, str]:
         """The handler map workers load: the allow-list plus the outbox delivery handler."""

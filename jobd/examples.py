@@ -20,8 +20,11 @@ def echo(job: Job) -> None:
 
 
 def sleep(job: Job) -> None:
-    """Sleeps ``payload["seconds"]`` (default 1) seconds, then succeeds."""
-    time.sleep(float((job.payload or {}).get("seconds", 1)))
+    """Sleeps ``payload["seconds"]`` (default 1) seconds, then succeeds; returns early once
+    the job is asked to stop (``jobd jobs cancel``), as a long handler should."""
+    deadline = time.monotonic() + float((job.payload or {}).get("seconds", 1))
+    while not job.cancelled and (left := deadline - time.monotonic()) > 0:
+        time.sleep(min(left, 0.1))
 
 
 def fail(job: Job) -> None:

@@ -24,7 +24,7 @@ from jobd import handlers as handler_registry
 from jobd.async_handlers import AsyncHandlers
 from jobd.db import conninfo, users_connection_setup
 from jobd.outcomes import Outcome, failed
-from jobd.protocol import WorkerSpec, backend_name
+from jobd.protocol import WorkerSpec, worker_connection_name
 
 
 class Start(Protocol):
@@ -57,7 +57,7 @@ class HandlerRunner:
             # other connection of its role; jobd's own statements there are qualified.
             self.tx_pool = ConnectionPool(
                 conninfo(spec.database_url, None,
-                         backend_name(spec.worker_id, f"handler {spec.lane.name}#{spec.slot}")),
+                         worker_connection_name(spec, "handler")),
                 min_size=0, max_size=spec.lane.concurrency, open=True,
                 kwargs={"autocommit": True}, name=f"jobd-{spec.lane.name}-handlers",
                 configure=users_connection_setup(spec.database_url, spec.session))

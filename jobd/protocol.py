@@ -29,7 +29,7 @@ from typing import Any
 
 from jobd.backoff import Backoff
 from jobd.config import LaneConfig
-from jobd.db import DEFAULT_SESSION, SessionSettings
+from jobd.db import APPLICATION_NAME_MAX, DEFAULT_SESSION, SessionSettings
 from jobd.worker_metrics import WorkTotals
 
 EXIT_OK = 0
@@ -69,6 +69,9 @@ class WorkerSpec:
     metrics: bool = False  # count per handler for the node's metrics (metrics.listen is set)
     node: str = ""  # the node's name, for the connections' application_name
     session: SessionSettings = DEFAULT_SESSION  # database.pooler and the session settings
+    # Outcomes on a connection of their own (jobd.settler): the lane's settle_connection, as
+    # the supervisor decided it for the whole node (LaneConfig.settles_apart).
+    settles_apart: bool = False
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -127,7 +130,24 @@ def backend_prefix(worker_id: str) -> str:
 
 
 def backend_name(worker_id: str, label: str) -> str:
-    return (backend_prefix(worker_id) + label)[:63]
+    return (backend_prefix(worker_id) + label)[:APPLICATION_NAME_MAX]
+
+
+# Of a lane's name, at least this much shows in a worker connection's name when it is cut.
+LANE_NAME_KEPT = 16
+
+
+def worker_connection_name(spec: WorkerSpec, role: str = "") -> str:
+    """``jobd worker <digest> <lane>/<slot>[ <role>] node=<node>``, within the characters
+    PostgreSQL keeps. The slot and the role (``settle``, ``handler``) always show; the
+    lane's name is cut where the whole node name would not fit after it, but keeps at least
+    :data:`LANE_NAME_KEPT` characters, and the node's name is cut to what is left."""
+    prefix = backend_prefix(spec.worker_id)
+    tail = f"/{spec.slot}" + (f" {role}" if role else "")
+    node = f" node={spec.node}"
+    room = APPLICATION_NAME_MAX - len(prefix) - len(tail)
+    lane = spec.lane.name[:max(room - len(node), LANE_NAME_KEPT)]
+    return (prefix + lane + tail + node)[:APPLICATION_NAME_MAX]
 
 
 def _int(value: object) -> int:

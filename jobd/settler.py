@@ -39,7 +39,7 @@ import structlog
 from jobd import pipes, queue
 from jobd.completer import Batch
 from jobd.db import ManagedConnection
-from jobd.protocol import WorkerSpec, backend_name
+from jobd.protocol import WorkerSpec, worker_connection_name
 
 log = structlog.get_logger("jobd.worker")
 
@@ -58,7 +58,7 @@ class Settler:
         self.link = ManagedConnection(
             spec.database_url, spec.schema,
             # The worker's prefix: crash attribution ends this connection with the others.
-            backend_name(spec.worker_id, f"{spec.lane.name}/{spec.slot} settle node={spec.node}"),
+            worker_connection_name(spec, "settle"),
             pause_after_failure=FALLBACK, session=spec.session,
             label="outcomes connection")
         self.wake_fd, self._wake_w = os.pipe()

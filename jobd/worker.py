@@ -62,8 +62,7 @@ class Worker:
         self.lane = spec.lane
         self.link = ManagedConnection(
             spec.database_url, spec.schema,
-            protocol.backend_name(spec.worker_id,
-                                  f"{spec.lane.name}/{spec.slot} node={spec.node}"),
+            protocol.worker_connection_name(spec),
             # The server may have run a claim whose result we never read.
             on_lost=self._claims_now_unknown,
             # A failed statement is retried with the same leases, which decide what still
@@ -76,8 +75,7 @@ class Worker:
         self.slots = Slots(spec.lane, self.runner, self.claimer, self.completer)
         self.timers = Timers(spec.lane)
         self.controls = Controls(spec, self.link, self.claimer, self.timers)
-        cores = len(os.sched_getaffinity(0))
-        self.settler = Settler(spec) if spec.lane.settles_apart(cores) else None
+        self.settler = Settler(spec) if spec.settles_apart else None
         self.exchange = Exchange(spec, self.link, self.claimer, self.completer, self.counters,
                                  self.slots, self.timers, self.controls, self.settler)
         self.leases = LeaseKeeper(spec.lane, self.link, self.slots, self.claimer,

@@ -127,6 +127,8 @@ class WorkerPool:
         # Counters of workers that exited, so a node's totals never go backwards.
         self.exited_counters: dict[str, dict[str, int]] = {}
         self.restarts: dict[tuple[str, str], int] = {}  # (lane, reason): slot workers replaced
+        # The cores the workers may run on (they inherit the supervisor's affinity).
+        self.cores = len(os.sched_getaffinity(0))
 
     def processes(self) -> list[WorkerProcess]:
         live = [slot.process for slot in self.slots.values() if slot.process is not None]
@@ -168,16 +170,22 @@ class WorkerPool:
         self.generation += 1
         for (lane_name, index), slot in list(self.slots.items()):
             lane = new.lanes.get(lane_name)
-            replaced = lane is None or handlers_changed or _settings_differ(lane, slot.lane)
+            replaced = (lane is None or handlers_changed or _settings_differ(lane, slot.lane)
+                        or self._settles_apart(new, lane) != self._settles_apart(old, slot.lane))
             if replaced or index >= (lane.workers if lane else 0):
                 del self.slots[(lane_name, index)]
                 if slot.process is not None:
                     self._retire(slot.process)
+            else:
+                slot.lane = lane  # its worker count changed, at most: a respawn uses the new
         self.config = new
         for lane in new.lanes.values():
             for index in range(lane.workers):
                 if (lane.name, index) not in self.slots:
                     self.slots[(lane.name, index)] = self._new_slot(lane, index)
+
+    def _settles_apart(self, config: Config, lane: LaneConfig) -> bool:
+        return lane.settles_apart(self.cores, config.workers)
 
     def _retire(self, process: WorkerProcess) -> None:
         process.retiring = True
@@ -209,6 +217,7 @@ class WorkerPool:
             shutdown_timeout=config.shutdown_timeout, log_level=config.log_level,
             metrics=config.metrics_listen is not None,
             node=config.node_name, session=config.session,
+            settles_apart=self._settles_apart(config, slot.lane),
         )
         popen = subprocess.Popen(
             [sys.executable, "-m", "jobd.worker"], stdin=subprocess.PIPE,

@@ -105,6 +105,30 @@ def test_application_names_name_role_detail_and_node_within_63_characters() -> N
     assert len(protocol.backend_name("x", "l" * 80 + " node=web-1")) == APPLICATION_NAME_MAX
 
 
+@pytest.mark.parametrize(("lane", "node", "role", "expected"), [
+    ("default", "web-1", "", "default/2 node=web-1"),
+    ("default", "web-1", "settle", "default/2 settle node=web-1"),
+    ("default", "web-1", "handler", "default/2 handler node=web-1"),
+    # A long node name is cut ...
+    ("default", "n" * 60, "settle", "default/2 settle node=" + "n" * 16),
+    # ... a long lane name too, to fit the node's, but never below 16 characters: the slot
+    # and the role always show.
+    ("customer_notifications_high_priority_eu", "web-1", "settle",
+     "customer_notificat/2 settle node=web-1"),
+    ("customer_notifications_high_priority_eu", "n" * 60, "handler",
+     "customer_notific/2 handler node=nnnnnn"),
+])
+def test_a_workers_connections_show_slot_and_role_within_63_characters(
+        lane: str, node: str, role: str, expected: str) -> None:
+    spec = protocol.WorkerSpec(
+        worker_id="web-1:x#2:beef", lane=LaneConfig(lane), handlers={},
+        database_url="postgresql:///unused", schema="jobd", slot=2, generation=1,
+        status_fd=-1, wake_fd=-1, shutdown_timeout=1.0, node=node)
+    name = protocol.worker_connection_name(spec, role)
+    assert len(name) <= APPLICATION_NAME_MAX
+    assert name == protocol.backend_prefix(spec.worker_id) + expected
+
+
 def test_the_urls_own_options_become_settings() -> None:
     assert options_settings("-c work_mem=8MB -cjit=off --geqo-threshold=9") == {
         "work_mem": "8MB", "jit": "off", "geqo_threshold": "9"}

@@ -18,8 +18,10 @@ from worker_support import connected_worker
 
 import jobd
 from jobd import handlers, jobs, protocol, settler, worker
-from jobd.config import LaneConfig, load
+from jobd.config import Config, LaneConfig, load
 from jobd.errors import ConfigError
+from jobd.eventloop import SelectLoop
+from jobd.workerpool import WorkerPool
 
 LANE = "default"
 WORKER_ID = "test-node:default#0:settle"
@@ -175,7 +177,7 @@ def test_settle_connection_is_true_false_or_auto(tmp_path: Path) -> None:
     assert load(path).lanes["default"].settle_connection is None  # auto by default
 
 
-@pytest.mark.parametrize(("workers", "cores", "setting", "apart"), [
+@pytest.mark.parametrize(("node_workers", "cores", "setting", "apart"), [
     (1, 2, None, True),  # a worker and its backend leave a core idle
     (2, 4, None, True),
     (2, 2, None, False),  # the cores are busy anyway
@@ -183,7 +185,44 @@ def test_settle_connection_is_true_false_or_auto(tmp_path: Path) -> None:
     (4, 2, True, True),  # said outright, it holds
     (1, 8, False, False),
 ])
-def test_auto_writes_outcomes_apart_while_the_workers_leave_cores_idle(
-        workers: int, cores: int, setting: bool | None, apart: bool) -> None:
-    lane = LaneConfig(LANE, workers=workers, settle_connection=setting)
-    assert lane.settles_apart(cores) is apart
+def test_auto_writes_outcomes_apart_while_the_nodes_workers_leave_cores_idle(
+        node_workers: int, cores: int, setting: bool | None, apart: bool) -> None:
+    lane = LaneConfig(LANE, workers=1, settle_connection=setting)
+    assert lane.settles_apart(cores, node_workers) is apart
+
+
+def test_a_reload_decides_auto_again_for_the_whole_node() -> None:
+    """Two lanes of one worker on four cores settle apart; a reload that gives one of them a
+    second worker leaves both lanes' workers too many: each is replaced, and each slot kept
+    spawns with the new lane config."""
+    def config(default_workers: int) -> Config:
+        return Config(lanes={"default": LaneConfig("default", workers=default_workers),
+                             "mail": LaneConfig("mail", workers=1)})
+
+    pool = WorkerPool(config(1), "", SelectLoop())
+    pool.cores = 4
+    pool.build()
+    before = dict(pool.slots)
+    assert all(pool._settles_apart(pool.config, slot.lane) for slot in before.values())
+    pool.apply(config(2))
+    assert sorted(pool.slots) == [("default", 0), ("default", 1), ("mail", 0)]
+    assert not any(pool.slots[key] is before[key] for key in before)  # replaced: auto flipped
+    assert not any(pool._settles_apart(pool.config, s.lane) for s in pool.slots.values())
+    # The same count again: nothing flips, the slots stay, and carry the new lane config.
+    kept = dict(pool.slots)
+    pool.apply(config(2))
+    assert all(pool.slots[key] is kept[key] for key in kept)
+    pool.apply(config(1))  # back to two workers on four cores: auto flips back
+    assert sorted(pool.slots) == [("default", 0), ("mail", 0)]
+    assert all(pool._settles_apart(pool.config, s.lane) for s in pool.slots.values())
+    assert pool.slots[("default", 0)].lane.workers == 1
+
+
+def test_a_reload_changing_only_workers_respawns_with_the_new_lane_config() -> None:
+    pool = WorkerPool(Config(lanes={"default": LaneConfig("default", workers=3)}), "",
+                      SelectLoop())
+    pool.cores = 64  # auto stays on either way
+    pool.build()
+    slot = pool.slots[("default", 0)]
+    pool.apply(Config(lanes={"default": LaneConfig("default", workers=2)}))
+    assert pool.slots[("default", 0)] is slot and slot.lane.workers == 2

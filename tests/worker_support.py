@@ -23,7 +23,9 @@ def connected_worker(db_url: str, lane: LaneConfig, worker_id: str,
     spec = protocol.WorkerSpec(
         worker_id=worker_id, lane=lane, handlers={}, database_url=db_url,
         schema=DEFAULT_SCHEMA, slot=0, generation=1, status_fd=status_w, wake_fd=wake_r,
-        shutdown_timeout=1.0)
+        shutdown_timeout=1.0,
+        # As the supervisor decides it for a node of this one lane.
+        settles_apart=lane.settles_apart(len(os.sched_getaffinity(0)), lane.workers))
     subject = worker.Worker(spec, dict(resolved or {}))
     subject._ensure_connection()
     assert subject.conn is not None
