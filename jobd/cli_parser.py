@@ -14,6 +14,7 @@ from typing import Any
 
 import jobd
 from jobd import views
+from jobd.cli_output import print_json
 from jobd.cli_types import (
     duration,
     int32,
@@ -86,6 +87,18 @@ def _common_options(default: Any) -> argparse.ArgumentParser:
     return common
 
 
+class _Version(argparse.Action):
+    """--version: the version as text, or as JSON when --json came before it."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        if getattr(namespace, "json", False):
+            print_json({"version": version()})
+        else:
+            print(f"jobd {version()}")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     # The connection options work before or after the subcommand. Below the subcommand they
     # default to SUPPRESS, so an option given before it is not overwritten by a default.
@@ -95,8 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="jobd", description="A durable job scheduler whose queue is a PostgreSQL table.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
         parents=[_common_options(None)])
-    parser.add_argument("--version", action="version", version=f"jobd {version()}",
-                        help="print jobd's version and exit")
+    parser.add_argument("--version", action=_Version, nargs=0,
+                        help="print jobd's version and exit ({\"version\": ...} after --json)")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True,
                                      parser_class=_Parser, help="what to do")
 

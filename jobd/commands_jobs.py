@@ -141,13 +141,15 @@ def cmd_jobs_show(ctx: Context, args: argparse.Namespace) -> int:
                      "max_attempts_source": source})
         return 0
     history = job["errors"]
-    for key, value in job.items():
-        if key in ("payload", "payload_text", "payload_problem", "errors"):
-            continue
+    shown = [key for key in job if key not in ("payload", "payload_text", "payload_problem",
+                                               "errors")]
+    width = max(len(key) for key in [*shown, "payload"])
+    for key in shown:
+        value = job[key]
         if key == "max_attempts":
             value = _max_attempts_text(ctx.config, job, limit, source)
-        print(f"{key:>16}: {field(value)}")
-    print(f"{'payload':>16}: {_payload_text(job, args.payload)}")
+        print(f"{key:>{width}}: {field(value)}")
+    print(f"{'payload':>{width}}: {_payload_text(job, args.payload)}")
     for line in _history_lines(history, args.full_errors):
         print(line)
     return 0

@@ -284,6 +284,9 @@ def shown_state(db_url: str, job_id: int) -> str:
     out = ok("jobs", "show", str(job_id), "--database-url", db_url)
     match = re.search(r"^\s*state: (\w+)$", out, re.MULTILINE)
     assert match, out
+    # One column of labels, the longest (cancel_requested_at) included.
+    fields = [line for line in out.splitlines() if not line.startswith(("errors", "  "))]
+    assert len({line.index(": ") for line in fields}) == 1, out
     assert ok_json("jobs", "show", str(job_id), "--database-url", db_url)["state"] == match[1]
     return match[1]
 
@@ -483,6 +486,7 @@ def test_dlq_purge_removes_dead_jobs_and_frees_their_keys(
 
 def test_version() -> None:
     assert ok("--version") == f"jobd {metadata.version('jobd')}\n"
+    assert json.loads(ok("--json", "--version")) == {"version": metadata.version("jobd")}
 
 
 def _parsers(parser: argparse.ArgumentParser, path: str = "jobd"
@@ -517,7 +521,7 @@ HELP_COMMANDS = [
     [], ["migrate"], ["enqueue"], ["status"], ["top"], ["jobs"], ["jobs", "show"],
     ["jobs", "list"], ["jobs", "cancel"], ["dlq"], ["dlq", "list"], ["dlq", "replay"],
     ["dlq", "purge"], ["dlq", "quarantine"], ["lanes"], ["lanes", "pause"],
-    ["lanes", "resume"],
+    ["lanes", "resume"], ["schedules", "list"], ["schedules", "next"], ["run"],
 ]
 
 
@@ -532,6 +536,12 @@ def test_every_subcommand_has_help() -> None:
         out, err = process.communicate(timeout=TIMEOUT)
         assert (command, process.returncode, err) == (command, 0, "")
         assert out.startswith("usage: jobd")
+        # Each explains itself and how it connects, not only its parent's list.
+        assert "exit codes:" in out, command
+
+
+def test_every_command_and_action_describes_itself() -> None:
+    assert [path for path, parser in _parsers(build_parser()) if not parser.description] == []
 
 
 def test_missing_subcommand_is_a_usage_error() -> None:
