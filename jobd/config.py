@@ -25,6 +25,9 @@ __all__ = ["Config", "LaneConfig", "ScheduleConfig", "load", "parse", "parse_dur
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 # Where workers find the built-in handler of outbox delivery jobs (validation.OUTBOX_HANDLER).
 OUTBOX_HANDLER_PATH = "jobd.outbox:deliver"
+# An empty URL is a mistake, often a template variable that rendered empty: refused rather
+# than falling back to $JOBD_DATABASE_URL or the local default behind the user's back.
+EMPTY_URL = "is empty: give a URL, or leave the key out ($JOBD_DATABASE_URL, else the default)"
 # lanes.<l>.fair_by: "handler" and "fairness_key" name one rule (a job shares by its
 # fairness_key when it has one, else by its handler): a lane whose producers set no keys
 # shares by handler. "none": no shares.
@@ -301,9 +304,9 @@ def _build(root: yamlcheck.Located, path: str | None) -> Config:
 
     config = Config(
         path=path,
-        database_url=database.take("url", yamlcheck.string),
+        database_url=database.take("url", yamlcheck.string, empty=EMPTY_URL),
         schema=database.take("schema", yamlcheck.schema_name, DEFAULT_SCHEMA),
-        listen_url=database.take("listen_url", yamlcheck.string),
+        listen_url=database.take("listen_url", yamlcheck.string, empty=EMPTY_URL),
         session=_session(database),
         node_name=node.take("name", yamlcheck.name("node")) or socket.gethostname(),
         metrics_listen=metrics.take("listen", yamlcheck.listen),

@@ -70,8 +70,9 @@ class WorkerSpec:
     node: str = ""  # the node's name, for the connections' application_name
     session: SessionSettings = DEFAULT_SESSION  # database.pooler and the session settings
     # Outcomes on a connection of their own (jobd.settler): the lane's settle_connection, as
-    # the supervisor decided it for the whole node (LaneConfig.settles_apart).
-    settles_apart: bool = False
+    # the supervisor decided it for the whole node (LaneConfig.settles_apart). None from a
+    # supervisor older than the field (a package upgraded under it): the worker decides.
+    settles_apart: bool | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

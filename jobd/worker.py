@@ -75,7 +75,7 @@ class Worker:
         self.slots = Slots(spec.lane, self.runner, self.claimer, self.completer)
         self.timers = Timers(spec.lane)
         self.controls = Controls(spec, self.link, self.claimer, self.timers)
-        self.settler = Settler(spec) if spec.settles_apart else None
+        self.settler = Settler(spec) if _settles_apart(spec) else None
         self.exchange = Exchange(spec, self.link, self.claimer, self.completer, self.counters,
                                  self.slots, self.timers, self.controls, self.settler)
         self.leases = LeaseKeeper(spec.lane, self.link, self.slots, self.claimer,
@@ -243,6 +243,12 @@ class Worker:
             self.settler.close()
         self.link.close()
         self.runner.close()
+
+
+def _settles_apart(spec: WorkerSpec) -> bool:
+    if spec.settles_apart is not None:
+        return spec.settles_apart
+    return spec.lane.settles_apart(len(os.sched_getaffinity(0)), spec.lane.workers)
 
 
 def main() -> int:

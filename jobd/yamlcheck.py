@@ -51,10 +51,12 @@ def parse_duration(value: object) -> float:
 
 @dataclass(frozen=True, slots=True)
 class Located:
-    """A parsed YAML value with the line it came from."""
+    """A parsed YAML value with the line it came from, and for an integer written other than
+    in decimal, how it was written (jobd's own keys refuse it: :meth:`Section.take`)."""
 
     value: Any
     line: int
+    not_decimal: str | None = None
 
 
 def plain(node: yaml.Node, path: str = "") -> Located:
@@ -71,32 +73,33 @@ def plain(node: yaml.Node, path: str = "") -> Located:
             if key in mapping:
                 raise Invalid(key_line, key_path, "duplicate key")
             value = plain(value_node, key_path)
-            mapping[key] = Located(value.value, key_line)
+            mapping[key] = Located(value.value, key_line, value.not_decimal)
         return Located(mapping, line)
     if isinstance(node, yaml.SequenceNode):
         return Located([plain(item, f"{path}[{i}]") for i, item in enumerate(node.value)],
                         line)
-    return Located(_scalar(node, line, path), line)
+    if not isinstance(node, yaml.ScalarNode):
+        raise Invalid(line, path, "expected a scalar, a list or a mapping")
+    value = _scalar(node, line, path)
+    written = node.value.replace("_", "")
+    not_decimal = (node.value if node.tag == _INT_TAG and not _DECIMAL.fullmatch(written)
+                   else None)
+    return Located(value, line, not_decimal)
 
 
 def _scalar(node: yaml.Node, line: int, path: str) -> Any:
     """The value of a scalar node (an empty one is null: the key's default). Composing the
     document accepted what constructing the value may still refuse: a tag the safe loader
-    does not know (!!python/object), a lone "!". An integer must be written in decimal:
-    YAML 1.1 reads 010 as 8 and 1:30 as 90, which nobody writing a config means."""
-    if node.tag == _INT_TAG and not _DECIMAL.fullmatch(node.value.replace("_", "")):
-        raise Invalid(line, path, f"write integers in decimal, not {node.value!r} (YAML 1.1 "
-                                  f"would read it as {_construct(node, line, path)})")
-    return _construct(node, line, path)
-
-
-def _construct(node: yaml.Node, line: int, path: str) -> Any:
+    does not know (!!python/object), a lone "!", a value its tag cannot read (!!int abc)."""
     try:
         return yaml.SafeLoader("").construct_object(node, deep=True)
     except yaml.YAMLError as exc:
         problem = getattr(exc, "problem", None) or str(exc).strip().splitlines()[0]
         raise Invalid(line, path, f"invalid YAML value: {' '.join(str(problem).split())}"
                       ) from None
+    except Exception as exc:  # the safe loader's own constructors fail this way
+        raise Invalid(line, path, f"invalid YAML value {node.value!r} for its tag "
+                                  f"{node.tag}: {type(exc).__name__}") from None
 
 
 class Invalid(Exception):
@@ -122,10 +125,20 @@ class Section:
     def _key_path(self, key: str) -> str:
         return f"{self.path}.{key}" if self.path else key
 
-    def take(self, key: str, convert: Any, default: Any = None) -> Any:
+    def take(self, key: str, convert: Any, default: Any = None, *,
+             empty: str | None = None) -> Any:
+        """The key's value converted, or ``default`` when it is missing or null (written as
+        ``~``, ``null`` or nothing), unless ``empty`` says why a null is refused."""
         located = self.items.pop(key, None)
+        if located is not None and located.value is None and empty is not None:
+            raise Invalid(located.line, self._key_path(key), empty)
         if located is None or located.value is None:
             return default
+        if located.not_decimal is not None:
+            # YAML 1.1 reads 010 as 8 and 1:30 as 90, which nobody writing a setting means.
+            raise Invalid(located.line, self._key_path(key),
+                          f"write integers in decimal, not {located.not_decimal!r} (YAML 1.1 "
+                          f"would read it as {located.value})")
         try:
             return convert(unwrap(located))
         except (ValueError, TypeError) as exc:

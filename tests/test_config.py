@@ -232,6 +232,32 @@ def test_a_wrong_value_is_shown_as_written_in_the_error(
     assert shown in message and "Located" not in message
 
 
+def test_a_payloads_integers_keep_yamls_reading(tmp_path: Path) -> None:
+    # The decimal rule is for jobd's own settings; a payload is the user's data.
+    path = tmp_path / "jobd.yaml"
+    path.write_text(HANDLERS + "schedules:\n  - id: chmod\n    cron: '@daily'\n"
+                    "    handler: echo\n    payload: {mode: 0644}\n", "utf-8")
+    assert load(path).schedules[0].payload == {"mode": 0o644}
+
+
+@pytest.mark.parametrize("key", ["url", "listen_url"])
+def test_an_empty_database_url_is_refused_not_replaced_by_the_default(
+        tmp_path: Path, key: str) -> None:
+    _, line, message = config_error(tmp_path, f"database:\n  {key}:\n")
+    assert line == 2 and f"database.{key}: is empty" in message
+
+
+@pytest.mark.parametrize(("text", "line"), [
+    ("lanes:\n  default:\n    workers: !!int abc\n", 3),
+    ("lanes:\n  default:\n    workers: !!timestamp x\n", 3),
+    ("lanes:\n  default:\n    workers: 0b_\n", 3),
+    ("? !!int [1]\n: x\n", 1),
+])
+def test_a_value_its_tag_cannot_read_is_a_config_error(
+        tmp_path: Path, text: str, line: int) -> None:
+    assert config_error(tmp_path, text)[1] == line
+
+
 def test_duplicate_schedule_id(tmp_path: Path) -> None:
     _, _, message = config_error(
         tmp_path,

@@ -6,6 +6,7 @@ applies once; shutdown waits for it; ``settle_connection: false`` keeps one conn
 
 from __future__ import annotations
 
+import json
 import select
 import time
 from collections.abc import Iterator
@@ -226,3 +227,16 @@ def test_a_reload_changing_only_workers_respawns_with_the_new_lane_config() -> N
     slot = pool.slots[("default", 0)]
     pool.apply(Config(lanes={"default": LaneConfig("default", workers=2)}))
     assert pool.slots[("default", 0)] is slot and slot.lane.workers == 2
+
+
+def test_a_spec_from_a_supervisor_older_than_the_decision_lets_the_worker_decide() -> None:
+    lane = LaneConfig(LANE, workers=1, settle_connection=True)
+    spec = protocol.WorkerSpec(
+        worker_id=WORKER_ID, lane=lane, handlers={}, database_url="postgresql:///unused",
+        schema="jobd", slot=0, generation=1, status_fd=-1, wake_fd=-1, shutdown_timeout=1.0,
+        settles_apart=False)
+    data = json.loads(spec.to_json())
+    del data["settles_apart"]  # as an older supervisor writes it
+    older = protocol.WorkerSpec.from_json(json.dumps(data))
+    assert older.settles_apart is None and worker._settles_apart(older) is True
+    assert worker._settles_apart(spec) is False  # the supervisor's answer holds
