@@ -68,6 +68,7 @@ class SessionSettings:
     lock_timeout: float | None = 10.0
     idle_in_transaction_session_timeout: float | None = 60.0
     jit: bool = True
+    seqscan: bool = True  # enable_seqscan; the workers' own sessions turn it off
 
     def bounded(self, statement_timeout: float, lock_timeout: float) -> SessionSettings:
         """These settings with timeouts no longer than the given ones (a caller that must
@@ -87,6 +88,8 @@ class SessionSettings:
                      if value is not None})
         if not self.jit:
             gucs["jit"] = "off"
+        if not self.seqscan:
+            gucs["enable_seqscan"] = "off"
         return gucs
 
 
@@ -337,6 +340,18 @@ def supervisor_session(session: SessionSettings) -> SessionSettings:
     bounded = session.bounded(SUPERVISOR_STATEMENT_TIMEOUT_MS / 1000,
                               SUPERVISOR_LOCK_TIMEOUT_MS / 1000)
     return replace(bounded, jit=False)
+
+
+def worker_session(session: SessionSettings) -> SessionSettings:
+    """A worker's own sessions (its claims and outcomes, not its handlers'): sequential scans
+    priced out. Every statement a worker runs reads by an index (the claim index from the
+    floors, the primary key for a batch of ids), and the plans it prepares outlive the table
+    they were made for: made while the jobs table was a few pages, reading it whole for a
+    batch of ids is as cheap as the index, and a burst of 20,000 jobs then met claims and
+    completions that read the whole table, each, until the plans were renewed
+    (docs/design/queue.md, "Plans that age"). With the setting off the planner still reads
+    a table whole where no index serves, so no statement fails for it."""
+    return replace(session, seqscan=False)
 
 
 class ManagedConnection:

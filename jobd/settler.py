@@ -38,7 +38,7 @@ import structlog
 
 from jobd import pipes, queue
 from jobd.completer import Batch
-from jobd.db import ManagedConnection
+from jobd.db import ManagedConnection, worker_session
 from jobd.protocol import WorkerSpec, worker_connection_name
 
 log = structlog.get_logger("jobd.worker")
@@ -59,7 +59,7 @@ class Settler:
             spec.database_url, spec.schema,
             # The worker's prefix: crash attribution ends this connection with the others.
             worker_connection_name(spec, "settle"),
-            pause_after_failure=FALLBACK, session=spec.session,
+            pause_after_failure=FALLBACK, session=worker_session(spec.session),
             label="outcomes connection")
         self.wake_fd, self._wake_w = os.pipe()
         for fd in (self.wake_fd, self._wake_w):

@@ -37,7 +37,7 @@ from jobd import handlers as handler_registry
 from jobd import logs, outbox, pipes, protocol, queue
 from jobd.claimer import BUFFER_MAX_AGE, Claimer
 from jobd.completer import Completer, Counters
-from jobd.db import ManagedConnection
+from jobd.db import ManagedConnection, worker_session
 from jobd.eventloop import SelectLoop
 from jobd.exchange import Exchange
 from jobd.handler_runner import HandlerRunner
@@ -67,7 +67,7 @@ class Worker:
             on_lost=self._claims_now_unknown,
             # A failed statement is retried with the same leases, which decide what still
             # applies (in a pipelined settle, statements before it may have committed).
-            pause_after_failure=1.0, session=spec.session)
+            pause_after_failure=1.0, session=worker_session(spec.session))
         self.claimer = Claimer(spec.lane, spec.worker_id)
         self.counters = Counters.for_spec(spec)
         self.completer = Completer(spec.lane, self.counters)

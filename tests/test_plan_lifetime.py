@@ -1,6 +1,8 @@
 """The fast path's prepared statements are prepared again once PLAN_LIFETIME old
 (jobd/fastpath.py): a plan made while the jobs table was small does not outlive the table's
-growth until autovacuum next passes (docs/design/queue.md, "Plans that age")."""
+growth until autovacuum next passes; and a worker's own sessions price sequential scans out,
+so its plans read by index even when made on a table of one page (docs/design/queue.md,
+"Plans that age")."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import pytest
 
 import jobd
 from jobd import fastpath, queue
-from jobd.db import connect
+from jobd.db import DEFAULT_SESSION, connect, worker_session
 from jobd.queue import ClaimRequest
 
 # Ids no job has: the completion finds nothing, and only its plan matters here.
@@ -84,3 +86,15 @@ def test_an_exchange_that_fails_after_the_renewal_leaves_the_session_usable(
     assert fastpath.run(conn, [complete]) == [[(job.id, "done")]]
     assert conn.execute("SELECT count(*) FROM pg_prepared_statements"
                         " WHERE name = 'jobd_complete_jobs'").fetchone() == (1,)
+
+
+def test_a_workers_session_reads_a_batch_by_id_even_on_a_table_of_one_page(
+    small_jobs_table: psycopg.Connection, db_url: str,
+) -> None:
+    with connect(db_url, "jobd", session=worker_session(DEFAULT_SESSION)) as worker_conn:
+        plan = complete_plan(worker_conn)  # prepared while the table holds one row
+        assert "Seq Scan on jobs" not in plan and "jobs_pkey" in plan, plan
+        jobd.enqueue_many(small_jobs_table, [jobd.JobSpec("h")] * 20_000)
+        plan = complete_plan(worker_conn)
+        assert "Seq Scan on jobs" not in plan and "jobs_pkey" in plan, plan
+        assert worker_conn.execute("SHOW enable_seqscan").fetchone() == ("off",)
