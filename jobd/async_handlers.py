@@ -57,6 +57,8 @@ class AsyncHandlers:
             outcome = Outcome(job, None)
         except asyncio.CancelledError as exc:
             outcome = Outcome(job, CANCELLED_ERROR) if job.cancelled else failed(job, exc)
+        except GeneratorExit:  # the event loop is being closed with the task unfinished
+            raise
         except BaseException as exc:  # a handler's sys.exit() fails its job, no more
             outcome = failed(job, exc)
         finally:

@@ -36,11 +36,9 @@ class Outcome:
 
 
 def failed(job: jobs.Job, exc: BaseException) -> Outcome:
-    """The outcome of a run that raised ``exc``."""
-    if job.undecodable:
-        # Every attempt would fail the same way: to the dead-letter queue at once.
-        return Outcome(job, error_text(exc), final=True)
-    return Outcome(job, error_text(exc))
+    """The outcome of a run that raised ``exc``; final for an undecodable payload, which
+    would fail every attempt the same way (to the dead-letter queue at once)."""
+    return Outcome(job, error_text(exc), final=job.undecodable)
 
 
 class JobTimedOut(Exception):

@@ -78,8 +78,6 @@ def plain(node: yaml.Node, path: str = "") -> Located:
     if isinstance(node, yaml.SequenceNode):
         return Located([plain(item, f"{path}[{i}]") for i, item in enumerate(node.value)],
                         line)
-    if not isinstance(node, yaml.ScalarNode):
-        raise Invalid(line, path, "expected a scalar, a list or a mapping")
     value = _scalar(node, line, path)
     written = node.value.replace("_", "")
     not_decimal = (node.value if node.tag == _INT_TAG and not _DECIMAL.fullmatch(written)
