@@ -22,6 +22,11 @@ worker's loop does the round trips.
   buffered jobs of a paused lane or handler go back to the queue unstarted. The claim itself
   skips paused work, so this is what the worker knows, not what decides (see
   :meth:`Claimer.set_controls`).
+- Handlers the node does not have: nodes of one lane may load different handlers (a rolling
+  deploy that adds one, a second node's own config). A job of a handler this worker does not
+  have is given back unstarted, its attempt returned, and from then on the worker's claims
+  and arming probe step over that handler's jobs as over a paused handler's: they wait for a
+  node that has it.
 - Limits (``max_running``, ``rate``): the claim takes its turn and is capped by the lane's
   budget across nodes (``claim_jobs_limited``). A short claim may then mean "no budget" as
   well as "nothing due", so it does not mark the lane dry; with due work left, the worker's
@@ -61,9 +66,14 @@ def next_key_cursor(cursor: str | None, taken: list[jobs.Job]) -> str:
 
 
 class Claimer:
-    def __init__(self, lane: LaneConfig, worker_id: str) -> None:
+    def __init__(self, lane: LaneConfig, worker_id: str,
+                 known_handlers: frozenset[str] | None = None) -> None:
         self.lane = lane
         self.worker_id = worker_id
+        # The handlers this worker can run (None: any), and those of claimed jobs it could
+        # not, in the order it met them: the claims leave their jobs for other nodes.
+        self.known_handlers = known_handlers
+        self.lacking_handlers: tuple[str, ...] = ()
         self.maybe_more = True  # there may be due work: claim when capacity allows
         # Oldest first, with the monotonic instant of their claim.
         self.buffer: collections.deque[tuple[jobs.Job, float]] = collections.deque()
@@ -132,13 +142,15 @@ class Claimer:
                                                                 or self.lane.limited),
                                   budget=self.lane.budget() if self.lane.limited else None,
                                   order=(self.lane.claim_order(self.key_cursor)
-                                         if self.lane.ordered else None))
+                                         if self.lane.ordered else None),
+                                  lacking_handlers=self.lacking_handlers)
 
     def took(self, claimed: queue.Claimed, request: queue.ClaimRequest) -> list[jobs.Job]:
         """Record what a claim brought; returns the jobs to start at once (a suspect)."""
         if request.suspect_first and claimed.suspect is None:
             self.suspects_possible = False  # none due now; the supervisor says when again
         now = time.monotonic()
+        self._learn_lacking(claimed)
         if request.disarm:
             self.arming.disarmed()
         assert request.floors is not None
@@ -166,13 +178,37 @@ class Claimer:
                                                           now))
         self.arming.claimed(bool(claimed.jobs) or claimed.suspect is not None,
                             self.maybe_more, now)
-        if claimed.suspect is not None:
+        if claimed.suspect is not None and self.runs_here(claimed.suspect.handler):
             self.isolating = claimed.suspect.id
             log.info("running a suspect alone", job_id=claimed.suspect.id,
                      handler=claimed.suspect.handler)
             return [claimed.suspect]
+        if claimed.suspect is not None:
+            # Not runnable here: it goes back (to_release) and stays a suspect.
+            self.buffer.append((claimed.suspect, now))
         self.buffer.extend((job, now) for job in claimed.jobs)
         return []
+
+    def runs_here(self, handler: str) -> bool:
+        """Whether this worker starts jobs of ``handler`` now: it has the handler, and the
+        handler is not paused."""
+        return handler not in self.paused_handlers and handler not in self.lacking_handlers
+
+    def _learn_lacking(self, claimed: queue.Claimed) -> None:
+        """Note the handlers of claimed jobs this worker does not have (see the module's
+        docstring); each is logged once."""
+        if self.known_handlers is None:
+            return
+        taken = claimed.jobs + ([claimed.suspect] if claimed.suspect else [])
+        unknown = ({job.handler for job in taken} - self.known_handlers
+                   - set(self.lacking_handlers))
+        for handler in sorted(unknown):
+            self.lacking_handlers += (handler,)
+            log.warning("this node has no such handler: its jobs are given back for the "
+                        "nodes that have it, and this worker no longer claims them",
+                        lane=self.lane.name, handler=handler,
+                        job_id=next(job.id for job in taken if job.handler == handler),
+                        known_handlers=sorted(self.known_handlers))
 
     def _watch_clock(self, claimed: queue.Claimed, request: queue.ClaimRequest,
                      now: float) -> None:
@@ -223,12 +259,12 @@ class Claimer:
         if (not self.buffer or running >= room or mode != WorkerMode.RUNNING
                 or self.isolating is not None or self.lane_paused):
             return None
-        if not self.paused_handlers:
+        if not self.paused_handlers and not self.lacking_handlers:
             self.started += 1
             return self.buffer.popleft()
-        # Paused jobs stay in the buffer until they are given back (to_release).
+        # Jobs not run here stay in the buffer until they are given back (to_release).
         for index, entry in enumerate(self.buffer):
-            if entry[0].handler not in self.paused_handlers:
+            if self.runs_here(entry[0].handler):
                 del self.buffer[index]
                 self.started += 1
                 return entry
@@ -252,14 +288,14 @@ class Claimer:
         if self._releases_all(mode):
             return [job for job, _claimed in self.buffer]
         return [job for job, claimed_at in self.buffer
-                if claimed_at < now - BUFFER_MAX_AGE or job.handler in self.paused_handlers]
+                if claimed_at < now - BUFFER_MAX_AGE or not self.runs_here(job.handler)]
 
     def would_release(self, mode: WorkerMode, entries: list[tuple[jobs.Job, float]],
                       now: float) -> bool:
         """Whether :meth:`to_release` would give back any of ``entries`` (jobs on deck)
         were they in the buffer."""
         return bool(entries) and (self._releases_all(mode) or any(
-            claimed_at < now - BUFFER_MAX_AGE or job.handler in self.paused_handlers
+            claimed_at < now - BUFFER_MAX_AGE or not self.runs_here(job.handler)
             for job, claimed_at in entries))
 
     def _releases_all(self, mode: WorkerMode) -> bool:

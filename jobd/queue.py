@@ -125,6 +125,8 @@ class ClaimRequest:
     # The lane's fairness (LaneConfig.claim_order()): overdue jobs first and shares across
     # keys (claim_jobs_ordered). None: strict priority, then age.
     order: dict[str, Any] | None = None
+    # Handlers the worker's node does not have: their jobs are left for nodes that do.
+    lacking_handlers: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +146,8 @@ def _claim_params(request: ClaimRequest, now: datetime | None) -> dict[str, Any]
     order = request.order if request.order is not None else UNORDERED
     return {"lane": request.lane, "worker": request.worker, "limit": request.limit,
             "visibility_timeout": float(request.visibility_timeout), "now": now, **floors,
-            **(request.budget or {}), **order}
+            **(request.budget or {}), **order,
+            "lacking_handlers": list(request.lacking_handlers)}
 
 
 def _claim_query(request: ClaimRequest) -> str:
@@ -344,10 +347,12 @@ def settle_and_claim(
     return completed, failed, Claimed(_jobs(next(results)), suspects[0] if suspects else None)
 
 
-def arm(conn: psycopg.Connection, lane: str, worker: str, floors: Mapping[str, Any]) -> str:
+def arm(conn: psycopg.Connection, lane: str, worker: str, floors: Mapping[str, Any],
+        lacking_handlers: Sequence[str] = ()) -> str:
     """Arm ``worker`` for wake-ups of ``lane`` unless work may have come since its last
     claim: 'armed', 'work' (claim again now), 'contended' (an enqueue is committing: claim
-    again shortly) or 'paused' (the lane is paused: wait, unarmed, for its resume).
+    again shortly) or 'paused' (the lane is paused: wait, unarmed, for its resume). Jobs of
+    ``lacking_handlers`` (the node has no such handler) are not work for this worker.
 
     Two transactions in one round trip (migrations/0020_arming_apart.sql): the worker's row
     is registered under the lane's lock and committed, then the probe for work runs without
@@ -357,7 +362,8 @@ def arm(conn: psycopg.Connection, lane: str, worker: str, floors: Mapping[str, A
     params = {"lane": lane, "worker": worker}
     rows = fastpath.run(conn, [(fastpath.BEGIN, None), ("arm_waiter_register", params),
                                (fastpath.COMMIT, None),
-                               ("arm_waiter_probe", {**params, **floors})])
+                               ("arm_waiter_probe", {**params, **floors,
+                                                     "lacking_handlers": list(lacking_handlers)})])
     registered, probed = str(rows[1][0][0]), str(rows[3][0][0])
     return probed if registered == "registered" else registered
 

@@ -68,7 +68,7 @@ class Worker:
             # A failed statement is retried with the same leases, which decide what still
             # applies (in a pipelined settle, statements before it may have committed).
             pause_after_failure=1.0, session=worker_session(spec.session))
-        self.claimer = Claimer(spec.lane, spec.worker_id)
+        self.claimer = Claimer(spec.lane, spec.worker_id, frozenset(resolved))
         self.counters = Counters.for_spec(spec)
         self.completer = Completer(spec.lane, self.counters)
         self.runner = HandlerRunner(spec, resolved)

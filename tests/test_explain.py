@@ -103,7 +103,8 @@ def explain(conn: psycopg.Connection, name: str, params: dict[str, Any], *,
 def claim_params(lane: str, now: datetime | None = None) -> dict[str, Any]:
     return {"lane": lane, "worker": "node-2:7", "limit": 100, "visibility_timeout": 30.0,
             "now": now, **full_scan_params(),
-            "ordered": False, "max_wait": None, "fair": False, "key_cursor": None}
+            "ordered": False, "max_wait": None, "fair": False, "key_cursor": None,
+            "lacking_handlers": []}
 
 
 def test_the_table_has_a_million_rows_and_few_due(big_queue: psycopg.Connection) -> None:

@@ -37,6 +37,10 @@ import jobd
 @jobd.transactional
 def charge(job, conn):
     conn.execute("INSERT INTO public.ledger (job_id) VALUES (%s)", (job.id,))
+
+
+def broken(job):
+    raise ValueError("always fails")
 '''
 
 
@@ -114,13 +118,14 @@ def test_the_daemon_runs_as_the_runtime_role(granted: Roles, tmp_path: Path) -> 
     (tmp_path / "privhandlers.py").write_text(TRANSACTIONAL_HANDLER)
     daemon = Daemon(tmp_path, granted.url(granted.runtime))
     config = make_config({"default": {"max_attempts": 2}},
-                         handlers={**HANDLERS, "charge": "privhandlers:charge"})
+                         handlers={**HANDLERS, "charge": "privhandlers:charge",
+                                   "broken": "privhandlers:broken"})
     try:
         daemon.start(config)
         daemon.wait_workers_started("default", 1)
         with granted.connect(granted.producer) as producer:
             done = jobd.enqueue(producer, "ok", {"n": 1})
-            failing = jobd.enqueue(producer, "nosuch", {"n": 2})
+            failing = jobd.enqueue(producer, "broken", {"n": 2})
             charged = jobd.enqueue(producer, "charge", {"n": 3})
             # Crash attribution ends the dead worker's backends: the role's own, so allowed.
             poison = jobd.enqueue(producer, "suicide", {"n": 4})

@@ -70,10 +70,13 @@ FROM STDIN (FORMAT BINARY)
 -- claimed_at records the claim for the archive (pickup delay and claim-to-finish time, see
 -- lane_latency). Pauses (jobd.pause, a probe of the tiny lane_pauses): a paused lane claims
 -- nothing, a paused handler's jobs are stepped over (runnable(), in migrations/0011: a
--- function the planner does not see into, so that the filter keeps this plan).
+-- function the planner does not see into, so that the filter keeps this plan), and so are
+-- %(lacking_handlers)s, the handlers the claiming worker's node does not have (usually none;
+-- jobd/claimer.py learns them from the jobs it claimed and gave back).
 WITH paused AS (
     SELECT coalesce(bool_or(handler IS NULL), false) AS whole_lane,
-           coalesce(array_agg(handler) FILTER (WHERE handler IS NOT NULL), '{}') AS handlers
+           coalesce(array_agg(handler) FILTER (WHERE handler IS NOT NULL), '{}')
+           || %(lacking_handlers)s::text[] AS handlers
       FROM lane_pauses
      WHERE lane = %(lane)s
 ),
@@ -126,7 +129,8 @@ RETURNING jobs.id, jobs.lease_token, jobs.lane, jobs.handler, jobs.payload::text
 -- rules are claim_jobs'.
 WITH paused AS (
     SELECT coalesce(bool_or(handler IS NULL), false) AS whole_lane,
-           coalesce(array_agg(handler) FILTER (WHERE handler IS NOT NULL), '{}') AS handlers
+           coalesce(array_agg(handler) FILTER (WHERE handler IS NOT NULL), '{}')
+           || %(lacking_handlers)s::text[] AS handlers
       FROM lane_pauses
      WHERE lane = %(lane)s
 ),
@@ -184,7 +188,8 @@ WITH budget AS (
 ),
 paused AS (
     SELECT coalesce(bool_or(handler IS NULL), false) AS whole_lane,
-           coalesce(array_agg(handler) FILTER (WHERE handler IS NOT NULL), '{}') AS handlers
+           coalesce(array_agg(handler) FILTER (WHERE handler IS NOT NULL), '{}')
+           || %(lacking_handlers)s::text[] AS handlers
       FROM lane_pauses
      WHERE lane = %(lane)s
 ),
@@ -299,10 +304,12 @@ SELECT arm_waiter_register(%(lane)s, %(worker)s)
 
 -- name: arm_waiter_probe
 -- Arming, second transaction (arm_waiter_probe() in migrations/0020_arming_apart.sql, its
--- body since 0024): 'work' (the worker's row stays: it claims armed) or 'armed'.
+-- body since 0024, its last parameter since 0026: the handlers the worker's node does not
+-- have): 'work' (the worker's row stays: it claims armed) or 'armed'.
 SELECT arm_waiter_probe(%(lane)s, %(worker)s, %(floor_priorities)s::int[],
                         %(floor_run_ats)s::timestamptz[], %(floor_ids)s::bigint[],
-                        %(floor_ages)s::float8[], %(default_floor_age)s::float8)
+                        %(floor_ages)s::float8[], %(default_floor_age)s::float8,
+                        %(lacking_handlers)s::text[])
 
 -- name: disarm_waiter
 -- A worker that takes work (or stops) no longer waits: enqueues stop notifying for it.
@@ -313,7 +320,8 @@ DELETE FROM lane_waiters WHERE worker_id = %(worker)s
 -- a worker that died while running several of them, each run alone until the one that kills
 -- its worker is found (it then spends an attempt; the others keep theirs). A worker idle
 -- enough to ask sends this before claim_jobs in the same transaction, and claim_jobs then
--- takes nothing while the suspect is held. Pauses apply as in claim_jobs.
+-- takes nothing while the suspect is held. Pauses and lacking handlers apply as in
+-- claim_jobs.
 UPDATE jobs
    SET state = 'claimed',
        attempts = jobs.attempts + 1,
@@ -328,6 +336,7 @@ UPDATE jobs
                      AND NOT EXISTS (SELECT 1 FROM lane_pauses AS p
                                       WHERE p.lane = %(lane)s
                                         AND (p.handler IS NULL OR p.handler = jobs.handler))
+                     AND runnable(handler, %(lacking_handlers)s::text[])
                    ORDER BY run_at
                    LIMIT 1
                      FOR UPDATE SKIP LOCKED)

@@ -809,9 +809,12 @@ BEGIN
 END
 $$;
 
+-- skipped_handlers: handlers the probing worker's node does not have (migration 0026); their
+-- jobs are work for other nodes, stepped over as a paused handler's are.
 CREATE FUNCTION arm_waiter_probe(lane text, worker_id text, floor_priorities integer[],
                                  floor_run_ats timestamptz[], floor_ids bigint[],
-                                 floor_ages float8[], default_floor_age float8)
+                                 floor_ages float8[], default_floor_age float8,
+                                 skipped_handlers text[] DEFAULT '{}')
 RETURNS text
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
@@ -822,7 +825,8 @@ DECLARE
     floor_id bigint;
     paused_handlers text[] := ARRAY(SELECT p.handler FROM lane_pauses AS p
                                      WHERE p.lane = arm_waiter_probe.lane
-                                       AND p.handler IS NOT NULL);
+                                       AND p.handler IS NOT NULL)
+                              || coalesce(skipped_handlers, '{}');
 BEGIN
     FOR level, floor_at, floor_id IN
         SELECT l.priority, l.floor_at, l.floor_id
