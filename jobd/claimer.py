@@ -287,16 +287,29 @@ class Claimer:
         """Buffered jobs to give back now."""
         if self._releases_all(mode):
             return [job for job, _claimed in self.buffer]
+        stale = now - BUFFER_MAX_AGE
+        if not self.paused_handlers and not self.lacking_handlers:
+            # Asked at every turn of the loop: the buffer is oldest first (put_back returns
+            # the oldest to its front), so unless its head is stale nothing goes back.
+            if not self.buffer or self.buffer[0][1] >= stale:
+                return []
+            return [job for job, claimed_at in self.buffer if claimed_at < stale]
         return [job for job, claimed_at in self.buffer
-                if claimed_at < now - BUFFER_MAX_AGE or not self.runs_here(job.handler)]
+                if claimed_at < stale or not self.runs_here(job.handler)]
 
     def would_release(self, mode: WorkerMode, entries: list[tuple[jobs.Job, float]],
                       now: float) -> bool:
         """Whether :meth:`to_release` would give back any of ``entries`` (jobs on deck)
         were they in the buffer."""
-        return bool(entries) and (self._releases_all(mode) or any(
-            claimed_at < now - BUFFER_MAX_AGE or not self.runs_here(job.handler)
-            for job, claimed_at in entries))
+        if not entries:
+            return False
+        if self._releases_all(mode):
+            return True
+        stale = now - BUFFER_MAX_AGE
+        if not self.paused_handlers and not self.lacking_handlers:
+            return any(claimed_at < stale for _job, claimed_at in entries)
+        return any(claimed_at < stale or not self.runs_here(job.handler)
+                   for job, claimed_at in entries)
 
     def _releases_all(self, mode: WorkerMode) -> bool:
         return mode != WorkerMode.RUNNING or self.suspects_possible or self.lane_paused
