@@ -7,9 +7,9 @@ worker's loop does the round trips.
   Unless the lane sets ``prefetch`` (or is fair or limited), the size follows how fast the
   worker starts jobs (``jobd.prefetch``): from 3 x concurrency for slow jobs to 50 x (at
   most 500) for jobs that take microseconds.
-- Buffered jobs go back to the queue when the worker stops taking work (a drain, a
-  retirement, a suspect to run alone) and after :data:`BUFFER_MAX_AGE` unstarted; a buffer
-  given back for its age is not claimed back until a slot frees.
+- Buffered jobs (``jobd.claim_buffer``) go back to the queue when the worker stops taking
+  work (a drain, a retirement, a suspect to run alone) and after ``BUFFER_MAX_AGE``
+  unstarted; a buffer given back for its age is not claimed back until a slot frees.
 - A suspect (see ``recovery.settle_crashed_worker``) runs alone: it is asked for only by a
   worker that holds nothing, and nothing else is claimed while it runs.
 - Claims start at the worker's floors (``jobd.claim_floors``), not at the head of the lane.
@@ -35,7 +35,6 @@ worker's loop does the round trips.
 
 from __future__ import annotations
 
-import collections
 import time
 from datetime import timedelta
 
@@ -43,14 +42,11 @@ import structlog
 
 from jobd import claim_floors, jobs, queue
 from jobd.arming import Arming
+from jobd.claim_buffer import ClaimBuffer, Entry, RunsHere, any_to_give_back
 from jobd.claim_floors import ClaimFloors
 from jobd.config import LaneConfig
 from jobd.prefetch import Prefetch
 from jobd.protocol import WorkerMode
-
-# Claimed jobs waiting for a free slot go back to the queue after this long: a buffer that
-# sits still must not keep work from other workers, or priorities from being looked at anew.
-BUFFER_MAX_AGE = 2.0
 
 log = structlog.get_logger("jobd.claimer")
 
@@ -75,8 +71,7 @@ class Claimer:
         self.known_handlers = known_handlers
         self.lacking_handlers: tuple[str, ...] = ()
         self.maybe_more = True  # there may be due work: claim when capacity allows
-        # Oldest first, with the monotonic instant of their claim.
-        self.buffer: collections.deque[tuple[jobs.Job, float]] = collections.deque()
+        self.buffer = ClaimBuffer()
         # Whether a suspect may be due in the lane: a new worker looks once; the supervisor
         # says so again (a SUSPECTS byte) when it makes some or one falls due.
         self.suspects_possible = True
@@ -91,15 +86,11 @@ class Claimer:
         self.paused_handlers: frozenset[str] = frozenset()
         self.prefetch = Prefetch(lane)
         self.buffer_target = self.prefetch.floor  # the size the last claim was made for
-        self.started = 0  # jobs taken from the buffer into a slot, since the worker began
 
     @property
     def capacity(self) -> int:
         """All the worker holds at most now: its slots and the buffer it claims for."""
         return self.lane.concurrency + self.buffer_target
-
-    def leases(self) -> list[jobs.Lease]:
-        return [job.lease for job, _claimed in self.buffer]
 
     def set_controls(self, lane_paused: bool, paused_handlers: frozenset[str]) -> bool:
         """The lane's pauses as the database has them now. Returns whether something was
@@ -126,7 +117,8 @@ class Claimer:
             # more until the jobs in flight are done (the buffer goes back to the queue), so
             # it cannot wait behind a busy lane.
             return None
-        prefetch = self.buffer_target = self.prefetch.current(self.started, time.monotonic())
+        prefetch = self.buffer_target = self.prefetch.current(self.buffer.started,
+                                                              time.monotonic())
         free = self.lane.concurrency + prefetch - running - len(self.buffer)
         if free <= 0 or len(self.buffer) > prefetch // 2:
             return None
@@ -186,13 +178,17 @@ class Claimer:
         if claimed.suspect is not None:
             # Not runnable here: it goes back (to_release) and stays a suspect.
             self.buffer.append((claimed.suspect, now))
-        self.buffer.extend((job, now) for job in claimed.jobs)
+        self.buffer.add(claimed.jobs, now)
         return []
 
     def runs_here(self, handler: str) -> bool:
         """Whether this worker starts jobs of ``handler`` now: it has the handler, and the
         handler is not paused."""
         return handler not in self.paused_handlers and handler not in self.lacking_handlers
+
+    def _runs_here(self) -> RunsHere:
+        """The buffer's handler filter: None while every handler runs here."""
+        return self.runs_here if self.paused_handlers or self.lacking_handlers else None
 
     def _learn_lacking(self, claimed: queue.Claimed) -> None:
         """Note the handlers of claimed jobs this worker does not have (see the module's
@@ -251,65 +247,31 @@ class Claimer:
             self.arming.claim_again(result, now)
 
     def next_to_start(self, mode: WorkerMode, running: int,
-                      room: int | None = None) -> tuple[jobs.Job, float] | None:
+                      room: int | None = None) -> Entry | None:
         """The next buffered job to hand to the handlers and when it was claimed, given
         ``running`` handed over already and ``room`` for them (the lane's concurrency unless
         jobs may wait on deck: ``jobd.slots``), or None."""
         room = self.lane.concurrency if room is None else room
-        if (not self.buffer or running >= room or mode != WorkerMode.RUNNING
+        buffer = self.buffer
+        if (not buffer or running >= room or mode != WorkerMode.RUNNING
                 or self.isolating is not None or self.lane_paused):
             return None
-        if not self.paused_handlers and not self.lacking_handlers:
-            self.started += 1
-            return self.buffer.popleft()
-        # Jobs not run here stay in the buffer until they are given back (to_release).
-        for index, entry in enumerate(self.buffer):
-            if self.runs_here(entry[0].handler):
-                del self.buffer[index]
-                self.started += 1
-                return entry
-        return None
-
-    def put_back(self, entries: list[tuple[jobs.Job, float]]) -> None:
-        """Jobs taken off the deck, back at the buffer's front with their claim times (not
-        started after all: the start rate does not count them twice)."""
-        self.buffer.extendleft(reversed(entries))
-        self.started -= len(entries)
-
-    def take(self, ids: set[int]) -> list[jobs.Job]:
-        """Remove the buffered jobs ``ids`` and return them (asked to stop: jobd.cancel)."""
-        taken = [job for job, _claimed in self.buffer if job.id in ids]
-        if taken:
-            self.drop(ids)
-        return taken
+        if self.paused_handlers or self.lacking_handlers:
+            return buffer.pop_next(self.runs_here)
+        buffer.started += 1  # once per job: the common case without a call
+        return buffer.popleft()
 
     def to_release(self, mode: WorkerMode, now: float) -> list[jobs.Job]:
         """Buffered jobs to give back now."""
         if self._releases_all(mode):
             return [job for job, _claimed in self.buffer]
-        stale = now - BUFFER_MAX_AGE
-        if not self.paused_handlers and not self.lacking_handlers:
-            # Asked at every turn of the loop: the buffer is oldest first (put_back returns
-            # the oldest to its front), so unless its head is stale nothing goes back.
-            if not self.buffer or self.buffer[0][1] >= stale:
-                return []
-            return [job for job, claimed_at in self.buffer if claimed_at < stale]
-        return [job for job, claimed_at in self.buffer
-                if claimed_at < stale or not self.runs_here(job.handler)]
+        return self.buffer.to_give_back(now, self._runs_here())
 
-    def would_release(self, mode: WorkerMode, entries: list[tuple[jobs.Job, float]],
-                      now: float) -> bool:
+    def would_release(self, mode: WorkerMode, entries: list[Entry], now: float) -> bool:
         """Whether :meth:`to_release` would give back any of ``entries`` (jobs on deck)
         were they in the buffer."""
-        if not entries:
-            return False
-        if self._releases_all(mode):
-            return True
-        stale = now - BUFFER_MAX_AGE
-        if not self.paused_handlers and not self.lacking_handlers:
-            return any(claimed_at < stale for _job, claimed_at in entries)
-        return any(claimed_at < stale or not self.runs_here(job.handler)
-                   for job, claimed_at in entries)
+        return bool(entries) and (self._releases_all(mode)
+                                  or any_to_give_back(entries, now, self._runs_here()))
 
     def _releases_all(self, mode: WorkerMode) -> bool:
         return mode != WorkerMode.RUNNING or self.suspects_possible or self.lane_paused
@@ -317,12 +279,7 @@ class Claimer:
     def released(self, mode: WorkerMode, ids: set[int]) -> None:
         self.held_back = mode == WorkerMode.RUNNING and not self.suspects_possible
         self.floors.forget()  # they keep their run_at, below this worker's floors
-        self.drop(ids)
-
-    def drop(self, ids: set[int]) -> None:
-        """Forget buffered jobs (given back, or their lease lost)."""
-        if any(job.id in ids for job, _claimed in self.buffer):
-            self.buffer = collections.deque(e for e in self.buffer if e[0].id not in ids)
+        self.buffer.drop(ids)
 
     def finished(self, job_id: int) -> None:
         """A job left its slot (done, or failed for its timeout)."""

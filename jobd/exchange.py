@@ -217,7 +217,7 @@ class Exchange:
         spent), so a job whose claim fails the same way every time cannot loop forever."""
         held = self.slots.all_leases()
         held += [o.job.lease for o in self.completer.pending]
-        held += self.claimer.leases()
+        held += self.claimer.buffer.leases()
         policy = self.lane.retry_policy
         outcome = self.link.run("queue", lambda conn: recovery.fail_claims_not_held(
             conn, self.spec.worker_id, held,

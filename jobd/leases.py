@@ -47,7 +47,7 @@ class LeaseKeeper:
         if now < self.next_at:
             return
         self.next_at = now + self.lane.heartbeat
-        held = self.slots.renewable_leases() + self.claimer.leases()
+        held = self.slots.renewable_leases() + self.claimer.buffer.leases()
         if not held:
             return
         renewed = self.link.run("queue", lambda conn: queue.heartbeat(
@@ -59,7 +59,7 @@ class LeaseKeeper:
             # Not started yet, the jobs on deck are handled as the buffered ones they are.
             self.slots.take_back_deck()
         # Buffered and swept (a worker too slow to renew): never started, just dropped.
-        self.claimer.drop(set(renewed.lease_lost))
+        self.claimer.buffer.drop(set(renewed.lease_lost))
         if renewed.cancelled:
             self.stop_cancelled(set(renewed.cancelled))
         lost = self.slots.lost_leases(renewed.lease_lost)
@@ -69,7 +69,7 @@ class LeaseKeeper:
     def stop_cancelled(self, ids: set[int]) -> None:
         """Jobs asked to stop (jobd.cancel): a buffered one is finished unstarted (its
         completion archives it as cancelled), a running one's handler is told."""
-        for job in self.claimer.take(ids):
+        for job in self.claimer.buffer.take(ids):
             self.completer.add(Outcome(job, None))
         told = self.slots.tell_cancel(ids)
         if told:

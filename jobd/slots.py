@@ -127,7 +127,7 @@ class Slots:
         taken = self.runner.take_back(waiting)
         for running in taken:
             del self.inflight[running.job.id]
-        self.claimer.put_back([(r.job, r.claimed_at) for r in taken])
+        self.claimer.buffer.put_back([(r.job, r.claimed_at) for r in taken])
 
     @property
     def results_fd(self) -> int:

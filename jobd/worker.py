@@ -35,7 +35,8 @@ import structlog
 
 from jobd import handlers as handler_registry
 from jobd import logs, outbox, pipes, protocol, queue
-from jobd.claimer import BUFFER_MAX_AGE, Claimer
+from jobd.claim_buffer import BUFFER_MAX_AGE
+from jobd.claimer import Claimer
 from jobd.completer import Completer, Counters
 from jobd.db import ManagedConnection, worker_session
 from jobd.eventloop import SelectLoop
@@ -231,7 +232,7 @@ class Worker:
             self.link.retry_at = 0.0  # one more try, whatever the backoff said
             self._ensure_connection()
         self._settle_and_claim(claim=False)
-        unfinished = self.slots.unfinished_leases() + self.claimer.leases()
+        unfinished = self.slots.unfinished_leases() + self.claimer.buffer.leases()
         if unfinished:
             released = self.link.run("queue", lambda conn: queue.release(conn, unfinished))
             log.info("released unfinished jobs", job_ids=[lease.id for lease in unfinished],

@@ -114,7 +114,7 @@ def test_a_paused_answer_from_arming_stops_claiming() -> None:
 def test_taking_cancelled_jobs_out_of_the_buffer() -> None:
     claimer = Claimer(LaneConfig(LANE), WORKER_ID)
     claimer.buffer.extend([(job(1, "a"), 0.0), (job(2, "a"), 0.0)])
-    assert [j.id for j in claimer.take({2, 9})] == [2]
+    assert [j.id for j in claimer.buffer.take({2, 9})] == [2]
     assert [j.id for j, _at in claimer.buffer] == [1]
 
 
