@@ -108,6 +108,12 @@ class Slots:
         return [(r.job, r.claimed_at) for r in self.inflight.values()
                 if r.started is None and r.job.id != isolating]
 
+    def oldest_on_deck(self) -> float | None:
+        """When the oldest job on deck was claimed, or None with none on deck."""
+        isolating = self.claimer.isolating
+        return min((r.claimed_at for r in self.inflight.values()
+                    if r.started is None and r.job.id != isolating), default=None)
+
     def recall_deck(self, mode: WorkerMode, now: float) -> None:
         """Take the deck back if the buffer's rules would give back any job on it (a drain,
         a pause, a suspect due, its age): at once, so that no thread starts it meanwhile."""
@@ -171,6 +177,8 @@ class Slots:
 
     def deadlines(self) -> list[float]:
         """When runs still in their time overrun it (the loop wakes then to fail them)."""
+        if not self.lane.timeout:
+            return []  # asked at every turn; without a timeout no run has a deadline
         deadlines = (r.deadline for r in self._working())
         return [deadline for deadline in deadlines if deadline is not None]
 

@@ -148,17 +148,19 @@ class Worker:
         return EXIT_OK
 
     def _finished(self) -> bool:
+        if self.lifecycle.mode == protocol.WorkerMode.RUNNING:
+            return False  # asked at every turn: a running worker holds work or not, it goes on
         holds_work = bool(self.slots.working() or self.completer.pending
                           or self.claimer.buffer)
         return self.lifecycle.finished(holds_work, time.monotonic())
 
     def _select_timeout(self) -> float:
         claimer, running = self.claimer, self.lifecycle.mode == protocol.WorkerMode.RUNNING
-        # The deck's jobs go back by the buffer's age rule too (Exchange.release_buffer).
-        claims = [claimed_at for _job, claimed_at in self.slots.on_deck()]
-        if claimer.buffer:
-            claims.append(claimer.buffer[0][1])
-        oldest_claim = min(claims, default=None)
+        # The deck's jobs go back by the buffer's age rule too (Exchange.release_buffer);
+        # they came from the buffer's front, so the oldest claim is the deck's if it has any.
+        oldest_claim = self.slots.oldest_on_deck()
+        if oldest_claim is None and claimer.buffer:
+            oldest_claim = claimer.buffer[0][1]
         local = [self.leases.next_at, self.status.next_at, self.lifecycle.drain_deadline,
                  *self.slots.deadlines(),
                  None if oldest_claim is None else oldest_claim + BUFFER_MAX_AGE]
