@@ -143,6 +143,10 @@ def cmd_jobs_show(ctx: Context, args: argparse.Namespace) -> int:
     history = job["errors"]
     shown = [key for key in job if key not in ("payload", "payload_text", "payload_problem",
                                                "errors")]
+    if job["finished_at"] is not None:
+        # The archive does not keep when a cancel was asked for: '-' would read "never".
+        # A cancelled job's history says when it was cancelled.
+        shown.remove("cancel_requested_at")
     width = max(len(key) for key in [*shown, "payload"])
     for key in shown:
         value = job[key]

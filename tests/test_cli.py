@@ -284,7 +284,7 @@ def shown_state(db_url: str, job_id: int) -> str:
     out = ok("jobs", "show", str(job_id), "--database-url", db_url)
     match = re.search(r"^\s*state: (\w+)$", out, re.MULTILINE)
     assert match, out
-    # One column of labels, the longest (cancel_requested_at) included.
+    # One column of labels, the longest (cancel_requested_at, shown for live jobs) included.
     fields = [line for line in out.splitlines() if not line.startswith(("errors", "  "))]
     assert len({line.index(": ") for line in fields}) == 1, out
     assert ok_json("jobs", "show", str(job_id), "--database-url", db_url)["state"] == match[1]

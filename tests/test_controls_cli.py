@@ -108,6 +108,7 @@ def test_cancel_reports_each_job_and_refuses_unknown_ids_entirely(
                      "finished": [{"id": later, "state": "cancelled"}]}
     shown = ok("jobs", "show", str(later), "--database-url", db_url)
     assert "state: cancelled" in shown and "  cancelled at " in shown
+    assert "cancel_requested_at" not in shown  # not kept in the archive: no misleading '-'
     listed = ok_json("jobs", "list", "--state", "cancelled", "--database-url", db_url)
     assert [row["id"] for row in listed] == [later]
     asked = ok_json("jobs", "show", str(running), "--database-url", db_url)
