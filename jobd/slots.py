@@ -104,15 +104,16 @@ class Slots:
     def on_deck(self) -> list[tuple[jobs.Job, float]]:
         """The jobs waiting on deck, with their claim times, in the order they were handed
         over (a thread may start one at any moment: this is a snapshot)."""
-        isolating = self.claimer.isolating
-        return [(r.job, r.claimed_at) for r in self.inflight.values()
-                if r.started is None and r.job.id != isolating]
+        return [(r.job, r.claimed_at) for r in self._deck()]
 
     def oldest_on_deck(self) -> float | None:
         """When the oldest job on deck was claimed, or None with none on deck."""
+        return min((r.claimed_at for r in self._deck()), default=None)
+
+    def _deck(self) -> Iterator[Running]:
         isolating = self.claimer.isolating
-        return min((r.claimed_at for r in self.inflight.values()
-                    if r.started is None and r.job.id != isolating), default=None)
+        return (r for r in self.inflight.values()
+                if r.started is None and r.job.id != isolating)
 
     def recall_deck(self, mode: WorkerMode, now: float) -> None:
         """Take the deck back if the buffer's rules would give back any job on it (a drain,
