@@ -88,6 +88,8 @@ class HandlerRunner:
         if resolved is None or resolved.is_async:
             start.started = time.monotonic()
         if resolved is None:
+            # The claimer gives such jobs back before they start (handlers the node lacks);
+            # this stays the answer should one get here all the same.
             self._deliver(Outcome(job, f"LookupError: no handler named {job.handler!r} on this "
                                        f"worker (lane {job.lane!r})", seconds=0.0))
         elif resolved.is_async:
