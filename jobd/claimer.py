@@ -195,10 +195,14 @@ class Claimer:
         docstring); each is logged once."""
         if self.known_handlers is None:
             return
-        taken = claimed.jobs + ([claimed.suspect] if claimed.suspect else [])
-        unknown = ({job.handler for job in taken} - self.known_handlers
-                   - set(self.lacking_handlers))
-        for handler in sorted(unknown):
+        handlers = {job.handler for job in claimed.jobs}
+        if claimed.suspect is not None:
+            handlers.add(claimed.suspect.handler)
+        unknown = handlers - self.known_handlers
+        if not unknown:
+            return  # every claim: the common case costs one set
+        taken = [*claimed.jobs, *([claimed.suspect] if claimed.suspect else [])]
+        for handler in sorted(unknown.difference(self.lacking_handlers)):
             self.lacking_handlers += (handler,)
             log.warning("this node has no such handler: its jobs are given back for the "
                         "nodes that have it, and this worker no longer claims them",

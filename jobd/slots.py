@@ -110,8 +110,10 @@ class Slots:
         """When the oldest job on deck was claimed, or None with none on deck."""
         return min((r.claimed_at for r in self._deck()), default=None)
 
-    def _deck(self) -> Iterator[Running]:
-        isolating = self.claimer.isolating
+    def _deck(self, suspect_too: bool = False) -> Iterator[Running]:
+        """The runs waiting on deck; a suspect waiting for its thread only with
+        ``suspect_too``."""
+        isolating = None if suspect_too else self.claimer.isolating
         return (r for r in self.inflight.values()
                 if r.started is None and r.job.id != isolating)
 
@@ -126,9 +128,7 @@ class Slots:
         them starts after this (see ``HandlerRunner.take_back``). A suspect waiting for its
         thread is not taken back unless ``suspect_too`` (the worker exits): it was claimed to
         run alone, whatever else the loop does."""
-        isolating = None if suspect_too else self.claimer.isolating
-        waiting = [r for r in self.inflight.values()
-                   if r.started is None and r.job.id != isolating]
+        waiting = list(self._deck(suspect_too))
         if not waiting:
             return
         taken = self.runner.take_back(waiting)
