@@ -65,12 +65,6 @@ NOT_DRY = -math.inf
 NOT_DRY_AGE = 1e9
 # The share keys a fair lane's worker keeps a position for (the most recently taken).
 MAX_KEY_FLOORS = 256
-# A step of the database's clock between two claims, beyond what this process's monotonic
-# clock measured, after which the floors are forgotten. The dry instants are sent as ages and
-# placed at the database's now(): a clock stepped forward by an hour would put every job due
-# in that hour below them, to be claimed only by the one full scan a second
-# (docs/incidents/0001-poison-pill-and-herd.md). A false alarm costs one scan from the head.
-CLOCK_STEP = 1.0
 
 
 @dataclass(slots=True)
@@ -95,24 +89,9 @@ class ClaimFloors:
     # last one took long (head_scan_took); the claims look back LOOK_BACK meanwhile.
     full_scan_spacing: float = FULL_SCAN_INTERVAL
     last_look_back: float = -math.inf
-    # The database's clock at the last claim that took a job, and the monotonic instant then.
-    clock: tuple[datetime, float] | None = None
     # A fair lane's positions per (priority, share key): the last (run_at, id) taken of the
     # key. A fair claim takes each key's oldest jobs, so each key's scan can start there.
     by_key: dict[tuple[int, str], tuple[datetime, int]] = field(default_factory=dict)
-
-    def observe_clock(self, db_now: datetime, now: float) -> float | None:
-        """Note the database's time at a claim (``now``: the monotonic instant). If that
-        clock stepped since the last one by more than :data:`CLOCK_STEP`, forget the floors
-        and return the step in seconds; else None."""
-        previous, self.clock = self.clock, (db_now, now)
-        if previous is None:
-            return None
-        step = (db_now - previous[0]).total_seconds() - (now - previous[1])
-        if abs(step) <= CLOCK_STEP:
-            return None
-        self.forget()
-        return step
 
     def head_scan_took(self, seconds: float) -> float:
         """A round trip that scanned from the head took ``seconds``: space the next such scan
@@ -240,7 +219,8 @@ class ClaimFloors:
             floor.dry_at = None
 
     def forget(self) -> None:
-        """Scan from the head next time: this worker gave jobs back below its floors."""
+        """Scan from the head next time: this worker gave jobs back below its floors, or the
+        database's clock stepped (``jobd.clock_watch``)."""
         self.by_priority.clear()
         self.by_key.clear()
         self.dry_at = None

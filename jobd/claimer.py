@@ -12,7 +12,8 @@ worker's loop does the round trips.
   unstarted; a buffer given back for its age is not claimed back until a slot frees.
 - A suspect (see ``recovery.settle_crashed_worker``) runs alone: it is asked for only by a
   worker that holds nothing, and nothing else is claimed while it runs.
-- Claims start at the worker's floors (``jobd.claim_floors``), not at the head of the lane.
+- Claims start at the worker's floors (``jobd.claim_floors``), not at the head of the lane;
+  a step of the database's clock (``jobd.clock_watch``) sends the next one to the head.
 - Wake-ups (``jobd.arming``): a worker whose claim came back short arms itself
   (``queue.arm``): enqueues notify only while some worker is armed. An enqueue in flight at
   that moment makes the arming 'contended': the worker claims again shortly instead of
@@ -22,11 +23,8 @@ worker's loop does the round trips.
   buffered jobs of a paused lane or handler go back to the queue unstarted. The claim itself
   skips paused work, so this is what the worker knows, not what decides (see
   :meth:`Claimer.set_controls`).
-- Handlers the node does not have: nodes of one lane may load different handlers (a rolling
-  deploy that adds one, a second node's own config). A job of a handler this worker does not
-  have is given back unstarted, its attempt returned, and from then on the worker's claims
-  and arming probe step over that handler's jobs as over a paused handler's: they wait for a
-  node that has it.
+- Handlers the node does not have (``jobd.handler_filter``): their jobs go back unstarted,
+  their attempt returned, and the claims step over them as over a paused handler's.
 - Limits (``max_running``, ``rate``): the claim takes its turn and is capped by the lane's
   budget across nodes (``claim_jobs_limited``). A short claim may then mean "no budget" as
   well as "nothing due", so it does not mark the lane dry; with due work left, the worker's
@@ -36,15 +34,16 @@ worker's loop does the round trips.
 from __future__ import annotations
 
 import time
-from datetime import timedelta
 
 import structlog
 
 from jobd import claim_floors, jobs, queue
 from jobd.arming import Arming
-from jobd.claim_buffer import ClaimBuffer, Entry, RunsHere, any_to_give_back
+from jobd.claim_buffer import ClaimBuffer, Entry, any_to_give_back
 from jobd.claim_floors import ClaimFloors
+from jobd.clock_watch import ClockWatch
 from jobd.config import LaneConfig
+from jobd.handler_filter import HandlerFilter
 from jobd.prefetch import Prefetch
 from jobd.protocol import WorkerMode
 
@@ -66,10 +65,7 @@ class Claimer:
                  known_handlers: frozenset[str] | None = None) -> None:
         self.lane = lane
         self.worker_id = worker_id
-        # The handlers this worker can run (None: any), and those of claimed jobs it could
-        # not, in the order it met them: the claims leave their jobs for other nodes.
-        self.known_handlers = known_handlers
-        self.lacking_handlers: tuple[str, ...] = ()
+        self.handlers = HandlerFilter(lane.name, known_handlers)
         self.maybe_more = True  # there may be due work: claim when capacity allows
         self.buffer = ClaimBuffer()
         # Whether a suspect may be due in the lane: a new worker looks once; the supervisor
@@ -78,12 +74,12 @@ class Claimer:
         self.isolating: int | None = None  # the suspect this worker runs alone
         self.held_back = False  # the buffer went back for its age; no claim until a slot frees
         self.floors = ClaimFloors()
+        self.clock = ClockWatch()
         self.arming = Arming()
         # The share key this worker's last fair claim ended at: the next one starts after it
         # (claim_order), so the keys of a lane with more keys than a claim takes rotate.
         self.key_cursor: str | None = None
         self.lane_paused = False  # the whole lane is paused (lane_pauses)
-        self.paused_handlers: frozenset[str] = frozenset()
         self.prefetch = Prefetch(lane)
         self.buffer_target = self.prefetch.floor  # the size the last claim was made for
 
@@ -96,10 +92,9 @@ class Claimer:
         """The lane's pauses as the database has them now. Returns whether something was
         resumed: the worker then claims again, from the head of the lane, where the jobs
         it stepped over while they were paused wait."""
-        resumed = ((self.lane_paused and not lane_paused)
-                   or not paused_handlers >= self.paused_handlers)
+        handler_resumed = self.handlers.set_paused(paused_handlers)
+        resumed = (self.lane_paused and not lane_paused) or handler_resumed
         self.lane_paused = lane_paused
-        self.paused_handlers = paused_handlers
         if resumed:
             self.maybe_more = True
             self.floors.forget()
@@ -135,14 +130,14 @@ class Claimer:
                                   budget=self.lane.budget() if self.lane.limited else None,
                                   order=(self.lane.claim_order(self.key_cursor)
                                          if self.lane.ordered else None),
-                                  lacking_handlers=self.lacking_handlers)
+                                  lacking_handlers=self.handlers.lacking)
 
     def took(self, claimed: queue.Claimed, request: queue.ClaimRequest) -> list[jobs.Job]:
         """Record what a claim brought; returns the jobs to start at once (a suspect)."""
         if request.suspect_first and claimed.suspect is None:
             self.suspects_possible = False  # none due now; the supervisor says when again
         now = time.monotonic()
-        self._learn_lacking(claimed)
+        self.handlers.learn(claimed)
         if request.disarm:
             self.arming.disarmed()
         assert request.floors is not None
@@ -170,7 +165,7 @@ class Claimer:
                                                           now))
         self.arming.claimed(bool(claimed.jobs) or claimed.suspect is not None,
                             self.maybe_more, now)
-        if claimed.suspect is not None and self.runs_here(claimed.suspect.handler):
+        if claimed.suspect is not None and self.handlers.runs_here(claimed.suspect.handler):
             self.isolating = claimed.suspect.id
             log.info("running a suspect alone", job_id=claimed.suspect.id,
                      handler=claimed.suspect.handler)
@@ -181,45 +176,11 @@ class Claimer:
         self.buffer.add(claimed.jobs, now)
         return []
 
-    def runs_here(self, handler: str) -> bool:
-        """Whether this worker starts jobs of ``handler`` now: it has the handler, and the
-        handler is not paused."""
-        return handler not in self.paused_handlers and handler not in self.lacking_handlers
-
-    def _runs_here(self) -> RunsHere:
-        """The buffer's handler filter: None while every handler runs here."""
-        return self.runs_here if self.paused_handlers or self.lacking_handlers else None
-
-    def _learn_lacking(self, claimed: queue.Claimed) -> None:
-        """Note the handlers of claimed jobs this worker does not have (see the module's
-        docstring); each is logged once."""
-        if self.known_handlers is None:
-            return
-        handlers = {job.handler for job in claimed.jobs}
-        if claimed.suspect is not None:
-            handlers.add(claimed.suspect.handler)
-        unknown = handlers - self.known_handlers
-        if not unknown:
-            return  # every claim: the common case costs one set
-        taken = [*claimed.jobs, *([claimed.suspect] if claimed.suspect else [])]
-        for handler in sorted(unknown.difference(self.lacking_handlers)):
-            self.lacking_handlers += (handler,)
-            log.warning("this node has no such handler: its jobs are given back for the "
-                        "nodes that have it, and this worker no longer claims them",
-                        lane=self.lane.name, handler=handler,
-                        job_id=next(job.id for job in taken if job.handler == handler),
-                        known_handlers=sorted(self.known_handlers))
-
     def _watch_clock(self, claimed: queue.Claimed, request: queue.ClaimRequest,
                      now: float) -> None:
-        """The claim set each lease to the database's now() + visibility_timeout: from that,
-        the floors learn whether the database's clock stepped (jobd.claim_floors)."""
-        first = claimed.suspect or (claimed.jobs[0] if claimed.jobs else None)
-        if first is None:
-            return
-        db_now = first.lease_until - timedelta(seconds=request.visibility_timeout)
-        step = self.floors.observe_clock(db_now, now)
+        step = self.clock.step_at_claim(claimed, request.visibility_timeout, now)
         if step is not None:
+            self.floors.forget()
             log.warning("the database's clock stepped; claims scan from the head of the lane",
                         lane=self.lane.name, step_seconds=round(step, 3))
 
@@ -260,8 +221,9 @@ class Claimer:
         if (not buffer or running >= room or mode != WorkerMode.RUNNING
                 or self.isolating is not None or self.lane_paused):
             return None
-        if self.paused_handlers or self.lacking_handlers:
-            return buffer.pop_next(self.runs_here)
+        runs_here = self.handlers.filter
+        if runs_here is not None:
+            return buffer.pop_next(runs_here)
         buffer.started += 1  # once per job: the common case without a call
         return buffer.popleft()
 
@@ -269,13 +231,13 @@ class Claimer:
         """Buffered jobs to give back now."""
         if self._releases_all(mode):
             return [job for job, _claimed in self.buffer]
-        return self.buffer.to_give_back(now, self._runs_here())
+        return self.buffer.to_give_back(now, self.handlers.filter)
 
     def would_release(self, mode: WorkerMode, entries: list[Entry], now: float) -> bool:
         """Whether :meth:`to_release` would give back any of ``entries`` (jobs on deck)
         were they in the buffer."""
         return bool(entries) and (self._releases_all(mode)
-                                  or any_to_give_back(entries, now, self._runs_here()))
+                                  or any_to_give_back(entries, now, self.handlers.filter))
 
     def _releases_all(self, mode: WorkerMode) -> bool:
         return mode != WorkerMode.RUNNING or self.suspects_possible or self.lane_paused

@@ -181,7 +181,7 @@ class Exchange:
         floors = self.claimer.floors.params(now)
         probe = claim_floors.kind(floors)
         result = self.link.run("queue", lambda conn: queue.arm(
-            conn, self.lane.name, self.spec.worker_id, floors, self.claimer.lacking_handlers))
+            conn, self.lane.name, self.spec.worker_id, floors, self.claimer.handlers.lacking))
         self._round_trip_took(probe, time.monotonic() - now)
         if result is not None:
             self.claimer.arm_result(result, time.monotonic(), probe)

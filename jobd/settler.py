@@ -119,6 +119,14 @@ class Settler:
         return self.link.run("queue", _settle(batch))
 
 
+def settles_apart(spec: WorkerSpec) -> bool:
+    """Whether this worker writes its outcomes on a connection of its own: as the spec
+    says, else as the lane's ``settle_connection`` decides for this machine's cores."""
+    if spec.settles_apart is not None:
+        return spec.settles_apart
+    return spec.lane.settles_apart(len(os.sched_getaffinity(0)), spec.lane.workers)
+
+
 def _log_unexpected(connected: Future[bool]) -> None:
     """The connection at start has no caller to raise to: a failure ensure() does not
     handle itself (it logs a refused connection) is a bug, logged rather than lost."""

@@ -14,7 +14,8 @@ in order each turn; the pieces it drives each keep one concern:
   :mod:`jobd.async_handlers`), each run ending in an outcome (:mod:`jobd.outcomes`);
 - :mod:`jobd.leases`: lease renewal, which also reports lost leases and cancels;
 - :mod:`jobd.worker_controls`, :mod:`jobd.worker_mode`, :mod:`jobd.worker_timers`,
-  :mod:`jobd.worker_status`: pauses, signals, when to wake, the report to the supervisor.
+  :mod:`jobd.worker_wakes`, :mod:`jobd.worker_status`: pauses, signals, when to wake, what a
+  wake-up asks, the report to the supervisor.
 
 The loop sleeps in ``select`` until the supervisor wakes it (new work in the lane), a handler
 finishes, a signal arrives, or a timer is due; the jittered ``poll_interval`` is only a
@@ -34,7 +35,7 @@ import setproctitle
 import structlog
 
 from jobd import handlers as handler_registry
-from jobd import logs, outbox, pipes, protocol, queue
+from jobd import logs, outbox, pipes, protocol, queue, worker_wakes
 from jobd.claim_buffer import BUFFER_MAX_AGE
 from jobd.claimer import Claimer
 from jobd.completer import Completer, Counters
@@ -44,7 +45,7 @@ from jobd.exchange import Exchange
 from jobd.handler_runner import HandlerRunner
 from jobd.leases import LeaseKeeper
 from jobd.protocol import EXIT_BOOT_FAILURE, EXIT_OK, EXIT_WEDGED, WorkerSpec
-from jobd.settler import Settler
+from jobd.settler import Settler, settles_apart
 from jobd.slots import Running, Slots
 from jobd.worker_controls import Controls
 from jobd.worker_mode import HANDLED_SIGNALS, Lifecycle
@@ -76,7 +77,7 @@ class Worker:
         self.slots = Slots(spec.lane, self.runner, self.claimer, self.completer)
         self.timers = Timers(spec.lane)
         self.controls = Controls(spec, self.link, self.claimer, self.timers)
-        self.settler = Settler(spec) if _settles_apart(spec) else None
+        self.settler = Settler(spec) if settles_apart(spec) else None
         self.exchange = Exchange(spec, self.link, self.claimer, self.completer, self.counters,
                                  self.slots, self.timers, self.controls, self.settler)
         self.leases = LeaseKeeper(spec.lane, self.link, self.slots, self.claimer,
@@ -102,10 +103,6 @@ class Worker:
     @property
     def claims_unknown(self) -> bool:
         return self.exchange.claims_unknown
-
-    @property
-    def controls_stale(self) -> bool:
-        return self.controls.stale
 
     def install_signal_handlers(self) -> None:
         # Ctrl-C in a terminal reaches the whole process group; the supervisor decides.
@@ -183,16 +180,7 @@ class Worker:
             self.lifecycle.supervisor_gone(len(self.slots))
             return
         log.debug("woken", lane=self.lane.name)
-        self.claimer.maybe_more = True
-        if protocol.SUSPECTS in data:
-            self.claimer.suspects_possible = True
-            self.claimer.prefetch.hold(time.monotonic())
-        if protocol.CONTROLS in data:
-            self.controls.stale = True
-        if protocol.CANCELS in data:
-            self.leases.renew_now()  # the renewal's result names the jobs
-        if protocol.BEHIND in data:
-            self.claimer.floors.forget()
+        worker_wakes.apply(data, self.claimer, self.controls, self.leases)
 
     # --- the steps (each one call, so a test can drive the loop turn by turn) --------------
 
@@ -246,12 +234,6 @@ class Worker:
             self.settler.close()
         self.link.close()
         self.runner.close()
-
-
-def _settles_apart(spec: WorkerSpec) -> bool:
-    if spec.settles_apart is not None:
-        return spec.settles_apart
-    return spec.lane.settles_apart(len(os.sched_getaffinity(0)), spec.lane.workers)
 
 
 def main() -> int:

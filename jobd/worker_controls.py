@@ -45,7 +45,7 @@ class Controls:
         self.stale = False
         self.timers.poll_later(now)
         lane_paused, handlers = state
-        was_paused = (self.claimer.lane_paused, self.claimer.paused_handlers)
+        was_paused = (self.claimer.lane_paused, self.claimer.handlers.paused)
         resumed = self.claimer.set_controls(lane_paused, handlers)
         if (lane_paused, handlers) != was_paused:
             log.info("lane pauses", lane=lane, lane_paused=lane_paused,

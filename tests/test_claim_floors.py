@@ -13,7 +13,6 @@ from jobd import queue
 from jobd.arming import ARMED_REFRESH, RETRY_DELAYS
 from jobd.claim_floors import (
     CAUGHT_UP_MARGIN,
-    CLOCK_STEP,
     FLOORS,
     FULL_SCAN_INTERVAL,
     HEAD,
@@ -27,6 +26,7 @@ from jobd.claim_floors import (
     look_back_params,
 )
 from jobd.claimer import Claimer
+from jobd.clock_watch import CLOCK_STEP, ClockWatch
 from jobd.config import LaneConfig
 from jobd.duties.retention import WAITER_STALE_AFTER
 from jobd.jobs import Job
@@ -182,23 +182,16 @@ def test_giving_jobs_back_sends_the_next_claim_to_the_head() -> None:
     assert floors.params(0.1) == full_scan_params()
 
 
-def test_a_step_of_the_database_clock_sends_the_next_claim_to_the_head() -> None:
-    # Steps well under FULL_SCAN_INTERVAL apart, so that no full scan is due on its own.
-    floors = ClaimFloors()
-    assert floors.observe_clock(at(0), 100.0) is None  # the first look: nothing to compare
-    floors.claimed(full_scan_params(), [(0, at(0), 5)], 10, 100.0)  # short: dry from now on
-    # 0.3 s on both clocks, give or take less than a step: the floors stay.
-    assert floors.observe_clock(at(0.3 + CLOCK_STEP / 2), 100.3) is None
-    assert floors.params(100.4)["floor_priorities"] == [0]
-    # The database's clock an hour ahead: forgotten.
-    step = floors.observe_clock(at(3600.5), 100.5)
+def test_a_step_of_the_database_clock_is_told_from_drift() -> None:
+    watch = ClockWatch()
+    assert watch.step(at(0), 100.0) is None  # the first look: nothing to compare
+    # 0.3 s on both clocks, give or take less than a step: no step.
+    assert watch.step(at(0.3 + CLOCK_STEP / 2), 100.3) is None
+    # The database's clock an hour ahead, then back.
+    step = watch.step(at(3600.5), 100.5)
     assert step is not None and abs(step - 3600) < CLOCK_STEP
-    assert floors.params(100.6) == full_scan_params()
-    # And stepped back: forgotten again, the step negative.
-    floors.claimed(full_scan_params(), [(0, at(3600.7), 6)], 10, 100.7)
-    step = floors.observe_clock(at(0.8), 100.8)
+    step = watch.step(at(0.8), 100.8)
     assert step is not None and step < -3590
-    assert floors.params(100.9) == full_scan_params()
 
 
 def job_leased(job_id: int, lease_until: datetime) -> Job:

@@ -209,8 +209,8 @@ def test_the_worker_reads_its_lanes_pauses_when_it_connects(
     subject, _wake_w = loop
     pauses.pause(conn, LANE, "poison")
     subject._refresh_controls()
-    assert subject.claimer.paused_handlers == frozenset({"poison"})
-    assert not subject.controls_stale
+    assert subject.claimer.handlers.paused == frozenset({"poison"})
+    assert not subject.controls.stale
 
 
 def test_a_cancelled_buffered_job_is_finished_unstarted_at_the_next_renewal(

@@ -75,7 +75,7 @@ def test_the_claimer_learns_a_lacking_handler_and_gives_its_jobs_back() -> None:
     claimer.suspects_possible = False
     jobs = [_job(1, "new"), _job(2, "old"), _job(3, "new")]
     claimer.took(queue.Claimed(jobs), req)
-    assert claimer.lacking_handlers == ("new",)
+    assert claimer.handlers.lacking == ("new",)
     started = claimer.next_to_start(WorkerMode.RUNNING, 0)
     assert started is not None and started[0].id == 2
     assert claimer.next_to_start(WorkerMode.RUNNING, 1) is None

@@ -238,5 +238,5 @@ def test_a_spec_from_a_supervisor_older_than_the_decision_lets_the_worker_decide
     data = json.loads(spec.to_json())
     del data["settles_apart"]  # as an older supervisor writes it
     older = protocol.WorkerSpec.from_json(json.dumps(data))
-    assert older.settles_apart is None and worker._settles_apart(older) is True
-    assert worker._settles_apart(spec) is False  # the supervisor's answer holds
+    assert older.settles_apart is None and settler.settles_apart(older) is True
+    assert settler.settles_apart(spec) is False  # the supervisor's answer holds

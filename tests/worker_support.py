@@ -32,7 +32,7 @@ def connected_worker(db_url: str, lane: LaneConfig, worker_id: str,
         # No handlers: the loop tests start every job they claim, and each run fails at once
         # ("no handler named ..."), a handler that costs no thread. A worker of a daemon
         # leaves such jobs to other nodes instead (tests/test_lacking_handlers.py).
-        subject.claimer.known_handlers = None
+        subject.claimer.handlers.known = None
     subject._ensure_connection()
     assert subject.conn is not None
     try:
