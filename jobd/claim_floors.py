@@ -11,14 +11,18 @@ floors"). A floor keeps the scan above them:
   priority starts there next time, and no earlier dry instant counts for it (the jobs it
   took may lie below one: a herd due in the past, found by a scan from the head, is then
   followed claim after claim rather than one full scan a second);
-- a claim that came back short left nothing due unclaimed in any priority: every priority is
-  dry as of "now, less :data:`CAUGHT_UP_MARGIN`" (a claim that came back full, each priority
-  above the lowest it took from); the scan starts at the later of the two;
+- a claim that came back full left nothing due unclaimed in each priority above the lowest
+  it took from: those are dry as of "now, less :data:`CAUGHT_UP_MARGIN`", and the scan
+  starts at the later of the two;
+- a claim that came back short left nothing due unclaimed in any priority: every scan then
+  starts at that dry instant, positions dropped, since the margin is what finds a job whose
+  transaction began before the last one taken and committed after the claim;
 - a job can still become due below a floor: an enqueue whose transaction began more than
-  the margin before it committed (``run_at`` defaults to the transaction's start), a job
-  released or whose lease expired (it keeps its ``run_at``), a claim that skipped a locked
-  row that another claimer then gave up. So at least every :data:`FULL_SCAN_INTERVAL` a
-  claim scans from the head, and such a job waits at most that long;
+  the margin before it committed, or in a backlog before the position's job (``run_at``
+  defaults to the transaction's start), a job released or whose lease expired (it keeps its
+  ``run_at``), a claim that skipped a locked row that another claimer then gave up. So at
+  least every :data:`FULL_SCAN_INTERVAL` a claim scans from the head, and such a job waits
+  at most that long;
 - unless those scans grow costly: a scan from the head walks every dead entry the held
   horizon keeps, so its cost grows with the horizon's age. The worker times each round trip
   that carried one (:meth:`ClaimFloors.head_scan_took`) and spaces the next so that such
@@ -41,7 +45,7 @@ from types import MappingProxyType
 from typing import Any
 
 # How far below the database's clock at a short claim a floor is set: an enqueue whose
-# transaction is younger than this when it commits is never below a floor.
+# transaction is younger than this when it commits is never below a caught-up worker's floor.
 CAUGHT_UP_MARGIN = 0.5
 # The longest a job below a floor waits for a claim that scans from the head, while such
 # scans are cheap (vacuum keeps up).
@@ -213,10 +217,13 @@ class ClaimFloors:
                 self.by_priority[priority].dry_at = now
 
     def _all_dry(self, now: float) -> None:
-        """Every priority was scanned to its end: nothing due is left unclaimed."""
+        """Every priority was scanned to its end: nothing due is left unclaimed as of now, so
+        each scan starts at that dry instant, not at the last job taken. A position has no
+        margin: a transaction that began before the job there and committed after the claim
+        would be below it (a bulk enqueue beside a trickle of single ones, a job enqueued in
+        a request's transaction), left for the next scan from the head."""
         self.dry_at = now
-        for floor in self.by_priority.values():
-            floor.dry_at = None
+        self.by_priority.clear()
 
     def forget(self) -> None:
         """Scan from the head next time: this worker gave jobs back below its floors, or the

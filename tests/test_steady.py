@@ -400,6 +400,25 @@ def test_a_job_that_commits_below_a_floor_waits_for_the_next_scan_from_the_head(
     assert [job.id for job in queue.settle_and_claim(conn, [], [], request)[2].jobs] == [straggler]
 
 
+def test_a_job_whose_transaction_began_before_the_last_job_claimed_is_claimed_next(
+    db_url: str, conn: psycopg.Connection
+) -> None:
+    # A request's transaction begins (run_at defaults to its start), then a trickle job is
+    # enqueued and claimed beside it, then the request enqueues its job and commits. The
+    # trickle claim came back short, so the next claim starts at its dry instant, not at the
+    # job it took, which the request's job lies below; it did wait for the next scan from
+    # the head, up to FULL_SCAN_INTERVAL (and a bulk enqueue beside a trickle drained on one
+    # worker of several until then).
+    with connect(db_url, autocommit=False) as request_tx:
+        request_tx.execute("SELECT now()")
+        floors = floors_past_one_job(conn)
+        late = jobd.enqueue(request_tx, "h")
+        request_tx.commit()
+    request = queue.ClaimRequest(LANE, "w", 10, 30, floors=floors.params(0.1))
+    assert claim_floors.kind(request.floors) == claim_floors.FLOORS
+    assert [job.id for job in queue.settle_and_claim(conn, [], [], request)[2].jobs] == [late]
+
+
 def test_while_scans_from_the_head_are_spaced_out_a_look_back_finds_recent_stragglers(
     db_url: str, conn: psycopg.Connection
 ) -> None:
