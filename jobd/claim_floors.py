@@ -94,7 +94,8 @@ class ClaimFloors:
     full_scan_spacing: float = FULL_SCAN_INTERVAL
     last_look_back: float = -math.inf
     # A fair lane's positions per (priority, share key): the last (run_at, id) taken of the
-    # key. A fair claim takes each key's oldest jobs, so each key's scan can start there.
+    # key by a full claim. A fair claim takes each key's oldest jobs, so each key's scan can
+    # start there.
     by_key: dict[tuple[int, str], tuple[datetime, int]] = field(default_factory=dict)
 
     def head_scan_took(self, seconds: float) -> float:
@@ -162,9 +163,12 @@ class ClaimFloors:
                 "key_floor_run_ats": [at[0] for _key, at in keys],
                 "key_floor_ids": [at[1] for _key, at in keys]}
 
-    def claimed_keys(self, taken: list[tuple[int, str, datetime, int]]) -> None:
-        """Record the positions a fair claim reached: (priority, share key, run_at, id) per
-        job. The oldest positions go first when there are more than MAX_KEY_FLOORS."""
+    def claimed_keys(self, taken: list[tuple[int, str, datetime, int]], limit: int) -> None:
+        """Record the positions a fair claim of ``limit`` reached: (priority, share key,
+        run_at, id) per job. The oldest positions go first when there are more than
+        MAX_KEY_FLOORS. A short claim left every key dry (:meth:`_all_dry`): none then."""
+        if len(taken) < limit:
+            return
         for priority, key, run_at, job_id in sorted(taken, key=lambda t: (t[2], t[3])):
             position = (run_at, job_id)
             known = self.by_key.pop((priority, key), None)
@@ -218,12 +222,14 @@ class ClaimFloors:
 
     def _all_dry(self, now: float) -> None:
         """Every priority was scanned to its end: nothing due is left unclaimed as of now, so
-        each scan starts at that dry instant, not at the last job taken. A position has no
+        each scan starts at that dry instant, not at the last job taken (of the priority, of
+        a fair lane's share key). A position has no
         margin: a transaction that began before the job there and committed after the claim
         would be below it (a bulk enqueue beside a trickle of single ones, a job enqueued in
         a request's transaction), left for the next scan from the head."""
         self.dry_at = now
         self.by_priority.clear()
+        self.by_key.clear()
 
     def forget(self) -> None:
         """Scan from the head next time: this worker gave jobs back below its floors, or the

@@ -151,7 +151,7 @@ class Claimer:
         if fair and claimed.jobs:
             self.key_cursor = next_key_cursor(self.key_cursor, claimed.jobs)
             self.floors.claimed_keys([(job.priority, job.fairness_key or job.handler,
-                                       job.run_at, job.id) for job in claimed.jobs])
+                                       job.run_at, job.id) for job in claimed.jobs], limit)
         # A suspect runs alone; once it is done the worker is idle and asks for the next.
         self._watch_clock(claimed, request, now)
         self.maybe_more = (len(claimed.jobs) == request.limit

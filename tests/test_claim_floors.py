@@ -363,14 +363,18 @@ def test_without_linger_a_short_claim_arms_at_once() -> None:
 def test_a_fair_lane_keeps_a_position_per_key() -> None:
     floors = ClaimFloors()
     floors.claimed(full_scan_params(), [(0, at(1), 1)] * 10, 10, 0.0, fair=True)
-    floors.claimed_keys([(0, "herd", at(1), 1), (0, "herd", at(1), 9), (0, "mail", at(2), 4)])
+    taken = [(0, "herd", at(1), 1), (0, "herd", at(1), 9), (0, "mail", at(2), 4)]
+    floors.claimed_keys(taken, 3)  # a full claim
     params = floors.params(0.5)
     assert list(zip(params["key_floor_priorities"], params["key_floor_keys"],
                     params["key_floor_run_ats"], params["key_floor_ids"], strict=True)) == [
         (0, "herd", at(1), 9), (0, "mail", at(2), 4)]
-    # Not a scan from the head: the next one is still due within the interval.
-    floors.claimed(params, [], 10, 0.5, fair=True)
-    assert floors.params(0.6)["key_floor_keys"] == ["herd", "mail"]
+    # A short claim leaves every key dry: the claims start at that instant, less the margin,
+    # as a priority's do, not at the keys' positions.
+    floors.claimed(params, taken[:1], 10, 0.5, fair=True)
+    floors.claimed_keys(taken[:1], 10)
+    after_short = floors.params(0.6)
+    assert after_short["key_floor_keys"] == [] and kind(after_short) == FLOORS
     assert floors.params(FULL_SCAN_INTERVAL + 0.1) == full_scan_params()
     floors.forget()
     assert floors.params(0.7) == full_scan_params()

@@ -419,6 +419,29 @@ def test_a_job_whose_transaction_began_before_the_last_job_claimed_is_claimed_ne
     assert [job.id for job in queue.settle_and_claim(conn, [], [], request)[2].jobs] == [late]
 
 
+def test_in_a_fair_lane_too_such_a_job_is_claimed_next(
+    db_url: str, conn: psycopg.Connection
+) -> None:
+    # The same in a fair lane, whose claims also keep a position per share key.
+    lane = LaneConfig(LANE, fair_by="handler")
+    floors = ClaimFloors()
+    with connect(db_url, autocommit=False) as request_tx:
+        request_tx.execute("SELECT now()")
+        jobd.enqueue(conn, "h")
+        first_claim = queue.ClaimRequest(LANE, "w", 10, 30, floors=floors.params(0.0),
+                                         order=lane.claim_order(None))
+        [first] = queue.settle_and_claim(conn, [], [], first_claim)[2].jobs
+        floors.claimed(first_claim.floors or {}, [(first.priority, first.run_at, first.id)],
+                       10, 0.0, fair=True)
+        floors.claimed_keys([(first.priority, "h", first.run_at, first.id)], 10)
+        late = jobd.enqueue(request_tx, "h")
+        request_tx.commit()
+    request = queue.ClaimRequest(LANE, "w", 10, 30, floors=floors.params(0.1),
+                                 order=lane.claim_order("h"))
+    assert claim_floors.kind(request.floors) == claim_floors.FLOORS
+    assert [job.id for job in queue.settle_and_claim(conn, [], [], request)[2].jobs] == [late]
+
+
 def test_while_scans_from_the_head_are_spaced_out_a_look_back_finds_recent_stragglers(
     db_url: str, conn: psycopg.Connection
 ) -> None:
