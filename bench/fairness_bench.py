@@ -26,7 +26,8 @@ runner and drain measurement.
     jobs_suspect_idx, and no scan may read more than 10 x 100 rows; PASS or FAIL. The claimed
     jobs are put back (pending) and the table vacuumed before the next kind.
     Then the same for the plain and the fair claim on the drain's table: 20,000 due jobs of
-    one key enqueued at once into a lane analyzed while empty (a burst after an idle spell).
+    one key enqueued at once into a lane analyzed while empty (a burst after an idle spell),
+    and the same burst over 10 keys, which the fair claim walks from key to key.
 --drain
     bench/daemon_bench.py's drain (20,000 no-op jobs committed at once while the daemon idles;
     jobs/s from the first handler start to the last finished_at) at 1x10 and 2x10 (workers x
@@ -111,6 +112,7 @@ CLAIM_KINDS: dict[str, LaneConfig] = {
 }
 
 BURST_JOBS = 20_000
+BURST_KEYS = (1, 10)  # the burst scenarios of --explain: one key, and keys to walk
 BURST_KINDS: dict[str, LaneConfig] = {
     "plain (claim_jobs)": LaneConfig(LANE),
     "fair_by fairness_key": LaneConfig(LANE, fair_by="fairness_key"),
@@ -430,18 +432,22 @@ def million_scenario(env: Env, rounds: int) -> dict[str, Any]:
             "kinds": [merged(results) for results in per_kind.values()]}
 
 
-def burst_scenario(env: Env) -> dict[str, Any]:
-    """The table the drain benchmark claims from: a burst of BURST_JOBS due jobs of one key
-    committed into a lane whose statistics were taken while it was empty (reset_queue), as
-    after an idle spell; autovacuum analyzes it within its naptime (a minute) at the soonest.
-    The kinds run one after the other on what the previous left, nothing is put back."""
+def burst_scenario(env: Env, keys: int) -> dict[str, Any]:
+    """The table the drain benchmark claims from: a burst of BURST_JOBS due jobs over ``keys``
+    fairness keys committed into a lane whose statistics were taken while it was empty
+    (reset_queue), as after an idle spell; autovacuum analyzes it within its naptime (a
+    minute) at the soonest. The kinds run one after the other on what the previous left,
+    nothing is put back. With several keys the fair claim walks from key to key (due_keys),
+    whose plan such statistics once turned into a sort of every due job at each step."""
     reset_queue(env)
     with env.bench_conn() as conn:
-        jobd.enqueue_many(conn, [jobd.JobSpec("noop", {}, LANE, fairness_key="tenant-0000")
-                                 for _ in range(BURST_JOBS)])
+        jobd.enqueue_many(conn, [jobd.JobSpec("noop", {}, LANE,
+                                              fairness_key=f"tenant-{n % keys:04d}")
+                                 for n in range(BURST_JOBS)])
     kinds = [claim_kind(env, name, lane, restore=False) for name, lane in BURST_KINDS.items()]
-    return {"name": "burst",
-            "description": (f"{BURST_JOBS:,} due jobs of one fairness key enqueued at once "
+    spread = "one fairness key" if keys == 1 else f"{keys} fairness keys"
+    return {"name": "burst" if keys == 1 else f"burst over {keys} keys",
+            "description": (f"{BURST_JOBS:,} due jobs of {spread} enqueued at once "
                             "into the empty lane after VACUUM ANALYZE of the empty table "
                             "(no ANALYZE since: the drain's table); one round, the kinds in "
                             "turn on what the previous one left"),
@@ -452,7 +458,8 @@ def run_explain(env: Env, args: Args) -> dict[str, Any]:
     rounds = args.rounds["explain"]
     return {"claims_per_round": CLAIMS_PER_KIND, "batch": CLAIM_BATCH,
             "max_wait_s": EXPLAIN_MAX_WAIT_S, "max_rows_read": MAX_ROWS_READ,
-            "scenarios": [million_scenario(env, rounds), burst_scenario(env)]}
+            "scenarios": [million_scenario(env, rounds),
+                          *(burst_scenario(env, keys) for keys in BURST_KEYS)]}
 
 
 def print_explain(result: dict[str, Any]) -> None:

@@ -442,6 +442,22 @@ def test_in_a_fair_lane_too_such_a_job_is_claimed_next(
     assert [job.id for job in queue.settle_and_claim(conn, [], [], request)[2].jobs] == [late]
 
 
+def test_a_fair_claim_after_an_idle_spell_steps_from_key_to_key_by_the_fair_index(
+    db_url: str, conn: psycopg.Connection
+) -> None:
+    # Statistics taken while the table was empty, then a burst: the planner rated reading the
+    # claim index and sorting by key as cheap as a descent of the fair index, and each step of
+    # the key walk (due_keys) read every due job (migration 0027).
+    conn.execute("ANALYZE jobs")
+    jobd.enqueue_many(conn, [jobd.JobSpec("h", {}, LANE, fairness_key=f"tenant-{n % 10}")
+                             for n in range(20_000)])
+    request = queue.ClaimRequest(LANE, "w", 20, 30, floors=full_scan_params(),
+                                 order=LaneConfig(LANE, fair_by="handler").claim_order(None))
+    claimed, reads = claim_counting_reads(db_url, conn, request)
+    assert len({job.fairness_key for job in claimed}) == 10
+    assert reads < 1000  # some 200; each step of the walk read all 20,000 jobs: 220,000
+
+
 def test_while_scans_from_the_head_are_spaced_out_a_look_back_finds_recent_stragglers(
     db_url: str, conn: psycopg.Connection
 ) -> None:
