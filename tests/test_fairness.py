@@ -11,7 +11,7 @@ import psycopg
 import pytest
 
 import jobd
-from jobd import dlq, queue
+from jobd import claim_floors, dlq, queue
 from jobd.claimer import next_key_cursor
 from jobd.config import LaneConfig, parse
 from jobd.errors import ConfigError
@@ -121,6 +121,50 @@ def test_a_herd_of_one_handler_does_not_hold_back_the_others(conn: psycopg.Conne
     # Each key's oldest jobs, in order.
     herd = [job for job in fair if job.handler == "herd"]
     assert [job.payload["n"] for job in herd] == list(range(10))
+
+
+def claim_from_positions(conn: psycopg.Connection, positions: dict[tuple[int, str],
+                                                                   tuple[datetime, int]]
+                         ) -> set[int]:
+    """The ids a fair claim of 10 takes, the worker's positions per (priority, share key)
+    sent as the claimer sends them; given back after."""
+    floors = {**claim_floors.full_scan_params(),
+              "key_floor_priorities": [priority for priority, _key in positions],
+              "key_floor_keys": [key for _priority, key in positions],
+              "key_floor_run_ats": [at for at, _id in positions.values()],
+              "key_floor_ids": [job_id for _at, job_id in positions.values()]}
+    request = queue.ClaimRequest(LANE, "w1", 10, 30, floors=floors,
+                                 order=order(fair_by="handler"))
+    claimed = queue.settle_and_claim(conn, [], [], request)[2].jobs
+    queue.release(conn, [job.lease for job in claimed])
+    return {job.id for job in claimed}
+
+
+def test_a_fair_claim_starts_each_key_at_the_workers_position_for_it(
+    conn: psycopg.Connection,
+) -> None:
+    t0 = db_now(conn)
+    first, second, third = (jobd.enqueue(conn, "h", lane=LANE, fairness_key="tenant:a",
+                                         run_at=t0 - timedelta(seconds=s, microseconds=7))
+                            for s in (3, 2, 1))
+    other_key = jobd.enqueue(conn, "h", lane=LANE, fairness_key="b",
+                             run_at=t0 - timedelta(seconds=3))
+    other_priority = jobd.enqueue(conn, "h", lane=LANE, fairness_key="tenant:a", priority=1,
+                                  run_at=t0 - timedelta(seconds=3))
+    run_at = dict(conn.execute("SELECT id, run_at FROM jobs").fetchall())
+    everything = {first, second, third, other_key, other_priority}
+    assert claim_from_positions(conn, {}) == everything
+    # The position is the last job of the key the worker took: its scan starts there, and
+    # only for that priority and key.
+    assert claim_from_positions(conn, {(0, "tenant:a"): (run_at[second], second)}) == (
+        everything - {first})
+    # To the microsecond: a position just past the second job steps over it too.
+    assert claim_from_positions(
+        conn, {(0, "tenant:a"): (run_at[second] + timedelta(microseconds=1), 0)}) == (
+        everything - {first, second})
+    # A position below the priority's floor changes nothing; one of another key, nothing.
+    assert claim_from_positions(conn, {(0, "tenant:a"): (t0 - timedelta(days=1), 0),
+                                       (0, "c"): (t0, 0)}) == everything
 
 
 def test_a_key_with_few_jobs_leaves_its_share_to_the_others(conn: psycopg.Connection) -> None:

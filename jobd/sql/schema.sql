@@ -906,6 +906,11 @@ DECLARE
     picked bigint[] := '{}';
     overdue_before timestamptz := at - make_interval(secs => max_wait);
     level record;
+    -- The positions per share key, looked up by key (key_floor) rather than searched; only
+    -- a fair claim has any use for them.
+    positions jsonb := CASE WHEN fair THEN key_positions(key_floors_priority, key_floors_key,
+                                                         key_floors_run_at, key_floors_id)
+                            ELSE '{}' END;
 BEGIN
     IF max_wait IS NOT NULL THEN
         FOR level IN
@@ -925,8 +930,7 @@ BEGIN
             picked := picked || claim_level(claim_order.lane, level.priority, level.floor_at,
                                             level.floor_id, '-infinity', overdue_before, fair,
                                             key_cursor, wanted - cardinality(picked),
-                                            paused_handlers, key_floors_priority,
-                                            key_floors_key, key_floors_run_at, key_floors_id);
+                                            paused_handlers, positions);
             EXIT WHEN cardinality(picked) >= wanted;
         END LOOP;
     END IF;
@@ -950,12 +954,27 @@ BEGIN
                                             level.floor_id,
                                             coalesce(overdue_before, '-infinity'), at, fair,
                                             key_cursor, wanted - cardinality(picked),
-                                            paused_handlers, key_floors_priority,
-                                            key_floors_key, key_floors_run_at, key_floors_id);
+                                            paused_handlers, positions);
             EXIT WHEN cardinality(picked) >= wanted;
         END LOOP;
     END IF;
     RETURN picked;
+END
+$$;
+
+-- The worker's positions per share key as one object: "priority:key" -> [run_at, id]. The
+-- priority is an integer, so the first ':' ends it whatever the key holds.
+CREATE FUNCTION key_positions(priorities integer[], keys text[], run_ats timestamptz[],
+                              ids bigint[])
+RETURNS jsonb
+-- STABLE: a timestamptz's text in the object depends on the session's TimeZone (the instant
+-- read back from it does not). PL/pgSQL, as due_keys: planned once per session.
+LANGUAGE plpgsql STABLE
+AS $$
+BEGIN
+    RETURN (SELECT coalesce(jsonb_object_agg(f.priority || ':' || f.key,
+                                             jsonb_build_array(f.run_at, f.id)), '{}')
+              FROM unnest(priorities, keys, run_ats, ids) AS f(priority, key, run_at, id));
 END
 $$;
 
@@ -964,19 +983,16 @@ $$;
 -- so that the scan does not walk the dead index entries of the key's jobs claimed before,
 -- which vacuum has not removed yet: a herd of one key leaves tens of thousands.
 CREATE FUNCTION key_floor(key text, level integer, floor_at timestamptz, floor_id bigint,
-                          priorities integer[], keys text[], run_ats timestamptz[],
-                          ids bigint[])
+                          positions jsonb)
 RETURNS TABLE (floor_at timestamptz, floor_id bigint)
-LANGUAGE sql IMMUTABLE
+LANGUAGE sql STABLE
 AS $$
-    SELECT CASE WHEN (f.run_at, f.id) > (key_floor.floor_at, key_floor.floor_id)
-                THEN f.run_at ELSE key_floor.floor_at END,
-           CASE WHEN (f.run_at, f.id) > (key_floor.floor_at, key_floor.floor_id)
-                THEN f.id ELSE key_floor.floor_id END
-      FROM (SELECT NULL) AS one
-      LEFT JOIN unnest(priorities, keys, run_ats, ids) AS f(priority, key, run_at, id)
-             ON f.priority = level AND f.key = key_floor.key
-     LIMIT 1
+    SELECT CASE WHEN (p.run_at, p.id) > (key_floor.floor_at, key_floor.floor_id)
+                THEN p.run_at ELSE key_floor.floor_at END,
+           CASE WHEN (p.run_at, p.id) > (key_floor.floor_at, key_floor.floor_id)
+                THEN p.id ELSE key_floor.floor_id END
+      FROM (SELECT (found.entry ->> 0)::timestamptz AS run_at, (found.entry ->> 1)::bigint AS id
+              FROM (SELECT positions -> (level || ':' || key_floor.key) AS entry) AS found) AS p
 $$;
 
 -- The share keys of one priority of a lane that have due jobs with run_at in (after, up_to],
@@ -986,50 +1002,52 @@ $$;
 -- later cost their two descents each time a claim passes them. Sorts are priced out
 -- (migration 0027): a step planned on jobs_claimable_idx, sorting what it reads by key, read
 -- every due job of the priority; statistics taken while the table was empty make that plan
--- cost the same as the descent of jobs_fair_idx to the planner.
+-- cost the same as the descent of jobs_fair_idx to the planner. PL/pgSQL, not SQL: a SQL
+-- function with SET clauses is never inlined, and PostgreSQL plans its body again in every
+-- transaction that calls it (every claim), where PL/pgSQL keeps the plan for the session
+-- (migration 0028: the planning was more than half of a fair claim over one key).
 CREATE FUNCTION due_keys(lane text, level integer, from_key text, to_key text,
                          floor_at timestamptz, floor_id bigint, after timestamptz,
-                         up_to timestamptz, wanted integer, key_floors_priority integer[],
-                         key_floors_key text[], key_floors_run_at timestamptz[],
-                         key_floors_id bigint[])
+                         up_to timestamptz, wanted integer, positions jsonb)
 RETURNS text[]
-LANGUAGE sql STABLE
+LANGUAGE plpgsql STABLE
 SET search_path FROM CURRENT
 SET enable_sort = off
 AS $$
-    WITH RECURSIVE walk(key) AS (
-        SELECT (SELECT coalesce(j.fairness_key, j.handler) COLLATE "C" FROM jobs AS j
-                 WHERE j.lane = due_keys.lane AND j.state IN ('pending', 'failed')
-                   AND j.priority = level
-                   AND coalesce(j.fairness_key, j.handler) COLLATE "C" > from_key
-                 ORDER BY 1
-                 LIMIT 1)
-        UNION ALL
-        SELECT (SELECT coalesce(j.fairness_key, j.handler) COLLATE "C" FROM jobs AS j
-                 WHERE j.lane = due_keys.lane AND j.state IN ('pending', 'failed')
-                   AND j.priority = level
-                   AND coalesce(j.fairness_key, j.handler) COLLATE "C" > w.key
-                 ORDER BY 1
-                 LIMIT 1)
-          FROM walk AS w
-         WHERE w.key IS NOT NULL AND (to_key IS NULL OR w.key < to_key)
-    )
-    SELECT coalesce(array_agg(d.key), '{}')
-      FROM (SELECT w.key FROM walk AS w
-             CROSS JOIN LATERAL key_floor(w.key, level, floor_at, floor_id, key_floors_priority,
-                                          key_floors_key, key_floors_run_at, key_floors_id)
-                        AS f
-             -- A probe per key (LIMIT 1 in a lateral: never a hash of a key's every job).
-             CROSS JOIN LATERAL (
-                   SELECT 1 FROM jobs AS j
-                    WHERE j.lane = due_keys.lane AND j.state IN ('pending', 'failed')
-                      AND j.priority = level
-                      AND coalesce(j.fairness_key, j.handler) COLLATE "C" = w.key
-                      AND (j.run_at, j.id) >= (f.floor_at, f.floor_id)
-                      AND j.run_at > after AND j.run_at <= up_to
-                    LIMIT 1) AS due
-             WHERE w.key IS NOT NULL AND (to_key IS NULL OR w.key <= to_key)
-             LIMIT wanted) AS d
+BEGIN
+    RETURN (
+        WITH RECURSIVE walk(key) AS (
+            SELECT (SELECT coalesce(j.fairness_key, j.handler) COLLATE "C" FROM jobs AS j
+                     WHERE j.lane = due_keys.lane AND j.state IN ('pending', 'failed')
+                       AND j.priority = level
+                       AND coalesce(j.fairness_key, j.handler) COLLATE "C" > from_key
+                     ORDER BY 1
+                     LIMIT 1)
+            UNION ALL
+            SELECT (SELECT coalesce(j.fairness_key, j.handler) COLLATE "C" FROM jobs AS j
+                     WHERE j.lane = due_keys.lane AND j.state IN ('pending', 'failed')
+                       AND j.priority = level
+                       AND coalesce(j.fairness_key, j.handler) COLLATE "C" > w.key
+                     ORDER BY 1
+                     LIMIT 1)
+              FROM walk AS w
+             WHERE w.key IS NOT NULL AND (to_key IS NULL OR w.key < to_key)
+        )
+        SELECT coalesce(array_agg(d.key), '{}')
+          FROM (SELECT w.key FROM walk AS w
+                 CROSS JOIN LATERAL key_floor(w.key, level, floor_at, floor_id, positions) AS f
+                 -- A probe per key (LIMIT 1 in a lateral: never a hash of a key's every job).
+                 CROSS JOIN LATERAL (
+                       SELECT 1 FROM jobs AS j
+                        WHERE j.lane = due_keys.lane AND j.state IN ('pending', 'failed')
+                          AND j.priority = level
+                          AND coalesce(j.fairness_key, j.handler) COLLATE "C" = w.key
+                          AND (j.run_at, j.id) >= (f.floor_at, f.floor_id)
+                          AND j.run_at > after AND j.run_at <= up_to
+                        LIMIT 1) AS due
+                 WHERE w.key IS NOT NULL AND (to_key IS NULL OR w.key <= to_key)
+                 LIMIT wanted) AS d);
+END
 $$;
 
 -- Up to `wanted` due jobs of one priority of a lane with run_at in (after, up_to] and at or
@@ -1039,8 +1057,7 @@ $$;
 CREATE FUNCTION claim_level(lane text, level integer, floor_at timestamptz, floor_id bigint,
                             after timestamptz, up_to timestamptz, fair boolean,
                             key_cursor text, wanted integer, paused_handlers text[],
-                            key_floors_priority integer[], key_floors_key text[],
-                            key_floors_run_at timestamptz[], key_floors_id bigint[])
+                            positions jsonb)
 RETURNS bigint[]
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
@@ -1062,12 +1079,10 @@ BEGIN
     END IF;
     -- The keys after the cursor, then from the start around to it.
     keys := due_keys(claim_level.lane, level, coalesce(key_cursor, ''), NULL, floor_at,
-                     floor_id, after, up_to, wanted, key_floors_priority, key_floors_key,
-                     key_floors_run_at, key_floors_id);
+                     floor_id, after, up_to, wanted, positions);
     IF cardinality(keys) < wanted AND coalesce(key_cursor, '') <> '' THEN
         keys := keys || due_keys(claim_level.lane, level, '', key_cursor, floor_at, floor_id,
-                                 after, up_to, wanted - cardinality(keys), key_floors_priority,
-                                 key_floors_key, key_floors_run_at, key_floors_id);
+                                 after, up_to, wanted - cardinality(keys), positions);
     END IF;
     WHILE cardinality(keys) > 0 AND cardinality(picked) < wanted LOOP
         WITH shares AS (
@@ -1077,9 +1092,7 @@ BEGIN
                                  THEN 1 ELSE 0 END AS share,
                    f.floor_at, f.floor_id
               FROM unnest(keys) WITH ORDINALITY AS k(key, position)
-             CROSS JOIN LATERAL key_floor(k.key, level, floor_at, floor_id,
-                                          key_floors_priority, key_floors_key,
-                                          key_floors_run_at, key_floors_id) AS f
+             CROSS JOIN LATERAL key_floor(k.key, level, floor_at, floor_id, positions) AS f
         ),
         got AS (
             SELECT s.key, s.share, t.id
