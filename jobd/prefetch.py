@@ -3,11 +3,11 @@ it starts them. Pure logic: the claimer asks, with the monotonic clock and its c
 started jobs.
 
 A lane that sets ``prefetch`` (or ``max_running``, which claims nothing ahead) gets that
-size, always; so does a lane with ``fair_by`` or ``max_wait`` (the floor, unless it sets
-``prefetch``). Otherwise the buffer holds about :data:`HORIZON` of work at the start rate the
-worker measured over its last window, never less than the floor (3 x ``concurrency``, the
-size a lane got before) and never more than :data:`MAX_FACTOR` x ``concurrency`` or
-:data:`MAX_JOBS`. Why adapt instead of a larger fixed size:
+size, always. Otherwise the buffer holds about :data:`HORIZON` of work at the start rate the
+worker measured over its last window (:data:`ORDERED_HORIZON` in a lane with ``fair_by`` or
+``max_wait``), never less than the floor (3 x ``concurrency``, the size a lane got before)
+and never more than :data:`MAX_FACTOR` x ``concurrency`` or :data:`MAX_JOBS`. Why adapt
+instead of a larger fixed size:
 
 - Short jobs want a large buffer. A claim is a round trip and a commit; at 1 x 10 with no-op
   handlers, claiming 3 x ``concurrency`` ahead drained about 14k jobs/s, 10 x about 23k,
@@ -36,6 +36,12 @@ import math
 from jobd.config import LaneConfig
 
 HORIZON = 0.05  # seconds of work at the measured start rate that the buffer holds
+# ... in a lane with fair_by or max_wait, which decides shares and order per claim: a job of
+# another key that arrives just after a claim waits behind at most this much buffered work.
+# With HORIZON there (a buffer of up to 200 jobs in the incident drill's herd) the other
+# handlers' pickup p99 went from 1.2-1.9 x their baseline to 4.7-5.2 x; at one worker's
+# no-op drain this still takes claims of about 150 jobs instead of 25.
+ORDERED_HORIZON = 0.005
 WINDOW = 0.02  # the start rate is measured over windows at least this long
 IDLE_RESET = 1.0  # a window this old (nothing measured since) no longer says anything
 # At most this many times the lane's concurrency ... 20 until 2026-12-02; at 1 x 10 and
@@ -53,12 +59,10 @@ class Prefetch:
 
     def __init__(self, lane: LaneConfig) -> None:
         self.floor = lane.buffer_size
-        # A fair or age-promoting lane decides shares and order per claim: a larger buffer
-        # would decide them further ahead of the jobs' start (the incident drill's herd: the
-        # other handlers' pickup p99 went from 1.2-1.9 x to 4.7-5.2 x their baseline).
-        adaptive = lane.prefetch is None and lane.max_running is None and not lane.ordered
+        adaptive = lane.prefetch is None and lane.max_running is None
         self.cap = (max(self.floor, min(MAX_FACTOR * lane.concurrency, MAX_JOBS))
                     if adaptive else self.floor)
+        self.horizon = ORDERED_HORIZON if lane.ordered else HORIZON
         self.size = self.floor
         self._window_at: float | None = None  # when the current window began
         self._window_count = 0  # the started count at its beginning
@@ -79,7 +83,7 @@ class Prefetch:
             self.size = self.floor
         elif now - self._window_at >= WINDOW:
             rate = (started - self._window_count) / (now - self._window_at)
-            self.size = min(self.cap, max(self.floor, math.ceil(rate * HORIZON)))
+            self.size = min(self.cap, max(self.floor, math.ceil(rate * self.horizon)))
             self._begin(started, now)
         return self.size
 

@@ -9,6 +9,7 @@ from jobd.prefetch import (
     IDLE_RESET,
     MAX_FACTOR,
     MAX_JOBS,
+    ORDERED_HORIZON,
     WINDOW,
     Prefetch,
 )
@@ -74,7 +75,10 @@ def test_after_a_crash_in_the_lane_the_floor_holds_for_a_while() -> None:
     assert size == 500
 
 
-def test_a_fair_lane_keeps_the_floor() -> None:
+def test_a_fair_lane_buffers_less_work_ahead() -> None:
     for lane in (LaneConfig("l", concurrency=10, fair_by="handler"),
                  LaneConfig("l", concurrency=10, max_wait=5.0)):
-        assert run_at_rate(Prefetch(lane), 20_000, 0.5)[0] == 30
+        # Its shares are decided at the claim: a job of another key that arrives just after
+        # waits behind no more than ORDERED_HORIZON of buffered work.
+        assert run_at_rate(Prefetch(lane), 20_000, 0.5)[0] == round(20_000 * ORDERED_HORIZON)
+        assert run_at_rate(Prefetch(lane), 4_000, 0.5)[0] == 30  # the floor
