@@ -12,6 +12,7 @@ from typing import Any
 
 from jobd import jobs, logs
 from jobd.handlers import ResolvedHandler
+from jobd.loop_watch import LoopWatch
 from jobd.outcomes import CANCELLED_ERROR, Outcome, failed, within_timeout
 
 
@@ -22,8 +23,15 @@ class AsyncHandlers:
         # The tasks of running jobs, by job id; touched only on the event loop's thread. A job
         # claimed again while a run whose lease was lost still goes on maps to its new run.
         self._tasks: dict[int, asyncio.Task[Any]] = {}
+        # The job each running task runs, for the watch (read from the worker's thread).
+        self._jobs: dict[asyncio.Task[Any], jobs.Job] = {}
         self.loop = asyncio.new_event_loop()
+        self.watch = LoopWatch(self.loop, self._job_of)
         threading.Thread(target=self.loop.run_forever, name="jobd-async", daemon=True).start()
+
+    def _job_of(self, task: asyncio.Task[Any] | None) -> tuple[int, str] | None:
+        job = None if task is None else self._jobs.get(task)
+        return None if job is None else (job.id, job.handler)
 
     def start(self, resolved: ResolvedHandler, job: jobs.Job) -> None:
         """Run the job's handler now (from any thread)."""
@@ -45,6 +53,7 @@ class AsyncHandlers:
         task = asyncio.current_task()
         assert task is not None
         self._tasks[job.id] = task
+        self._jobs[task] = job
         logs.bind_task_job(job.id, job.handler)
         started = time.monotonic()
         try:
@@ -64,5 +73,6 @@ class AsyncHandlers:
         finally:
             if self._tasks.get(job.id) is task:
                 del self._tasks[job.id]
+            del self._jobs[task]
         outcome.seconds = time.monotonic() - started
         self._deliver(outcome)

@@ -17,14 +17,18 @@ import threading
 import time
 from typing import Protocol
 
+import structlog
 from psycopg_pool import ConnectionPool
 
 from jobd import exactly_once, jobs, logs, pipes
 from jobd import handlers as handler_registry
 from jobd.async_handlers import AsyncHandlers
 from jobd.db import conninfo, users_connection_setup
+from jobd.loop_watch import Blocked, Freed
 from jobd.outcomes import Outcome, failed
 from jobd.protocol import WorkerSpec, worker_connection_name
+
+log = structlog.get_logger("jobd.worker")
 
 
 class Start(Protocol):
@@ -185,6 +189,23 @@ class HandlerRunner:
                 collected.append(self.outcomes.get_nowait())
             except stdlib_queue.Empty:
                 return collected
+
+    def watch_event_loop(self, now: float) -> None:
+        """Say when an ``async def`` handler blocks the event loop (every other async job of
+        the worker waits, and times out, until it returns), naming it; and when it is free
+        again (from the loop's thread, each turn)."""
+        if self.async_handlers is None:
+            return
+        change = self.async_handlers.watch.check(now)
+        if isinstance(change, Blocked):
+            log.warning("an async handler is blocking the event loop: no other async job of "
+                        "this worker runs until it returns (await instead, or run the "
+                        "blocking call with asyncio.to_thread)", lane=self.lane.name,
+                        job_id=change.job_id, handler=change.handler,
+                        blocked_s=round(change.seconds, 1))
+        elif isinstance(change, Freed):
+            log.info("the event loop runs again", lane=self.lane.name,
+                     blocked_s=round(change.seconds, 1))
 
     def close(self) -> None:
         if self.tx_pool is not None:

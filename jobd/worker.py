@@ -130,6 +130,7 @@ class Worker:
             self._collect_outcomes()
             self.slots.fill(self.lifecycle.mode)
             self.slots.expire_timeouts(time.monotonic())
+            self.runner.watch_event_loop(time.monotonic())
             self._renew_leases()
             self._release_buffer()
             self._settle_and_claim()

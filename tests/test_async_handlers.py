@@ -9,7 +9,10 @@ import queue
 import threading
 import time
 from datetime import UTC, datetime
+from types import SimpleNamespace
 from typing import Any
+
+from structlog.testing import capture_logs
 
 from jobd import handlers, jobs, logs, protocol
 from jobd.async_handlers import AsyncHandlers
@@ -18,6 +21,7 @@ from jobd.completer import Completer, Counters
 from jobd.config import LaneConfig
 from jobd.db import DEFAULT_SCHEMA
 from jobd.handler_runner import HandlerRunner
+from jobd.loop_watch import BLOCKED_AFTER
 from jobd.outcomes import CANCELLED_ERROR, Outcome
 from jobd.slots import ASYNC_GRACE, Slots
 
@@ -199,4 +203,75 @@ def test_the_worker_fails_an_async_run_that_has_not_ended_a_grace_after_its_time
         # abandoned); awaited so that no task is left pending when the loop stops.
         runner.outcomes.get(timeout=10)
         assert runner.async_handlers is not None
+        stop(runner.async_handlers.loop)
+
+
+def async_runner(handler: Any) -> HandlerRunner:
+    lane = LaneConfig("default", concurrency=2)
+    spec = protocol.WorkerSpec(
+        worker_id="test-node:default#0:async", lane=lane, handlers={},
+        database_url="postgresql:///unused", schema=DEFAULT_SCHEMA, slot=0, generation=1,
+        status_fd=-1, wake_fd=-1, shutdown_timeout=1.0)
+    return HandlerRunner(spec, {"h": handlers.resolved("h", handler)})
+
+
+def test_a_handler_that_blocks_the_event_loop_is_named_and_so_is_the_end_of_it() -> None:
+    running, release = threading.Event(), threading.Event()
+
+    async def handler(job: jobs.Job) -> None:
+        running.set()
+        release.wait(10)  # a blocking call in an async def: nothing else on the loop runs
+
+    runner = async_runner(handler)
+    assert runner.async_handlers is not None
+    try:
+        runner.start(SimpleNamespace(job=job(7), started=None, taken_back=False))
+        assert running.wait(10)
+        now = time.monotonic()
+        with capture_logs() as logged:
+            runner.watch_event_loop(now)  # posts a probe, which cannot run
+            runner.watch_event_loop(now + BLOCKED_AFTER / 2)
+            assert logged == []
+            runner.watch_event_loop(now + BLOCKED_AFTER)
+            runner.watch_event_loop(now + BLOCKED_AFTER + 1)  # said once per episode
+        [warning] = logged
+        assert warning["log_level"] == "warning"
+        assert "an async handler is blocking the event loop" in warning["event"]
+        assert (warning["job_id"], warning["handler"], warning["blocked_s"]) == (
+            7, "h", BLOCKED_AFTER)
+        release.set()
+        runner.outcomes.get(timeout=10)
+        freed: list[dict[str, Any]] = []
+        deadline = time.monotonic() + 10
+        while not freed and time.monotonic() < deadline:
+            with capture_logs() as logged:
+                runner.watch_event_loop(now + BLOCKED_AFTER + 2)
+            freed = logged
+            time.sleep(0.01)
+        assert [(e["event"], e["blocked_s"]) for e in freed] == [
+            ("the event loop runs again", BLOCKED_AFTER + 1)]
+    finally:
+        release.set()
+        stop(runner.async_handlers.loop)
+
+
+def test_a_loop_that_answers_is_never_called_blocked() -> None:
+    async def handler(job: jobs.Job) -> None:
+        await asyncio.sleep(0.5)  # waits without blocking the loop
+
+    runner = async_runner(handler)
+    assert runner.async_handlers is not None
+    try:
+        runner.start(SimpleNamespace(job=job(7), started=None, taken_back=False))
+        now = time.monotonic()
+        with capture_logs() as logged:
+            runner.watch_event_loop(now)
+            deadline = time.monotonic() + 10
+            while runner.async_handlers.watch._probe_sent_at is not None:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            runner.watch_event_loop(now + 5 * BLOCKED_AFTER)
+        assert logged == []
+        runner.outcomes.get(timeout=10)
+    finally:
         stop(runner.async_handlers.loop)

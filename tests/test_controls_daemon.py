@@ -75,6 +75,13 @@ async def sleepy(job):
     _record(job, "end")
 
 
+async def blocking(job):
+    """Makes a blocking call in an async def: nothing else on the event loop runs meanwhile."""
+    _record(job, "start")
+    time.sleep(float(job.payload.get("seconds", 1)))
+    _record(job, "end")
+
+
 def picky(job):
     """Fails on a payload with "bad" until the file "fixed" exists in its directory."""
     _record(job, "start")
@@ -84,7 +91,8 @@ def picky(job):
 '''
 
 CONTROL_HANDLERS = {**HANDLERS, **{name: f"controlhandlers:{name}"
-                                   for name in ("polite", "stubborn", "sleepy", "picky")}}
+                                   for name in ("polite", "stubborn", "sleepy", "picky",
+                                                "blocking")}}
 
 
 def write_handlers(directory: Path) -> None:
@@ -294,3 +302,22 @@ def test_the_incident_runbook_pause_quarantine_resume_fix_replay(
     (tmp_path / "fixed").write_text("")
     assert sorted(jobd_cli(a, "dlq", "replay", "--handler", "picky")["replayed"]) == bad
     wait_until(lambda: all_done(effects_db, bad), 15, message="the replayed jobs")
+
+
+def test_an_async_handler_that_blocks_the_event_loop_is_named_in_the_log(
+    daemons: Daemons, effects_db: psycopg.Connection, tmp_path: Path
+) -> None:
+    write_handlers(tmp_path)
+    node = daemons(config({"default": {"workers": 1, "concurrency": 2}}))
+    node.wait_workers_started("default", 1)
+    since = node.mark()
+    culprit = jobd.enqueue(effects_db, "blocking", {"seconds": 2.5})
+    warning = node.wait_for_log("an async handler is blocking the event loop: no other async "
+                                "job of this worker runs until it returns (await instead, or "
+                                "run the blocking call with asyncio.to_thread)",
+                                process=None, since=since)
+    assert (warning["job_id"], warning["handler"], warning["level"]) == (
+        culprit, "blocking", "warning")
+    freed = node.wait_for_log("the event loop runs again", process=None, since=since)
+    assert freed["blocked_s"] >= 1.0
+    wait_until(lambda: job_state(effects_db, culprit) == "done", 15, message="the job to end")
