@@ -228,7 +228,7 @@ class ClaimLoop:
                             limit, now, fair=fair, aged=self.lane.max_wait is not None)
         if fair and claimed.jobs:
             self.cursor = next_key_cursor(self.cursor, claimed.jobs)
-            self.floors.claimed_keys([(j.priority, j.fairness_key or j.handler, j.run_at, j.id)
+            self.floors.keys.claimed([(j.priority, j.fairness_key or j.handler, j.run_at, j.id)
                                       for j in claimed.jobs], limit)
         return claimed.jobs
 

@@ -44,6 +44,8 @@ from datetime import datetime
 from types import MappingProxyType
 from typing import Any
 
+from jobd.key_positions import KeyPositions
+
 # How far below the database's clock at a short claim a floor is set: an enqueue whose
 # transaction is younger than this when it commits is never below a caught-up worker's floor.
 CAUGHT_UP_MARGIN = 0.5
@@ -67,8 +69,6 @@ LOOK_BACK = 10.0
 # (the age sent makes the dry floor decades old, so the position alone counts).
 NOT_DRY = -math.inf
 NOT_DRY_AGE = 1e9
-# The share keys a fair lane's worker keeps a position for (the most recently taken).
-MAX_KEY_FLOORS = 256
 
 
 @dataclass(slots=True)
@@ -93,10 +93,8 @@ class ClaimFloors:
     # last one took long (head_scan_took); the claims look back LOOK_BACK meanwhile.
     full_scan_spacing: float = FULL_SCAN_INTERVAL
     last_look_back: float = -math.inf
-    # A fair lane's positions per (priority, share key): the last (run_at, id) taken of the
-    # key by a full claim. A fair claim takes each key's oldest jobs, so each key's scan can
-    # start there.
-    by_key: dict[tuple[int, str], tuple[datetime, int]] = field(default_factory=dict)
+    # A fair lane's positions per (priority, share key).
+    keys: KeyPositions = field(default_factory=KeyPositions)
 
     def head_scan_took(self, seconds: float) -> float:
         """A round trip that scanned from the head took ``seconds``: space the next such scan
@@ -154,27 +152,10 @@ class ClaimFloors:
             ids.append(floor.job_id)
             ages.append(None if floor.dry_at is None else
                         NOT_DRY_AGE if floor.dry_at == NOT_DRY else _age(floor.dry_at, now))
-        keys = list(self.by_key.items())
         return {"floor_priorities": priorities, "floor_run_ats": run_ats, "floor_ids": ids,
                 "floor_ages": ages,
                 "default_floor_age": None if self.dry_at is None else _age(self.dry_at, now),
-                "key_floor_priorities": [priority for (priority, _key), _at in keys],
-                "key_floor_keys": [key for (_priority, key), _at in keys],
-                "key_floor_run_ats": [at[0] for _key, at in keys],
-                "key_floor_ids": [at[1] for _key, at in keys]}
-
-    def claimed_keys(self, taken: list[tuple[int, str, datetime, int]], limit: int) -> None:
-        """Record the positions a fair claim of ``limit`` reached: (priority, share key,
-        run_at, id) per job. The oldest positions go first when there are more than
-        MAX_KEY_FLOORS. A short claim left every key dry (:meth:`_all_dry`): none then."""
-        if len(taken) < limit:
-            return
-        for priority, key, run_at, job_id in sorted(taken, key=lambda t: (t[2], t[3])):
-            position = (run_at, job_id)
-            known = self.by_key.pop((priority, key), None)
-            self.by_key[(priority, key)] = max(known, position) if known else position
-        while len(self.by_key) > MAX_KEY_FLOORS:
-            del self.by_key[next(iter(self.by_key))]
+                **self.keys.params()}
 
     def claimed(self, params: Mapping[str, Any], taken: list[tuple[int, datetime, int]],
                 limit: int, now: float, *, fair: bool = False,
@@ -229,13 +210,13 @@ class ClaimFloors:
         a request's transaction), left for the next scan from the head."""
         self.dry_at = now
         self.by_priority.clear()
-        self.by_key.clear()
+        self.keys.clear()
 
     def forget(self) -> None:
         """Scan from the head next time: this worker gave jobs back below its floors, or the
         database's clock stepped (``jobd.clock_watch``)."""
         self.by_priority.clear()
-        self.by_key.clear()
+        self.keys.clear()
         self.dry_at = None
         self.last_full_scan = -math.inf
 

@@ -150,7 +150,7 @@ class Claimer:
                             aged=self.lane.max_wait is not None)
         if fair and claimed.jobs:
             self.key_cursor = next_key_cursor(self.key_cursor, claimed.jobs)
-            self.floors.claimed_keys([(job.priority, job.fairness_key or job.handler,
+            self.floors.keys.claimed([(job.priority, job.fairness_key or job.handler,
                                        job.run_at, job.id) for job in claimed.jobs], limit)
         # A suspect runs alone; once it is done the worker is idle and asks for the next.
         self._watch_clock(claimed, request, now)

@@ -364,7 +364,7 @@ def test_a_fair_lane_keeps_a_position_per_key() -> None:
     floors = ClaimFloors()
     floors.claimed(full_scan_params(), [(0, at(1), 1)] * 10, 10, 0.0, fair=True)
     taken = [(0, "herd", at(1), 1), (0, "herd", at(1), 9), (0, "mail", at(2), 4)]
-    floors.claimed_keys(taken, 3)  # a full claim
+    floors.keys.claimed(taken, 3)  # a full claim
     params = floors.params(0.5)
     assert list(zip(params["key_floor_priorities"], params["key_floor_keys"],
                     params["key_floor_run_ats"], params["key_floor_ids"], strict=True)) == [
@@ -372,7 +372,7 @@ def test_a_fair_lane_keeps_a_position_per_key() -> None:
     # A short claim leaves every key dry: the claims start at that instant, less the margin,
     # as a priority's do, not at the keys' positions.
     floors.claimed(params, taken[:1], 10, 0.5, fair=True)
-    floors.claimed_keys(taken[:1], 10)
+    floors.keys.claimed(taken[:1], 10)
     after_short = floors.params(0.6)
     assert after_short["key_floor_keys"] == [] and kind(after_short) == FLOORS
     assert floors.params(FULL_SCAN_INTERVAL + 0.1) == full_scan_params()

@@ -433,7 +433,7 @@ def test_in_a_fair_lane_too_such_a_job_is_claimed_next(
         [first] = queue.settle_and_claim(conn, [], [], first_claim)[2].jobs
         floors.claimed(first_claim.floors or {}, [(first.priority, first.run_at, first.id)],
                        10, 0.0, fair=True)
-        floors.claimed_keys([(first.priority, "h", first.run_at, first.id)], 10)
+        floors.keys.claimed([(first.priority, "h", first.run_at, first.id)], 10)
         late = jobd.enqueue(request_tx, "h")
         request_tx.commit()
     request = queue.ClaimRequest(LANE, "w", 10, 30, floors=floors.params(0.1),
