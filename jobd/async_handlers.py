@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from jobd import jobs, logs
@@ -23,11 +23,29 @@ class AsyncHandlers:
         # The tasks of running jobs, by job id; touched only on the event loop's thread. A job
         # claimed again while a run whose lease was lost still goes on maps to its new run.
         self._tasks: dict[int, asyncio.Task[Any]] = {}
-        # The job each running task runs, for the watch (read from the worker's thread).
+        # The job each running task runs, the tasks a handler started included, for the watch
+        # (read from the worker's thread).
         self._jobs: dict[asyncio.Task[Any], jobs.Job] = {}
         self.loop = asyncio.new_event_loop()
+        self.loop.set_task_factory(self._new_task)
         self.watch = LoopWatch(self.loop, self._job_of)
         threading.Thread(target=self.loop.run_forever, name="jobd-async", daemon=True).start()
+
+    def _new_task(self, loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any],
+                  **kwargs: Any) -> asyncio.Task[Any]:
+        """Every task of the loop (its task factory): one that a handler's task starts
+        (``asyncio.gather``, ``wait_for``, ``create_task``) belongs to the same job, so that
+        the watch names the job when such a task is the one blocking the loop."""
+        task = asyncio.Task(coro, loop=loop, **kwargs)
+        parent = asyncio.current_task(loop)
+        job = None if parent is None else self._jobs.get(parent)
+        if job is not None:
+            self._jobs[task] = job
+            task.add_done_callback(self._forget)
+        return task
+
+    def _forget(self, task: asyncio.Task[Any]) -> None:
+        self._jobs.pop(task, None)
 
     def _job_of(self, task: asyncio.Task[Any] | None) -> tuple[int, str] | None:
         job = None if task is None else self._jobs.get(task)

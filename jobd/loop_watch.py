@@ -4,9 +4,12 @@ Every async job of a worker runs on one event loop (:mod:`jobd.async_handlers`).
 that makes a blocking call (``time.sleep``, a sync HTTP client, a CPU-bound loop) stops every
 other async job of the worker until it returns: their awaits do not resume and their timeouts
 cannot cancel them, so they time out in turn, and nothing says why. The worker's loop asks
-here at each turn: it posts a probe (a callback) to the event loop now and then, and when a
-probe has waited :data:`BLOCKED_AFTER`, the loop is blocked, and the task it is running is the
-culprit. Pure bookkeeping on the worker's side; the probe is the only thing run on the loop.
+here at each of its turns (at least one a second: its status report): it posts a probe (a
+callback) to the event loop, at most every :data:`PROBE_EVERY`, and when a probe has waited
+:data:`BLOCKED_AFTER` the loop is blocked, and the task it is running is the culprit (or one
+of many that each take long: the one running then is named). So a block is seen 1-2 s after
+it began. Pure bookkeeping on the worker's side; the probe is the only thing run on the
+loop.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ class Blocked:
 
 @dataclass(frozen=True, slots=True)
 class Freed:
-    """The event loop ran again after being blocked for about ``seconds``."""
+    """The event loop ran again after being blocked for at least ``seconds`` (the wait seen at
+    the last check before the probe ran)."""
 
     seconds: float
 
@@ -76,10 +80,7 @@ class LoopWatch:
 
     def _post(self, now: float) -> None:
         self._probe_sent_at = self._last_probe_at = now
-        try:
-            self.loop.call_soon_threadsafe(self._answered)
-        except RuntimeError:  # the loop is closed: the worker is exiting
-            self._probe_sent_at = None
+        self.loop.call_soon_threadsafe(self._answered)
 
     def _answered(self) -> None:
         self._probe_sent_at = None

@@ -12,6 +12,7 @@ from datetime import UTC, datetime
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 from structlog.testing import capture_logs
 
 from jobd import handlers, jobs, logs, protocol
@@ -215,14 +216,27 @@ def async_runner(handler: Any) -> HandlerRunner:
     return HandlerRunner(spec, {"h": handlers.resolved("h", handler)})
 
 
-def test_a_handler_that_blocks_the_event_loop_is_named_and_so_is_the_end_of_it() -> None:
-    running, release = threading.Event(), threading.Event()
-
-    async def handler(job: jobs.Job) -> None:
+def blocking_handler(running: threading.Event, release: threading.Event,
+                     in_a_child_task: bool) -> Any:
+    async def blocks() -> None:
         running.set()
         release.wait(10)  # a blocking call in an async def: nothing else on the loop runs
 
-    runner = async_runner(handler)
+    async def handler(job: jobs.Job) -> None:
+        if in_a_child_task:
+            await asyncio.gather(blocks())  # a task of its own, started by the handler's
+        else:
+            await blocks()
+
+    return handler
+
+
+@pytest.mark.parametrize("in_a_child_task", [False, True])
+def test_a_handler_that_blocks_the_event_loop_is_named_and_so_is_the_end_of_it(
+    in_a_child_task: bool,
+) -> None:
+    running, release = threading.Event(), threading.Event()
+    runner = async_runner(blocking_handler(running, release, in_a_child_task))
     assert runner.async_handlers is not None
     try:
         runner.start(SimpleNamespace(job=job(7), started=None, taken_back=False))
