@@ -5,16 +5,21 @@ injected clock. (With daemons: tests/test_fairness_daemon.py.)"""
 from __future__ import annotations
 
 from datetime import datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 import pytest
 
 import jobd
 from jobd import claim_floors, dlq, queue
+from jobd import migrate as migrate_module
 from jobd.claimer import next_key_cursor
 from jobd.config import LaneConfig, parse
+from jobd.db import connect
 from jobd.errors import ConfigError
+
+if TYPE_CHECKING:
+    from conftest import Databases
 
 LANE = "default"
 
@@ -165,6 +170,31 @@ def test_a_fair_claim_starts_each_key_at_the_workers_position_for_it(
     # A position below the priority's floor changes nothing; one of another key, nothing.
     assert claim_from_positions(conn, {(0, "tenant:a"): (t0 - timedelta(days=1), 0),
                                        (0, "c"): (t0, 0)}) == everything
+
+
+def test_a_session_that_made_fair_claims_before_migration_0028_goes_on_after_it(
+    databases: Databases, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """0028 replaced the functions under claim_order (same signature): a daemon whose
+    session planned the old ones keeps claiming, and takes what it would have taken."""
+    url = databases.empty()
+    before_0028 = [m for m in migrate_module.available() if m.version < 28]
+    with connect(url, autocommit=True) as admin:
+        monkeypatch.setattr(migrate_module, "available", lambda: before_0028)
+        migrate_module.migrate(admin, "jobd")
+        monkeypatch.undo()
+        with connect(url, "jobd", autocommit=True) as daemon:
+            t0 = db_now(daemon)
+            ids = [jobd.enqueue(daemon, "h", lane=LANE, fairness_key=key,
+                                run_at=t0 - timedelta(seconds=n, microseconds=3))
+                   for n, key in enumerate(["a", "a", "b", "c"])]
+            run_at = dict(daemon.execute("SELECT id, run_at FROM jobs").fetchall())
+            # The position of key a at its newer job: the older one lies below it.
+            positions = {(0, "a"): (run_at[ids[0]], ids[0])}
+            assert claim_from_positions(daemon, positions) == set(ids) - {ids[1]}
+            assert [m.version for m in migrate_module.migrate(admin, "jobd")] == [
+                m.version for m in migrate_module.available() if m.version >= 28]
+            assert claim_from_positions(daemon, positions) == set(ids) - {ids[1]}
 
 
 def test_a_key_with_few_jobs_leaves_its_share_to_the_others(conn: psycopg.Connection) -> None:
