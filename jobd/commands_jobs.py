@@ -26,6 +26,9 @@ def cmd_status(ctx: Context, _args: argparse.Namespace) -> int:
         every_node = views.node_status(conn, include_gone=True)
         conflicts = schedules.conflicts(conn)
         paused = pauses.pauses(conn)
+        # Only with a config that lists handlers (-c): without one, every handler would do.
+        listed = sorted(ctx.config.worker_handlers())
+        unlisted = views.unlisted_handlers(conn, listed) if listed else None
     nodes = [n for n in every_node if not n.gone]
     # Lanes with no jobs still show when the config, a live node or a pause names them.
     workers = views.live_workers(nodes)
@@ -53,7 +56,10 @@ def cmd_status(ctx: Context, _args: argparse.Namespace) -> int:
                        "slo_pickup_seconds": slo(s.lane),
                        "over_slo": views.over_slo(s, slo(s.lane)),
                        "paused": s.lane in paused_lanes,
-                       "paused_handlers": paused_handlers(s.lane)} for s in lanes],
+                       "paused_handlers": paused_handlers(s.lane),
+                       "handlers_not_in_config": (None if unlisted is None
+                                                  else unlisted.get(s.lane, {}))}
+                      for s in lanes],
             "nodes": [n.as_dict() for n in every_node],
             "pauses": [p.as_dict() for p in paused],
             "schedule_conflicts": [
@@ -73,6 +79,7 @@ def cmd_status(ctx: Context, _args: argparse.Namespace) -> int:
         empty="no jobs and no lanes configured",
     )
     _print_pauses(paused)
+    _print_unlisted(unlisted or {})
     print()
     print_table(
         ["node", "pid", "lanes (live workers)", "last heartbeat", "state", "wake-ups"],
@@ -90,6 +97,18 @@ def _node_state(node: views.NodeStatus) -> str:
         return "live"
     # Its claimed jobs come back when their leases expire: every live node sweeps them.
     return "gone (its leases are swept by the others)"
+
+
+def _print_unlisted(unlisted: dict[str, dict[str, int]]) -> None:
+    if not unlisted:
+        return
+    print()
+    print("jobs of handlers this config does not list (a node with it gives them back; they "
+          "wait for a node that has the handler):")
+    for lane, handlers in sorted(unlisted.items()):
+        waiting = ", ".join(f"{handler} ({count} waiting)"
+                            for handler, count in sorted(handlers.items()))
+        print(f"  {lane}: {waiting}")
 
 
 def _print_pauses(found: list[pauses.Pause]) -> None:

@@ -47,6 +47,17 @@ def lane_status(conn: psycopg.Connection, now: datetime | None = None) -> list[L
     return [LaneStatus(*row) for row in rows]
 
 
+def unlisted_handlers(conn: psycopg.Connection, handlers: list[str]
+                       ) -> dict[str, dict[str, int]]:
+    """Per lane, the handlers not in ``handlers`` that have jobs waiting to be claimed, and
+    how many each."""
+    found: dict[str, dict[str, int]] = {}
+    for lane, handler, count in conn.execute(query("jobs_of_unlisted_handlers"),
+                                             {"handlers": handlers}):
+        found.setdefault(lane, {})[handler] = count
+    return found
+
+
 def with_lanes(statuses: list[LaneStatus], names: set[str]) -> list[LaneStatus]:
     """``statuses`` plus an empty status for each named lane that has none (a lane the
     config or a live node names but that holds no jobs), sorted by lane."""

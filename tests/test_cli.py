@@ -252,6 +252,30 @@ def test_status_marks_lanes_no_live_worker_serves(db_url: str, conn: psycopg.Con
         assert rows[lane].endswith("0 (no live worker)"), rows[lane]
 
 
+def test_status_names_handlers_the_config_does_not_list(db_url: str, conn: psycopg.Connection
+                                                        ) -> None:
+    # sendmail and resize: handlers no node with this config has.
+    jobd.enqueue(conn, "sendmail")
+    [claimed] = queue.claim(conn, "default", "node-1:1", 1, 30)  # another node runs it
+    assert claimed.handler == "sendmail"
+    jobd.enqueue(conn, "echo")
+    for _ in range(3):
+        jobd.enqueue(conn, "sendmail")
+    jobd.enqueue(conn, "resize", lane="mail", delay=3600)  # waiting too, due or not
+    lanes = {s["lane"]: s for s in ok_json("status", "-c", EXAMPLE,
+                                           "--database-url", db_url)["lanes"]}
+    assert {lane: s["handlers_not_in_config"] for lane, s in lanes.items()} == {
+        "default": {"sendmail": 3},
+        "mail": {"resize": 1}, "critical": {}, "outbox": {}}
+    text = ok("status", "-c", EXAMPLE, "--database-url", db_url)
+    assert "jobs of handlers this config does not list" in text
+    assert "  mail: resize (1 waiting)" in text.splitlines()
+    # Without a config there is no list to compare with.
+    without = ok_json("status", "--database-url", db_url)["lanes"]
+    assert {s["handlers_not_in_config"] for s in without} == {None}
+    assert "does not list" not in ok("status", "--database-url", db_url)
+
+
 def test_status_shows_each_lanes_pickup_slo_and_whether_it_is_met(
     db_url: str, conn: psycopg.Connection, tmp_path: Path
 ) -> None:

@@ -564,6 +564,17 @@ SELECT id, lane, handler, state, priority, run_at, attempts, max_attempts, claim
  ORDER BY id DESC
  LIMIT %(limit)s
 
+-- name: jobs_of_unlisted_handlers
+-- jobd status: per lane and handler, the live jobs waiting to be claimed (pending or failed)
+-- whose handler is not in the list (the handlers of the config it was given). A node with
+-- that config gives such jobs back for the nodes that have the handler; if none has it, they
+-- wait until one does. One scan of the live jobs, as lane_stats.
+SELECT lane, handler, count(*)
+  FROM jobs
+ WHERE state IN ('pending', 'failed') AND handler <> ALL(%(handlers)s::text[])
+ GROUP BY lane, handler
+ ORDER BY lane, handler
+
 -- name: lane_stats
 -- Per lane: counts of live jobs by state, the age of the oldest due unclaimed job, DLQ depth,
 -- and the live jobs split by what they wait for: due (claimable now), scheduled (pending,
