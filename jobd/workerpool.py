@@ -168,21 +168,29 @@ class WorkerPool:
             old.worker_handlers(), old.outbox_senders)
         self.fatal_lanes.clear()
         self.generation += 1
+        # Restart failures of slots replaced only because the node's worker count flipped
+        # settle_connection: auto: nothing about their lane changed, so neither does its
+        # crash history (a crash-looping lane must not restart at once after any reload).
+        failures: dict[tuple[str, int], int] = {}
         for (lane_name, index), slot in list(self.slots.items()):
             lane = new.lanes.get(lane_name)
-            replaced = (lane is None or handlers_changed or _settings_differ(lane, slot.lane)
-                        or self._settles_apart(new, lane) != self._settles_apart(old, slot.lane))
+            changed = lane is None or handlers_changed or _settings_differ(lane, slot.lane)
+            replaced = changed or (self._settles_apart(new, lane)
+                                   != self._settles_apart(old, slot.lane))
             if replaced or index >= (lane.workers if lane else 0):
                 del self.slots[(lane_name, index)]
                 if slot.process is not None:
                     self._retire(slot.process)
+                if not changed:
+                    failures[(lane_name, index)] = slot.backoff.failures
             else:
                 slot.lane = lane  # its worker count changed, at most: a respawn uses the new
         self.config = new
         for lane in new.lanes.values():
             for index in range(lane.workers):
                 if (lane.name, index) not in self.slots:
-                    self.slots[(lane.name, index)] = self._new_slot(lane, index)
+                    slot = self.slots[(lane.name, index)] = self._new_slot(lane, index)
+                    slot.backoff.failures = failures.get((lane.name, index), 0)
 
     def _settles_apart(self, config: Config, lane: LaneConfig) -> bool:
         return lane.settles_apart(self.cores, config.workers)

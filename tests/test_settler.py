@@ -205,10 +205,14 @@ def test_a_reload_decides_auto_again_for_the_whole_node() -> None:
     pool.build()
     before = dict(pool.slots)
     assert all(pool._settles_apart(pool.config, slot.lane) for slot in before.values())
+    before[("mail", 0)].backoff.failures = 3  # its worker has been crashing
     pool.apply(config(2))
     assert sorted(pool.slots) == [("default", 0), ("default", 1), ("mail", 0)]
     assert not any(pool.slots[key] is before[key] for key in before)  # replaced: auto flipped
     assert not any(pool._settles_apart(pool.config, s.lane) for s in pool.slots.values())
+    # Nothing about the mail lane changed: its restart backoff stands.
+    assert {key: s.backoff.failures for key, s in pool.slots.items()} == {
+        ("default", 0): 0, ("default", 1): 0, ("mail", 0): 3}
     # The same count again: nothing flips, the slots stay, and carry the new lane config.
     kept = dict(pool.slots)
     pool.apply(config(2))
@@ -217,6 +221,11 @@ def test_a_reload_decides_auto_again_for_the_whole_node() -> None:
     assert sorted(pool.slots) == [("default", 0), ("mail", 0)]
     assert all(pool._settles_apart(pool.config, s.lane) for s in pool.slots.values())
     assert pool.slots[("default", 0)].lane.workers == 1
+    assert pool.slots[("mail", 0)].backoff.failures == 3
+    # A change to the lane itself starts its slots afresh, as before.
+    pool.apply(Config(lanes={"default": LaneConfig("default", workers=1),
+                             "mail": LaneConfig("mail", workers=1, concurrency=4)}))
+    assert pool.slots[("mail", 0)].backoff.failures == 0
 
 
 def test_a_reload_changing_only_workers_respawns_with_the_new_lane_config() -> None:
