@@ -55,28 +55,30 @@ class LoopWatch:
         # When the probe on its way was posted; None: it has run (set on the event loop).
         self._probe_sent_at: float | None = None
         self._last_probe_at = float("-inf")
-        self._reported: Blocked | None = None
+        # How long the loop has been blocked, once that was reported; None: not blocked.
+        self._blocked_for: float | None = None
 
     def check(self, now: float) -> Blocked | Freed | None:
         """What changed since the last check: the loop found blocked (once per episode), or
         free again after one; else None. Posts the next probe when one is due."""
         sent_at = self._probe_sent_at
         if sent_at is None:
-            freed = self._reported
-            self._reported = None
+            blocked_for, self._blocked_for = self._blocked_for, None
             if now - self._last_probe_at >= PROBE_EVERY:
                 self._post(now)
-            return None if freed is None else Freed(freed.seconds)
+            return None if blocked_for is None else Freed(blocked_for)
         waited = now - sent_at
-        if waited < BLOCKED_AFTER or self._reported is not None:
-            if self._reported is not None:
-                self._reported = Blocked(waited, self._reported.job_id, self._reported.handler)
+        if self._blocked_for is not None:  # reported already: only how long, so far
+            self._blocked_for = waited
             return None
+        if waited < BLOCKED_AFTER:
+            return None
+        self._blocked_for = waited
         # Read from this thread while the loop's thread is stuck in the task: the mapping of
         # the running task per loop is a plain dict, and a stuck task cannot change it.
         job = self._job_of(asyncio.current_task(self.loop))
-        self._reported = Blocked(waited, *(job if job is not None else (None, None)))
-        return self._reported
+        job_id, handler = job if job is not None else (None, None)
+        return Blocked(waited, job_id, handler)
 
     def _post(self, now: float) -> None:
         self._probe_sent_at = self._last_probe_at = now
