@@ -3,9 +3,10 @@
 
 Starting pulls from the claimer's buffer, so a freed slot takes the next job without a round
 trip. Where jobs are short (the claimer's buffer is above its floor) and every handler runs
-on a thread, up to ``concurrency`` more jobs wait on deck, in the threads' queue: a thread
-that finishes takes the next one itself instead of waiting for the loop to hand it over
-(two thread hand-offs and a pipe wake-up per job at 1 x 10). A job on deck has not started:
+on a thread, more jobs wait on deck (half the buffer: :meth:`Slots.deck_size`), in the
+threads' queue: a thread that finishes takes the next one itself instead of waiting for the
+loop to hand it over (two thread hand-offs and a pipe wake-up per job at 1 x 10), also while
+the loop waits for a claim. A job on deck has not started:
 its timeout runs from its thread's start, and whenever the buffer is acted on for anything
 but starting (given back, asked to stop, a lease lost, shutdown) the deck goes back to the
 buffer first (:meth:`Slots.take_back_deck`), so the buffer's rules apply to it unchanged.
@@ -93,12 +94,16 @@ class Slots:
             self.start(*taken)
 
     def deck_size(self) -> int:
-        """How many jobs may wait on deck now: ``concurrency`` while the claimer's buffer is
-        above its floor (the jobs take milliseconds, so one waits at most about that long)
-        and no handler is async (the event loop takes every job at once), else none."""
+        """How many jobs may wait on deck now: half the buffer the claimer claims for, and
+        at least ``concurrency``, while that buffer is above its floor (the jobs are short:
+        the buffer holds :data:`jobd.prefetch.HORIZON` of work, so the deck half of it) and
+        no handler is async (the event loop takes every job at once), else none. Half, so
+        that the threads have work while the loop waits for a claim, which it sends once
+        the buffer is down to half: with ``concurrency`` alone (10 jobs, a third of a
+        millisecond at 1 x 10) they ran dry early in each claim's round trip."""
         prefetch = self.claimer.prefetch
         if self.runner.threads_only and prefetch.size > prefetch.floor:
-            return self.lane.concurrency
+            return max(self.lane.concurrency, prefetch.size // 2)
         return 0
 
     def on_deck(self) -> list[tuple[jobs.Job, float]]:

@@ -252,13 +252,16 @@ def test_the_deck_is_open_only_to_short_sync_jobs() -> None:
 
     only_sync = {"s": handlers.resolved("s", sync_handler)}
     with_async = {**only_sync, "a": handlers.resolved("a", async_handler)}
-    for resolved, places_when_short in ((only_sync, 4), (with_async, 0)):
+    # (buffer size, places on deck for sync jobs): at least concurrency, else half the buffer
+    sizes = ((lane.buffer_size + 1, 6), (200, 100))
+    for resolved, short_sync in ((only_sync, True), (with_async, False)):
         runner = HandlerRunner(spec, resolved)
         claimer = Claimer(lane, WORKER_ID)
         slots = Slots(lane, runner, claimer, Completer(lane, Counters.for_spec(spec)))
         assert slots.deck_size() == 0  # at the buffer's floor: the jobs are not known short
-        claimer.prefetch.size = claimer.prefetch.floor + 1
-        assert slots.deck_size() == places_when_short
+        for size, places in sizes:
+            claimer.prefetch.size = size
+            assert slots.deck_size() == (places if short_sync else 0)
         if runner.async_handlers is not None:
             event_loop = runner.async_handlers.loop
             event_loop.call_soon_threadsafe(event_loop.stop)
