@@ -8,7 +8,8 @@ Usage (from the repository root)::
     python -m bench.pressure --duration 90 --rate 400 --producers 4
 
 It starts a throwaway PostgreSQL cluster (``jobd.localpg.throwaway_cluster``: a free port, a
-temp directory, removed at the end) with ``synchronous_commit=on`` and ``pg_stat_statements``.
+temp directory, removed at the end) with ``synchronous_commit=on`` and ``pg_stat_statements``,
+and otherwise the server's defaults unless ``--server-setting NAME=VALUE`` says otherwise.
 Each scenario gets a database of its own, migrated with ``jobd migrate``, and a daemon of its
 own, ``jobd run -c CONFIG`` with one lane of 2 workers x concurrency 10 and the no-op handler
 ``bench.pressure_handlers:noop`` (this repository on ``PYTHONPATH``). The benchmark talks to
@@ -160,6 +161,14 @@ def _connections(text: str) -> list[int]:
     return values
 
 
+def _server_setting(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name or not value or not name.replace("_", "").isalnum():
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE such as shared_buffers=4GB: "
+                                         f"{text!r}")
+    return name, value
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="bench/pressure.py", description=__doc__,
@@ -190,6 +199,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-statements", dest="statements", action="store_false",
                         help="do not load pg_stat_statements (index reads are then given "
                              "per claimed job only)")
+    parser.add_argument("--server-setting", type=_server_setting, action="append",
+                        default=[], metavar="NAME=VALUE", dest="server_settings",
+                        help="a setting of the throwaway cluster, on its command line "
+                             "(repeatable; e.g. shared_buffers=4GB). Default: the server's "
+                             "own defaults (shared_buffers 128MB, max_wal_size 1GB)")
     parser.add_argument("--keep", action="store_true",
                         help="keep the temp directory (daemon logs, handler files, cluster)")
     parser.add_argument("--no-results", dest="results", action="store_false",

@@ -39,8 +39,8 @@ POLL_S = 0.5
 DRAIN_TIMEOUT_S = 300.0
 
 SERVER_SETTINGS = ["server_version", "synchronous_commit", "fsync", "wal_sync_method",
-                   "shared_buffers", "max_connections", "autovacuum", "autovacuum_naptime",
-                   "shared_preload_libraries"]
+                   "shared_buffers", "max_wal_size", "max_connections", "autovacuum",
+                   "autovacuum_naptime", "shared_preload_libraries"]
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,8 @@ class Cluster:
 
 @contextmanager
 def cluster(args: argparse.Namespace) -> Iterator[Cluster]:
-    with throwaway_cluster("jobd-pressure-", keep=args.keep, log=log) as local:
+    with throwaway_cluster("jobd-pressure-", keep=args.keep, log=log,
+                           settings=dict(args.server_settings)) as local:
         log(f"started a private cluster in {local.datadir} on port {local.port}")
         with psycopg.connect(local.url, autocommit=True) as conn:
             conn.execute("ALTER SYSTEM SET synchronous_commit = 'on'")

@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/ is not installed
 
 from bench.pressure_report import bounded, verdicts
@@ -80,3 +82,17 @@ def test_the_drain_beside_the_standing_load_is_reported_and_judges_nothing() -> 
     found = overload_verdict(results)
     assert found["met"] is False  # still judged against the clean drain without a producer
     assert "beside the producer's standing load: 40,500/s; a drain of the same" in found["figures"]
+
+
+def test_server_settings_on_the_command_line(capsys: Any) -> None:
+    from bench.pressure import parse_args
+
+    args = parse_args(["--server-setting", "shared_buffers=4GB",
+                       "--server-setting", "max_wal_size=8GB"])
+    assert dict(args.server_settings) == {"shared_buffers": "4GB", "max_wal_size": "8GB"}
+    assert parse_args([]).server_settings == []
+    for wrong in ("shared_buffers", "=4GB", "shared_buffers=", "shared buffers=4GB"):
+        with pytest.raises(SystemExit) as exited:
+            parse_args(["--server-setting", wrong])
+        assert exited.value.code == 2
+        assert "expected NAME=VALUE" in capsys.readouterr().err
