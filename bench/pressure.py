@@ -122,6 +122,7 @@ from bench.pressure_run import (
     scenario_run,
 )
 from bench.pressure_scenarios import RUNNERS, SCENARIOS
+from jobd.localpg import LocalPgError
 
 RESULTS_DIR = REPO / "bench" / "results"
 QUICK_S = 20.0
@@ -163,7 +164,10 @@ def _connections(text: str) -> list[int]:
 
 def _server_setting(text: str) -> tuple[str, str]:
     name, sep, value = text.partition("=")
-    if not sep or not name or not value or not name.replace("_", "").isalnum():
+    # The pair goes on the server's command line as one word (jobd.localpg): no spaces or
+    # quotes in it.
+    if (not sep or not name or not value or not name.replace("_", "").isalnum()
+            or any(c.isspace() or c in "'\"\\" for c in value)):
         raise argparse.ArgumentTypeError(f"expected NAME=VALUE such as shared_buffers=4GB: "
                                          f"{text!r}")
     return name, value
@@ -234,12 +238,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "visibility_timeout_s": VISIBILITY_TIMEOUT_S,
     }
     results: list[dict[str, Any]] = []
-    with cluster(args) as cl:
-        meta["server"] = cl.settings
-        for name in args.scenarios:
-            with scenario_run(cl, name, args, durations) as run:
-                RUNNERS[name](run)
-            results.append(finish_scenario(run))
+    try:
+        with cluster(args) as cl:
+            meta["server"] = cl.settings
+            for name in args.scenarios:
+                with scenario_run(cl, name, args, durations) as run:
+                    RUNNERS[name](run)
+                results.append(finish_scenario(run))
+    except LocalPgError as exc:  # a setting the server refuses, binaries missing
+        print(f"bench/pressure.py: error: the throwaway cluster: {exc}", file=sys.stderr)
+        return 2
     meta["seconds"] = round(time.monotonic() - started)
     write_results(meta, results, RESULTS_DIR if args.results else None, quick=args.quick)
     log(f"done in {meta['seconds']}s")

@@ -122,9 +122,15 @@ class LocalCluster:
             return self.url
         self.socket_dir.mkdir(exist_ok=True)
         self._give_to_owner(self.socket_dir)
-        self._run([*self._env(), str(bindir / "pg_ctl"), "-D", str(self.datadir), "-l",
-                   str(self.datadir / "server.log"), "-o", self._options(), "-w", "-t", "60",
-                   "start"])
+        log_file = self.datadir / "server.log"
+        try:
+            self._run([*self._env(), str(bindir / "pg_ctl"), "-D", str(self.datadir), "-l",
+                       str(log_file), "-o", self._options(), "-w", "-t", "60", "start"])
+        except LocalPgError as exc:
+            # pg_ctl says only "Examine the log output"; the reason (an unknown or invalid
+            # setting, a port taken) is the server log's FATAL line, which goes with the
+            # directory once a throwaway cluster is removed.
+            raise LocalPgError(f"{exc} {_fatal_lines(log_file)}".rstrip()) from None
         return self.url
 
     def _options(self) -> str:
@@ -148,7 +154,8 @@ class LocalCluster:
                    "-w", "-t", "60", "restart"])
 
     def stop(self) -> None:
-        if not self.initialized():
+        # No postmaster.pid: never started, or its start failed (pg_ctl stop would fail too).
+        if not self.initialized() or not (self.datadir / "postmaster.pid").exists():
             return
         bindir = find_bindir()
         self._run([str(bindir / "pg_ctl"), "-D", str(self.datadir), "-m", "fast", "-w", "stop"])
@@ -156,6 +163,16 @@ class LocalCluster:
 
 def _stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+
+
+def _fatal_lines(log_file: Path) -> str:
+    """The FATAL lines of a server log, for an error message ('' without any)."""
+    try:
+        lines = log_file.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    fatal = [line.split("FATAL:", 1)[1].strip() for line in lines if "FATAL:" in line]
+    return f"(server log: {'; '.join(fatal[-3:])})" if fatal else ""
 
 
 @contextlib.contextmanager

@@ -63,6 +63,17 @@ def test_a_throwaway_cluster_starts_serves_and_stops(cluster: LocalCluster) -> N
         psycopg.connect(url, connect_timeout=2)
 
 
+
+def test_a_setting_the_server_refuses_is_named_and_nothing_is_left_to_stop() -> None:
+    need_server_binaries()
+    logged: list[str] = []
+    refused = 'unrecognized configuration parameter "shared_bufers"'
+    with (pytest.raises(LocalPgError, match=refused),
+          throwaway_cluster("jobd-localpg-", log=logged.append,
+                            settings={"shared_bufers": "4GB"})):
+        pass
+    assert logged == []  # no "stopping the throwaway cluster failed" after the failed start
+
 def test_jobd_runs_on_it_and_its_data_survives_a_restart(cluster: LocalCluster) -> None:
     url = cluster.start()
     with connect(url) as conn:

@@ -91,7 +91,8 @@ def test_server_settings_on_the_command_line(capsys: Any) -> None:
                        "--server-setting", "max_wal_size=8GB"])
     assert dict(args.server_settings) == {"shared_buffers": "4GB", "max_wal_size": "8GB"}
     assert parse_args([]).server_settings == []
-    for wrong in ("shared_buffers", "=4GB", "shared_buffers=", "shared buffers=4GB"):
+    for wrong in ("shared_buffers", "=4GB", "shared_buffers=", "shared buffers=4GB",
+                  "work_mem=4 MB", "search_path='a'"):
         with pytest.raises(SystemExit) as exited:
             parse_args(["--server-setting", wrong])
         assert exited.value.code == 2
