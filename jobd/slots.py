@@ -6,10 +6,10 @@ trip. Where jobs are short (the claimer's buffer is above its floor) and every h
 on a thread, more jobs wait on deck (half the buffer: :meth:`Slots.deck_size`), in the
 threads' queue: a thread that finishes takes the next one itself instead of waiting for the
 loop to hand it over (two thread hand-offs and a pipe wake-up per job at 1 x 10), also while
-the loop waits for a claim. A job on deck has not started:
-its timeout runs from its thread's start, and whenever the buffer is acted on for anything
-but starting (given back, asked to stop, a lease lost, shutdown) the deck goes back to the
-buffer first (:meth:`Slots.take_back_deck`), so the buffer's rules apply to it unchanged.
+the loop waits for a claim. A job on deck has not started: its timeout runs from its
+thread's start, and whenever the buffer is acted on for anything but starting (given back,
+asked to stop, a lease lost, shutdown) the deck goes back to the buffer first
+(:meth:`Slots.take_back_deck`), so the buffer's rules apply to it unchanged.
 
 A job leaves its slot when its handler's outcome arrives, or when it overruns the
 lane's timeout: it is failed then (its attempt is spent like any hung job's), but the thread
@@ -96,7 +96,7 @@ class Slots:
     def deck_size(self) -> int:
         """How many jobs may wait on deck now: half the buffer the claimer claims for, and
         at least ``concurrency``, while that buffer is above its floor (the jobs are short:
-        the buffer holds :data:`jobd.prefetch.HORIZON` of work, so the deck half of it) and
+        the buffer holds a few milliseconds of work, :mod:`jobd.prefetch`, the deck half) and
         no handler is async (the event loop takes every job at once), else none. Half, so
         that the threads have work while the loop waits for a claim, which it sends once
         the buffer is down to half: with ``concurrency`` alone (10 jobs, a third of a
