@@ -132,8 +132,11 @@ class Claimer:
                                          if self.lane.ordered else None),
                                   lacking_handlers=self.handlers.lacking)
 
-    def took(self, claimed: queue.Claimed, request: queue.ClaimRequest) -> list[jobs.Job]:
-        """Record what a claim brought; returns the jobs to start at once (a suspect)."""
+    def took(self, claimed: queue.Claimed, request: queue.ClaimRequest,
+             ran_dry: bool = False) -> list[jobs.Job]:
+        """Record what a claim brought; returns the jobs to start at once (a suspect).
+        ``ran_dry``: the worker had nothing left to start and slots free when it came back
+        (``Prefetch.ran_dry``)."""
         if request.suspect_first and claimed.suspect is None:
             self.suspects_possible = False  # none due now; the supervisor says when again
         now = time.monotonic()
@@ -156,6 +159,8 @@ class Claimer:
         self._watch_clock(claimed, request, now)
         self.maybe_more = (len(claimed.jobs) == request.limit
                            or claimed.suspect is not None)
+        if ran_dry and len(claimed.jobs) == request.limit and not self.buffer:
+            self.prefetch.ran_dry(now)
         if self.arming.armed and self.maybe_more:
             self.arming.disarm_due = True  # it has work: the next claim removes its row
         elif self.arming.armed:

@@ -153,7 +153,9 @@ class Exchange:
         self.counters.count_claimed(taken)
         if taken:
             log.debug("claimed", lane=self.lane.name, job_ids=[job.id for job in taken])
-        for job in self.claimer.took(claimed, request):
+        # Nothing left to start and slots free (the deck counts among the slots' runs).
+        ran_dry = len(self.slots) < self.lane.concurrency
+        for job in self.claimer.took(claimed, request, ran_dry):
             self.slots.start(job)
         self.slots.fill(mode)
 

@@ -22,6 +22,15 @@ priorities and fair shares decided earlier than the jobs start) is bounded by it
 that started nothing for :data:`IDLE_RESET` starts again from the floor: the next burst may
 be of another kind.
 
+Until its first window is measured, a worker that runs dry doubles the size (at most to the
+cap): a claim came back full to a worker with nothing left to start and slots free, so the
+buffer held less work than a claim's round trip (:meth:`Prefetch.ran_dry`). Slow jobs never
+run dry (their slots are busy), so they keep the floor; short ones reach their size in a few
+round trips, where a window of claims at the floor cost a burst of no-op jobs 20-50 ms at a
+fraction of its rate (docs/performance.md, "What one worker waits for"). The first window's
+measurement then decides as before. A fair or age-promoting lane does not double: its
+buffer's bound is a fairness bound, not only a matter of speed.
+
 After a crash in the lane (the supervisor's SUSPECTS byte) the floor holds for
 :data:`HOLD_AFTER_CRASH`: crash attribution cannot tell which of the jobs a dead worker held
 killed it, so every one becomes a suspect that runs alone (``jobd.recovery``), and a poison
@@ -67,6 +76,7 @@ class Prefetch:
         self._window_at: float | None = None  # when the current window began
         self._window_count = 0  # the started count at its beginning
         self._held_until = -math.inf  # the floor holds until then (a crash in the lane)
+        self._measured = False  # the current window is not the first since a reset
 
     def hold(self, now: float) -> None:
         """A worker of the lane crashed: keep to the floor for a while."""
@@ -81,11 +91,21 @@ class Prefetch:
         if self._window_at is None or now - self._window_at >= IDLE_RESET:
             self._begin(started, now)
             self.size = self.floor
+            self._measured = False
         elif now - self._window_at >= WINDOW:
             rate = (started - self._window_count) / (now - self._window_at)
             self.size = min(self.cap, max(self.floor, math.ceil(rate * self.horizon)))
             self._begin(started, now)
+            self._measured = True
         return self.size
+
+    def ran_dry(self, now: float) -> None:
+        """A full claim came back to a worker with nothing left to start and slots free:
+        before the first window is measured, double the size (at most to the cap)."""
+        if (self._measured or self._window_at is None or self.cap == self.floor
+                or now < self._held_until or self.horizon != HORIZON):
+            return
+        self.size = min(self.cap, self.size * 2)
 
     def _begin(self, started: int, now: float) -> None:
         self._window_at = now

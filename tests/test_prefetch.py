@@ -82,3 +82,42 @@ def test_a_fair_lane_buffers_less_work_ahead() -> None:
         # waits behind no more than ORDERED_HORIZON of buffered work.
         assert run_at_rate(Prefetch(lane), 20_000, 0.5)[0] == round(20_000 * ORDERED_HORIZON)
         assert run_at_rate(Prefetch(lane), 4_000, 0.5)[0] == 30  # the floor
+
+
+def test_a_worker_that_runs_dry_doubles_its_buffer_until_the_first_window_is_measured(
+) -> None:
+    prefetch = Prefetch(LaneConfig("l", concurrency=10))
+    prefetch.ran_dry(99.0)  # nothing asked yet: no window, nothing to double
+    assert prefetch.current(0, 100.0) == 30
+    sizes = []
+    for step in range(1, 6):  # a claim every 2 ms, each one full and finding the worker empty
+        now = 100.0 + step * 0.002
+        prefetch.ran_dry(now)
+        sizes.append(prefetch.current(step, now))
+    assert sizes == [60, 120, 240, 480, 500]  # at most the cap
+    # Then the window's measure decides, as without the doubling: ten starts in 20 ms are
+    # slow jobs, so back to the floor, and no more doubling until an idle reset.
+    measured_at = 100.001 + WINDOW
+    assert prefetch.current(10, measured_at) == 30
+    prefetch.ran_dry(measured_at + 0.001)
+    assert prefetch.current(10, measured_at + 0.001) == 30
+    later = measured_at + IDLE_RESET
+    assert prefetch.current(10, later) == 30
+    prefetch.ran_dry(later + 0.001)
+    assert prefetch.current(10, later + 0.001) == 60
+
+
+def test_fixed_fair_and_held_buffers_do_not_double() -> None:
+    fixed = Prefetch(LaneConfig("l", concurrency=10, prefetch=5))
+    fair = Prefetch(LaneConfig("l", concurrency=10, fair_by="handler"))
+    aging = Prefetch(LaneConfig("l", concurrency=10, max_wait=5.0))
+    for prefetch in (fixed, fair, aging):
+        # A fair lane's buffer bounds how long another key's job waits behind it.
+        floor = prefetch.current(0, 100.0)
+        prefetch.ran_dry(100.001)
+        assert prefetch.current(0, 100.001) == floor
+    held = Prefetch(LaneConfig("l", concurrency=10))
+    held.current(0, 100.0)
+    held.hold(100.0)  # a crash in the lane: every job it held becomes a suspect
+    held.ran_dry(100.001)
+    assert held.current(0, 100.001) == 30

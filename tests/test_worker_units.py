@@ -284,3 +284,25 @@ def test_a_slow_round_trip_from_the_head_of_the_lane_spaces_out_the_next_one(
     # A quick one brings the spacing back down (to the second, when it took under 2 ms more
     # than the usual round trip; a busy machine's jitter may leave it a few seconds).
     assert FULL_SCAN_INTERVAL <= floors.full_scan_spacing <= 0.02 / HEAD_SCAN_SHARE
+
+
+def test_a_full_claim_that_finds_the_worker_empty_doubles_its_buffer(
+        loop: worker.Worker, conn: psycopg.Connection) -> None:
+    """Until the start rate is measured (jobd.prefetch): the buffer held less than a round
+    trip of work, so the next claim asks for twice as much."""
+    prefetch = loop.claimer.prefetch
+    floor = prefetch.floor
+    jobd.enqueue_many(conn, [jobd.JobSpec("noop") for _ in range(4 * floor)])
+    loop._settle_and_claim()
+    assert len(loop.claimer.buffer) + len(loop.slots) == loop.lane.concurrency + floor
+    assert prefetch.size == 2 * floor
+
+
+def test_a_short_claim_keeps_the_buffer_as_it_was(
+        loop: worker.Worker, conn: psycopg.Connection) -> None:
+    prefetch = loop.claimer.prefetch
+    jobd.enqueue_many(conn, [jobd.JobSpec("noop") for _ in range(prefetch.floor)])
+    loop._settle_and_claim()
+    assert len(loop.claimer.buffer) + len(loop.slots) == prefetch.floor  # all there was
+    assert prefetch.size == prefetch.floor
+
