@@ -133,10 +133,9 @@ class Claimer:
                                   lacking_handlers=self.handlers.lacking)
 
     def took(self, claimed: queue.Claimed, request: queue.ClaimRequest,
-             ran_dry: bool = False) -> list[jobs.Job]:
+             slots_free: bool = False) -> list[jobs.Job]:
         """Record what a claim brought; returns the jobs to start at once (a suspect).
-        ``ran_dry``: the worker had nothing left to start and slots free when it came back
-        (``Prefetch.ran_dry``)."""
+        ``slots_free``: the slots had room when it came back (jobs on deck fill them too)."""
         if request.suspect_first and claimed.suspect is None:
             self.suspects_possible = False  # none due now; the supervisor says when again
         now = time.monotonic()
@@ -159,7 +158,8 @@ class Claimer:
         self._watch_clock(claimed, request, now)
         self.maybe_more = (len(claimed.jobs) == request.limit
                            or claimed.suspect is not None)
-        if ran_dry and len(claimed.jobs) == request.limit and not self.buffer:
+        if slots_free and not self.buffer and len(claimed.jobs) == request.limit:
+            # Full, and the worker had nothing left to start: it ran dry.
             self.prefetch.ran_dry(now)
         if self.arming.armed and self.maybe_more:
             self.arming.disarm_due = True  # it has work: the next claim removes its row

@@ -153,9 +153,8 @@ class Exchange:
         self.counters.count_claimed(taken)
         if taken:
             log.debug("claimed", lane=self.lane.name, job_ids=[job.id for job in taken])
-        # Nothing left to start and slots free (the deck counts among the slots' runs).
-        ran_dry = len(self.slots) < self.lane.concurrency
-        for job in self.claimer.took(claimed, request, ran_dry):
+        slots_free = len(self.slots) < self.lane.concurrency  # the deck's jobs count too
+        for job in self.claimer.took(claimed, request, slots_free):
             self.slots.start(job)
         self.slots.fill(mode)
 
