@@ -4,9 +4,9 @@ node, a real Prometheus with the shipped alert rules, steady traffic, the herd a
 The pieces, in the order the drill uses them:
 
 - ``clock_cluster``: a throwaway cluster (``jobd.localpg``) whose server processes run under
-  libfaketime, the offset read from a file (``FAKETIME_TIMESTAMP_FILE``) that ``Clock.jump``
-  rewrites; ``FAKETIME_DONT_FAKE_MONOTONIC`` keeps the monotonic clock real, as an NTP step
-  or a resumed VM would: only the wall clock moves.
+  libfaketime, the offset read from a file (``FAKETIME_TIMESTAMP_FILE``, at most a second
+  old) that ``Clock.set`` rewrites; ``FAKETIME_DONT_FAKE_MONOTONIC`` keeps the monotonic
+  clock real, as an NTP step or a resumed VM would: only the wall clock moves.
 - ``Setup``: the database (``jobd migrate``), the config (one lane, four handlers), the herd
   (``jobd.enqueue_many``, ``run_at`` an hour ahead by the database clock), the daemon
   (bench/daemon_bench.py's ``Daemon``), Prometheus (bench/incident_prom.py) and the steady
@@ -89,7 +89,7 @@ class DrillError(RuntimeError):
 
 @dataclass
 class Clock:
-    """The offset file libfaketime reads on every clock call of the server's processes."""
+    """The offset file libfaketime reads for the server's processes (at most a second old)."""
 
     path: Path
 
@@ -110,7 +110,13 @@ def clock_cluster(keep: bool) -> Iterator[tuple[LocalCluster, Clock]]:
         cluster.server_env = {
             "LD_PRELOAD": str(LIBFAKETIME),
             "FAKETIME_TIMESTAMP_FILE": str(clock.path),
-            "FAKETIME_NO_CACHE": "1",  # read the file on every call: the jump is instant
+            # Re-read the file at most once a second, so every server process sees the jump
+            # within a second. Not on every call (FAKETIME_NO_CACHE): libfaketime reads it
+            # with fopen(), which is not async-signal-safe, and PostgreSQL reads the clock in
+            # its SIGALRM handler. A timeout's signal that landed inside the fopen() of a
+            # clock call deadlocked the backend on glibc's stream-list lock: a producer's
+            # enqueue hung, and the server could not shut down.
+            "FAKETIME_CACHE_DURATION": "1",
             "FAKETIME_DONT_FAKE_MONOTONIC": "1",
         }
         cluster.start()
