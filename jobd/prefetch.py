@@ -77,6 +77,8 @@ class Prefetch:
         self._window_count = 0  # the started count at its beginning
         self._held_until = -math.inf  # the floor holds until then (a crash in the lane)
         self._measured = False  # the current window is not the first since a reset
+        # A fair or age-promoting lane's buffer is a fairness bound: it does not double.
+        self._doubles = adaptive and not lane.ordered
 
     def hold(self, now: float) -> None:
         """A worker of the lane crashed: keep to the floor for a while."""
@@ -102,8 +104,8 @@ class Prefetch:
     def ran_dry(self, now: float) -> None:
         """A full claim came back to a worker with nothing left to start and slots free:
         before the first window is measured, double the size (at most to the cap)."""
-        if (self._measured or self._window_at is None or self.cap == self.floor
-                or now < self._held_until or self.horizon != HORIZON):
+        if (not self._doubles or self._measured or self._window_at is None
+                or now < self._held_until):
             return
         self.size = min(self.cap, self.size * 2)
 
