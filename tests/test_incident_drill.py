@@ -12,12 +12,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import psycopg
 import pytest
+from daemon_support import wait_until
 
 import jobd
 from jobd.localpg import LocalPgError, find_bindir
@@ -54,13 +53,6 @@ def _server_binaries() -> None:
 JUMP_SEEN_S = 5.0
 
 
-def _eventually(read: Callable[[], float], wanted: Callable[[float], bool], what: str) -> None:
-    deadline = time.monotonic() + JUMP_SEEN_S
-    while not wanted(value := read()):
-        assert time.monotonic() < deadline, f"{what}: still {value}"
-        time.sleep(0.05)
-
-
 def _due(conn: psycopg.Connection) -> int:
     row = conn.execute("SELECT count(*) FROM jobd.jobs WHERE handler = %s AND run_at <= now()",
                        (HERD,)).fetchone()
@@ -78,9 +70,10 @@ def test_the_server_clock_jumps_and_the_delayed_jobs_become_due() -> None:
             assert _due(conn) == 0
             clock.set("+1h")
             jumped = JUMP.total_seconds()
-            _eventually(lambda: db_offset(url), lambda offset: abs(offset - jumped) < 5,
-                        "a new connection's clock offset")
-            _eventually(lambda: _due(conn), lambda due: due == 50, "herd jobs due")
+            wait_until(lambda: abs(db_offset(url) - jumped) < 5, JUMP_SEEN_S,
+                       message="a new connection to see the jump")
+            wait_until(lambda: _due(conn) == 50, JUMP_SEEN_S,
+                       message=lambda: f"the herd due, not {_due(conn)}")
             # An ordinary enqueue now is due at the new time: the herd is ahead of it.
             new_id = jobd.enqueue(conn, "email", {})
             row = conn.execute("SELECT count(*) FROM jobd.jobs WHERE handler = %s AND "
@@ -88,7 +81,8 @@ def test_the_server_clock_jumps_and_the_delayed_jobs_become_due() -> None:
                                (HERD, new_id)).fetchone()
             assert row is not None and row[0] == 50
             clock.set("+0")
-            _eventually(lambda: _due(conn), lambda due: due == 0, "herd jobs due")
+            wait_until(lambda: _due(conn) == 0, JUMP_SEEN_S,
+                       message=lambda: f"no herd job due, not {_due(conn)}")
 
 
 def test_one_command_runs_the_incident_and_writes_its_timeline(tmp_path: Path) -> None:

@@ -63,7 +63,6 @@ def test_a_throwaway_cluster_starts_serves_and_stops(cluster: LocalCluster) -> N
         psycopg.connect(url, connect_timeout=2)
 
 
-
 def test_a_setting_the_server_refuses_is_named_and_nothing_is_left_to_stop() -> None:
     need_server_binaries()
     logged: list[str] = []
