@@ -165,8 +165,8 @@ def _connections(text: str) -> list[int]:
 def _server_setting(text: str) -> tuple[str, str]:
     name, sep, value = text.partition("=")
     # The pair goes on the server's command line as one word (jobd.localpg): no spaces or
-    # quotes in it.
-    if (not sep or not name or not value or not name.replace("_", "").isalnum()
+    # quotes in it. A module's setting has a dot in its name (auto_explain.log_min_duration).
+    if (not sep or not name or not value or not name.replace("_", "").replace(".", "").isalnum()
             or any(c.isspace() or c in "'\"\\" for c in value)):
         raise argparse.ArgumentTypeError(f"expected NAME=VALUE such as shared_buffers=4GB: "
                                          f"{text!r}")

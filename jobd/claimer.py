@@ -133,9 +133,11 @@ class Claimer:
                                   lacking_handlers=self.handlers.lacking)
 
     def took(self, claimed: queue.Claimed, request: queue.ClaimRequest,
-             slots_free: bool = False) -> list[jobs.Job]:
+             slots_free: bool = False, sent_at: float | None = None) -> list[jobs.Job]:
         """Record what a claim brought; returns the jobs to start at once (a suspect).
-        ``slots_free``: the slots had room when it came back (jobs on deck fill them too)."""
+        ``slots_free``: the slots had room when it came back (jobs on deck fill them too).
+        ``sent_at``: the monotonic instant the claim was sent (default: now, as if it took
+        no time)."""
         if request.suspect_first and claimed.suspect is None:
             self.suspects_possible = False  # none due now; the supervisor says when again
         now = time.monotonic()
@@ -155,7 +157,7 @@ class Claimer:
             self.floors.keys.claimed([(job.priority, job.fairness_key or job.handler,
                                        job.run_at, job.id) for job in claimed.jobs], limit)
         # A suspect runs alone; once it is done the worker is idle and asks for the next.
-        self._watch_clock(claimed, request, now)
+        self._watch_clock(claimed, request, now if sent_at is None else sent_at, now)
         self.maybe_more = (len(claimed.jobs) == request.limit
                            or claimed.suspect is not None)
         if slots_free and not self.buffer and len(claimed.jobs) == request.limit:
@@ -182,8 +184,9 @@ class Claimer:
         return []
 
     def _watch_clock(self, claimed: queue.Claimed, request: queue.ClaimRequest,
-                     now: float) -> None:
-        step = self.clock.step_at_claim(claimed, request.visibility_timeout, now)
+                     sent_at: float, answered_at: float) -> None:
+        step = self.clock.step_at_claim(claimed, request.visibility_timeout, sent_at,
+                                        answered_at)
         if step is not None:
             self.floors.forget()
             log.warning("the database's clock stepped; claims scan from the head of the lane",

@@ -109,7 +109,7 @@ class Exchange:
         # Freed capacity alone is no reason to claim: only a claim that came back full, a
         # wake-up, a timer or a poll says there may be more work (maybe_more).
         if request is not None:
-            self._started(mode, claimed, request)
+            self._started(mode, claimed, request, sent_at)
 
     def take_settled(self, wait: bool = False) -> None:
         """The settler's answer for the batch on its way, if it has one (``wait``: block for
@@ -147,14 +147,14 @@ class Exchange:
         return mode == WorkerMode.RUNNING and bool(len(self.slots) or self.claimer.buffer)
 
     def _started(self, mode: WorkerMode, claimed: queue.Claimed,
-                 request: queue.ClaimRequest) -> None:
+                 request: queue.ClaimRequest, sent_at: float) -> None:
         self.timers.poll_later(time.monotonic())
         taken = [claimed.suspect, *claimed.jobs] if claimed.suspect else claimed.jobs
         self.counters.count_claimed(taken)
         if taken:
             log.debug("claimed", lane=self.lane.name, job_ids=[job.id for job in taken])
         slots_free = len(self.slots) < self.lane.concurrency  # the deck's jobs count too
-        for job in self.claimer.took(claimed, request, slots_free):
+        for job in self.claimer.took(claimed, request, slots_free, sent_at):
             self.slots.start(job)
         self.slots.fill(mode)
 

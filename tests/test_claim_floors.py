@@ -183,14 +183,29 @@ def test_giving_jobs_back_sends_the_next_claim_to_the_head() -> None:
 
 def test_a_step_of_the_database_clock_is_told_from_drift() -> None:
     watch = ClockWatch()
-    assert watch.step(at(0), 100.0) is None  # the first look: nothing to compare
+    assert watch.step(at(0), 100.0, 100.0) is None  # the first look: nothing to compare
     # 0.3 s on both clocks, give or take less than a step: no step.
-    assert watch.step(at(0.3 + CLOCK_STEP / 2), 100.3) is None
+    assert watch.step(at(0.3 + CLOCK_STEP / 2), 100.3, 100.3) is None
     # The database's clock an hour ahead, then back.
-    step = watch.step(at(3600.5), 100.5)
+    step = watch.step(at(3600.5), 100.5, 100.5)
     assert step is not None and abs(step - 3600) < CLOCK_STEP
-    step = watch.step(at(0.8), 100.8)
+    step = watch.step(at(0.8), 100.8, 100.8)
     assert step is not None and step < -3590
+
+
+def test_a_slow_claim_is_not_a_step_of_the_clock() -> None:
+    """The database reads its clock somewhere between a claim's send and its answer: a
+    claim answered 3 s after it was sent (a loaded server) read it up to 3 s earlier than
+    the answer, and that is no step."""
+    watch = ClockWatch()
+    watch.step(at(0), 100.0, 100.01)
+    assert watch.step(at(0.5), 100.5, 103.5) is None  # read as it began: no step
+    assert watch.step(at(6.4), 104.0, 106.5) is None  # read as it ended: no step
+    # Beyond the range by more than a step, either way: a step, by what lies outside.
+    step = watch.step(at(6.4 + 3600), 107.0, 107.5)
+    assert step is not None and abs(step - 3596.5) < 0.01
+    step = watch.step(at(6.4), 108.0, 110.0)
+    assert step is not None and abs(step + 3600.5) < 0.01
 
 
 def job_leased(job_id: int, lease_until: datetime) -> Job:
@@ -205,10 +220,11 @@ def test_the_claimer_reads_the_database_clock_from_the_leases(monkeypatch) -> No
     claimer.suspects_possible = False
     vt = timedelta(seconds=lane.visibility_timeout)
 
-    def claim(job_id: int, db_now: datetime) -> dict:
+    def claim(job_id: int, db_now: datetime, took: float = 0.0) -> dict:
         request = claimer.request(WorkerMode.RUNNING, 0)
         assert request is not None
-        claimer.took(queue.Claimed([job_leased(job_id, db_now + vt)]), request)
+        claimer.took(queue.Claimed([job_leased(job_id, db_now + vt)]), request,
+                     sent_at=clock[0] - took)
         claimer.buffer.clear()
         claimer.maybe_more = True
         return claimer.floors.params(clock[0])
@@ -216,8 +232,11 @@ def test_the_claimer_reads_the_database_clock_from_the_leases(monkeypatch) -> No
     claim(1, at(0))
     clock[0] += 0.3
     assert kind(claim(2, at(0.3))) == FLOORS  # clocks agree: the floors stay
+    clock[0] += 2.5
+    # Answered 2.5 s after it was sent, its now() read as it was sent: no step.
+    assert kind(claim(3, at(0.3), took=2.5)) == FLOORS
     clock[0] += 0.3
-    assert claim(3, at(3600.6)) == full_scan_params()  # the database's clock stepped an hour
+    assert claim(4, at(3603.1)) == full_scan_params()  # the database's clock stepped an hour
 
 
 # --- the claimer's wake-up states ----------------------------------------------------------
