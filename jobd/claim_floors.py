@@ -158,9 +158,12 @@ class ClaimFloors:
                 **self.keys.params()}
 
     def claimed(self, params: Mapping[str, Any], taken: list[tuple[int, datetime, int]],
-                limit: int, now: float, *, fair: bool = False,
+                limit: int, now: float, *, sent_at: float | None = None, fair: bool = False,
                 aged: bool = False) -> None:
-        """Record what a claim sent with ``params`` took: (priority, run_at, id) per job.
+        """Record what a claim sent with ``params`` at ``sent_at`` (default ``now``) took:
+        (priority, run_at, id) per job. What it saw dry was dry as of its send: its snapshot
+        is no older, and may be seconds older than its answer on a loaded server, past the
+        margin. The next scan from the head is due a spacing after ``now``.
 
         A fair claim (``fair``: shares across keys, claim_order) takes from each key its
         oldest jobs, not a prefix of the priority's, so its positions prove nothing and only
@@ -171,9 +174,10 @@ class ClaimFloors:
         """
         if kind(params) == HEAD:
             self.last_full_scan = now
+        dry = now if sent_at is None else sent_at
         if fair:
             if len(taken) < limit:
-                self._all_dry(now)
+                self._all_dry(dry)
             elif taken:
                 # Work was found, maybe below the dry floor (a herd due in the past): scan
                 # from the head until a claim comes back short.
@@ -191,7 +195,7 @@ class ClaimFloors:
         if not last and len(taken) >= limit:
             return  # nothing taken, nothing asked for (a claim capped at zero)
         if len(taken) < limit:
-            self._all_dry(now)
+            self._all_dry(dry)
             return
         if aged:
             return
@@ -199,7 +203,7 @@ class ClaimFloors:
         lowest = min(last)
         for priority in last:
             if priority > lowest:
-                self.by_priority[priority].dry_at = now
+                self.by_priority[priority].dry_at = dry
 
     def _all_dry(self, now: float) -> None:
         """Every priority was scanned to its end: nothing due is left unclaimed as of now, so

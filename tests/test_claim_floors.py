@@ -212,6 +212,21 @@ def job_leased(job_id: int, lease_until: datetime) -> Job:
     return Job(job_id, 1, "default", "h", "{}", 0, T0, 1, None, None, T0, lease_until)
 
 
+def test_a_slow_short_claim_is_dry_as_of_its_send(monkeypatch) -> None:
+    """A claim's snapshot may be as old as its send: a short claim answered 2 s after it was
+    sent proves the lane dry as of the send, so a job enqueued meanwhile is above the
+    floor it leaves (the floor at the answer less the margin would be above that job)."""
+    clock = [500.0]
+    monkeypatch.setattr(claimer_module.time, "monotonic", lambda: clock[0])
+    claimer = Claimer(LaneConfig("default", concurrency=4), "w")
+    claimer.suspects_possible = False
+    request = claimer.request(WorkerMode.RUNNING, 0)
+    assert request is not None
+    clock[0] += 2.0
+    claimer.took(queue.Claimed([]), request, sent_at=clock[0] - 2.0)
+    assert claimer.floors.params(clock[0])["default_floor_age"] == 2.0 + CAUGHT_UP_MARGIN
+
+
 def test_the_claimer_reads_the_database_clock_from_the_leases(monkeypatch) -> None:
     clock = [500.0]
     monkeypatch.setattr(claimer_module.time, "monotonic", lambda: clock[0])
