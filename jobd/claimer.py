@@ -141,7 +141,6 @@ class Claimer:
         if request.suspect_first and claimed.suspect is None:
             self.suspects_possible = False  # none due now; the supervisor says when again
         now = time.monotonic()
-        sent = now if sent_at is None else sent_at
         self.handlers.learn(claimed)
         if request.disarm:
             self.arming.disarmed()
@@ -151,14 +150,14 @@ class Claimer:
         # Capped by the budget, a short claim is not dry: the positions hold, the rest of the
         # lane waits.
         limit = request.limit if request.budget is None else len(taken)
-        self.floors.claimed(request.floors, taken, limit, now, sent_at=sent, fair=fair,
+        self.floors.claimed(request.floors, taken, limit, now, sent_at=sent_at, fair=fair,
                             aged=self.lane.max_wait is not None)
         if fair and claimed.jobs:
             self.key_cursor = next_key_cursor(self.key_cursor, claimed.jobs)
             self.floors.keys.claimed([(job.priority, job.fairness_key or job.handler,
                                        job.run_at, job.id) for job in claimed.jobs], limit)
         # A suspect runs alone; once it is done the worker is idle and asks for the next.
-        self._watch_clock(claimed, request, sent, now)
+        self._watch_clock(claimed, request, now if sent_at is None else sent_at, now)
         self.maybe_more = (len(claimed.jobs) == request.limit
                            or claimed.suspect is not None)
         if slots_free and not self.buffer and len(claimed.jobs) == request.limit:
