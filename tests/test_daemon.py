@@ -232,6 +232,40 @@ def test_a_stopped_worker_is_aborted_killed_and_replaced(
     assert effects(effects_db, job_id, "end")[0]["pid"] == respawned["pid"]
 
 
+def test_a_claim_held_up_by_a_lock_is_not_a_step_of_the_database_clock(
+    daemons: Daemons, effects_db: psycopg.Connection
+) -> None:
+    """A claim's now() is read as its transaction starts. A claim that then waits two
+    seconds for a lock (an operator's LOCK TABLE, a migration) is answered two seconds later
+    than that: no step of the database's clock, so the worker logs none and keeps its
+    floors (jobd.clock_watch)."""
+    daemon = daemons(make_config({"default": {"workers": 1}}))
+    daemon.wait_workers_started("default", 1)
+    warm = jobd.enqueue(effects_db, "ok")  # the claim the next one is compared with
+    wait_state(effects_db, warm, "done", 15, daemon)
+    mark = daemon.mark()
+    with effects_db.transaction():
+        effects_db.execute("LOCK TABLE jobd.lane_pauses IN ACCESS EXCLUSIVE MODE")
+        with connect(daemon.db_url) as other:
+            job_id = jobd.enqueue(other, "ok")
+            # The worker's claim has begun its transaction and waits for the lock.
+            wait_until(lambda: claims_waiting_for_a_lock(other) == 1, 10,
+                       message=lambda: f"the claim to wait for the lock\n{daemon.tail()}")
+        time.sleep(2.0)  # held: the claim's answer comes this much after its now()
+    wait_state(effects_db, job_id, "done", 15, daemon)
+    steps = daemon.events("the database's clock stepped; claims scan from the head of the lane",
+                          process=None, since=mark)
+    assert steps == [], steps
+
+
+def claims_waiting_for_a_lock(conn: psycopg.Connection) -> int:
+    row = conn.execute(
+        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+        " AND query LIKE '%%Claims up to%%'").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
 # --- 5. reload -----------------------------------------------------------------------------
 
 
