@@ -248,22 +248,25 @@ def test_a_claim_held_up_by_a_lock_is_not_a_step_of_the_database_clock(
         effects_db.execute("LOCK TABLE jobd.lane_pauses IN ACCESS EXCLUSIVE MODE")
         with connect(daemon.db_url) as other:
             job_id = jobd.enqueue(other, "ok")
-            # The worker's claim has begun its transaction and waits for the lock.
-            wait_until(lambda: claims_waiting_for_a_lock(other) == 1, 10,
+            # The worker's claim began its transaction and has waited two seconds for the
+            # lock: its answer comes at least that long after its now().
+            wait_until(lambda: longest_claim_lock_wait(other) >= 2.0, 15,
                        message=lambda: f"the claim to wait for the lock\n{daemon.tail()}")
-        time.sleep(2.0)  # held: the claim's answer comes this much after its now()
     wait_state(effects_db, job_id, "done", 15, daemon)
     steps = daemon.events("the database's clock stepped; claims scan from the head of the lane",
                           process=None, since=mark)
     assert steps == [], steps
 
 
-def claims_waiting_for_a_lock(conn: psycopg.Connection) -> int:
+def longest_claim_lock_wait(conn: psycopg.Connection) -> float:
+    """Seconds the longest claim waiting for a lock has waited (0 without one), by the
+    database clock: since its transaction began, which is what its now() reads."""
     row = conn.execute(
-        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+        "SELECT coalesce(max(extract(epoch FROM clock_timestamp() - xact_start)), 0)::float8"
+        " FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
         " AND query LIKE '%%Claims up to%%'").fetchone()
     assert row is not None
-    return int(row[0])
+    return float(row[0])
 
 
 # --- 5. reload -----------------------------------------------------------------------------
