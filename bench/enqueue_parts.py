@@ -1,0 +1,144 @@
+"""Single-job enqueue, part by part: the server's CPU per call and the rate, against a bare INSERT.
+
+Usage (from the repository root)::
+
+    .venv/bin/python -m bench.enqueue_parts                     # 4 and 8 connections, 3 rounds
+    .venv/bin/python -m bench.enqueue_parts --connections 8 --rounds 5 --seconds 6
+
+Issue 13 asks single-job ``jobd.enqueue`` to reach 0.8 x the rate of a bare ``INSERT``
+(bench/pressure.py, scenario ``enqueue``). This benchmark shows what stands between the two.
+It starts a throwaway PostgreSQL cluster (``synchronous_commit=on``, the server's defaults
+otherwise), migrates a scratch database with jobd's migrations, adds the contenders of
+bench/sql/enqueue_parts.sql, and runs ``pgbench -n -M prepared -j 2`` with one single-row
+statement per transaction for each contender in turn (the order reversed every other round,
+so drift favours none), every table emptied and vacuumed before each run:
+
+bare
+    ``INSERT ... RETURNING id`` into a trigger-less copy of jobd.jobs (``LIKE ... INCLUDING
+    ALL``): pressure.py's yardstick.
+jobs_insert
+    The same ``INSERT`` into ``jobd.jobs`` itself: what a caller's own insert costs. Its
+    statement trigger announces the job (no worker waits here, so it sends no NOTIFY).
+insert_only
+    A least-privilege PL/pgSQL function (``SECURITY DEFINER``, a pinned ``search_path``) that
+    only inserts into jobd.jobs, the trigger stepping aside as for ``jobd.enqueue``.
+wake_core
+    That plus the wake-up protocol's core: the lane's shared wake-up lock, the waiters read
+    in a snapshot taken after it, a NOTIFY only when one waits. No entry rules, payload limit
+    or priority bookkeeping.
+enqueue
+    ``SELECT jobd.enqueue('noop', '{}', 'x')``: all of it.
+
+The jobs go to a lane no worker waits on. Per contender and round it prints transactions/s
+and the server's CPU per transaction: the user and system time of the postmaster and every
+process below it, the backends that ended meanwhile included, over the run, divided by the
+transactions. pgbench runs on the same cores, so the rate also carries its own cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psycopg
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
+
+from bench.daemon_bench import descendants, own_cpu_seconds
+from jobd.db import connect
+from jobd.localpg import find_bindir, throwaway_cluster
+from jobd.migrate import migrate
+
+CONTENDERS = {
+    "bare": "INSERT INTO enqueue_parts.bare_jobs (lane, handler, payload) "
+            "VALUES ('x', 'noop', '{}') RETURNING id;",
+    "jobs_insert": "INSERT INTO jobd.jobs (lane, handler, payload) "
+                   "VALUES ('x', 'noop', '{}') RETURNING id;",
+    "insert_only": "SELECT enqueue_parts.insert_only('noop', '{}', 'x');",
+    "wake_core": "SELECT enqueue_parts.wake_core('noop', '{}', 'x');",
+    "enqueue": "SELECT jobd.enqueue('noop', '{}', 'x');",
+}
+EMPTY = "TRUNCATE enqueue_parts.bare_jobs, jobd.jobs, jobd.lane_priorities"
+PARTS_SQL = Path(__file__).with_name("sql") / "enqueue_parts.sql"
+DBNAME = "enqueue_parts"
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def run_contender(url: str, pgbench: Path, script: Path, postmaster: int,
+                  clients: int, seconds: int) -> tuple[float, float]:
+    """(transactions/s, server CPU µs per transaction) of one pgbench run of ``script``."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(EMPTY)
+        conn.execute("VACUUM ANALYZE")
+    cpu_before = own_cpu_seconds(descendants(postmaster))
+    done = subprocess.run(
+        [str(pgbench), "-n", "-M", "prepared", "-j", "2", "-c", str(clients),
+         "-T", str(seconds), "-f", str(script), url],
+        capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"pgbench failed (exit {done.returncode}):\n{done.stdout}{done.stderr}")
+    time.sleep(0.3)  # the backends exit and are reaped: their time moves to the postmaster
+    cpu = own_cpu_seconds(descendants(postmaster)) - cpu_before
+    transactions = int(re.search(r"actually processed: (\d+)", done.stdout).group(1))
+    rate = float(re.search(r"tps = ([\d.]+)", done.stdout).group(1))
+    return rate, cpu / transactions * 1e6
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--connections", default="4,8",
+                        help="pgbench clients, comma-separated (default 4,8)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds (default 3)")
+    parser.add_argument("--seconds", type=int, default=4, help="seconds a run (default 4)")
+    args = parser.parse_args(argv)
+    connections = [int(c) for c in args.connections.split(",")]
+    with throwaway_cluster("jobd-enqueue-parts-", log=log) as cluster:
+        with psycopg.connect(cluster.url, autocommit=True) as conn:
+            conn.execute("ALTER SYSTEM SET synchronous_commit = 'on'")
+            conn.execute("SELECT pg_reload_conf()")
+            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(DBNAME)))
+        url = make_conninfo(cluster.url, dbname=DBNAME)
+        with connect(url, "jobd") as conn:
+            migrate(conn, "jobd")
+            conn.execute(PARTS_SQL.read_text())
+        postmaster = int((cluster.datadir / "postmaster.pid").read_text().split()[0])
+        pgbench = find_bindir() / "pgbench"
+        scripts = {}
+        for name, statement in CONTENDERS.items():
+            scripts[name] = cluster.datadir.parent / f"{name}.sql"
+            scripts[name].write_text(statement + "\n")
+        for clients in connections:
+            figures: dict[str, list[tuple[float, float]]] = {name: [] for name in CONTENDERS}
+            for round_no in range(args.rounds):
+                order = list(CONTENDERS) if round_no % 2 == 0 else list(reversed(CONTENDERS))
+                for name in order:
+                    figures[name].append(run_contender(url, pgbench, scripts[name], postmaster,
+                                                       clients, args.seconds))
+                    log(f"{clients} connections, round {round_no + 1}, {name}: "
+                        f"{figures[name][-1][0]:,.0f} tx/s, {figures[name][-1][1]:.0f} µs")
+            report(clients, figures)
+
+
+def report(clients: int, figures: dict[str, list[tuple[float, float]]]) -> None:
+    bare = [rate for rate, _cpu in figures["bare"]]
+    print(f"\n{clients} connections | tx/s, each round | ÷ bare, each round | "
+          "server CPU µs per tx, median")
+    print("|---|---|---|---:|")
+    for name, runs in figures.items():
+        rates = " / ".join(f"{rate:,.0f}" for rate, _cpu in runs)
+        ratios = " / ".join(f"{rate / base:.2f}"
+                            for (rate, _cpu), base in zip(runs, bare, strict=True))
+        cpu = statistics.median(cpu for _rate, cpu in runs)
+        print(f"| {name} | {rates} | {ratios} | {cpu:.0f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+-- The contenders of bench/enqueue_parts.py: single-job enqueue built up from a bare INSERT, one
+-- part at a time, so that what each part of jobd.enqueue costs the server can be read off.
+-- Run in a scratch database migrated by `jobd migrate` (schema jobd). The functions are
+-- owned by the migrating role and run as it (SECURITY DEFINER, a pinned search_path), as
+-- jobd.enqueue does for a producer role (least privilege, migration 0014).
+CREATE SCHEMA enqueue_parts;
+
+-- jobd.jobs's columns, defaults, checks and indexes; no trigger, so nothing announced.
+CREATE TABLE enqueue_parts.bare_jobs (LIKE jobd.jobs INCLUDING ALL);
+
+-- The least a least-privilege enqueue does: insert into jobd.jobs, the insert trigger
+-- stepping aside as it does for jobd.enqueue (which announces its own job).
+CREATE FUNCTION enqueue_parts.insert_only(handler text, payload jsonb, lane text)
+RETURNS bigint
+LANGUAGE plpgsql SECURITY DEFINER SET search_path TO 'jobd', 'pg_temp'
+AS $$
+DECLARE
+    new_id bigint;
+BEGIN
+    PERFORM set_config('jobd.enqueue_announces', 'on', true);
+    INSERT INTO jobs AS j (lane, handler, payload)
+         VALUES (insert_only.lane, insert_only.handler, insert_only.payload)
+    RETURNING j.id INTO new_id;
+    PERFORM set_config('jobd.enqueue_announces', '', true);
+    RETURN new_id;
+END
+$$;
+
+-- That plus the wake-up protocol's core: the lane's shared wake-up lock before a snapshot
+-- that reads whether a worker waits (lane_waiters), and a notification only then. No entry
+-- rules, no payload limit, no priority bookkeeping: less than jobd.enqueue must do.
+CREATE FUNCTION enqueue_parts.wake_core(handler text, payload jsonb, lane text)
+RETURNS bigint
+LANGUAGE plpgsql SECURITY DEFINER SET search_path TO 'jobd', 'pg_temp'
+AS $$
+DECLARE
+    job record;
+BEGIN
+    PERFORM pg_advisory_xact_lock_shared(
+        hashtextextended(current_schema() || '.' || wake_core.lane, 0));
+    PERFORM set_config('jobd.enqueue_announces', 'on', true);
+    -- The insert's snapshot is taken after the lock was granted (a new statement).
+    INSERT INTO jobs AS j (lane, handler, payload)
+         VALUES (wake_core.lane, wake_core.handler, wake_core.payload)
+    RETURNING j.id, EXISTS (SELECT 1 FROM lane_waiters AS w WHERE w.lane = j.lane) AS waited
+         INTO job;
+    PERFORM set_config('jobd.enqueue_announces', '', true);
+    IF job.waited THEN
+        PERFORM pg_notify(current_schema() || '_wakeup', wake_core.lane || '#1');
+    END IF;
+    RETURN job.id;
+END
+$$;
