@@ -3,13 +3,8 @@
 Runs in the peers' virtualenv (matplotlib): ``python chart.py DATA.json OUT.png``.
 """
 
+import argparse
 import json
-import sys
-
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 
 CEILING = "sql-ceiling"
 
@@ -23,6 +18,12 @@ def color(name):
 
 
 def main(data_path: str, out_path: str) -> None:
+    # Imported here: --help and a wrong argument need no matplotlib.
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     with open(data_path) as f:
         data = json.load(f)
     summary, labels = data["summary"], data["labels"]
@@ -100,4 +101,10 @@ def main(data_path: str, out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    parser = argparse.ArgumentParser(
+        description="Draw the suite's chart from the data bench/report.py writes (run with "
+                    "the peers' interpreter, which has matplotlib).")
+    parser.add_argument("data", help="the chart's data (JSON)")
+    parser.add_argument("out", help="the PNG to write")
+    args = parser.parse_args()
+    main(args.data, args.out)

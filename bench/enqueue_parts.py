@@ -49,6 +49,9 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 from bench.daemon_bench import descendants, own_cpu_seconds
 from jobd.db import connect
 from jobd.localpg import find_bindir, throwaway_cluster

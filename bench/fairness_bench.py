@@ -69,6 +69,9 @@ from typing import Any
 
 import psycopg
 
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 import jobd
 from bench.daemon_bench import (
     LANE,

@@ -8,6 +8,7 @@ series), ``timeline.md`` (the timeline and the figures for people) and ``chart.p
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -160,11 +161,15 @@ def write(record: dict[str, Any], directory: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: python -m bench.incident_report DIR", file=sys.stderr)
-        return 2
-    directory = Path(argv[0])
-    record = json.loads((directory / "timeline.json").read_text())
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.incident_report",
+        description="Redraw timeline.md and chart.png from the timeline.json a drill wrote.")
+    parser.add_argument("directory", type=Path, help="the drill's output directory")
+    directory = parser.parse_args(argv).directory
+    try:
+        record = json.loads((directory / "timeline.json").read_text())
+    except (OSError, ValueError) as exc:
+        parser.error(f"cannot read {directory / 'timeline.json'}: {exc}")
     (directory / "timeline.md").write_text(markdown(record))
     chart(record, directory / "chart.png")
     return 0

@@ -41,10 +41,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-# Run as a script, bench/ is on sys.path: the daemon benchmark's machinery is imported as is.
-import daemon_bench as bench
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jobd
+from bench import daemon_bench as bench
 
 LANE = bench.LANE
 BINDING_RATE = 2000

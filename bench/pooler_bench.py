@@ -44,13 +44,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-# Run as a script, bench/ is on sys.path: the daemon benchmark's environment is reused, and
-# the tests' PgBouncer starter (tests/ added here).
+# The daemon benchmark's environment is reused, and the tests' PgBouncer starter (tests/).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-import daemon_bench as bench
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 from pgbouncer_support import PgBouncer, pgbouncer_binary, running_pgbouncer
 
 import jobd
+from bench import daemon_bench as bench
 from jobd import db, fastpath, queue
 
 SETTINGS = [(1, 10), (2, 10)]  # workers x concurrency

@@ -12,6 +12,7 @@ a saved run.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import statistics
@@ -366,10 +367,27 @@ def chart(results: dict[str, Any], path: Path, peers: Any) -> None:
         data.unlink(missing_ok=True)
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> int:
+    """Redraw the tables (stdout) and the chart (beside the file) of a saved run."""
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.report",
+        description="Redraw the Markdown tables (to stdout) and the chart (RESULTS.png) of a "
+                    "saved run of the suite.")
+    parser.add_argument("results", type=Path, help="a run's JSON, e.g. bench/results/DATE.json")
+    args = parser.parse_args(argv)
+    try:
+        saved = json.loads(args.results.read_text())
+    except (OSError, ValueError) as exc:
+        parser.error(f"cannot read {args.results}: {exc}")
     from bench.peers.install import install
 
-    saved = json.loads(Path(sys.argv[1]).read_text())
     saved["summary"] = summarize(saved)
     print(markdown(saved))
-    chart(saved, Path(sys.argv[1]).with_suffix(".png"), install())
+    chart(saved, args.results.with_suffix(".png"), install())
+    return 0
+
+
+if __name__ == "__main__":
+    if __package__ in (None, ""):  # run as a script: make the repository root importable
+        sys.path.insert(0, str(HERE.parent))
+    sys.exit(main())

@@ -44,6 +44,9 @@ from typing import Any
 import psycopg
 from psycopg.conninfo import make_conninfo
 
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 import jobd
 from bench.daemon_bench import descendants, rss_kb
 from bench.peers.install import Peers, install

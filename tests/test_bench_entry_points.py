@@ -1,0 +1,43 @@
+"""Every runnable script under bench/ answers ``--help`` both ways the docs run them:
+``python bench/NAME.py`` and ``python -m bench.NAME``, from the repository root.
+
+Run as a file, a script's own directory is on ``sys.path`` and the repository root is not, so
+its ``from bench...`` imports failed with a traceback for several of them, though the docs
+name them that way (``bench/fairness_bench.py --drain``, ``bench/drain_profile.py --py-spy``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+ENTRY_POINTS = sorted(path.stem for path in (REPO / "bench").glob("*.py")
+                      if 'if __name__ == "__main__":' in path.read_text())
+
+
+def _help(command: list[str]) -> subprocess.CompletedProcess[str]:
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    return subprocess.run([*command, "--help"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_the_scripts_are_found() -> None:
+    assert {"pressure", "fairness_bench", "drain_profile", "enqueue_parts"} <= set(ENTRY_POINTS)
+
+
+@pytest.mark.parametrize("name", ENTRY_POINTS)
+def test_a_bench_script_answers_help_run_as_a_file_and_as_a_module(name: str) -> None:
+    commands = [[sys.executable, f"bench/{name}.py"], [sys.executable, "-m", f"bench.{name}"]]
+    with ThreadPoolExecutor(len(commands)) as pool:
+        results = list(pool.map(_help, commands))
+    for command, done in zip(commands, results, strict=True):
+        shown = " ".join(command[1:])
+        assert done.returncode == 0, f"{shown} --help exited {done.returncode}:\n{done.stderr}"
+        assert "usage:" in done.stdout, f"{shown} --help printed no usage:\n{done.stdout}"
+        assert "Traceback" not in done.stderr, f"{shown} --help:\n{done.stderr}"
