@@ -1,5 +1,6 @@
-"""Every runnable script under bench/ answers ``--help`` both ways the docs run them:
-``python bench/NAME.py`` and ``python -m bench.NAME``, from the repository root.
+"""Every script under bench/ that people run (and the peers' installer) answers ``--help``
+both ways the docs run them: ``python bench/NAME.py`` and ``python -m bench.NAME``, from the
+repository root.
 
 Run as a file, a script's own directory is on ``sys.path`` and the repository root is not, so
 its ``from bench...`` imports failed with a traceback for several of them, though the docs
@@ -17,8 +18,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-ENTRY_POINTS = sorted(path.stem for path in (REPO / "bench").glob("*.py")
-                      if 'if __name__ == "__main__":' in path.read_text())
+# Run by people: the scripts of bench/ and the peers' installer. (bench/peers' other scripts
+# are the suite's subprocesses, run with the arguments it gives them.)
+ENTRY_POINTS = [*sorted(path.stem for path in (REPO / "bench").glob("*.py")
+                        if 'if __name__ == "__main__":' in path.read_text()), "peers/install"]
 
 
 def _help(command: list[str]) -> subprocess.CompletedProcess[str]:
@@ -28,12 +31,14 @@ def _help(command: list[str]) -> subprocess.CompletedProcess[str]:
 
 
 def test_the_scripts_are_found() -> None:
-    assert {"pressure", "fairness_bench", "drain_profile", "enqueue_parts"} <= set(ENTRY_POINTS)
+    assert {"pressure", "fairness_bench", "drain_profile", "enqueue_parts",
+            "peers/install"} <= set(ENTRY_POINTS)
 
 
 @pytest.mark.parametrize("name", ENTRY_POINTS)
 def test_a_bench_script_answers_help_run_as_a_file_and_as_a_module(name: str) -> None:
-    commands = [[sys.executable, f"bench/{name}.py"], [sys.executable, "-m", f"bench.{name}"]]
+    module = "bench." + name.replace("/", ".")
+    commands = [[sys.executable, f"bench/{name}.py"], [sys.executable, "-m", module]]
     with ThreadPoolExecutor(len(commands)) as pool:
         results = list(pool.map(_help, commands))
     for command, done in zip(commands, results, strict=True):

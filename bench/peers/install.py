@@ -17,11 +17,11 @@ runs without it.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
 import subprocess
-import sys
 import venv
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,5 +112,12 @@ def install(upgrade: bool = False) -> Peers:
 
 
 if __name__ == "__main__":
-    found = install("--upgrade" in sys.argv)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.peers.install",
+        description="Install the peers and the chart's matplotlib under $JOBD_BENCH_HOME "
+                    "(default ~/.cache/jobd-bench), or reuse that install; prints the "
+                    "versions found and the peers that could not be installed (JSON).")
+    parser.add_argument("--upgrade", action="store_true",
+                        help="install the latest releases again")
+    found = install(parser.parse_args().upgrade)
     print(json.dumps({"versions": found.versions, "problems": found.problems}, indent=2))
