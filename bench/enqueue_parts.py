@@ -102,7 +102,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds (default 3)")
     parser.add_argument("--seconds", type=int, default=4, help="seconds a run (default 4)")
     args = parser.parse_args(argv)
-    connections = [int(c) for c in args.connections.split(",")]
+    try:
+        connections = [int(c) for c in args.connections.split(",")]
+    except ValueError:
+        parser.error(f"--connections: not a list of numbers: {args.connections!r}")
+    if min(*connections, args.rounds, args.seconds) < 1:
+        parser.error("--connections, --rounds and --seconds must be at least 1")
     with throwaway_cluster("jobd-enqueue-parts-", log=log) as cluster:
         with psycopg.connect(cluster.url, autocommit=True) as conn:
             conn.execute("ALTER SYSTEM SET synchronous_commit = 'on'")

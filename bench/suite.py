@@ -62,6 +62,7 @@ PEERS_DIR = HERE / "peers"
 RESULTS_DIR = HERE / "results"
 
 ALL_SYSTEMS = ["jobd", "procrastinate", "pgqueuer", "graphile", "pgboss"]
+WORKLOADS = ["drain", "latency", "idle", "growth"]
 LABELS = {"jobd": "jobd", "procrastinate": "Procrastinate", "pgqueuer": "PgQueuer",
           "graphile": "Graphile Worker", "pgboss": "pg-boss"}
 
@@ -778,9 +779,11 @@ def source_revision() -> str:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="drain,latency,idle,growth",
+    parser.add_argument("--only", default=",".join(WORKLOADS),
                         help="comma-separated: drain (includes enqueue), latency, idle, growth")
-    parser.add_argument("--systems", default=",".join(ALL_SYSTEMS))
+    parser.add_argument("--systems", default=",".join(ALL_SYSTEMS),
+                        help=f"comma-separated, of {','.join(ALL_SYSTEMS)} (default: all; jobd "
+                             "always runs: the ceiling and growth use its tables)")
     parser.add_argument("--settings", default=DEFAULT_SETTINGS,
                         help="drain settings, comma-separated W x C: W worker processes x C "
                              f"jobs in flight per process (default {DEFAULT_SETTINGS})")
@@ -805,6 +808,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=RESULTS_DIR,
                         help="directory of the results files (default bench/results)")
     args = parser.parse_args(argv)
+    for option, given, known in (("--only", args.only, WORKLOADS),
+                                 ("--systems", args.systems, ALL_SYSTEMS)):
+        unknown = [name for name in given.split(",") if name not in known]
+        if unknown:
+            parser.error(f"{option}: unknown {', '.join(unknown)}; choose from "
+                         f"{','.join(known)}")
+    if min(args.rounds, args.latency_rounds, args.growth_rounds) < 1:
+        parser.error("--rounds, --latency-rounds and --growth-rounds must be at least 1")
     try:
         args.settings = parse_settings(args.settings)
         args.latency_settings = parse_settings(args.latency_settings)

@@ -46,3 +46,18 @@ def test_a_bench_script_answers_help_run_as_a_file_and_as_a_module(name: str) ->
         assert done.returncode == 0, f"{shown} --help exited {done.returncode}:\n{done.stderr}"
         assert "usage:" in done.stdout, f"{shown} --help printed no usage:\n{done.stdout}"
         assert "Traceback" not in done.stderr, f"{shown} --help:\n{done.stderr}"
+
+
+@pytest.mark.parametrize(("arguments", "says"), [
+    (["bench", "--systems", "nope"], "--systems: unknown nope"),
+    (["bench", "--only", "drain,bogus"], "--only: unknown bogus"),
+    (["bench", "--rounds", "0"], "must be at least 1"),
+    (["bench.enqueue_parts", "--connections", "x"], "not a list of numbers"),
+    (["bench.pressure", "--scenarios", "bogus"], "unknown scenario bogus"),
+])
+def test_a_wrong_argument_is_refused_with_a_usage_error(arguments: list[str], says: str) -> None:
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-m", *arguments], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert says in done.stderr and "Traceback" not in done.stderr, done.stderr
