@@ -46,6 +46,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 import jobd
 from bench import daemon_bench as bench
+from bench.settings import parse_setting
 
 LANE = bench.LANE
 BINDING_RATE = 2000
@@ -129,16 +130,25 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="comma-separated contenders (default: all of "
                              + ", ".join(CONTENDERS) + ")")
     parser.add_argument("--keep", action="store_true", help="keep the temp directory")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    try:
+        args.settings = parse_setting(args.settings)
+    except ValueError as exc:
+        parser.error(f"--settings: {exc}")
+    args.only = [name.strip() for name in args.only.split(",")]
+    unknown = sorted(set(args.only) - set(CONTENDERS))
+    if unknown:
+        parser.error(f"--only: unknown contenders {', '.join(unknown)}; choose from "
+                     + ", ".join(CONTENDERS))
+    if min(args.rounds, args.jobs) < 1:
+        parser.error("--rounds and --jobs must be at least 1")
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    workers, concurrency = (int(part) for part in args.settings.split("x"))
-    chosen = [name.strip() for name in args.only.split(",")]
-    unknown = sorted(set(chosen) - set(CONTENDERS))
-    if unknown:
-        raise SystemExit(f"unknown contenders: {', '.join(unknown)}")
+    workers, concurrency = args.settings.workers, args.settings.concurrency
+    chosen = args.only
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in chosen}
     with bench.environment(statements=False, keep=args.keep) as env:
         print(f"server {env.settings['server_version']}, synchronous_commit "

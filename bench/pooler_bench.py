@@ -241,6 +241,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS)
     parser.add_argument("--jobs", type=int, default=DEFAULT_JOBS)
     args = parser.parse_args()
+    if min(args.rounds, args.jobs) < 1:
+        parser.error("--rounds and --jobs must be at least 1")
     if pgbouncer_binary() is None:
         print("pooler_bench: needs pgbouncer (Debian package pgbouncer)", file=sys.stderr)
         return 2

@@ -54,6 +54,9 @@ def test_a_bench_script_answers_help_run_as_a_file_and_as_a_module(name: str) ->
     (["bench", "--rounds", "0"], "must be at least 1"),
     (["bench.enqueue_parts", "--connections", "x"], "not a list of numbers"),
     (["bench.pressure", "--scenarios", "bogus"], "unknown scenario bogus"),
+    (["bench.limits_bench", "--settings", "2y10"], "not a setting W x C"),
+    (["bench.limits_bench", "--only", "nope"], "unknown contenders nope"),
+    (["bench.pooler_bench", "--jobs", "-1"], "must be at least 1"),
 ])
 def test_a_wrong_argument_is_refused_with_a_usage_error(arguments: list[str], says: str) -> None:
     env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
