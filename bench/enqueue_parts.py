@@ -38,7 +38,6 @@ transactions. pgbench runs on the same cores, so the rate also carries its own c
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
 import subprocess
 import sys
@@ -52,7 +51,8 @@ from psycopg.conninfo import make_conninfo
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.daemon_bench import descendants, own_cpu_seconds
+from bench.daemon_bench import descendants, log, own_cpu_seconds
+from bench.pressure_scenarios import parse_pgbench
 from jobd.db import connect
 from jobd.localpg import find_bindir, throwaway_cluster
 from jobd.migrate import migrate
@@ -71,10 +71,6 @@ PARTS_SQL = Path(__file__).with_name("sql") / "enqueue_parts.sql"
 DBNAME = "enqueue_parts"
 
 
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
 def run_contender(url: str, pgbench: Path, script: Path, postmaster: int,
                   clients: int, seconds: int) -> tuple[float, float]:
     """(transactions/s, server CPU µs per transaction) of one pgbench run of ``script``."""
@@ -90,9 +86,10 @@ def run_contender(url: str, pgbench: Path, script: Path, postmaster: int,
         raise SystemExit(f"pgbench failed (exit {done.returncode}):\n{done.stdout}{done.stderr}")
     time.sleep(0.3)  # the backends exit and are reaped: their time moves to the postmaster
     cpu = own_cpu_seconds(descendants(postmaster)) - cpu_before
-    transactions = int(re.search(r"actually processed: (\d+)", done.stdout).group(1))
-    rate = float(re.search(r"tps = ([\d.]+)", done.stdout).group(1))
-    return rate, cpu / transactions * 1e6
+    figures = parse_pgbench(done.stdout)
+    if not figures.get("processed") or "tps" not in figures:
+        raise SystemExit(f"pgbench reported no transactions:\n{done.stdout}{done.stderr}")
+    return figures["tps"], cpu / figures["processed"] * 1e6
 
 
 def main(argv: list[str] | None = None) -> None:
