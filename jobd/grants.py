@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import psycopg
+from psycopg import sql
 
 from jobd.queries import query, with_identifiers
 
@@ -40,9 +41,10 @@ def check_roles(conn: psycopg.Connection, roles: Iterable[str]) -> None:
     for role in roles:
         row = conn.execute(query("role_exists"), {"role": role}).fetchone()
         if row is None or not row[0]:
+            quoted = sql.Identifier(role).as_string(conn)
             raise MissingRole(
                 f"role {role!r} does not exist; create it first (e.g. CREATE ROLE "
-                f"{role} LOGIN PASSWORD '...'), then run jobd migrate again")
+                f"{quoted} LOGIN PASSWORD '...'), then run jobd migrate again")
 
 
 def apply(conn: psycopg.Connection, schema: str, *, runtime: Iterable[str] = (),

@@ -309,3 +309,35 @@ def test_a_dropped_role_is_forgotten(granted: Roles) -> None:
         kept = admin.execute("SELECT role::text, kind FROM jobd.role_grants ORDER BY 1, 2"
                              ).fetchall()
     assert kept == sorted([(granted.producer, "producer"), (granted.runtime, "runtime")])
+
+
+def test_a_role_whose_name_needs_quotes_is_granted_and_granted_again(db_url: str) -> None:
+    # A role named as the cluster spells it: capitals and a space. Looked up as an identifier
+    # it was refused ("invalid name syntax"), and 'Alice' was looked up as alice.
+    role = f"ETL Jobs {uuid.uuid4().hex[:6]}"
+    with psycopg.connect(db_url, autocommit=True) as admin:
+        admin.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
+    try:
+        first = cli("migrate", "--database-url", db_url, "--grant-producer", role)
+        assert first.returncode == 0, first.stderr
+        assert f"granted producer privileges to {role}" in first.stdout
+        with connect(psycopg.conninfo.make_conninfo(db_url, user=role), SCHEMA) as conn:
+            assert conn.execute("SELECT jobd.enqueue('ok')").fetchone() is not None
+            refused(conn, "SELECT count(*) FROM jobd.jobs")
+        # The ledger's name is found again by the next migrate, not taken for a dropped role.
+        again = cli("migrate", "--database-url", db_url, "--json")
+        assert again.returncode == 0, again.stderr
+        report = json.loads(again.stdout)
+        assert {"role": role, "kind": "producer"} not in report["forgotten"]
+        assert {"role": role, "kind": "producer"} in report["granted"]
+    finally:
+        with psycopg.connect(db_url, autocommit=True) as admin:
+            admin.execute(sql.SQL("DROP OWNED BY {r}; DROP ROLE {r}").format(
+                r=sql.Identifier(role)))
+
+
+def test_a_missing_role_whose_name_needs_quotes_is_named_quoted(db_url: str) -> None:
+    result = cli("migrate", "--database-url", db_url, "--grant-runtime", "Jobd Nobody")
+    line = assert_one_line_error(result)
+    assert "role 'Jobd Nobody' does not exist" in line
+    assert 'CREATE ROLE "Jobd Nobody" LOGIN' in line

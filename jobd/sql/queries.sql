@@ -1154,13 +1154,17 @@ SELECT set_config('application_name', %(application_name)s, true),
 SELECT to_regclass('role_grants') IS NOT NULL
 
 -- name: role_exists
-SELECT to_regrole(%(role)s) IS NOT NULL
+-- By the role's name as it is, not parsed as an identifier: to_regrole would fold 'Alice' to
+-- alice and refuse 'etl jobs' as bad syntax.
+SELECT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = %(role)s)
 
 -- name: record_role_grant
 INSERT INTO role_grants (role, kind) VALUES (%(role)s, %(kind)s) ON CONFLICT DO NOTHING
 
 -- name: recorded_role_grants
-SELECT role::text, kind, to_regrole(role) IS NOT NULL FROM role_grants ORDER BY role, kind
+SELECT g.role::text, g.kind, EXISTS (SELECT 1 FROM pg_roles AS r WHERE r.rolname = g.role)
+  FROM role_grants AS g
+ ORDER BY g.role, g.kind
 
 -- name: forget_role_grant
 DELETE FROM role_grants WHERE role = %(role)s AND kind = %(kind)s
