@@ -1,7 +1,7 @@
 """The YAML configuration: parsing and validation, no I/O beyond reading the file.
 
 Every error names the file, the line and the key that is wrong, e.g.
-``config/jobd.yaml:12: lanes.default.workers: must be an integer from 1 to 256, not 'two'``.
+``config/jobd.yaml:12: lanes.default.workers: must be an integer from 0 to 256, not 'two'``.
 """
 
 from __future__ import annotations
