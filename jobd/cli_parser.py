@@ -19,6 +19,7 @@ from jobd.cli_types import (
     duration,
     int32,
     interval,
+    lane_name,
     payload,
     positive_int,
     timestamp,
@@ -201,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     listing = leaf(jobs_sub, "list", "list jobs, newest first")
     listing.add_argument("--state", choices=views.JOB_STATES,
                          help="only jobs in this state (default: any)")
-    listing.add_argument("--lane", help="only jobs of this lane (default: any)")
+    listing.add_argument("--lane", type=lane_name, help="only jobs of this lane (default: any)")
     listing.add_argument("--limit", type=positive_int, default=50,
                          help="at most this many (default: 50)")
     listing.set_defaults(func=cmd_jobs_list)
@@ -218,7 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     dlq_sub = dlq_cmd.add_subparsers(dest="dlq_command", metavar="ACTION", required=True,
                                      parser_class=_Parser, help="what to do with dead jobs")
     dlq_list = leaf(dlq_sub, "list", "list dead jobs, newest first")
-    dlq_list.add_argument("--lane", help="only dead jobs of this lane (default: any)")
+    dlq_list.add_argument("--lane", type=lane_name,
+                          help="only dead jobs of this lane (default: any)")
     dlq_list.add_argument("--limit", type=positive_int, default=50,
                           help="at most this many (default: 50)")
     dlq_list.set_defaults(func=cmd_dlq_list)
@@ -232,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--handler", metavar="H",
                         help="replay every dead job of this handler instead of ids "
                              "(default: by id)")
-    replay.add_argument("--lane", metavar="L",
+    replay.add_argument("--lane", metavar="L", type=lane_name,
                         help="with --handler: only its dead jobs of this lane (default: any)")
     replay.set_defaults(func=cmd_dlq_replay)
     quarantine = leaf(

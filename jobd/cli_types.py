@@ -1,5 +1,6 @@
 """The argparse types of the ``jobd`` command line: each checks one argument before any
-command runs (ids, integers, JSON payloads and payload fields, timestamps, durations) and
+command runs (ids, integers, names, JSON payloads and payload fields, timestamps,
+durations) and
 turns what the user got wrong into a one-line usage error."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import math
 from datetime import datetime
 from typing import Any
 
+from jobd import validation
 from jobd.config import parse_duration
 
 BIGINT_MAX = 2**63 - 1
@@ -26,6 +28,17 @@ def positive_int(text: str) -> int:
     if value > BIGINT_MAX:
         raise argparse.ArgumentTypeError(f"too large: at most {BIGINT_MAX}")
     return value
+
+
+def lane_name(text: str) -> str:
+    """A lane filter: a name no lane can have is a mistake, not an empty listing. (A valid name
+    the config lacks still filters: the jobs of a lane since removed stay listed.)"""
+    if "\x00" in text:
+        return text  # refused after parsing, as in any argument, naming it (jobd.cli)
+    try:
+        return validation.name("lane", text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def int32(text: str) -> int:

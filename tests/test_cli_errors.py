@@ -100,6 +100,26 @@ def test_numbers_beyond_bigint_are_refused_at_parsing(db_url: str, args: list[st
     assert "too large" in line and str(2**63 - 1) in line
 
 
+@pytest.mark.parametrize(
+    "args",
+    [["jobs", "list", "--lane", "x y"], ["dlq", "list", "--lane", ""],
+     ["dlq", "replay", "--handler", "fail", "--lane", "bad lane"]],
+)
+def test_a_lane_filter_no_lane_can_match_is_refused(db_url: str, args: list[str]) -> None:
+    # The name rule of every entry point: an empty listing would hide the typo.
+    line = assert_one_line_error(cli(*args, "--database-url", db_url), 2)
+    assert "argument --lane: invalid lane name" in line
+
+
+def test_a_lane_filter_the_config_lacks_still_lists(db_url: str,
+                                                     conn: psycopg.Connection) -> None:
+    # The jobs of a lane since removed from the config stay in the history.
+    jobd.enqueue(conn, "echo", {}, lane="retired")
+    result = cli("jobs", "list", "--lane", "retired", "--database-url", db_url)
+    assert result.returncode == 0, result.stderr
+    assert "retired" in result.stdout
+
+
 def test_the_largest_bigint_is_a_valid_id(db_url: str) -> None:
     line = assert_one_line_error(cli("jobs", "show", str(2**63 - 1), "--database-url", db_url))
     assert f"no job {2**63 - 1}" in line
