@@ -239,8 +239,13 @@ class Env:
 
 
 @contextmanager
-def environment(statements: bool, keep: bool) -> Iterator[Env]:
-    with throwaway_cluster("jobd-daemon-bench-", keep=keep, log=log) as cluster:
+def environment(statements: bool, keep: bool,
+                settings: dict[str, str] | None = None) -> Iterator[Env]:
+    """The private cluster, its migrated database, the handlers and a config directory;
+    ``settings``: server settings for its command line (bench/burst_bench.py's
+    ``track_commit_timestamp``)."""
+    with throwaway_cluster("jobd-daemon-bench-", keep=keep, log=log,
+                           settings=settings) as cluster:
         log(f"started a private cluster in {cluster.datadir} on port {cluster.port}")
         root = cluster.datadir.parent
         with psycopg.connect(cluster.url, autocommit=True) as conn:
