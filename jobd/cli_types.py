@@ -1,7 +1,6 @@
 """The argparse types of the ``jobd`` command line: each checks one argument before any
-command runs (ids, integers, names, JSON payloads and payload fields, timestamps,
-durations) and
-turns what the user got wrong into a one-line usage error."""
+command runs (ids, integers, names, JSON payloads and payload fields, timestamps, durations)
+and turns what the user got wrong into a one-line usage error."""
 
 from __future__ import annotations
 
