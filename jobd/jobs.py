@@ -35,14 +35,17 @@ class JobSpec:
 
     def encoded_payload(self) -> str:
         """Check every rule; return the payload as the JSON text to store."""
-        validation.name("handler", self.handler)
+        validation.handler(self.handler)
         validation.name("lane", self.lane)
         if self.run_at is not None:
             validation.run_at(self.run_at)
-        if not isinstance(self.priority, int) or not -(2**31) <= self.priority < 2**31:
+        # bool is an int to isinstance; True is not a priority.
+        if (not isinstance(self.priority, int) or isinstance(self.priority, bool)
+                or not -(2**31) <= self.priority < 2**31):
             raise ValueError(f"priority must be a 32-bit integer, not {self.priority!r}")
         if self.max_attempts is not None and (
-            not isinstance(self.max_attempts, int) or not 1 <= self.max_attempts < 2**31
+            not isinstance(self.max_attempts, int) or isinstance(self.max_attempts, bool)
+            or not 1 <= self.max_attempts < 2**31
         ):
             raise ValueError(f"max_attempts must be a positive integer, not {self.max_attempts!r}")
         if self.idempotency_key is not None:

@@ -9,12 +9,13 @@ from datetime import datetime
 from typing import Any
 
 import psycopg
+from psycopg import pq
 from psycopg.rows import tuple_row
 from psycopg.types.json import Jsonb
 
 from jobd.db import DEFAULT_SCHEMA
 from jobd.jobs import JobSpec
-from jobd.queries import qualified
+from jobd.queries import qualified, query
 
 
 def _stored_json(text: str) -> Jsonb:
@@ -59,8 +60,10 @@ def enqueue(
     """
     if run_at is not None and delay is not None:
         raise ValueError("give run_at or delay, not both")
-    if delay is not None and not 0 <= delay < 10**9:
-        raise ValueError(f"delay must be a non-negative number of seconds, not {delay!r}")
+    if delay is not None and (not isinstance(delay, int | float) or isinstance(delay, bool)
+                              or not 0 <= delay < 10**9):
+        raise ValueError(f"delay must be a non-negative number of seconds below 10**9, "
+                         f"not {delay!r}")
     spec = JobSpec(
         handler, {} if payload is _NO_PAYLOAD else payload, lane, run_at, priority,
         idempotency_key, max_attempts, fairness_key,
@@ -101,10 +104,10 @@ def enqueue_many(
     encoded = [spec.encoded_payload() for spec in specs]
     if not specs:
         return []
-    largest = max(len(text.encode("utf-8", "surrogatepass")) for text in encoded)
+    largest = max(len(text.encode("utf-8")) for text in encoded)  # valid UTF-8: checked
     ids: list[int | None] = [None] * len(specs)
     to_insert: list[tuple[int, int]] = []  # (job id, position in specs)
-    with conn.transaction():
+    with _savepoint_in_callers_transaction(conn):
         keyed = [i for i, spec in enumerate(specs) if spec.idempotency_key is not None]
         unkeyed = [i for i, spec in enumerate(specs) if spec.idempotency_key is None]
         # COPY cannot evaluate now(), so the database clock is read here: within a
@@ -132,6 +135,18 @@ def enqueue_many(
                        spec.max_attempts)
                 copy.write_row((*row, spec.fairness_key) if keyed_rows else row)
     return [int(job_id) for job_id in ids if job_id is not None]
+
+
+def _savepoint_in_callers_transaction(conn: psycopg.Connection) -> psycopg.Transaction:
+    """``conn.transaction()``, a savepoint of the caller's transaction. Without autocommit and
+    before the caller's first statement, psycopg's transaction() would begin a transaction of
+    its own and commit it at the block's end, so the jobs would outlive the caller's
+    rollback; a first statement begins the caller's transaction instead, as the INSERT of a
+    single enqueue does. (With autocommit, the block is the transaction: the batch commits
+    whole or not at all.)"""
+    if not conn.autocommit and conn.info.transaction_status == pq.TransactionStatus.IDLE:
+        _tuples(conn).execute(query("open_transaction"))
+    return conn.transaction()
 
 
 def _resolve_keys(

@@ -6,7 +6,9 @@ those two, by the CLI, so a job that one entry point accepts is never refused, o
 accepted and then undeliverable, through another:
 
 - handler and lane names: 1-128 of letters, digits and ``_ . : -``, starting with a letter or
-  digit;
+  digit; the handler :data:`OUTBOX_HANDLER` is jobd's own (the outbox's deliveries, which
+  only ``outbox_add`` may create);
+- text anywhere (keys, payload strings) must be valid Unicode: a lone surrogate has no UTF-8;
 - idempotency keys: non-empty, at most :data:`MAX_KEY_BYTES` bytes of UTF-8, no NUL, not in
   jobd's reserved ``jobd:`` namespace (they are indexed, and a btree entry has a size limit);
 - ``run_at`` from :data:`EARLIEST_RUN_AT` to before :data:`LATEST_RUN_AT`, so every reader
@@ -69,6 +71,25 @@ def name(kind: str, value: object) -> str:
     return value
 
 
+def handler(value: object) -> str:
+    """The handler of a job to enqueue: a name, and not the outbox's own."""
+    if value == OUTBOX_HANDLER:
+        raise ValueError(f"handler {OUTBOX_HANDLER!r} is reserved for jobd's outbox deliveries "
+                         "(a transactional handler's outbox_add creates them)")
+    return name("handler", value)
+
+
+def utf8_size(kind: str, text: str) -> int:
+    """The UTF-8 size of ``text``, or ValueError naming ``kind`` if it holds a lone surrogate
+    (text decoded from bytes that were not UTF-8, or a "\\ud800" escape), which no database
+    text can hold."""
+    try:
+        return len(text.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{kind} is not valid Unicode: it holds {exc.object[exc.start]!r}, "
+                         "which has no UTF-8 form") from None
+
+
 def _key(kind: str, value: object, max_bytes: int) -> str:
     """A non-empty string of at most ``max_bytes`` bytes of UTF-8 without NUL, or
     ValueError naming ``kind``."""
@@ -76,7 +97,7 @@ def _key(kind: str, value: object, max_bytes: int) -> str:
         raise ValueError(f"{kind} must be a non-empty string")
     if "\x00" in value:
         raise ValueError(f"{kind} must not contain NUL characters")
-    size = len(value.encode("utf-8", "surrogatepass"))
+    size = utf8_size(kind, value)
     if size > max_bytes:
         raise ValueError(f"{kind} is {size} bytes; at most {max_bytes} are allowed")
     return value
@@ -96,7 +117,9 @@ def fairness_key(value: object) -> str:
     return _key("fairness_key", value, MAX_FAIRNESS_KEY_BYTES)
 
 
-def run_at(value: datetime) -> datetime:
+def run_at(value: object) -> datetime:
+    if not isinstance(value, datetime):
+        raise ValueError(f"run_at must be a timezone-aware datetime, not {value!r}")
     if value.utcoffset() is None:
         raise ValueError("run_at must be timezone-aware (a naive datetime is ambiguous)")
     if not EARLIEST_RUN_AT <= value < LATEST_RUN_AT:
@@ -116,21 +139,29 @@ def encode_payload(payload: Any) -> str:
         raise ValueError(f"payload cannot be stored as JSON: {exc}") from None
     if _NUL_ESCAPE.search(text):
         raise ValueError("payload strings must not contain NUL characters (\\u0000)")
-    return _spell_out_exponents(text) if "e+" in text else text
+    utf8_size("payload", text)
+    return _spell_out_exponents(text) if "e+" in text or "e-" in text else text
 
 
-# A JSON string, or a number with a positive exponent (only floats are written so).
-_STRING_OR_EXPONENT = re.compile(r'"(?:[^"\\]|\\.)*"|-?\d+(?:\.\d+)?e\+\d+')
+# A JSON string, or a number with an exponent (only floats are written so).
+_STRING_OR_EXPONENT = re.compile(r'"(?:[^"\\]|\\.)*"|-?\d+(?:\.\d+)?e[+-]\d+')
 
 
 def _spell_out_exponents(text: str) -> str:
-    """jsonb keeps numbers as numeric and prints them without an exponent, so a float whose
-    shortest repr has one (7.061036108043807e+16) would come back as the integer that repr
-    spells: another type and, past 2**53, another value (70610361080438070, not the float's
-    70610361080438064). Written out with a fractional digit it comes back as the same
-    float."""
-    return _STRING_OR_EXPONENT.sub(
-        lambda m: m[0] if m[0].startswith('"') else f"{Decimal(m[0]):f}.0", text)
+    """The payload as jsonb prints it back, so that its size here is the size the database
+    measures against ``max_payload_bytes`` (the bulk path's check): jsonb keeps numbers as
+    numeric and prints them without an exponent, 1e-300 as 302 characters. A float with a
+    positive exponent (7.061036108043807e+16) is also given a fractional digit: printed as
+    the integer its repr spells, it would come back as another type and, past 2**53, another
+    value (70610361080438070, not the float's 70610361080438064)."""
+    return _STRING_OR_EXPONENT.sub(lambda m: _spelled_out(m[0]), text)
+
+
+def _spelled_out(token: str) -> str:
+    if token.startswith('"'):
+        return token
+    digits = f"{Decimal(token):f}"
+    return digits if "." in digits else f"{digits}.0"
 
 
 def _check_depth(payload: Any) -> None:

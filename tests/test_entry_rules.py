@@ -71,6 +71,11 @@ REFUSED = {
     "payload with a 4301-digit number": Case(payload=[HUGE], payload_sql="[1" + "0" * 4300 + "]"),
     "payload with a NUL character": Case(payload={"s": "a\x00b"}),
     "handler starting with a dot": Case(handler=".h"),
+    # Only outbox_add creates the outbox's deliveries: a producer must not send one.
+    "the outbox's own handler": Case(handler=validation.OUTBOX_HANDLER,
+                                     payload={"outbox_id": 1}),
+    "payload with a lone surrogate": Case(payload={"s": "\ud800"},
+                                          payload_sql='{"s": "\\ud800"}'),
 }
 
 ACCEPTED = {
@@ -82,6 +87,7 @@ ACCEPTED = {
     "a 4300-digit number": Case(payload=[HUGE - 1]),
     "a 512-byte key": Case(key="k" * 512),
     "run_at on the last accepted day": Case(run_at=datetime(9998, 12, 31, tzinfo=UTC)),
+    "floats with exponents": Case(payload=[1e-300, 1.5e-05, -2.5e-07, 1e22]),
 }
 
 
@@ -161,6 +167,57 @@ def test_the_payload_size_limit_is_the_databases_for_every_entry_point(
     for enqueue in (via_sql, via_python, via_bulk):
         enqueue(conn, Case(payload=fits))
     assert conn.execute("SELECT count(*) FROM jobs").fetchone() == (3,)
+
+
+def test_a_payload_is_measured_as_the_database_prints_it(
+    conn: psycopg.Connection, db_url: str
+) -> None:
+    """jsonb prints numbers without an exponent: [1e-07, ...] of 70 characters as Python
+    writes it is 110 as the database measures it, and every entry point refuses it."""
+    conn.execute("UPDATE settings SET value = '100' WHERE name = 'max_payload_bytes'")
+    case = Case(payload=[1e-7] * 10)
+    assert len(json.dumps(case.payload)) == 70
+    with pytest.raises(psycopg.errors.InvalidParameterValue, match="110 bytes"):
+        via_sql(conn, case)
+    for enqueue in (via_python, via_bulk):
+        with pytest.raises(psycopg.errors.InvalidParameterValue, match="110 bytes"):
+            enqueue(conn, case)
+    assert "110 bytes" in assert_one_line_error(cli(*case.cli_args(db_url)), 2)
+    assert conn.execute("SELECT count(*) FROM jobs").fetchone() == (0,)
+    fits = [1e-7] * 9  # 99 bytes as the database prints it
+    for enqueue in (via_sql, via_python, via_bulk):
+        enqueue(conn, Case(payload=fits))
+    assert conn.execute("SELECT DISTINCT octet_length(payload::text) FROM jobs").fetchall() == [
+        (99,)]
+
+
+def test_keys_that_are_not_unicode_are_refused_with_a_message(
+    conn: psycopg.Connection, db_url: str
+) -> None:
+    """A lone surrogate: what Python makes of bytes that are not UTF-8 (a shell's $'\\xff'
+    argument) or of a "\\ud800" escape. No database text can hold it."""
+    for kind, key in (("idempotency_key", "k\udcff"), ("fairness_key", "\ud800")):
+        with pytest.raises(ValueError, match=f"{kind} is not valid Unicode"):
+            jobd.enqueue(conn, "h", **{kind: key})
+        with pytest.raises(ValueError, match=f"{kind} is not valid Unicode"):
+            jobd.enqueue_many(conn, [jobd.JobSpec("h", **{kind: key})])
+    for option in ("--idempotency-key", "--fairness-key"):
+        result = cli("enqueue", "h", option, "k\udcff", "--database-url", db_url)
+        assert "is not valid Unicode" in assert_one_line_error(result, 2)
+    assert conn.execute("SELECT count(*) FROM jobs").fetchone() == (0,)
+
+
+def test_python_refuses_arguments_of_the_wrong_type(conn: psycopg.Connection) -> None:
+    for arguments, message in (
+        ({"priority": True}, "priority must be a 32-bit integer"),
+        ({"max_attempts": True}, "max_attempts must be a positive integer"),
+        ({"run_at": "2030-01-01T00:00:00Z"}, "run_at must be a timezone-aware datetime"),
+        ({"delay": "30"}, "delay must be a non-negative number"),
+        ({"delay": True}, "delay must be a non-negative number"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            jobd.enqueue(conn, "h", **arguments)
+    assert conn.execute("SELECT count(*) FROM jobs").fetchone() == (0,)
 
 
 def test_a_sql_null_payload_is_refused_and_a_json_null_kept(conn: psycopg.Connection) -> None:

@@ -58,6 +58,20 @@ def test_rolled_back_enqueue_leaves_nothing(db_url: str) -> None:
                               ).fetchone() == (0, 0)
 
 
+def test_enqueue_many_as_a_transactions_first_statement_rolls_back_with_it(db_url: str) -> None:
+    """A plain psycopg connection, as a caller opens one: enqueue_many is its first statement
+    (psycopg's transaction() would commit a block of its own there), then the caller's work
+    fails and is rolled back."""
+    with psycopg.connect(db_url) as conn:
+        jobd.enqueue_many(conn, [JobSpec("h", {"n": n}) for n in range(3)])
+        assert conn.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
+        conn.rollback()
+        jobd.enqueue_many(conn, [JobSpec("h", {"n": 3})])
+        conn.commit()
+    with connect(db_url) as reader:
+        assert reader.execute("SELECT payload FROM jobs").fetchall() == [({"n": 3},)]
+
+
 def test_sql_function_takes_named_arguments(conn: psycopg.Connection) -> None:
     row = conn.execute(
         "SELECT enqueue('send_email', '{\"a\": 1}', run_at => now() + interval '1 hour', "

@@ -29,6 +29,12 @@ SELECT {schema}.enqueue(%(handler)s, %(payload)s, %(lane)s,
                         coalesce(%(run_at)s, now() + make_interval(secs => %(delay)s)),
                         %(priority)s, %(idempotency_key)s, %(max_attempts)s, %(fairness_key)s)
 
+-- name: open_transaction
+-- Nothing but the statement that makes psycopg begin the caller's transaction (it sends
+-- BEGIN before a connection's first statement outside autocommit): enqueue_many then
+-- writes in a savepoint of it.
+SELECT 1
+
 -- name: reserve_ids_qualified
 -- Job ids for a bulk enqueue, and the transaction's now() for rows that give no run_at; the
 -- size of the batch's largest payload is checked against the database's limit on the way.

@@ -482,6 +482,12 @@ BEGIN
             coalesce(quote_literal(check_job.handler), 'NULL')
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
+    -- The outbox's deliveries (validation.OUTBOX_HANDLER) come from outbox_add alone: a
+    -- producer that could enqueue one would re-send an effect that died, or send one early.
+    IF check_job.handler = 'jobd.outbox' THEN
+        RAISE EXCEPTION 'jobd.enqueue: handler ''jobd.outbox'' is reserved for jobd''s outbox deliveries (a transactional handler''s outbox_add creates them)'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
     IF check_job.lane IS NULL OR check_job.lane !~ name_chars
        OR octet_length(check_job.lane) > 128 THEN
         RAISE EXCEPTION 'jobd.enqueue: invalid lane name %: use 1-128 letters, digits and _ . : - (starting with a letter or digit)',
