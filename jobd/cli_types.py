@@ -7,7 +7,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 from datetime import datetime
+from decimal import Decimal
 from typing import Any
 
 from jobd import validation
@@ -16,12 +18,20 @@ from jobd.config import parse_duration
 BIGINT_MAX = 2**63 - 1
 
 
+# What PostgreSQL reads as an integer: ASCII digits, a sign, blanks around. (Python's int()
+# also takes 1_000 and other scripts' digits, which SQL would refuse.)
+_INTEGER = re.compile(r"[ \t]*[-+]?[0-9]+[ \t]*", re.ASCII)
+
+
+def _integer(text: str) -> int:
+    if not _INTEGER.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"not an integer: {text[:40]!r}")
+    return int(text)
+
+
 def positive_int(text: str) -> int:
     """1 up to the largest bigint: ids and limits go to PostgreSQL as bigint."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text[:40]!r}") from None
+    value = _integer(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1: {value}")
     if value > BIGINT_MAX:
@@ -41,10 +51,7 @@ def lane_name(text: str) -> str:
 
 
 def int32(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    value = _integer(text)
     if not -(2**31) <= value < 2**31:
         raise argparse.ArgumentTypeError(f"out of range for a 32-bit integer: {value}")
     return value
@@ -54,11 +61,24 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON (PostgreSQL refuses it)")
 
 
-def _finite_float(text: str) -> float:
+def _json_float(text: str) -> float | int:
+    """A JSON number written with a fraction or an exponent, as a float. Beyond a float's
+    range (1e400) it stays exact, as jsonb keeps it: a whole number, which is what a handler
+    gets (jsonb prints it without an exponent), within the integers' 4300-digit bound."""
     value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"{text[:40]} is too large for a JSON number (PostgreSQL refuses it)")
-    return value
+    if math.isfinite(value):
+        return value
+    exact = Decimal(text)
+    if exact != exact.to_integral_value():
+        raise ValueError(f"{text[:40]} is beyond a float's range and not a whole number")
+    if abs(exact) >= _DECODABLE_INTEGER_BOUND:
+        raise ValueError(_TOO_MANY_DIGITS)
+    return int(exact)
+
+
+_DECODABLE_INTEGER_BOUND = 10**4300
+_TOO_MANY_DIGITS = ("an integer has more than 4300 digits, which a handler could not "
+                    "decode")
 
 
 def _contains_nul(value: Any) -> bool:
@@ -86,7 +106,7 @@ def payload(text: str) -> Any:
     argument parsing, with a message instead of a traceback.
     """
     try:
-        value = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
+        value = json.loads(text, parse_constant=_refuse_constant, parse_float=_json_float)
     except json.JSONDecodeError as exc:
         raise argparse.ArgumentTypeError(f"payload is not valid JSON: {exc}") from None
     except RecursionError:
@@ -95,8 +115,7 @@ def payload(text: str) -> Any:
     except ValueError as exc:
         message = str(exc)
         if "integer string conversion" in message:
-            message = ("an integer has more than 4300 digits, which a handler could not "
-                       "decode")
+            message = _TOO_MANY_DIGITS
         raise argparse.ArgumentTypeError(f"payload refused: {message}") from None
     if _contains_nul(value):
         raise argparse.ArgumentTypeError(

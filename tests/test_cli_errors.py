@@ -38,7 +38,8 @@ def count_jobs(conn: psycopg.Connection) -> int:
         ('{"x": NaN}', "NaN is not JSON"),
         ("[Infinity]", "Infinity is not JSON"),
         ("-Infinity", "Infinity is not JSON"),
-        ('{"x": 1e999}', "too large for a JSON number"),
+        ('{"x": 1e4300}', "more than 4300 digits"),
+        ('{"x": -2.5e4300}', "more than 4300 digits"),
         ('{"x": "a\\u0000b"}', "NUL"),
         ('{"a\\u0000": 1}', "NUL"),
         ('["ok", ["\\u0000"]]', "NUL"),
@@ -51,6 +52,31 @@ def test_undecodable_or_unstorable_payloads_exit_2(
     line = assert_one_line_error(result, 2)
     assert fragment in line and "--payload" in line
     assert count_jobs(conn) == 0
+
+
+def test_a_number_beyond_a_floats_range_is_stored_as_sql_stores_it(
+        db_url: str, conn: psycopg.Connection) -> None:
+    """1e400 is no float, but jsonb holds it (and a handler gets the whole number it prints
+    as): the command line takes what `SELECT jobd.enqueue('h', '{"x": 1e400}')` takes."""
+    result = cli("enqueue", "h", "--payload", '{"x": 1e400, "y": 9.9e4299}',
+                 "--database-url", db_url)
+    assert result.returncode == 0, result.stderr
+    conn.execute("""SELECT jobd.enqueue('h', '{"x": 1e400, "y": 9.9e4299}')""")
+    rows = conn.execute("SELECT payload::text FROM jobs ORDER BY id").fetchall()
+    assert rows[0] == rows[1]
+    assert jobd.jobs.decode_stored_payload(rows[0][0]) == {"x": 10**400, "y": 99 * 10**4298}
+
+
+@pytest.mark.parametrize("value", ["1_000", "\u0663", "0x10", "1.0", ""])
+def test_integers_are_what_sql_reads_as_integers(db_url: str, conn: psycopg.Connection,
+                                                 value: str) -> None:
+    for option in ("--priority", "--max-attempts"):
+        result = cli("enqueue", "h", option, value, "--database-url", db_url)
+        assert "not an integer" in assert_one_line_error(result, 2)
+    assert count_jobs(conn) == 0
+    result = cli("enqueue", "h", "--priority", " -3 ", "--database-url", db_url)
+    assert result.returncode == 0, result.stderr
+    assert conn.execute("SELECT priority FROM jobs").fetchone() == (-3,)
 
 
 def test_an_escaped_backslash_before_u0000_is_not_a_nul(db_url: str,
