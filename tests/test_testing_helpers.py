@@ -169,6 +169,7 @@ def test_raise_errors_fails_the_test_with_the_handlers_exception_once_recorded(
         run_jobs(user_conn, handlers=HANDLERS, raise_errors=True)
     assert isinstance(raised.value.__cause__, testing_app.PaymentDeclined)
     assert "card of order 8 declined" in str(raised.value)
+    assert f"job {job_id} ('charge', attempt 1) failed and will be retried:" in str(raised.value)
     assert "Traceback (most recent call last)" in str(raised.value)
     assert raised.value.run.id == job_id and raised.value.summary.ran == 1
     [job] = assert_enqueued(user_conn, "charge", payload={"order": 8})

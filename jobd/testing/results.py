@@ -79,13 +79,23 @@ class RunSummary:
         return "\n".join(lines)
 
 
+# What became of a job whose attempt failed, by the attempt's outcome.
+_AFTER_A_FAILURE = {
+    "failed": "will be retried",
+    "dead": "is dead (in the dead-letter queue)",
+    "cancelled": "was cancelled",
+    "lease_lost": "had lost its lease",
+}
+
+
 class JobFailed(Exception):
     """A job's attempt failed under ``run_jobs(..., raise_errors=True)``. The failure is
     recorded in the database first; the handler's exception is the ``__cause__``."""
 
     def __init__(self, run: JobRun, summary: RunSummary) -> None:
         assert run.error is not None
+        what_now = _AFTER_A_FAILURE.get(run.outcome, f"is {run.outcome}")
         super().__init__(f"job {run.id} ({run.handler!r}, attempt {run.job.attempt}) "
-                         f"failed and is {run.outcome}:\n{run.error}")
+                         f"failed and {what_now}:\n{run.error}")
         self.run = run
         self.summary = summary
