@@ -14,12 +14,15 @@ from jobd import jobs, logs
 from jobd.handlers import ResolvedHandler
 from jobd.loop_watch import LoopWatch
 from jobd.outcomes import CANCELLED_ERROR, Outcome, failed, within_timeout
+from jobd.run_board import RunBoard
 
 
 class AsyncHandlers:
-    def __init__(self, timeout: float | None, deliver: Callable[[Outcome], None]) -> None:
+    def __init__(self, timeout: float | None, deliver: Callable[[Outcome], None],
+                 board: RunBoard | None = None) -> None:
         self.timeout = timeout
         self._deliver = deliver
+        self.board = board  # the runs in progress, for the supervisor (jobd.run_board)
         # The tasks of running jobs, by job id; touched only on the event loop's thread. A job
         # claimed again while a run whose lease was lost still goes on maps to its new run.
         self._tasks: dict[int, asyncio.Task[Any]] = {}
@@ -74,6 +77,7 @@ class AsyncHandlers:
         self._jobs[task] = job
         logs.bind_task_job(job.id, job.handler)
         started = time.monotonic()
+        board_slot = self.board.async_started(job.id) if self.board is not None else None
         try:
             if job.cancelled:  # asked to stop before it started
                 raise asyncio.CancelledError
@@ -92,5 +96,7 @@ class AsyncHandlers:
             if self._tasks.get(job.id) is task:
                 del self._tasks[job.id]
             del self._jobs[task]
+            if self.board is not None:
+                self.board.async_ended(board_slot)
         outcome.seconds = time.monotonic() - started
         self._deliver(outcome)

@@ -27,6 +27,7 @@ from jobd.db import conninfo, users_connection_setup
 from jobd.loop_watch import Blocked, Freed
 from jobd.outcomes import Outcome, failed
 from jobd.protocol import WorkerSpec, worker_connection_name
+from jobd.run_board import RunBoard
 
 log = structlog.get_logger("jobd.worker")
 
@@ -46,6 +47,9 @@ class HandlerRunner:
         self.spec = spec
         self.lane = spec.lane
         self.handlers = resolved
+        # What the supervisor reads if this process dies: the jobs whose handlers run.
+        self.board = (RunBoard(spec.board_fd, spec.lane.concurrency) if spec.board_fd >= 0
+                      else None)
         self.outcomes: stdlib_queue.SimpleQueue[Outcome] = stdlib_queue.SimpleQueue()
         self.handler_queue: stdlib_queue.SimpleQueue[
             tuple[handler_registry.ResolvedHandler, Start]] = stdlib_queue.SimpleQueue()
@@ -65,7 +69,7 @@ class HandlerRunner:
                 min_size=0, max_size=spec.lane.concurrency, open=True,
                 kwargs={"autocommit": True}, name=f"jobd-{spec.lane.name}-handlers",
                 configure=users_connection_setup(spec.database_url, spec.session))
-        self.async_handlers = (AsyncHandlers(spec.lane.timeout, self._deliver)
+        self.async_handlers = (AsyncHandlers(spec.lane.timeout, self._deliver, self.board)
                                if any(h.is_async for h in resolved.values()) else None)
         self.results_r, self._results_w = os.pipe()
         for fd in (self.results_r, self._results_w):
@@ -116,8 +120,9 @@ class HandlerRunner:
         # A plain queue and long-lived threads: cheaper per job than an executor's futures
         # and callbacks, which matters when jobs take microseconds.
         while len(self.handler_threads) < self.lane.concurrency:
-            thread = threading.Thread(target=self._handler_thread, daemon=True,
-                                      name=f"jobd-{self.lane.name}-{len(self.handler_threads)}")
+            index = len(self.handler_threads)
+            thread = threading.Thread(target=self._handler_thread, args=(index,), daemon=True,
+                                      name=f"jobd-{self.lane.name}-{index}")
             thread.start()
             self.handler_threads.append(thread)
 
@@ -129,7 +134,7 @@ class HandlerRunner:
         if self.async_handlers is not None and self.is_async(job.handler):
             self.async_handlers.cancel(job.id)
 
-    def _handler_thread(self) -> None:
+    def _handler_thread(self, index: int) -> None:
         while True:
             resolved, start = self.handler_queue.get()
             with self._starting:
@@ -142,6 +147,8 @@ class HandlerRunner:
                 self._wake_loop()
             job = start.job
             logs.bind_job(job.id, job.handler)
+            if self.board is not None:
+                self.board.thread_started(index, job.id)
             try:
                 if resolved.is_transactional:
                     result = self._run_transactional(resolved, job)
@@ -156,6 +163,8 @@ class HandlerRunner:
                 outcome = failed(job, exc)
             finally:
                 logs.unbind_job()
+                if self.board is not None:
+                    self.board.thread_ended(index)
             outcome.seconds = time.monotonic() - started
             self._deliver(outcome)
 

@@ -32,10 +32,11 @@ measurement then decides as before. A fair or age-promoting lane does not double
 buffer's bound is a fairness bound, not only a matter of speed.
 
 After a crash in the lane (the supervisor's SUSPECTS byte) the floor holds for
-:data:`HOLD_AFTER_CRASH`: crash attribution cannot tell which of the jobs a dead worker held
-killed it, so every one becomes a suspect that runs alone (``jobd.recovery``), and a poison
-that keeps arriving would otherwise cost hundreds of solitary runs per crash instead of a
-few dozen.
+:data:`HOLD_AFTER_CRASH`. A dead worker's run board (``jobd.run_board``) spares its buffer:
+only the jobs it was running become suspects that run alone (``jobd.recovery``). But a board
+that proves nothing (the worker died outside any handler) leaves every job it held a
+suspect, and a poison that keeps arriving would then cost hundreds of solitary runs per
+crash instead of a few dozen.
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ IDLE_RESET = 1.0  # a window this old (nothing measured since) no longer says an
 # 2 x 10 with no-op handlers 50 drained 6 % and 21 % faster (medians of three alternating
 # runs, docs/performance.md). The buffer still holds no more than HORIZON of the worker's own
 # work, so the higher cap counts only where one worker at concurrency 10 starts more than
-# 4,000 jobs/s; there a first crash in a quiet lane makes up to 500 suspects instead of 200.
+# 4,000 jobs/s; there a first crash in a quiet lane that its run board cannot attribute
+# makes up to 500 suspects instead of 200.
 MAX_FACTOR = 50
 MAX_JOBS = 500  # ... and at most this many jobs
 HOLD_AFTER_CRASH = 30.0  # seconds at the floor after a crash in the lane

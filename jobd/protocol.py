@@ -73,6 +73,9 @@ class WorkerSpec:
     # the supervisor decided it for the whole node (LaneConfig.settles_apart). None from a
     # supervisor older than the field (a package upgraded under it): the worker decides.
     settles_apart: bool | None = None
+    # The run board the supervisor reads when the worker dies (jobd.run_board); -1 from a
+    # supervisor older than the field: none, and crash attribution suspects every job held.
+    board_fd: int = -1
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

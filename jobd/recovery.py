@@ -15,7 +15,8 @@ from jobd.backoff import RetryPolicy
 from jobd.jobs import Lease
 from jobd.protocol import backend_prefix
 from jobd.queries import query
-from jobd.queue import FailOutcome, Failure, bigint_array, fail, lease_arrays
+from jobd.queue import FailOutcome, Failure, bigint_array, fail, lease_arrays, release
+from jobd.run_board import Running
 
 PolicyLookup = Callable[[str], RetryPolicy]
 
@@ -124,7 +125,8 @@ class CrashOutcome:
     """What crash attribution did with a dead worker's jobs."""
 
     failed: FailOutcome  # the job that killed its worker alone: an attempt spent
-    suspects: list[int]  # several jobs held: each gets its attempt back and runs alone
+    suspects: list[int]  # several jobs running: each gets its attempt back and runs alone
+    given_back: list[int] = field(default_factory=list)  # held, never started: unharmed
 
 
 def settle_crashed_worker(
@@ -133,12 +135,18 @@ def settle_crashed_worker(
     error: str,
     policy_for: PolicyLookup,
     now: datetime | None = None,
+    running: Running | None = None,
 ) -> CrashOutcome:
     """Crash attribution for a worker process that died, in one transaction.
 
-    Alone, the job it held killed it: that job spends an attempt (retried after its backoff,
-    dead when its budget is spent) and stays a suspect, so its retries run alone. Holding
-    several, nothing says which one killed it: all of them get their attempt back and
+    Only a job whose handler was running can have killed it: ``running``, the worker's run
+    board (jobd.run_board), says which; the jobs it held unstarted (claimed ahead, on deck)
+    are given back unharmed. Without a board, or when the board missed a run or shows none
+    of the jobs held, every job held counts as running.
+
+    Alone, the job running killed it: that job spends an attempt (retried after its backoff,
+    dead when its budget is spent) and stays a suspect, so its retries run alone. Several
+    running, nothing says which one killed it: all of them get their attempt back and
     become suspects, each run alone by an idle worker (claim_suspect) until the one that
     kills its worker is found. So only the poison spends its budget, never its neighbours.
     Jobs that were asked to stop (jobd.cancel) are failed either way, which archives them as
@@ -151,17 +159,36 @@ def settle_crashed_worker(
     with conn.transaction():
         conn.execute(query("disarm_waiter"), {"worker": worker})
         rows = conn.execute(query("jobs_held_by"), {"worker": worker}).fetchall()
+        rows, unstarted = _split_by_board(rows, running)
+        given_back = release(conn, [Lease(row[0], row[1]) for row in unstarted if not row[5]])
+        # Asked to stop and never started: ended as cancelled, like the running ones.
+        stop_unstarted = [row for row in unstarted if row[5]]
         if len(rows) > 1:
-            cancelled = [row for row in rows if row[5]]
+            cancelled = [row for row in rows if row[5]] + stop_unstarted
             leases = [Lease(row[0], row[1]) for row in rows if not row[5]]
             released = conn.execute(query("release_as_suspects"),
                                     lease_arrays(leases)).fetchall()
             stopped = _fail_rows(conn, cancelled, lambda _worker: error, policy_for, now, False)
-            return CrashOutcome(stopped, sorted(row[0] for row in released))
-        failed = _fail_rows(conn, rows, lambda _worker: error, policy_for, now, False)
+            return CrashOutcome(stopped, sorted(row[0] for row in released),
+                                sorted(given_back.applied))
+        failed = _fail_rows(conn, rows + stop_unstarted, lambda _worker: error, policy_for,
+                            now, False)
         if failed.retried:
             conn.execute(query("mark_suspect"), {"ids": bigint_array(failed.retried)})
-        return CrashOutcome(failed, [])
+        return CrashOutcome(failed, [], sorted(given_back.applied))
+
+
+def _split_by_board(rows: list[Any], running: Running | None) -> tuple[list[Any], list[Any]]:
+    """The rows of jobs held (``jobs_held_by``): (those that were running, those that never
+    started), by the run board. A board that is incomplete, or names none of the jobs held,
+    proves nothing (the worker died outside any handler, say while decoding a claim): then
+    every job held counts as running."""
+    if running is None or not running.complete:
+        return rows, []
+    started = [row for row in rows if row[0] in running.job_ids]
+    if not started:
+        return rows, []
+    return started, [row for row in rows if row[0] not in running.job_ids]
 
 
 def fail_claims_not_held(conn: psycopg.Connection, worker: str, held: Iterable[Lease],

@@ -208,7 +208,7 @@ class Supervisor:
             self.crashes.add(Attribution(
                 exited.worker_id, exited.lane,
                 f"worker {exited.worker_id} (pid {exited.pid}) died: {exited.reason}",
-                release=not exited.crashed))
+                release=not exited.crashed, running=exited.running))
             if self.metrics is not None:
                 self.metrics.retire(exited.lane, exited.report.work)
 

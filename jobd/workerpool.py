@@ -34,6 +34,7 @@ from jobd.protocol import (
     describe_exit,
 )
 from jobd.restarts import SlotBackoff, restart_reason
+from jobd.run_board import RunBoard, Running
 
 ABORT_GRACE = 5.0  # after SIGABRT, how long a hung worker gets before SIGKILL
 BOOT_FAILURES_BEFORE_FATAL = 3
@@ -53,6 +54,7 @@ class WorkerProcess:
     popen: subprocess.Popen[bytes]
     wake_w: int
     status_r: int
+    board: RunBoard  # the jobs its handlers run (jobd.run_board), read when it exits
     started: float
     last_seen: float
     report: StatusReport = field(default_factory=StatusReport)
@@ -113,6 +115,7 @@ class Exited:
     reason: str
     crashed: bool  # else we stopped it (or it exited cleanly): its jobs are given back
     report: StatusReport  # its last report (its final one, after a clean exit)
+    running: Running  # the jobs its handlers were running when it died
 
 
 class WorkerPool:
@@ -214,6 +217,7 @@ class WorkerPool:
     def _spawn(self, slot: Slot) -> WorkerProcess:
         wake_r, wake_w = os.pipe()
         status_r, status_w = os.pipe()
+        board, board_fd = RunBoard.create(slot.lane.concurrency)
         config = self.config
         spec = WorkerSpec(
             worker_id=f"{config.node_name}:{slot.lane.name}#{slot.index}:"
@@ -225,21 +229,22 @@ class WorkerPool:
             shutdown_timeout=config.shutdown_timeout, log_level=config.log_level,
             metrics=config.metrics_listen is not None,
             node=config.node_name, session=config.session,
-            settles_apart=self._settles_apart(config, slot.lane),
+            settles_apart=self._settles_apart(config, slot.lane), board_fd=board_fd,
         )
         popen = subprocess.Popen(
             [sys.executable, "-m", "jobd.worker"], stdin=subprocess.PIPE,
-            pass_fds=(wake_r, status_w), close_fds=True,
+            pass_fds=(wake_r, status_w, board_fd), close_fds=True,
         )
         assert popen.stdin is not None
         popen.stdin.write(spec.to_json().encode())
         popen.stdin.close()
-        os.close(wake_r)
-        os.close(status_w)
+        for fd in (wake_r, status_w, board_fd):
+            os.close(fd)
         os.set_blocking(wake_w, False)
         os.set_blocking(status_r, False)
         now = time.monotonic()
-        process = WorkerProcess(spec, popen, wake_w, status_r, started=now, last_seen=now)
+        process = WorkerProcess(spec, popen, wake_w, status_r, board, started=now,
+                                last_seen=now)
         self.loop.register(status_r, lambda _fd, p=process: self._read_status(p))
         log.info("worker spawned", lane=slot.lane.name, slot=slot.index, pid=popen.pid,
                  worker=spec.worker_id, generation=slot.generation)
@@ -298,6 +303,8 @@ class WorkerPool:
         returncode = process.popen.returncode
         uptime = time.monotonic() - process.started
         self._read_final_reports(process)
+        running = process.board.running()
+        process.board.close()
         for fd in (process.status_r, process.wake_w):
             self.loop.unregister(fd)
             try:
@@ -318,7 +325,7 @@ class WorkerPool:
             self.restarts[key] = self.restarts.get(key, 0) + 1
             self._schedule_restart(slot, returncode, uptime)
         return Exited(process.spec.worker_id, process.lane, process.pid, reason, crashed,
-                      process.report)
+                      process.report, running)
 
     def _schedule_restart(self, slot: Slot, returncode: int, uptime: float) -> None:
         if returncode == EXIT_BOOT_FAILURE:

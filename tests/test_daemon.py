@@ -124,6 +124,45 @@ def test_a_worker_killed_mid_job_is_replaced_and_its_job_retried_without_lease_e
     assert not alive(pid)
 
 
+def test_a_killed_worker_gives_back_the_jobs_it_had_not_started(
+    daemons: Daemons, effects_db: psycopg.Connection
+) -> None:
+    """Only the jobs whose handlers ran can have killed the worker (its run board says
+    which): they become suspects; the ones it held in its buffer go back unharmed, to run
+    side by side again, not one at a time."""
+    daemon = daemons(make_config({"default": {"workers": 1, "concurrency": 2, "prefetch": 8,
+                                              "visibility_timeout": "60s"}}))
+    [pid] = daemon.wait_workers_started("default", 1).values()
+    worker_id = daemon.workers("default")[("default", 0)]["worker"]
+    ids = jobd.enqueue_many(effects_db, [
+        jobd.JobSpec("slow", {"seconds": 2, "n": n}) for n in range(8)])
+    wait_until(lambda: len(effects_db.execute(
+        "SELECT 1 FROM public.test_effects WHERE kind = 'start'").fetchall()) == 2, 10,
+        message="two jobs to start")
+    held = effects_db.execute("SELECT count(*) FROM jobs WHERE claimed_by = %s",
+                              (worker_id,)).fetchone()
+    assert held is not None and held[0] > 2, "the worker holds jobs it has not started"
+    started = sorted(row[0] for row in effects_db.execute(
+        "SELECT job_id FROM public.test_effects WHERE kind = 'start'").fetchall())
+
+    mark = daemon.mark()
+    os.kill(pid, signal.SIGKILL)
+
+    suspects = daemon.wait_for_log("a worker died running several jobs; each runs alone "
+                                   "next, to find the one that killed it (their attempts are "
+                                   "given back)", since=mark, worker=worker_id)
+    assert suspects["suspect_job_ids"] == started
+    given_back = daemon.wait_for_log("gave back the jobs a dead worker held but had not "
+                                     "started", since=mark, worker=worker_id)
+    assert set(given_back["job_ids"]) <= set(ids) - set(started)
+    assert len(given_back["job_ids"]) == held[0] - 2
+    for job_id in ids:
+        wait_state(effects_db, job_id, "done", 30, daemon)
+    rows = effects_db.execute("SELECT id, attempts FROM all_jobs WHERE id = ANY(%s)",
+                              (ids,)).fetchall()
+    assert sorted(rows) == sorted((job_id, 1) for job_id in ids)  # nobody spent an attempt
+
+
 # --- 3. a job that kills its worker every time ---------------------------------------------
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
 import random
 from datetime import datetime, timedelta
 
@@ -16,6 +17,7 @@ from jobd.claim_floors import full_scan_params
 from jobd.db import connect
 from jobd.jobs import JobSpec
 from jobd.queue import Failure
+from jobd.run_board import RunBoard, Running
 
 
 def db_now(conn: psycopg.Connection) -> datetime:
@@ -365,6 +367,52 @@ def test_a_worker_that_died_holding_one_job_spends_that_jobs_attempt(
     assert row == ("failed", 1, True, "worker killed by SIGKILL")
 
 
+def crash_with_board(conn: psycopg.Connection, running: set[int] | None, complete: bool = True
+                     ) -> tuple[recovery.CrashOutcome, list[int]]:
+    """Five jobs held by a worker that died, settled with its run board saying that the
+    positions ``running`` (of the five, in id order) were running."""
+    ids = jobd.enqueue_many(conn, [JobSpec("h") for _ in range(5)])
+    assert len(queue.claim(conn, "default", "w-dead", 5, 30)) == 5
+    board = None if running is None else Running(frozenset(ids[i] for i in running), complete)
+    return (recovery.settle_crashed_worker(conn, "w-dead", "worker killed by SIGKILL",
+                                           policy(), running=board), ids)
+
+
+def job_states(conn: psycopg.Connection) -> dict[int, tuple[str, int, bool]]:
+    rows = conn.execute("SELECT id, state, attempts, suspect FROM jobs").fetchall()
+    return {row[0]: (row[1], row[2], row[3]) for row in rows}
+
+
+def test_a_dead_workers_unstarted_jobs_go_back_unharmed(conn: psycopg.Connection) -> None:
+    outcome, ids = crash_with_board(conn, {1, 3})
+    assert outcome.suspects == [ids[1], ids[3]]
+    assert outcome.given_back == [ids[0], ids[2], ids[4]]
+    assert job_states(conn) == {
+        job_id: ("pending", 0, job_id in (ids[1], ids[3])) for job_id in ids}
+
+
+def test_the_one_job_a_dead_worker_was_running_spends_its_attempt(
+    conn: psycopg.Connection,
+) -> None:
+    outcome, ids = crash_with_board(conn, {2})
+    assert (outcome.suspects, outcome.failed.retried) == ([], [ids[2]])
+    assert outcome.given_back == [ids[0], ids[1], ids[3], ids[4]]
+    states = job_states(conn)
+    assert states.pop(ids[2]) == ("failed", 1, True)
+    assert states == {job_id: ("pending", 0, False) for job_id in states}
+
+
+@pytest.mark.parametrize(("running", "complete"), [(None, True), (set(), True), ({0}, False)])
+def test_a_board_that_proves_nothing_makes_every_job_held_a_suspect(
+    conn: psycopg.Connection, running: set[int] | None, complete: bool
+) -> None:
+    """No board (an older supervisor), nothing running (the worker died outside any
+    handler, say decoding a claim) or a board that missed an async run: any of the jobs
+    held may have killed the worker."""
+    outcome, ids = crash_with_board(conn, running, complete)
+    assert (outcome.suspects, outcome.given_back) == (ids, [])
+
+
 def test_suspects_are_claimed_one_at_a_time_and_alone(conn: psycopg.Connection) -> None:
     jobd.enqueue_many(conn, [JobSpec("h") for _ in range(4)])
     queue.claim(conn, "default", "w-dead", 2, 30)
@@ -445,3 +493,27 @@ def test_crash_attribution_first_ends_what_the_dead_worker_still_runs(
     finally:
         survivor.close()
         other.close()
+
+
+# --- the run board ----------------------------------------------------------------------------
+
+
+def test_the_run_board_shows_the_runs_in_progress_to_another_mapping() -> None:
+    """The worker writes through its mapping; the supervisor reads through its own, as
+    after the worker died (the memory outlives the process)."""
+    supervisor_side, fd = RunBoard.create(concurrency=2)
+    worker_side = RunBoard(fd, concurrency=2)
+    os.close(fd)
+    worker_side.thread_started(0, 11)
+    worker_side.thread_started(1, 12)
+    worker_side.thread_ended(0)
+    first = worker_side.async_started(21)
+    second = worker_side.async_started(22)
+    assert supervisor_side.running() == Running(frozenset({12, 21, 22}), complete=True)
+    worker_side.async_ended(first)
+    assert worker_side.async_started(23) == first  # a freed slot is taken again
+    assert worker_side.async_started(24) is None  # both async slots are taken
+    assert supervisor_side.running() == Running(frozenset({12, 22, 23}), complete=False)
+    worker_side.async_ended(second)
+    worker_side.close()
+    supervisor_side.close()

@@ -1,9 +1,11 @@
 """Crash attribution: the jobs of a worker process that exited are settled at once, so
 nobody waits for a lease to expire.
 
-A worker that crashed: the job it held alone killed it and spends an attempt; several held
-together become suspects, run alone one at a time (``recovery.settle_crashed_worker``). A
-worker we stopped (killed at the drain deadline): its jobs are given back unharmed.
+A worker that crashed: the job it was running alone killed it and spends an attempt; several
+running together become suspects, run alone one at a time; the jobs it held unstarted are
+given back unharmed (``recovery.settle_crashed_worker``, by the worker's run board,
+``jobd.run_board``). A worker we stopped (killed at the drain deadline): its jobs are given
+back unharmed.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import structlog
 from jobd import jobs, queue, recovery
 from jobd.duties import NEVER, Duty
 from jobd.queries import query
+from jobd.run_board import Running
 from jobd.wake_routing import WakeRouter
 
 log = structlog.get_logger("jobd.duties.crash_attribution")
@@ -32,6 +35,7 @@ class Attribution:
     lane: str
     reason: str
     release: bool  # stopped by us: give its jobs back; else it crashed
+    running: Running | None = None  # its run board: the jobs it was running; None: unknown
 
 
 class CrashAttribution(Duty):
@@ -78,8 +82,13 @@ class CrashAttribution(Duty):
 
     def _settle_crash(self, conn: psycopg.Connection, attribution: Attribution) -> None:
         worker_id, reason = attribution.worker_id, attribution.reason
-        outcome = recovery.settle_crashed_worker(conn, worker_id, reason, self.policy_for)
+        outcome = recovery.settle_crashed_worker(conn, worker_id, reason, self.policy_for,
+                                                 running=attribution.running)
         self.router.retries_due(outcome.failed.next_retry_by_lane)
+        if outcome.given_back:
+            log.info("gave back the jobs a dead worker held but had not started",
+                     worker=worker_id, job_ids=outcome.given_back)
+            self.router.due_everywhere(self.lanes())
         # A worker only claims from its own lane: that is where the suspects are. Suspects
         # are claimed only by workers told to look: now, and when a suspect's retry is due.
         if outcome.suspects:

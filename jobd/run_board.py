@@ -1,0 +1,99 @@
+"""The jobs a worker process is running, in memory its supervisor shares with it.
+
+When a worker dies, the database knows which jobs it held, not which of them it had
+started: with the jobs it claimed ahead (``jobd.prefetch``: up to 500) in its buffer and on
+deck, crash attribution made every one of them a suspect to run alone, and a lane stalled
+behind them for minutes. The board tells the supervisor which were running, so only those
+can be blamed (``recovery.settle_crashed_worker``); the others are given back unharmed.
+
+One 8-byte slot per run that may be in progress at once: one per handler thread (thread
+``i`` owns slot ``THREADS + i``), as many again for ``async def`` handlers' tasks, which take
+a free one from the event loop's thread. A job's id is written before its handler is called
+and cleared when it returns (0 is empty: job ids start at 1). Each slot has one writer at a
+time, so there is no lock, and the supervisor reads the board only once the worker has
+exited. Slot ``OVERFLOW`` counts async runs that found no free slot: a board that missed
+one cannot clear any job, and crash attribution then suspects every job held, as without a
+board.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import tempfile
+from dataclasses import dataclass
+
+_SLOT = struct.Struct("=q")
+OVERFLOW = 0
+THREADS = 1  # the first handler thread's slot
+
+
+@dataclass(frozen=True, slots=True)
+class Running:
+    """What a dead worker's board said: the jobs it was running, and whether that is all of
+    them (False when an async run found no free slot)."""
+
+    job_ids: frozenset[int]
+    complete: bool
+
+
+class RunBoard:
+    """A worker's board: ``concurrency`` slots for its threads, as many for async runs."""
+
+    def __init__(self, fd: int, concurrency: int) -> None:
+        self.concurrency = concurrency
+        self._map = mmap.mmap(fd, _size(concurrency))
+        # Async slots free to take; used from the event loop's thread alone.
+        self._free_async = list(range(THREADS + 2 * concurrency - 1, THREADS + concurrency - 1,
+                                      -1))
+
+    @classmethod
+    def create(cls, concurrency: int) -> tuple[RunBoard, int]:
+        """A new, empty board and the descriptor to pass to the worker (close it once
+        passed: the mapping stays)."""
+        fd = _shared_file()
+        os.ftruncate(fd, _size(concurrency))
+        return cls(fd, concurrency), fd
+
+    def thread_started(self, thread: int, job_id: int) -> None:
+        _SLOT.pack_into(self._map, (THREADS + thread) * _SLOT.size, job_id)
+
+    def thread_ended(self, thread: int) -> None:
+        _SLOT.pack_into(self._map, (THREADS + thread) * _SLOT.size, 0)
+
+    def async_started(self, job_id: int) -> int | None:
+        """The slot the run took, or None if none was free (counted as an overflow)."""
+        if not self._free_async:
+            (overflows,) = _SLOT.unpack_from(self._map, OVERFLOW * _SLOT.size)
+            _SLOT.pack_into(self._map, OVERFLOW * _SLOT.size, overflows + 1)
+            return None
+        slot = self._free_async.pop()
+        _SLOT.pack_into(self._map, slot * _SLOT.size, job_id)
+        return slot
+
+    def async_ended(self, slot: int | None) -> None:
+        if slot is not None:
+            _SLOT.pack_into(self._map, slot * _SLOT.size, 0)
+            self._free_async.append(slot)
+
+    def running(self) -> Running:
+        """The jobs on the board now (the supervisor's read, after the worker exited)."""
+        values = [value for (value,) in _SLOT.iter_unpack(self._map)]
+        return Running(frozenset(v for v in values[THREADS:] if v), values[OVERFLOW] == 0)
+
+    def close(self) -> None:
+        self._map.close()
+
+
+def _size(concurrency: int) -> int:
+    return (THREADS + 2 * concurrency) * _SLOT.size
+
+
+def _shared_file() -> int:
+    """An anonymous file to map: a memfd where there is one (Linux), else an unlinked
+    temporary file."""
+    if hasattr(os, "memfd_create"):
+        return os.memfd_create("jobd-run-board", os.MFD_CLOEXEC)
+    with tempfile.TemporaryFile() as file:
+        return os.dup(file.fileno())
