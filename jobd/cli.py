@@ -12,6 +12,7 @@ The parser is in :mod:`jobd.cli_parser`; the subcommands are in :mod:`jobd.comma
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -36,13 +37,31 @@ def _context(args: argparse.Namespace) -> Context:
     return Context(config=config, url=url, schema=schema, as_json=args.json)
 
 
-def _refuse_nul(args: argparse.Namespace) -> None:
-    """PostgreSQL text cannot hold NUL; psycopg would refuse it with a DataError mid-command,
-    so it is refused before anything runs, naming the argument."""
+# Arguments that are file names, not text for the database: any bytes the file system holds.
+_PATH_ARGUMENTS = frozenset({"config"})
+
+
+def _refuse_unstorable_text(args: argparse.Namespace) -> None:
+    """PostgreSQL text cannot hold NUL, nor bytes that are not UTF-8 (Python decodes those
+    into lone surrogates, which psycopg cannot encode): either would fail mid-command, so it
+    is refused before anything runs, naming the argument."""
     for dest, value in vars(args).items():
         values = value if isinstance(value, list) else [value]
-        if any(isinstance(v, str) and "\x00" in v for v in values):
+        # --where pairs are (key, value) tuples; a payload (already JSON) is checked apart.
+        texts = [t for v in values for t in (v if isinstance(v, tuple) else (v,))
+                 if isinstance(t, str)]
+        if any("\x00" in v for v in texts):
             raise UsageError(f"{dest.replace('_', '-')}: NUL characters are not allowed")
+        if dest not in _PATH_ARGUMENTS and any(not _is_utf8(v) for v in texts):
+            raise UsageError(f"{dest.replace('_', '-')}: not valid UTF-8 text")
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 # SQLSTATEs that mean the database refused the user's input rather than failed: class 22
@@ -66,7 +85,7 @@ def _dispatch(argv: Sequence[str] | None) -> int:
     args = parser.parse_args(argv)
     func: Callable[[Context, argparse.Namespace], int] = args.func
     try:
-        _refuse_nul(args)
+        _refuse_unstorable_text(args)
         return func(_context(args), args)
     except JobdError as exc:
         print(f"jobd: {exc}", file=sys.stderr)
@@ -100,9 +119,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The reader went away (`jobd jobs list | head`): that is not an error worth a
         # traceback. As the Python docs recommend, point stdout at devnull so the final
         # flush at exit cannot fail again.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        _silence_stdout()
         return 1
+    except OSError as exc:
+        if exc.errno not in _OUTPUT_REFUSED:
+            raise
+        # Output to a full disk (or /dev/full): one line, as for any failure at run time.
+        print(f"jobd: cannot write the output: {exc.strerror}", file=sys.stderr)
+        _silence_stdout()
+        return 1
+
+
+# What a write to a file that cannot take more says.
+_OUTPUT_REFUSED = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+
+
+def _silence_stdout() -> None:
+    """Point stdout at devnull, so that the interpreter's final flush cannot fail again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
 
 
 if __name__ == "__main__":

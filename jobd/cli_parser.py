@@ -20,10 +20,12 @@ from jobd.cli_types import (
     int32,
     interval,
     lane_name,
+    not_empty,
     payload,
     positive_int,
     timestamp,
     timestamp_or_age,
+    up_to,
     where,
 )
 from jobd.commands import cmd_enqueue, cmd_migrate, cmd_run, cmd_top
@@ -45,6 +47,9 @@ from jobd.commands_jobs import (
 from jobd.commands_schedules import cmd_schedules_list, cmd_schedules_next, cmd_schedules_toggle
 from jobd.db import DEFAULT_SCHEMA
 from jobd.errors import printable
+
+# schedules next builds its answer in memory: a bound on what it may be asked for.
+MAX_PREVIEW = 10_000
 
 EPILOG = """\
 connection: --database-url, else $JOBD_DATABASE_URL, else database.url in the config file
@@ -73,13 +78,13 @@ class _Parser(argparse.ArgumentParser):
 
 def _common_options(default: Any) -> argparse.ArgumentParser:
     common = _Parser(add_help=False)
-    common.add_argument("-c", "--config", metavar="FILE", default=default,
+    common.add_argument("-c", "--config", metavar="FILE", default=default, type=not_empty,
                         help="configuration file (default: $JOBD_CONFIG if set)")
-    common.add_argument("--database-url", metavar="URL", default=default,
+    common.add_argument("--database-url", metavar="URL", default=default, type=not_empty,
                         help="PostgreSQL connection URL (default: $JOBD_DATABASE_URL, else "
                              "database.url in the config, else "
                              "postgresql://postgres@127.0.0.1:5432/postgres)")
-    common.add_argument("--schema", metavar="NAME", default=default,
+    common.add_argument("--schema", metavar="NAME", default=default, type=not_empty,
                         help=f"schema holding jobd's tables (default: database.schema in the "
                              f"config, else {DEFAULT_SCHEMA})")
     common.add_argument("--json", action="store_true",
@@ -160,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     enqueue_cmd.add_argument("--idempotency-key", metavar="KEY",
                              help="enqueue at most once per key; repeats print the first id "
                                   "(default: no key)")
-    enqueue_cmd.add_argument("--max-attempts", type=positive_int, metavar="N",
+    enqueue_cmd.add_argument("--max-attempts", type=up_to(2**31 - 1), metavar="N",
                              help="attempt budget (default: the lane's max_attempts)")
     enqueue_cmd.add_argument("--fairness-key", metavar="KEY",
                              help="the job's share key in a fair lane (fair_by), e.g. a "
@@ -302,6 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="IANA time zone (default: UTC)")
     preview.add_argument("--from", dest="start", type=timestamp, metavar="ISO8601",
                          help="start instant, with a UTC offset (default: now)")
-    preview.add_argument("--count", type=positive_int, default=10, help="how many (default 10)")
+    preview.add_argument("--count", type=up_to(MAX_PREVIEW), default=10,
+                         help=f"how many (default 10, at most {MAX_PREVIEW:,})")
     preview.set_defaults(func=cmd_schedules_next)
     return parser

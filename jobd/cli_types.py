@@ -8,6 +8,7 @@ import argparse
 import json
 import math
 import re
+from collections.abc import Callable
 from datetime import datetime
 from decimal import Decimal
 from typing import Any
@@ -37,6 +38,26 @@ def positive_int(text: str) -> int:
     if value > BIGINT_MAX:
         raise argparse.ArgumentTypeError(f"too large: at most {BIGINT_MAX}")
     return value
+
+
+def not_empty(text: str) -> str:
+    """A value that must be given when the option is: an empty one (``--database-url
+    "$UNSET"``) would otherwise fall back to the default, the local server's postgres
+    database, and run the command there."""
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty (leave the option out for its "
+                                         "default)")
+    return text
+
+
+def up_to(most: int) -> Callable[[str], int]:
+    """1 up to ``most``: a count whose answer is built in memory before it is printed."""
+    def count(text: str) -> int:
+        value = positive_int(text)
+        if value > most:
+            raise argparse.ArgumentTypeError(f"at most {most:,}, not {value:,}")
+        return value
+    return count
 
 
 def lane_name(text: str) -> str:

@@ -58,7 +58,11 @@ def cmd_schedules_next(ctx: Context, args: argparse.Namespace) -> int:
     except CronError as exc:
         raise UsageError(str(exc)) from None
     start = args.start or datetime.now(UTC)
-    occurrences = cron.next_after(start, args.count)
+    try:
+        occurrences = cron.next_after(start, args.count)
+    except OverflowError:  # the search runs past year 9999 (or before year 1)
+        raise UsageError(f"--from {start.isoformat()} is too close to the calendar's end for "
+                         "a search of the next 30 years") from None
     if ctx.as_json:
         print_json([o.local(cron.zone).isoformat() for o in occurrences])
         return 0

@@ -245,7 +245,7 @@ def _schedule(located: yamlcheck.Located, path: str, handlers: dict[str, str]) -
         handler=section.take("handler", known_handler),
         timezone=section.take("timezone", yamlcheck.timezone, "UTC"),
         lane=section.take("lane", yamlcheck.name("lane"), "default"),
-        payload=yamlcheck.unwrap(section.raw("payload")) or {},
+        payload=_schedule_payload(section.raw("payload"), f"{path}.payload"),
         priority=section.take("priority", yamlcheck.int_between(-(2**31), 2**31 - 1), 0),
         catchup=section.take("catchup", yamlcheck.choice("latest", "all", "none"), "latest"),
         overlap=section.take("overlap", yamlcheck.choice("allow", "skip"), "allow"),
@@ -255,6 +255,21 @@ def _schedule(located: yamlcheck.Located, path: str, handlers: dict[str, str]) -
             raise yamlcheck.Invalid(located.line, path, f"missing required key {key!r}")
     section.finish()
     return schedule
+
+
+def _schedule_payload(located: yamlcheck.Located | None, path: str) -> Any:
+    """A schedule's payload, held to every job's rules (jobd.validation) now, at load: a
+    value YAML reads as no JSON type (a date, binary) or that jsonb cannot hold (NaN, NUL)
+    would otherwise fail each time the schedule is declared or fires."""
+    payload = yamlcheck.unwrap(located) or {}
+    try:
+        validation.encode_payload(payload)
+    except ValueError as exc:
+        hint = (" (YAML reads an unquoted date or time, or !!binary, as no JSON value: "
+                "quote it to keep it as text)" if "not JSON serializable" in str(exc) else "")
+        assert located is not None  # the default, {}, is valid
+        yamlcheck.fail(located.line, path, f"{exc}{hint}")
+    return payload
 
 
 def _build(root: yamlcheck.Located, path: str | None) -> Config:
@@ -377,8 +392,11 @@ def parse(text: str, source: str = "<config>") -> Config:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as exc:
         raise ConfigError(_invalid_yaml(exc, source)) from None
-    if node is None:
-        return Config(path=source)
+    if node is None or node.tag == "tag:yaml.org,2002:null":
+        # Empty, or comments alone: a file truncated mid-deploy, most likely. Taken as a
+        # config of no lanes, it would stop every worker of a node reloading it.
+        raise ConfigError(f"{source}: the configuration is empty: it must declare at least "
+                          "the node's lanes (see config/jobd.example.yaml)")
     try:
         return _build(yamlcheck.plain(node), source)
     except yamlcheck.Invalid as exc:

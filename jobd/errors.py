@@ -19,8 +19,10 @@ class ConfigError(UsageError):
     """The configuration file is invalid; the message names the file and line."""
 
 
-class DatabaseUnavailable(UsageError):
-    """The database could not be reached with the URL given (exit code 2: fix the URL)."""
+class DatabaseUnavailable(JobdError):
+    """The database could not be reached with the URL given (exit code 1, a runtime
+    failure: a script may retry; the message says whether the server refused, was not
+    there, or rejected the role or database)."""
 
 
 def printable(text: str) -> str:

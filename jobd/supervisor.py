@@ -284,6 +284,13 @@ class Supervisor:
         if new.metrics_listen != self.config.metrics_listen:
             log.warning("metrics.listen changes take effect on restart")
             new = replace(new, metrics_listen=self.config.metrics_listen)
+        if new.node_name != self.config.node_name:
+            # The node's row, its instance id and its connections' names carry the name.
+            log.warning("node.name changes take effect on restart")
+            new = replace(new, node_name=self.config.node_name)
+        if self.config.lanes and not new.lanes:
+            log.warning("the reloaded config declares no lanes: this node runs no workers "
+                        "until one does")
         self.pool.apply(new)
         self.config = new
         self.materializer.resync()  # the new schedules are declared on the next turn

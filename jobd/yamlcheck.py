@@ -59,9 +59,17 @@ class Located:
     not_decimal: str | None = None
 
 
-def plain(node: yaml.Node, path: str = "") -> Located:
-    """Convert a YAML node; a mapping's values carry the line of their key."""
+def plain(node: yaml.Node, path: str = "", within: frozenset[int] = frozenset()) -> Located:
+    """Convert a YAML node; a mapping's values carry the line of their key. ``within``: the
+    collections the node is inside, so that an alias of one of them (a cycle, which no
+    config means) is refused where it is, rather than followed until Python's recursion
+    limit."""
     line = node.start_mark.line + 1
+    if isinstance(node, yaml.CollectionNode):
+        if id(node) in within:
+            raise Invalid(line, path, "a YAML alias here refers to a collection that "
+                                      "contains it (a cycle)")
+        within = within | {id(node)}
     if isinstance(node, yaml.MappingNode):
         mapping: dict[str, Located] = {}
         for key_node, value_node in node.value:
@@ -72,12 +80,12 @@ def plain(node: yaml.Node, path: str = "") -> Located:
             key_path = f"{path}.{key}" if path else key
             if key in mapping:
                 raise Invalid(key_line, key_path, "duplicate key")
-            value = plain(value_node, key_path)
+            value = plain(value_node, key_path, within)
             mapping[key] = Located(value.value, key_line, value.not_decimal)
         return Located(mapping, line)
     if isinstance(node, yaml.SequenceNode):
-        return Located([plain(item, f"{path}[{i}]") for i, item in enumerate(node.value)],
-                        line)
+        return Located([plain(item, f"{path}[{i}]", within)
+                        for i, item in enumerate(node.value)], line)
     value = _scalar(node, line, path)
     written = node.value.replace("_", "")
     not_decimal = (node.value if node.tag == _INT_TAG and not _DECIMAL.fullmatch(written)

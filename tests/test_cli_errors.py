@@ -79,6 +79,20 @@ def test_integers_are_what_sql_reads_as_integers(db_url: str, conn: psycopg.Conn
     assert conn.execute("SELECT priority FROM jobs").fetchone() == (-3,)
 
 
+@pytest.mark.parametrize(("args", "name"), [
+    (["schedules", "disable", "r\udcff"], "id"),
+    (["dlq", "quarantine", "--handler", "h", "--where", "k=\udcff"], "where"),
+    (["enqueue", "h", "--idempotency-key", "k\udcff"], "idempotency"),
+])
+def test_arguments_that_are_not_utf8_exit_2(db_url: str, args: list[str], name: str) -> None:
+    """Bytes that are not UTF-8 (a shell's $'\\xff'), which no database text can hold: one
+    line naming the argument, not a traceback from the driver."""
+    line = assert_one_line_error(cli(*args, "--database-url", db_url), 2)
+    assert name in line and "UTF-8" in line
+    line = assert_one_line_error(cli("status", "--database-url", db_url + "\udcff"), 2)
+    assert "database-url: not valid UTF-8 text" in line
+
+
 def test_an_escaped_backslash_before_u0000_is_not_a_nul(db_url: str,
                                                          conn: psycopg.Connection) -> None:
     # The JSON text \\u0000 is a backslash followed by "u0000", which jsonb stores fine.
@@ -245,3 +259,23 @@ def test_output_piped_into_head_ends_quietly(db_url: str, conn: psycopg.Connecti
     assert first.decode().split()[:2] == ["id", "lane"]
     assert err.decode() == ""
     assert jobs.returncode == 1
+
+
+@pytest.mark.parametrize("option", ["--database-url", "--schema", "-c"])
+def test_an_option_given_empty_is_refused_not_taken_for_its_default(option: str) -> None:
+    """`--database-url "$UNSET"` must not run the command on the default database, nor
+    `-c "$UNSET"` without the config's lane and handler checks."""
+    line = assert_one_line_error(cli("enqueue", "ecko", option, ""), 2)
+    assert "must not be empty" in line
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux)")
+@pytest.mark.parametrize("args", [["--version"], ["schedules", "next", "--cron", "* * * * *",
+                                                  "--json"]])
+def test_output_to_a_full_disk_is_one_line_not_a_traceback(args: list[str]) -> None:
+    with open("/dev/full", "w") as full:
+        result = subprocess.run([sys.executable, "-m", "jobd", *args], stdout=full,
+                                stderr=subprocess.PIPE, text=True, env=clean_env(),
+                                timeout=TIMEOUT)
+    assert result.returncode == 1
+    assert result.stderr == "jobd: cannot write the output: No space left on device\n"

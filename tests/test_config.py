@@ -70,8 +70,16 @@ def test_a_lane_the_node_does_not_configure_gets_the_default_policy() -> None:
     assert (policy.backoff, policy.max_attempts) == (Backoff(1.0, 300.0), 8)
 
 
-def test_an_empty_file_gives_the_defaults() -> None:
-    config = parse("", "empty.yaml")
+@pytest.mark.parametrize("text", ["", "\n  \n", "# nothing yet\n", "---\n"])
+def test_an_empty_file_is_refused(text: str) -> None:
+    """Taken as a config of no lanes, a file truncated mid-deploy would stop every worker of
+    a node that reloads it."""
+    with pytest.raises(ConfigError, match=r"empty\.yaml: the configuration is empty"):
+        parse(text, "empty.yaml")
+
+
+def test_a_config_of_lanes_alone_gives_the_defaults_for_the_rest() -> None:
+    config = parse("lanes: {}\n", "lanes.yaml")
     assert config.lanes == {} and config.handlers == {} and config.schedules == ()
     assert config.schema == "jobd"
     assert config.max_payload_bytes is None  # the database's limit stays as it is
@@ -334,6 +342,17 @@ def test_yaml_nested_beyond_the_parser_is_a_config_error(tmp_path: Path) -> None
         load(path)
 
 
+@pytest.mark.parametrize(("text", "where"), [
+    ("lanes: &x\n  default: *x\n", "c.yaml:1: lanes.default: "),
+    ("handlers: {}\nx: &a [*a]\n", "c.yaml:2: x[0]: "),
+])
+def test_a_yaml_alias_cycle_is_one_short_line(text: str, where: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse(text, "c.yaml")
+    assert str(caught.value) == (f"{where}a YAML alias here refers to a collection that "
+                                 "contains it (a cycle)")
+
+
 def test_config_errors_are_usage_errors() -> None:
     # The CLI maps usage errors to exit code 2.
     assert issubclass(ConfigError, UsageError)
@@ -446,3 +465,27 @@ def test_the_slo_does_not_count_as_a_worker_setting() -> None:
     assert before.slo_pickup != after.slo_pickup
     assert not workerpool._settings_differ(after, before)
     assert workerpool._settings_differ(other, before)
+
+
+@pytest.mark.parametrize(("payload", "message"), [
+    ("{since: 2026-01-01}", "quote it to keep it as text"),
+    ("{at: 2026-01-01 09:00:00}", "quote it to keep it as text"),
+    ("!!binary aGVsbG8=", "quote it to keep it as text"),
+    ("{x: .nan}", "cannot be stored as JSON"),
+    ("{x: .inf}", "cannot be stored as JSON"),
+    ('{x: "a\\0b"}', "NUL"),
+])
+def test_a_schedule_payload_that_no_job_could_carry_is_refused_at_load(
+    payload: str, message: str
+) -> None:
+    """Accepted, it failed every declaration of the file's schedules (the good ones too) or
+    the daemon's start and reload."""
+    text = ("handlers: {echo: 'jobd.examples:echo'}\n"
+            "schedules:\n"
+            "  - {id: good, cron: '* * * * *', handler: echo, payload: {ok: 1}}\n"
+            f"  - {{id: bad, cron: '* * * * *', handler: echo, payload: {payload}}}\n")
+    with pytest.raises(ConfigError, match=r"s.yaml:4: schedules\[1\]\.payload: ") as caught:
+        parse(text, "s.yaml")
+    assert message in str(caught.value)
+    quoted = parse(text.replace(payload, "{since: '2026-01-01'}"), "s.yaml")
+    assert quoted.schedules[1].payload == {"since": "2026-01-01"}

@@ -337,7 +337,11 @@ def test_reload_adds_a_worker_and_a_lane_without_touching_running_workers(
 @pytest.mark.parametrize("bad_config", [
     "lanes: [this is not: valid yaml\n",
     "handlers: {ok: 'testhandlers:ok'}\nlanes:\n  default:\n    wrokers: 3\n",
-], ids=["invalid-yaml", "unknown-key"])
+    "",  # a file truncated mid-deploy
+    "# lanes moved to another file\n",
+    "handlers: {ok: 'testhandlers:ok'}\nlanes:\n  default: {workers: 2}\nschedules:\n"
+    "  - {id: r, cron: '0 3 * * *', handler: ok, payload: {since: 2026-01-01}}\n",
+], ids=["invalid-yaml", "unknown-key", "empty", "comments-only", "schedule-payload-a-date"])
 def test_reload_refuses_an_invalid_config_and_keeps_running(
     daemons: Daemons, effects_db: psycopg.Connection, bad_config: str
 ) -> None:

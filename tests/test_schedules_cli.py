@@ -279,3 +279,18 @@ def test_status_has_no_conflict_line_without_conflicts(
 ) -> None:
     sync(conn, [ScheduleConfig("report", "30 2 * * *", "h")])
     assert "conflicting" not in ok("status", "--database-url", db_url)
+
+
+@pytest.mark.parametrize("start", ["9999-12-31T23:58:00Z", "0001-01-01T00:00:00Z"])
+def test_next_near_the_calendars_ends_is_a_usage_error(start: str) -> None:
+    line = assert_one_line_error(cli("schedules", "next", "--cron", "* * * * *", "--from",
+                                     start, "--database-url", UNREACHABLE), 2)
+    assert "too close to the calendar's end" in line
+
+
+def test_next_refuses_a_count_it_would_have_to_build_in_memory() -> None:
+    line = assert_one_line_error(cli("schedules", "next", "--cron", "* * * * *", "--count",
+                                     "100000000", "--database-url", UNREACHABLE), 2)
+    assert "at most 10,000" in line
+    assert len(ok("schedules", "next", "--cron", "* * * * *", "--count", "10000",
+                  "--database-url", UNREACHABLE).splitlines()) > 10000
