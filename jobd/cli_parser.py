@@ -141,11 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
     migrate_cmd = add("migrate", "Create or upgrade jobd's schema (safe to run on many nodes at "
                                  "once).")
     migrate_cmd.add_argument(
-        "--grant-runtime", action="append", metavar="ROLE",
+        "--grant-runtime", action="append", metavar="ROLE", type=not_empty,
         help="give ROLE what the daemon and the CLI need: rows, sequences, functions; no "
              "DDL (repeatable; default: none). Every later migrate grants it again")
     migrate_cmd.add_argument(
-        "--grant-producer", action="append", metavar="ROLE",
+        "--grant-producer", action="append", metavar="ROLE", type=not_empty,
         help="let ROLE call enqueue and nothing else (repeatable; default: none)")
     migrate_cmd.set_defaults(func=cmd_migrate)
 

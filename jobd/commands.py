@@ -49,6 +49,7 @@ def cmd_migrate(ctx: Context, args: argparse.Namespace) -> int:
     names = [f"{m.version:04d}_{m.name}" for m in done.applied]
     if ctx.as_json:
         print_json({"schema": ctx.schema, "applied": names,
+                    "max_payload_bytes_set": done.payload_limit,
                     "granted": [{"role": r, "kind": k} for r, k in done.roles.granted],
                     "forgotten": [{"role": r, "kind": k} for r, k in done.roles.forgotten]})
         return 0
@@ -56,6 +57,8 @@ def cmd_migrate(ctx: Context, args: argparse.Namespace) -> int:
         print(f"applied to schema {ctx.schema}: {', '.join(names)}")
     else:
         print(f"schema {ctx.schema} is up to date")
+    if done.payload_limit is not None:
+        print(f"max_payload_bytes set to {done.payload_limit:,} (limits.max_payload_bytes)")
     for role, kind in done.roles.granted:
         print(f"granted {kind} privileges to {role}")
     for role, kind in done.roles.forgotten:

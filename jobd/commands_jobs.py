@@ -283,8 +283,8 @@ def cmd_dlq_list(ctx: Context, args: argparse.Namespace) -> int:
 
 def cmd_dlq_replay(ctx: Context, args: argparse.Namespace) -> int:
     if bool(args.ids) == (args.handler is not None):
-        raise UsageError("give the ids of dead jobs, or --handler H for all of a handler's, "
-                         "not both")
+        raise UsageError("give the ids of dead jobs, or --handler H for all of a handler's"
+                         + (", not both" if args.ids else ""))
     if args.lane is not None and args.handler is None:
         raise UsageError("--lane goes with --handler")
     checked_names(ctx.config, args.lane, args.handler)

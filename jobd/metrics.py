@@ -216,7 +216,8 @@ def _queue_state(view: NodeView) -> list[Metric]:
         if (lane, None) not in pauses:
             paused.add_metric([lane, ""], 0)
     lanes = view.sample.lanes if view.sample is not None else {}
-    for lane in view.lanes:
+    # The sample's lanes too: one with jobs that no config names has no worker anywhere.
+    for lane in sorted({*view.lanes, *lanes}):
         state = lanes.get(lane)
         for name in DEPTH_STATES:
             depth.add_metric([lane, name], state.depth[name] if state else 0)

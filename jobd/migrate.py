@@ -79,6 +79,7 @@ class Upgrade:
 
     applied: list[Migration] = field(default_factory=list)
     roles: grants.Granted = field(default_factory=grants.Granted)
+    payload_limit: int | None = None  # limits.max_payload_bytes, when this run set it
 
 
 def migrate(conn: psycopg.Connection, schema: str, *,
@@ -131,13 +132,14 @@ def upgrade(conn: psycopg.Connection, schema: str, *, max_payload_bytes: int | N
             applied_now.append(migration)
         # Archive partitions are dated; every migrate run tops them up.
         conn.execute(_PARTITIONS)
-        if _limit_differs(conn, max_payload_bytes):
+        limit_set = _limit_differs(conn, max_payload_bytes)
+        if limit_set:
             conn.execute(_SET_PAYLOAD_LIMIT, (max_payload_bytes,))
         granted = grants.Granted()
         if owner:
             granted = grants.apply(conn, schema, runtime=grant_runtime,
                                    producer=grant_producer)
-    return Upgrade(applied_now, granted)
+    return Upgrade(applied_now, granted, max_payload_bytes if limit_set else None)
 
 
 def _pending(shipped: list[Migration], done: dict[int, tuple[str, str]]) -> list[Migration]:

@@ -145,7 +145,10 @@ def test_payload_over_the_configured_limit(
     config = tmp_path / "small.yaml"
     config.write_text("limits:\n  max_payload_bytes: 32\n", "utf-8")
     # The limit is the database's: `jobd migrate -c` writes it there for every entry point.
-    ok("migrate", "-c", str(config), "--database-url", db_url)
+    out = ok("migrate", "-c", str(config), "--database-url", db_url)
+    assert out.splitlines()[-1] == "max_payload_bytes set to 32 (limits.max_payload_bytes)"
+    again = ok("migrate", "-c", str(config), "--database-url", db_url, "--json")
+    assert json.loads(again)["max_payload_bytes_set"] is None  # it was set already
     exact = json.dumps({"to": "x" * 22})
     assert len(exact.encode()) == 32
     too_big = json.dumps({"to": "x" * 23})

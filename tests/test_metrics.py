@@ -54,6 +54,7 @@ from jobd.metrics import (
 )
 from jobd.outcomes import Outcome
 from jobd.restarts import RESTART_REASONS, restart_reason
+from jobd.run_board import RunBoard
 from jobd.wake_routing import WakeRouter
 from jobd.worker_metrics import (
     DEAD,
@@ -334,7 +335,9 @@ def exited_worker(pool: WorkerPool, returncode_signal: int | None, reports: list
         schema=DEFAULT_SCHEMA, slot=0, generation=1, status_fd=-1, wake_fd=-1,
         shutdown_timeout=1.0, metrics=True)
     now = time.monotonic()
-    process = WorkerProcess(spec, popen, wake_w, status_r, started=now, last_seen=now)
+    board, board_fd = RunBoard.create(lane.concurrency)
+    os.close(board_fd)
+    process = WorkerProcess(spec, popen, wake_w, status_r, board, started=now, last_seen=now)
     pool.slots[("default", 0)] = Slot(lane, 0, 1, process=process)
     return process
 
@@ -387,7 +390,9 @@ def test_the_sampler_counts_each_state_of_a_lane(conn: psycopg.Connection) -> No
     jobd.enqueue(conn, "h", lane="unsampled")
 
     sample = take_sample(conn, ["a", "b"], now=start)
-    assert set(sample.lanes) == {"a", "b"}
+    # A lane that has jobs is counted though not asked for (no config names it).
+    assert set(sample.lanes) == {"a", "b", "unsampled"}
+    assert sum(sample.lanes["unsampled"].depth.values()) == 1
     a = sample.lanes["a"]
     assert a.depth == {"due": 2, "scheduled": 2, "retrying": 1, "claimed": 1}
     assert a.dead == 1
@@ -399,6 +404,17 @@ def test_the_sampler_counts_each_state_of_a_lane(conn: psycopg.Connection) -> No
     later = take_sample(conn, ["a"], now=start + timedelta(hours=2)).lanes["a"]
     assert later.depth == {"due": 5, "scheduled": 0, "retrying": 0, "claimed": 1}
     assert later.oldest_unclaimed_age == pytest.approx(7240.0)
+
+
+def test_a_lane_no_config_names_is_exported_so_an_alert_can_see_it(
+    conn: psycopg.Connection,
+) -> None:
+    """JobdLaneUnserved fires on due jobs with no live worker: a lane that no node's config
+    has must still have its depth exported, by every node."""
+    jobd.enqueue(conn, "h", lane="ghost")
+    text = exposition_of(empty_view(sample=take_sample(conn, ["default", "mail"])))
+    assert value(text, "jobd_queue_depth", lane="ghost", state="due") == 1.0
+    assert value(text, "jobd_queue_depth", lane="default", state="due") == 0.0
 
 
 def test_pauses_are_exported_per_lane_and_handler(conn: psycopg.Connection) -> None:

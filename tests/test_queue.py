@@ -444,6 +444,23 @@ def test_replay_makes_a_dead_job_pending_with_a_fresh_budget(conn: psycopg.Conne
     assert queue.complete(conn, [job.lease]).lease_lost == [job_id]
 
 
+def test_released_jobs_due_long_ago_tell_the_lane_to_claim_from_the_head(db_url: str) -> None:
+    """A job given back (a drain, a dead worker's unstarted jobs) may sit below the floors
+    the lane's workers have moved past: 'behind' sends their next claims to the head."""
+    with connect(db_url) as listener, connect(db_url) as writer:
+        now = db_now(writer)
+        jobd.enqueue(writer, "h", lane="old", run_at=now - timedelta(seconds=30))
+        jobd.enqueue(writer, "h", lane="new", run_at=now)
+        leases = [job.lease for lane in ("old", "new")
+                  for job in queue.claim(writer, lane, "w", 1, 30)]
+        writer.commit()
+        listener.execute("LISTEN jobd_wakeup")
+        assert len(queue.release(writer, leases).applied) == 2
+        writer.commit()
+        received = sorted(n.payload for n in listener.notifies(timeout=1.0, stop_after=3))
+    assert received == ["new#1", "old!behind", "old#1"]
+
+
 def test_release_returns_jobs_without_spending_an_attempt(conn: psycopg.Connection) -> None:
     job_id = jobd.enqueue(conn, "h")
     [job] = queue.claim(conn, "default", "w", 1, 30)

@@ -69,6 +69,10 @@ def take_sample(conn: psycopg.Connection, lanes: Iterable[str],
     wanted = list(lanes)
     started = time.monotonic()
     with conn.transaction():
+        # And the lanes that have had jobs lately (lane_priorities) though no config here names
+        # them: a lane that no node serves must show in the gauges, or no alert can see it.
+        wanted += [lane for (lane,) in conn.execute(query("lanes_enqueued_to"))
+                   if lane not in wanted]
         rows, age = _shared_counts(conn, wanted, now, max_age)
         if rows is None:
             rows = conn.execute(query("metrics_queue_state"),

@@ -470,12 +470,14 @@ UNION ALL
 SELECT id, 'cancelled', NULL FROM cancelled
 
 -- name: release_jobs
--- Gives claimed jobs back without spending their attempt (a drain, a worker's buffer): they
--- are claimable again at once, by any node, and their lanes are woken as an enqueue would
--- wake them (the insert trigger does not see an UPDATE). A job asked to stop (jobd.cancel)
--- is not given back: its worker finishes it as cancelled when it learns of the request at
--- its next renewal, which the cancel's notification makes immediate, else the lease sweep
--- does.
+-- Gives claimed jobs back without spending their attempt (a drain, a worker's buffer, a dead
+-- worker's unstarted jobs): they are claimable again at once, by any node, and their lanes
+-- are woken as an enqueue would wake them (the insert trigger does not see an UPDATE),
+-- 'behind' included: a job due since before the claim floors' margin sits below the floors
+-- the lane's workers have moved past, where a claim from the floors would not see it for up
+-- to a second. A job asked to stop (jobd.cancel) is not given back: its worker finishes it
+-- as cancelled when it learns of the request at its next renewal, which the cancel's
+-- notification makes immediate, else the lease sweep does.
 WITH released AS (
     UPDATE jobs
        SET state = 'pending',
@@ -486,10 +488,12 @@ WITH released AS (
      WHERE jobs.id = ANY(%(ids)s::bigint[])
        AND jobs.lease_token = (%(tokens)s::bigint[])[array_position(%(ids)s::bigint[], jobs.id)]
        AND jobs.cancel_requested_at IS NULL
-    RETURNING jobs.id, jobs.lane
+    RETURNING jobs.id, jobs.lane, jobs.run_at
 ),
 woken AS (
-    SELECT pg_notify(current_schema() || '_wakeup', lane || '#' || count(*))
+    SELECT pg_notify(current_schema() || '_wakeup', lane || '#' || count(*)),
+           CASE WHEN min(run_at) < clock_timestamp() - interval '0.5 seconds'
+                THEN pg_notify(current_schema() || '_wakeup', lane || '!behind') END
       FROM released GROUP BY lane
 )
 SELECT id FROM released WHERE (SELECT count(*) FROM woken) >= 0
@@ -651,6 +655,11 @@ SELECT l.lane,
 
 -- name: database_clock
 SELECT coalesce(%(now)s::timestamptz, now())
+
+-- name: lanes_enqueued_to
+-- Every lane with a priority in use (lane_priorities: every enqueue records its pair, and the
+-- retention duty forgets the pairs of lanes without live jobs), configured anywhere or not.
+SELECT DISTINCT lane FROM lane_priorities
 
 -- name: metrics_queue_state
 -- The metrics sampler (jobd/duties/metrics_sampler.py), once per sampling interval for the
