@@ -164,7 +164,7 @@ class HandlerRunner:
             finally:
                 logs.unbind_job()
                 if self.board is not None:
-                    self.board.thread_ended(index)
+                    self.board.thread_ended(index, job.id)
             outcome.seconds = time.monotonic() - started
             self._deliver(outcome)
 

@@ -4,7 +4,7 @@ claims a worker made but never received. Each decides what a job's attempt count
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -136,13 +136,17 @@ def settle_crashed_worker(
     policy_for: PolicyLookup,
     now: datetime | None = None,
     running: Running | None = None,
+    given_back_before: Collection[int] = (),
 ) -> CrashOutcome:
     """Crash attribution for a worker process that died, in one transaction.
 
     Only a job whose handler was running can have killed it: ``running``, the worker's run
     board (jobd.run_board), says which; the jobs it held unstarted (claimed ahead, on deck)
     are given back unharmed. Without a board, or when the board missed a run or shows none
-    of the jobs held, every job held counts as running.
+    of the jobs held, every job held counts as running; and when the worker held a job that
+    an earlier crash gave back as unstarted (``given_back_before``): a handler that kills its
+    process by a signal to itself may return, and leave the board, before the signal ends
+    the process, so a board can clear the job that killed it once, not twice.
 
     Alone, the job running killed it: that job spends an attempt (retried after its backoff,
     dead when its budget is spent) and stays a suspect, so its retries run alone. Several
@@ -159,6 +163,8 @@ def settle_crashed_worker(
     with conn.transaction():
         conn.execute(query("disarm_waiter"), {"worker": worker})
         rows = conn.execute(query("jobs_held_by"), {"worker": worker}).fetchall()
+        if any(row[0] in given_back_before for row in rows):
+            running = None
         rows, unstarted = _split_by_board(rows, running)
         given_back = release(conn, [Lease(row[0], row[1]) for row in unstarted if not row[5]])
         # Asked to stop and never started: ended as cancelled, like the running ones.

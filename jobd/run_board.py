@@ -9,11 +9,13 @@ can be blamed (``recovery.settle_crashed_worker``); the others are given back un
 One 8-byte slot per run that may be in progress at once: one per handler thread (thread
 ``i`` owns slot ``THREADS + i``), as many again for ``async def`` handlers' tasks, which take
 a free one from the event loop's thread. A job's id is written before its handler is called
-and cleared when it returns (0 is empty: job ids start at 1). Each slot has one writer at a
-time, so there is no lock, and the supervisor reads the board only once the worker has
-exited. Slot ``OVERFLOW`` counts async runs that found no free slot: a board that missed
-one cannot clear any job, and crash attribution then suspects every job held, as without a
-board.
+and cleared when it returns (0 is empty: job ids start at 1). Each thread also keeps the id
+of the job it ran last (slot ``THREADS + concurrency + i``), which counts as running too: a
+handler that signals its own process (``os.kill(os.getpid(), SIGSEGV)``) may return before
+the signal ends the process. Each slot has one writer at a time, so there is no lock, and
+the supervisor reads the board only once the worker has exited. Slot ``OVERFLOW`` counts
+async runs that found no free slot: a board that missed one cannot clear any job, and crash
+attribution then suspects every job held, as without a board.
 """
 
 from __future__ import annotations
@@ -39,14 +41,15 @@ class Running:
 
 
 class RunBoard:
-    """A worker's board: ``concurrency`` slots for its threads, as many for async runs."""
+    """A worker's board: two slots per handler thread (its job, its last job) and
+    ``concurrency`` for async runs."""
 
     def __init__(self, fd: int, concurrency: int) -> None:
         self.concurrency = concurrency
         self._map = mmap.mmap(fd, _size(concurrency))
         # Async slots free to take; used from the event loop's thread alone.
-        self._free_async = list(range(THREADS + 2 * concurrency - 1, THREADS + concurrency - 1,
-                                      -1))
+        first_async = THREADS + 2 * concurrency
+        self._free_async = list(range(first_async + concurrency - 1, first_async - 1, -1))
 
     @classmethod
     def create(cls, concurrency: int) -> tuple[RunBoard, int]:
@@ -59,7 +62,8 @@ class RunBoard:
     def thread_started(self, thread: int, job_id: int) -> None:
         _SLOT.pack_into(self._map, (THREADS + thread) * _SLOT.size, job_id)
 
-    def thread_ended(self, thread: int) -> None:
+    def thread_ended(self, thread: int, job_id: int) -> None:
+        _SLOT.pack_into(self._map, (THREADS + self.concurrency + thread) * _SLOT.size, job_id)
         _SLOT.pack_into(self._map, (THREADS + thread) * _SLOT.size, 0)
 
     def async_started(self, job_id: int) -> int | None:
@@ -87,7 +91,7 @@ class RunBoard:
 
 
 def _size(concurrency: int) -> int:
-    return (THREADS + 2 * concurrency) * _SLOT.size
+    return (THREADS + 3 * concurrency) * _SLOT.size
 
 
 def _shared_file() -> int:

@@ -413,6 +413,20 @@ def test_a_board_that_proves_nothing_makes_every_job_held_a_suspect(
     assert (outcome.suspects, outcome.given_back) == (ids, [])
 
 
+def test_a_job_an_earlier_crash_gave_back_makes_the_board_prove_nothing(
+    conn: psycopg.Connection,
+) -> None:
+    """A handler that signals its own process (os.kill(os.getpid(), SIGSEGV)) may return,
+    and clear its slot, before the signal ends the process: the board cleared it once. Held
+    again by a worker that died, it is suspected with every other job held."""
+    ids = jobd.enqueue_many(conn, [JobSpec("h") for _ in range(3)])
+    assert len(queue.claim(conn, "default", "w-dead", 3, 30)) == 3
+    outcome = recovery.settle_crashed_worker(
+        conn, "w-dead", "worker killed by SIGSEGV", policy(),
+        running=Running(frozenset({ids[0], ids[1]}), True), given_back_before={ids[2], 999})
+    assert (outcome.suspects, outcome.given_back) == (ids, [])
+
+
 def test_suspects_are_claimed_one_at_a_time_and_alone(conn: psycopg.Connection) -> None:
     jobd.enqueue_many(conn, [JobSpec("h") for _ in range(4)])
     queue.claim(conn, "default", "w-dead", 2, 30)
@@ -523,14 +537,18 @@ def test_the_run_board_shows_the_runs_in_progress_to_another_mapping() -> None:
     os.close(fd)
     worker_side.thread_started(0, 11)
     worker_side.thread_started(1, 12)
-    worker_side.thread_ended(0)
+    worker_side.thread_ended(0, 11)
+    worker_side.thread_started(0, 13)
+    worker_side.thread_ended(0, 13)
     first = worker_side.async_started(21)
     second = worker_side.async_started(22)
-    assert supervisor_side.running() == Running(frozenset({12, 21, 22}), complete=True)
+    # Thread 0's last job stays on the board (13, not 11): a handler that signalled its own
+    # process may have returned before the signal ended it.
+    assert supervisor_side.running() == Running(frozenset({12, 13, 21, 22}), complete=True)
     worker_side.async_ended(first)
     assert worker_side.async_started(23) == first  # a freed slot is taken again
     assert worker_side.async_started(24) is None  # both async slots are taken
-    assert supervisor_side.running() == Running(frozenset({12, 22, 23}), complete=False)
+    assert supervisor_side.running() == Running(frozenset({12, 13, 22, 23}), complete=False)
     worker_side.async_ended(second)
     worker_side.close()
     supervisor_side.close()

@@ -10,6 +10,7 @@ back unharmed.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -25,6 +26,9 @@ from jobd.wake_routing import WakeRouter
 log = structlog.get_logger("jobd.duties.crash_attribution")
 
 RETRY_AFTER = 1.0  # seconds before a failed settlement is tried again
+# How long the jobs a crash gave back as unstarted stay under suspicion: a worker that dies
+# holding one of them again is settled as if it had no run board (recovery).
+GIVEN_BACK_MEMORY = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +57,7 @@ class CrashAttribution(Duty):
         self.lanes = lanes
         self.pending: list[Attribution] = []
         self.next_at = NEVER
+        self.given_back: dict[int, float] = {}  # job id -> when a crash gave it back
 
     def add(self, attribution: Attribution) -> None:
         self.pending.append(attribution)
@@ -82,8 +87,13 @@ class CrashAttribution(Duty):
 
     def _settle_crash(self, conn: psycopg.Connection, attribution: Attribution) -> None:
         worker_id, reason = attribution.worker_id, attribution.reason
+        now = time.monotonic()
+        self.given_back = {job_id: at for job_id, at in self.given_back.items()
+                           if at > now - GIVEN_BACK_MEMORY}
         outcome = recovery.settle_crashed_worker(conn, worker_id, reason, self.policy_for,
-                                                 running=attribution.running)
+                                                 running=attribution.running,
+                                                 given_back_before=self.given_back.keys())
+        self.given_back.update(dict.fromkeys(outcome.given_back, now))
         self.router.retries_due(outcome.failed.next_retry_by_lane)
         if outcome.given_back:
             log.info("gave back the jobs a dead worker held but had not started",
