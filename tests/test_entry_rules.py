@@ -201,9 +201,10 @@ def test_keys_that_are_not_unicode_are_refused_with_a_message(
             jobd.enqueue(conn, "h", **{kind: key})
         with pytest.raises(ValueError, match=f"{kind} is not valid Unicode"):
             jobd.enqueue_many(conn, [jobd.JobSpec("h", **{kind: key})])
-    for option in ("--idempotency-key", "--fairness-key"):
+    for option, name in (("--idempotency-key", "idempotency-key"),
+                         ("--fairness-key", "fairness-key")):
         result = cli("enqueue", "h", option, "k\udcff", "--database-url", db_url)
-        assert "is not valid Unicode" in assert_one_line_error(result, 2)
+        assert assert_one_line_error(result, 2) == f"jobd: {name}: not valid UTF-8 text"
     assert conn.execute("SELECT count(*) FROM jobs").fetchone() == (0,)
 
 

@@ -315,12 +315,12 @@ def test_idle_clients_and_then_exhausted_slots_degrade_jobd_with_clear_errors_an
         assert "\n" not in str(refused["error"]), "one line, no traceback"
         assert daemon.running(), daemon.tail()
         assert done_count(conn, second) == 0  # without a connection, jobd claims nothing
-        # A node started now cannot connect either: it exits (for its service manager to
-        # start it again) saying why, in one line.
+        # A node started now cannot connect either: it exits with a runtime failure (for its
+        # service manager to start it again) saying why, in one line.
         latecomer = prepare(daemons(name="latecomer"))
         latecomer.db_url = cluster.url
         latecomer.start(fault_config("latecomer"))
-        assert latecomer.wait_exit(30) == 2
+        assert latecomer.wait_exit(30) == 1
         [line] = latecomer.log_path.read_text().splitlines()
         assert line.startswith("jobd: cannot connect to the database") \
             and "too many clients" in line, line
