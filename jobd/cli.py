@@ -84,9 +84,12 @@ def _dispatch(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     func: Callable[[Context, argparse.Namespace], int] = args.func
+    schema = "jobd's schema"  # named once the context is known
     try:
         _refuse_unstorable_text(args)
-        return func(_context(args), args)
+        ctx = _context(args)
+        schema = f"schema {ctx.schema}"
+        return func(ctx, args)
     except JobdError as exc:
         print(f"jobd: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -95,7 +98,7 @@ def _dispatch(argv: Sequence[str] | None) -> int:
         return 1
     except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedFunction,
             psycopg.errors.InvalidSchemaName):
-        print("jobd: jobd's schema is missing or incomplete in this database; run "
+        print(f"jobd: {schema} is missing or incomplete in this database; run "
               "`jobd migrate` first", file=sys.stderr)
         return 1
     except psycopg.Error as exc:

@@ -16,13 +16,7 @@ from jobd.errors import UsageError
 
 def checked_names(config: Config, lane: str | None, handler: str | None) -> None:
     """UsageError for a name that breaks the name rule, or that the config does not know."""
-    try:
-        if lane is not None:
-            validation.name("lane", lane)
-        if handler is not None:
-            validation.name("handler", handler)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
+    _name_rule(lane, handler)
     if lane is not None and config.lanes and lane not in config.lanes:
         raise UsageError(f"unknown lane {lane!r}; the config has: "
                          + ", ".join(sorted(config.lanes)))
@@ -30,6 +24,16 @@ def checked_names(config: Config, lane: str | None, handler: str | None) -> None
     if handler is not None and config.handlers and handler not in known:
         raise UsageError(f"unknown handler {handler!r}; the config allows: "
                          + ", ".join(sorted(known)))
+
+
+def _name_rule(lane: str | None, handler: str | None) -> None:
+    try:
+        if lane is not None:
+            validation.name("lane", lane)
+        if handler is not None:
+            validation.name("handler", handler)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _target(lane: str, handler: str | None) -> str:
@@ -61,9 +65,13 @@ def cmd_lanes_pause(ctx: Context, args: argparse.Namespace) -> int:
 
 
 def cmd_lanes_resume(ctx: Context, args: argparse.Namespace) -> int:
-    checked_names(ctx.config, args.lane, args.handler)
+    # A pause is lifted whatever the config says: the lane may have left it since (or been
+    # paused without one). The config's names only tell a typo from a lane not paused.
+    _name_rule(args.lane, args.handler)
     with ctx.connect() as conn:
         changed = pauses.resume(conn, args.lane, args.handler, schema=ctx.schema)
+        if not changed:
+            checked_names(ctx.config, args.lane, args.handler)
         left = pauses.pauses(conn, args.lane)
     if ctx.as_json:
         print_json({"lane": args.lane, "handler": args.handler, "paused": False,

@@ -190,6 +190,12 @@ def test_enqueue_into_an_unmigrated_database_asks_for_migrate(databases: Databas
     assert "jobd migrate" in line
 
 
+def test_a_schema_that_is_not_there_is_named(db_url: str) -> None:
+    line = assert_one_line_error(cli("status", "--schema", "nosuch", "--database-url", db_url),
+                                 1)
+    assert line.startswith("jobd: schema nosuch is missing or incomplete in this database")
+
+
 # --- status --------------------------------------------------------------------------------
 
 

@@ -44,6 +44,20 @@ def test_pause_and_resume_print_what_changed(db_url: str, conn: psycopg.Connecti
     assert pauses.lane_controls(conn, "default") == (False, frozenset({"send_email"}))
 
 
+def test_a_pause_outside_the_config_can_be_lifted_with_it(db_url: str,
+                                                           conn: psycopg.Connection) -> None:
+    """A lane paused without a config, or since removed from it: `resume -c` lifts it (the
+    config's names tell a typo only from a lane that is not paused)."""
+    pauses.pause(conn, "retired", "zzz")
+    text = ok("lanes", "resume", "retired", "--handler", "zzz", "-c", EXAMPLE,
+              "--database-url", db_url)
+    assert text.splitlines() == ["resumed handler zzz in lane retired"]
+    assert pauses.pauses(conn, "retired") == []
+    line = assert_one_line_error(cli("lanes", "resume", "retired", "-c", EXAMPLE,
+                                     "--database-url", db_url), 2)
+    assert "unknown lane 'retired'" in line
+
+
 def test_status_lists_the_pauses(db_url: str, conn: psycopg.Connection) -> None:
     pauses.pause(conn, "reports")
     pauses.pause(conn, "default", "fail")
