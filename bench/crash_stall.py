@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psycopg
@@ -60,6 +61,14 @@ def worker_pid(supervisor: int) -> int:
     raise SystemExit("no worker process found")
 
 
+def wait_for(done: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"gave up waiting for {what} after {timeout:.0f} s")
+        time.sleep(0.05)
+
+
 def one_round(url: str, config: Path, jobs: int) -> tuple[float, float, int]:
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute("TRUNCATE jobd.jobs, jobd.jobs_archive, jobd.job_keys")
@@ -67,7 +76,8 @@ def one_round(url: str, config: Path, jobs: int) -> tuple[float, float, int]:
                                    "-c", str(config)], stdout=subprocess.DEVNULL,
                                   stderr=subprocess.DEVNULL)
         try:
-            time.sleep(3)  # workers up and waiting
+            wait_for(lambda: conn.execute("SELECT count(*) FROM jobd.lane_waiters")
+                     .fetchone() == (2,), "both workers to wait for work")
             conn.execute("SELECT jobd.enqueue('sleep', '{\"seconds\": 3}') "
                          "FROM generate_series(1, %s)", (jobs,))
             started = time.monotonic()
@@ -75,8 +85,8 @@ def one_round(url: str, config: Path, jobs: int) -> tuple[float, float, int]:
             os.kill(worker_pid(daemon.pid), signal.SIGKILL)
             time.sleep(2)
             conn.execute("SELECT jobd.enqueue('echo', '{}')")
-            while conn.execute("SELECT count(*) FROM jobd.jobs").fetchone() != (0,):
-                time.sleep(0.1)
+            wait_for(lambda: conn.execute("SELECT count(*) FROM jobd.jobs").fetchone() == (0,),
+                     "every job to finish", timeout=300)
             drained = time.monotonic() - started
             row = conn.execute(
                 "SELECT (SELECT extract(epoch FROM claimed_at - run_at) FROM jobd.jobs_archive"

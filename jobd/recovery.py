@@ -163,9 +163,7 @@ def settle_crashed_worker(
     with conn.transaction():
         conn.execute(query("disarm_waiter"), {"worker": worker})
         rows = conn.execute(query("jobs_held_by"), {"worker": worker}).fetchall()
-        if any(row[0] in given_back_before for row in rows):
-            running = None
-        rows, unstarted = _split_by_board(rows, running)
+        rows, unstarted = _split_by_board(rows, running, given_back_before)
         given_back = release(conn, [Lease(row[0], row[1]) for row in unstarted if not row[5]])
         # Asked to stop and never started: ended as cancelled, like the running ones.
         stop_unstarted = [row for row in unstarted if row[5]]
@@ -184,12 +182,15 @@ def settle_crashed_worker(
         return CrashOutcome(failed, [], sorted(given_back.applied))
 
 
-def _split_by_board(rows: list[Any], running: Running | None) -> tuple[list[Any], list[Any]]:
+def _split_by_board(rows: list[Any], running: Running | None,
+                    given_back_before: Collection[int]) -> tuple[list[Any], list[Any]]:
     """The rows of jobs held (``jobs_held_by``): (those that were running, those that never
     started), by the run board. A board that is incomplete, or names none of the jobs held,
-    proves nothing (the worker died outside any handler, say while decoding a claim): then
-    every job held counts as running."""
-    if running is None or not running.complete:
+    proves nothing (the worker died outside any handler, say while decoding a claim), nor
+    does one of a worker that held a job an earlier board cleared: then every job held
+    counts as running."""
+    if (running is None or not running.complete
+            or any(row[0] in given_back_before for row in rows)):
         return rows, []
     started = [row for row in rows if row[0] in running.job_ids]
     if not started:

@@ -139,7 +139,8 @@ def encode_payload(payload: Any) -> str:
         raise ValueError(f"payload cannot be stored as JSON: {exc}") from None
     if _NUL_ESCAPE.search(text):
         raise ValueError("payload strings must not contain NUL characters (\\u0000)")
-    utf8_size("payload", text)
+    if not text.isascii():  # ASCII (the common payload) holds no lone surrogate
+        utf8_size("payload", text)
     return _spell_out_exponents(text) if "e+" in text or "e-" in text else text
 
 
