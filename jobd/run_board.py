@@ -22,11 +22,10 @@ from __future__ import annotations
 
 import mmap
 import os
-import struct
 import tempfile
 from dataclasses import dataclass
 
-_SLOT = struct.Struct("=q")
+_SLOT_BYTES = 8  # a signed 64-bit integer in the machine's order: both sides run here
 OVERFLOW = 0
 THREADS = 1  # the first handler thread's slot
 
@@ -47,6 +46,9 @@ class RunBoard:
     def __init__(self, fd: int, concurrency: int) -> None:
         self.concurrency = concurrency
         self._map = mmap.mmap(fd, _size(concurrency))
+        # Item assignment on a cast view: the cheapest write Python has (about 20 ns, half
+        # of struct.pack_into); a handler thread makes three per job.
+        self._slots = memoryview(self._map).cast("q")
         # Async slots free to take; used from the event loop's thread alone.
         first_async = THREADS + 2 * concurrency
         self._free_async = list(range(first_async + concurrency - 1, first_async - 1, -1))
@@ -60,38 +62,38 @@ class RunBoard:
         return cls(fd, concurrency), fd
 
     def thread_started(self, thread: int, job_id: int) -> None:
-        _SLOT.pack_into(self._map, (THREADS + thread) * _SLOT.size, job_id)
+        self._slots[THREADS + thread] = job_id
 
     def thread_ended(self, thread: int, job_id: int) -> None:
-        _SLOT.pack_into(self._map, (THREADS + self.concurrency + thread) * _SLOT.size, job_id)
-        _SLOT.pack_into(self._map, (THREADS + thread) * _SLOT.size, 0)
+        self._slots[THREADS + self.concurrency + thread] = job_id
+        self._slots[THREADS + thread] = 0
 
     def async_started(self, job_id: int) -> int | None:
         """The slot the run took, or None if none was free (counted as an overflow)."""
         if not self._free_async:
-            (overflows,) = _SLOT.unpack_from(self._map, OVERFLOW * _SLOT.size)
-            _SLOT.pack_into(self._map, OVERFLOW * _SLOT.size, overflows + 1)
+            self._slots[OVERFLOW] += 1
             return None
         slot = self._free_async.pop()
-        _SLOT.pack_into(self._map, slot * _SLOT.size, job_id)
+        self._slots[slot] = job_id
         return slot
 
     def async_ended(self, slot: int | None) -> None:
         if slot is not None:
-            _SLOT.pack_into(self._map, slot * _SLOT.size, 0)
+            self._slots[slot] = 0
             self._free_async.append(slot)
 
     def running(self) -> Running:
         """The jobs on the board now (the supervisor's read, after the worker exited)."""
-        values = [value for (value,) in _SLOT.iter_unpack(self._map)]
+        values = self._slots.tolist()
         return Running(frozenset(v for v in values[THREADS:] if v), values[OVERFLOW] == 0)
 
     def close(self) -> None:
+        self._slots.release()  # the map cannot close while a view of it is exported
         self._map.close()
 
 
 def _size(concurrency: int) -> int:
-    return (THREADS + 3 * concurrency) * _SLOT.size
+    return (THREADS + 3 * concurrency) * _SLOT_BYTES
 
 
 def _shared_file() -> int:
