@@ -191,12 +191,14 @@ class WorkObserver:
     def claimed(self, jobs: Iterable[Job]) -> None:
         """Jobs a claim took. The claim's moment is its lease's start, ``lease_until`` minus
         the visibility timeout: the database clock, like ``run_at``, so the pickup delay
-        needs no clock of this node and no extra column."""
+        needs no clock of this node and no extra column. A job enqueued due in the past
+        waited from its enqueue (``created_at``), not from its ``run_at``."""
         for handler, count in Counter(job.handler for job in jobs).items():
             self.work_of(handler).claimed += count
         lease = self.visibility_timeout
         self.totals.pickup.observe_all(
-            (job.lease_until - job.run_at).total_seconds() - lease for job in jobs)
+            (job.lease_until - max(job.run_at, job.created_at)).total_seconds() - lease
+            for job in jobs)
 
     def finished(self, handler: str, outcome: int, seconds: float) -> None:
         """A run ended with ``outcome`` (an index into :data:`OUTCOMES`) after ``seconds``."""

@@ -25,14 +25,14 @@ from typing import Any
 import daemon_support
 import psycopg
 import pytest
-from daemon_support import Daemon, db_now, make_config, wait_until
+from daemon_support import Daemon, db_now, enqueued_when_due, make_config, wait_until
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
 from prometheus_support import Prometheus, check_metrics, fetch
 
 import jobd
-from jobd import protocol, queue, recovery, worker
+from jobd import protocol, queue, recovery, views, worker
 from jobd.backoff import Backoff, RetryPolicy
 from jobd.completer import Counters
 from jobd.config import Config, LaneConfig
@@ -76,9 +76,9 @@ T0 = datetime(2026, 1, 1, 12, 0, 0).astimezone()
 
 
 def job(handler: str, run_at: datetime, lease_until: datetime, job_id: int = 1,
-        token: int = 7) -> Job:
+        token: int = 7, created_at: datetime | None = None) -> Job:
     return Job.from_row((job_id, token, "default", handler, "{}", 0, run_at, 1, None, None,
-                         run_at, lease_until))
+                         run_at if created_at is None else created_at, lease_until))
 
 
 def parsed(exposition: str) -> dict[str, Any]:
@@ -158,6 +158,16 @@ def test_pickup_delay_is_the_claim_time_minus_run_at_on_the_database_clock() -> 
     assert dict(observer.totals.pickup.cumulative())[2.5] == 1
     assert dict(observer.totals.pickup.cumulative())[1.0] == 0
     assert observer.totals.pickup.total == pytest.approx(2.5)
+
+
+def test_a_job_enqueued_due_in_the_past_waited_from_its_enqueue() -> None:
+    """A replayed event keeps its own timestamp as run_at: a day before it was enqueued. It
+    was claimed 1.5 s after its enqueue, not a day late."""
+    observer = WorkObserver(["send"], visibility_timeout=30.0)
+    replayed = job("send", T0 - timedelta(days=1), T0 + timedelta(seconds=31.5),
+                   created_at=T0)
+    observer.claimed([replayed])
+    assert observer.totals.pickup.total == pytest.approx(1.5)
 
 
 def test_a_pickup_before_run_at_by_clock_rounding_counts_as_zero() -> None:
@@ -388,6 +398,7 @@ def test_the_sampler_counts_each_state_of_a_lane(conn: psycopg.Connection) -> No
     for _ in range(2):
         jobd.enqueue(conn, "h", lane="a", run_at=start + timedelta(hours=1))
     jobd.enqueue(conn, "h", lane="unsampled")
+    enqueued_when_due(conn)
 
     sample = take_sample(conn, ["a", "b"], now=start)
     # A lane that has jobs is counted though not asked for (no config names it).
@@ -404,6 +415,31 @@ def test_the_sampler_counts_each_state_of_a_lane(conn: psycopg.Connection) -> No
     later = take_sample(conn, ["a"], now=start + timedelta(hours=2)).lanes["a"]
     assert later.depth == {"due": 5, "scheduled": 0, "retrying": 0, "claimed": 1}
     assert later.oldest_unclaimed_age == pytest.approx(7240.0)
+
+
+def test_a_job_enqueued_due_in_the_past_waits_from_its_enqueue(
+    conn: psycopg.Connection,
+) -> None:
+    """A replayed event keeps its own timestamp as run_at, a day ago: the oldest-wait gauge
+    and `jobd status` count from its enqueue, so they do not fire the stale-queue alert."""
+    start = db_now(conn)
+    jobd.enqueue(conn, "h", lane="replay", run_at=start - timedelta(days=1))
+    sampled = take_sample(conn, ["replay"], now=start + timedelta(seconds=5)).lanes["replay"]
+    assert sampled.oldest_unclaimed_age == pytest.approx(5.0, abs=1.0)
+    status = {s.lane: s for s in views.lane_status(conn)}["replay"]
+    assert status.oldest_unclaimed_age < 60
+
+
+def test_the_pickup_percentiles_of_a_job_enqueued_due_in_the_past_count_from_its_enqueue(
+    conn: psycopg.Connection,
+) -> None:
+    start = db_now(conn)
+    jobd.enqueue(conn, "h", lane="replay", run_at=start - timedelta(days=1))
+    claimed = claim_one(conn, "replay")
+    queue.complete(conn, [claimed.lease])
+    latency = views.lane_latency(conn, ["replay"], window=60, sample=100)["replay"]
+    assert latency.finished == 1
+    assert latency.pickup_p99 is not None and latency.pickup_p99 < 60
 
 
 def test_a_lane_no_config_names_is_exported_so_an_alert_can_see_it(

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 import pytest
 from cli_support import assert_one_line_error, cli, ok
+from daemon_support import db_now, enqueued_when_due
 from psycopg import sql
 from psycopg.types.json import Jsonb
 
@@ -157,16 +158,12 @@ def test_the_plain_snapshot_has_every_lane_and_node_and_no_keys() -> None:
 # --- the snapshot from the database --------------------------------------------------------
 
 
-def db_now(conn: psycopg.Connection) -> datetime:
-    row = conn.execute("SELECT now()").fetchone()
-    assert row is not None
-    return row[0]
-
-
 def finish(conn: psycopg.Connection, lane_name: str, run_at: datetime, claimed_at: datetime,
            finished_at: datetime) -> None:
-    """One job through the real claim and completion, at the given database instants."""
-    jobd.enqueue(conn, "h", lane=lane_name, run_at=run_at)
+    """One job through the real claim and completion, at the given database instants (it
+    was enqueued when it fell due: a job enqueued due in the past waits from its enqueue)."""
+    job_id = jobd.enqueue(conn, "h", lane=lane_name, run_at=run_at)
+    conn.execute("UPDATE jobd.jobs SET created_at = run_at WHERE id = %s", [job_id])
     [job] = queue.claim(conn, lane_name, "node-1:1", 1, 3600, now=claimed_at)
     assert queue.complete(conn, [job.lease], now=finished_at).applied == [job.id]
 
@@ -248,6 +245,7 @@ def test_collect_reads_depth_by_state_rates_and_nodes(conn: psycopg.Connection) 
         jobd.enqueue(conn, "h", lane="default", run_at=now - timedelta(seconds=30))
     for _ in range(2):
         jobd.enqueue(conn, "h", lane="default", run_at=now + timedelta(hours=1))
+    enqueued_when_due(conn)
     jobd.enqueue(conn, "h", lane="mail", priority=5)
     jobd.enqueue(conn, "h", lane="mail")
     assert len(queue.claim(conn, "mail", "node-1:1", 1, 30)) == 1
@@ -355,6 +353,7 @@ def fill(conn: psycopg.Connection) -> dict[str, int]:
     now = db_now(conn)
     jobd.enqueue(conn, "h", lane="slow", run_at=now - timedelta(seconds=30))
     jobd.enqueue(conn, "h", lane="fast", run_at=now - timedelta(seconds=30))
+    enqueued_when_due(conn)
     for i in range(5):
         finish(conn, "fast", now - timedelta(seconds=5), now - timedelta(seconds=4),
                now - timedelta(seconds=4 - 0.1 * i))

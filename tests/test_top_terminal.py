@@ -16,6 +16,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from daemon_support import enqueued_when_due
 
 import jobd
 
@@ -101,6 +102,7 @@ def queue_with_lanes(conn: psycopg.Connection, tmp_path: Path) -> Path:
     assert row is not None
     for lane in ("slow", "fast"):
         jobd.enqueue(conn, "h", lane=lane, run_at=row[0])
+    enqueued_when_due(conn)
     return config
 
 

@@ -586,7 +586,8 @@ SELECT lane, handler, count(*)
  ORDER BY lane, handler
 
 -- name: lane_stats
--- Per lane: counts of live jobs by state, the age of the oldest due unclaimed job, DLQ depth,
+-- Per lane: counts of live jobs by state, the longest wait of a due unclaimed job (from its
+-- run_at, or its enqueue if that was later), DLQ depth,
 -- and the live jobs split by what they wait for: due (claimable now), scheduled (pending,
 -- run_at ahead), retrying (failed, waiting out the backoff); with claimed, the four add up
 -- to the lane's depth.
@@ -599,8 +600,8 @@ live AS (
            count(*) FILTER (WHERE state = 'claimed') AS claimed,
            count(*) FILTER (WHERE state = 'failed') AS failed,
            extract(epoch FROM clock.now
-                   - min(run_at) FILTER (WHERE state IN ('pending', 'failed')
-                                         AND run_at <= clock.now))
+                   - min(greatest(run_at, created_at))
+                         FILTER (WHERE state IN ('pending', 'failed') AND run_at <= clock.now))
                AS oldest_unclaimed_age,
            count(*) FILTER (WHERE state IN ('pending', 'failed') AND run_at <= clock.now)
                AS due,
@@ -628,7 +629,8 @@ SELECT coalesce(live.lane, dead.lane) AS lane,
 -- name: lane_latency
 -- Per lane, over its jobs finished in the last %(window)s seconds, at most the %(sample)s
 -- newest: how many, and the 50th and 99th percentiles of the time from claim to finish and
--- of the pickup delay (from due to claimed). Each lane is one backward range scan of
+-- of the pickup delay (from due, or from the enqueue of a job enqueued due in the past, to
+-- claimed). Each lane is one backward range scan of
 -- jobs_archive_lane_finished_idx, and partition pruning on finished_at keeps it to the
 -- partitions the window touches: the cost is bounded by the sample, whatever the archive
 -- holds. Failed attempts and dead jobs are not in the archive, so they are not counted;
@@ -641,7 +643,8 @@ SELECT l.lane,
   LEFT JOIN LATERAL (
         SELECT a.finished_at,
                extract(epoch FROM a.finished_at - a.claimed_at)::float8 AS run_seconds,
-               extract(epoch FROM a.claimed_at - a.run_at)::float8 AS pickup_seconds
+               extract(epoch FROM a.claimed_at - greatest(a.run_at, a.created_at))::float8
+                   AS pickup_seconds
           FROM jobs_archive AS a
          WHERE a.lane = l.lane
            AND a.finished_at > coalesce(%(now)s::timestamptz, now())
@@ -669,7 +672,7 @@ SELECT DISTINCT lane FROM lane_priorities
 -- once: due and later from jobs_claimable_idx, retrying from jobs_retrying_idx (index-only
 -- where the visibility map allows), claimed through jobs_lease_idx (as many rows as jobs in
 -- flight), dead from dead_letter_lane_idx; the oldest wait is one probe per priority
--- (lane_head). Finished jobs are never read: their rows are in the archive.
+-- (lane_waiting_since). Finished jobs are never read: their rows are in the archive.
 WITH clock AS (
     SELECT coalesce(%(now)s::timestamptz, now()) AS at
 ),
@@ -705,8 +708,8 @@ SELECT l.lane,
        coalesce(retrying.jobs, 0) AS retrying,
        coalesce(claimed.jobs, 0) AS claimed,
        coalesce(dead.jobs, 0) AS dead,
-       -- lane_head is NULL for a lane with nothing claimable, and greatest() skips NULLs.
-       greatest(extract(epoch FROM clock.at - lane_head(l.lane)), 0)::float8
+       -- NULL for a lane with nothing claimable, and greatest() skips NULLs.
+       greatest(extract(epoch FROM clock.at - lane_waiting_since(l.lane)), 0)::float8
            AS oldest_unclaimed_age
   FROM unnest(%(lanes)s::text[]) AS l(lane)
  CROSS JOIN clock

@@ -1256,6 +1256,23 @@ AS $$
      WHERE p.lane = lane_head.lane
 $$;
 
+-- When the job at the head of a lane began to wait: its run_at, or its enqueue if it was
+-- enqueued due in the past (migration 0030). One index probe per priority and one heap fetch
+-- each; it is the head's wait: behind a back-dated head, an older wait shows once the head is
+-- claimed. The oldest-wait gauge reads it; wake-ups follow lane_head.
+CREATE FUNCTION lane_waiting_since(lane text) RETURNS timestamptz
+LANGUAGE sql STABLE
+SET search_path FROM CURRENT
+AS $$
+    SELECT min(first.waiting_since)
+      FROM lane_priorities AS p
+     CROSS JOIN LATERAL (
+           SELECT greatest(j.run_at, j.created_at) AS waiting_since FROM jobs AS j
+            WHERE j.lane = p.lane AND j.state IN ('pending', 'failed') AND j.priority = p.priority
+            ORDER BY j.run_at LIMIT 1) AS first
+     WHERE p.lane = lane_waiting_since.lane
+$$;
+
 
 -- ===========================================================================================
 -- Recurring schedules
