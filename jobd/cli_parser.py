@@ -21,7 +21,7 @@ from jobd.cli_types import (
     interval,
     lane_name,
     not_empty,
-    payload,
+    payload_argument,
     positive_int,
     timestamp,
     timestamp_or_age,
@@ -151,8 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     enqueue_cmd = add("enqueue", "Enqueue one job and print its id.")
     enqueue_cmd.add_argument("handler", help="handler name (from the config's handlers)")
-    enqueue_cmd.add_argument("--payload", type=payload, default="{}", metavar="JSON",
-                             help="JSON payload (default: {})")
+    enqueue_cmd.add_argument("--payload", type=payload_argument, default="{}", metavar="JSON",
+                             help="JSON payload; @FILE reads it from a file, - from standard "
+                                  "input (default: {})")
     enqueue_cmd.add_argument("--lane", default="default", help="lane (default: default)")
     enqueue_cmd.add_argument("--priority", type=int32, default=0,
                              help="higher runs first (default: 0)")

@@ -8,10 +8,11 @@ import argparse
 import json
 import math
 import re
+import sys
 from collections.abc import Callable
 from datetime import datetime
 from decimal import Decimal
-from typing import Any
+from typing import Any, BinaryIO
 
 from jobd import validation
 from jobd.config import parse_duration
@@ -142,6 +143,47 @@ def payload(text: str) -> Any:
         raise argparse.ArgumentTypeError(
             "payload refused: a string contains NUL (\\u0000), which PostgreSQL cannot store")
     return value
+
+
+# More than a jsonb value can hold (255 MiB): a payload read from a file or a pipe stops
+# here rather than reading on into memory.
+MAX_PAYLOAD_READ = 256 * 1024 * 1024
+
+
+def payload_argument(text: str) -> Any:
+    """``--payload``: JSON text, ``@FILE`` to read it from a file, or ``-`` to read it from
+    standard input (neither ``@`` nor ``-`` can start a JSON text). A payload larger than
+    the command line takes (about 128 KiB on Linux) has to come from one of those."""
+    if text == "-":
+        return payload(_decoded(_read_at_most(sys.stdin.buffer), "standard input"))
+    if text.startswith("@"):
+        path = text[1:]
+        if not path:
+            raise argparse.ArgumentTypeError("@ needs a file name: --payload @payload.json")
+        try:
+            with open(path, "rb") as source:
+                data = _read_at_most(source)
+        except OSError as exc:
+            raise argparse.ArgumentTypeError(
+                f"cannot read the payload file {path!r}: {exc.strerror}") from None
+        return payload(_decoded(data, f"the payload file {path!r}"))
+    return payload(text)
+
+
+def _read_at_most(source: BinaryIO) -> bytes:
+    data = source.read(MAX_PAYLOAD_READ + 1)
+    if len(data) > MAX_PAYLOAD_READ:
+        raise argparse.ArgumentTypeError(
+            "payload refused: larger than 256 MiB (a jsonb value holds at most 255 MiB)")
+    return data
+
+
+def _decoded(data: bytes, source: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise argparse.ArgumentTypeError(
+            f"payload refused: {source} is not UTF-8 (byte {exc.start})") from None
 
 
 def where(text: str) -> tuple[str, Any]:

@@ -3,6 +3,7 @@ stderr, runtime failures exit 1. Run against a real database."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -50,6 +51,48 @@ def test_undecodable_or_unstorable_payloads_exit_2(
 ) -> None:
     result = cli("enqueue", "h", f"--payload={payload}", "--database-url", db_url)
     line = assert_one_line_error(result, 2)
+    assert fragment in line and "--payload" in line
+    assert count_jobs(conn) == 0
+
+
+def test_a_payload_too_long_for_the_command_line_comes_from_a_file_or_a_pipe(
+    db_url: str, conn: psycopg.Connection, tmp_path: Path
+) -> None:
+    """Linux refuses a single argument over 128 KiB (E2BIG): a large payload is read from
+    @FILE or from standard input (-) instead."""
+    big = {"rows": ["r" * 100 for _ in range(2000)], "name": "caf\u00e9"}
+    path = tmp_path / "payload.json"
+    path.write_text(json.dumps(big), "utf-8")
+    assert path.stat().st_size > 128 * 1024
+    from_file = cli("enqueue", "h", "--payload", f"@{path}", "--database-url", db_url)
+    assert from_file.returncode == 0, from_file.stderr
+    from_pipe = subprocess.run(
+        [sys.executable, "-m", "jobd", "enqueue", "h", "--payload", "-", "--database-url", db_url],
+        input=json.dumps(big).encode(), capture_output=True, env=clean_env(), timeout=TIMEOUT)
+    assert from_pipe.returncode == 0, from_pipe.stderr
+    rows = conn.execute("SELECT payload FROM jobs ORDER BY id").fetchall()
+    assert [row[0] for row in rows] == [big, big]
+
+
+@pytest.mark.parametrize(
+    ("content", "argument", "fragment"),
+    [
+        (None, "@{missing}", "No such file"),
+        (None, "@", "needs a file name"),
+        (b"\xff{}", "@{path}", "not UTF-8"),
+        (b"{oops", "@{path}", "not valid JSON"),
+        (b'{"x": NaN}', "@{path}", "NaN is not JSON"),
+    ],
+)
+def test_a_payload_file_that_cannot_be_used_is_a_usage_error(
+    db_url: str, conn: psycopg.Connection, tmp_path: Path, content: bytes | None,
+    argument: str, fragment: str,
+) -> None:
+    path = tmp_path / "payload.json"
+    if content is not None:
+        path.write_bytes(content)
+    value = argument.format(path=path, missing=tmp_path / "missing.json")
+    line = assert_one_line_error(cli("enqueue", "h", "--payload", value, "--database-url", db_url))
     assert fragment in line and "--payload" in line
     assert count_jobs(conn) == 0
 
