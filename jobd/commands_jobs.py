@@ -11,7 +11,7 @@ from typing import Any
 
 from jobd import dlq, pauses, schedules, views
 from jobd.cli_context import Context
-from jobd.cli_output import cell, field, one_line, print_json, print_table
+from jobd.cli_output import cell, field, one_line, print_json, print_table, seconds
 from jobd.commands_controls import checked_names
 from jobd.config import Config
 from jobd.errors import UsageError
@@ -133,7 +133,7 @@ def _print_schedule_conflicts(found: list[schedules.Conflict]) -> None:
 
 
 def _oldest(status: views.LaneStatus, slo_pickup: float | None) -> str:
-    text = f"{status.oldest_unclaimed_age:.1f}s"
+    text = seconds(status.oldest_unclaimed_age) if status.due else "-"
     return text + " OVER SLO" if views.over_slo(status, slo_pickup) else text
 
 

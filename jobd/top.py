@@ -27,6 +27,7 @@ from typing import Any, Literal
 import psycopg
 
 from jobd import pauses, views
+from jobd.cli_output import seconds
 from jobd.config import Config
 
 LATENCY_WINDOW = 60.0
@@ -138,24 +139,6 @@ def collect(conn: psycopg.Connection, config: Config, *, window: float = LATENCY
 
 
 # --- formatting ----------------------------------------------------------------------------
-
-
-def seconds(value: float | None) -> str:
-    """A duration in a few characters: 850us, 12ms, 4.2s, 3m12s, 2h05m, 3d04h."""
-    if value is None:
-        return "-"
-    if value < 0.001:
-        return f"{value * 1e6:.0f}us"
-    if value < 1:
-        return f"{value * 1000:.0f}ms"
-    if value < 60:
-        return f"{value:.1f}s"
-    whole = int(value)
-    if whole < 3600:
-        return f"{whole // 60}m{whole % 60:02d}s"
-    if whole < 86400:
-        return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
-    return f"{whole // 86400}d{whole % 86400 // 3600:02d}h"
 
 
 def rate(value: float | None) -> str:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 import pytest
 from cli_support import TIMEOUT, UNREACHABLE, assert_one_line_error, clean_env, cli, ok
+from daemon_support import enqueued_when_due
 from psycopg.types.json import Jsonb
 
 import jobd
@@ -297,6 +298,7 @@ def test_status_shows_each_lanes_pickup_slo_and_whether_it_is_met(
     assert row is not None
     for lane in ("slow", "fast", "plain"):
         jobd.enqueue(conn, "h", lane=lane, run_at=row[0])
+    enqueued_when_due(conn)
     lanes = {s["lane"]: s for s in ok_json("status", "-c", str(config),
                                            "--database-url", db_url)["lanes"]}
     assert {lane: (s["slo_pickup_seconds"], s["over_slo"]) for lane, s in lanes.items()} == {

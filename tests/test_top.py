@@ -18,7 +18,7 @@ from psycopg import sql
 from psycopg.types.json import Jsonb
 
 import jobd
-from jobd import queue, top, top_screen, views
+from jobd import cli_output, queue, top, top_screen, views
 from jobd.config import Config, parse
 from jobd.db import connect
 from jobd.queries import query
@@ -56,7 +56,7 @@ def row_of(lines: list[top.Line], name: str) -> top.Line:
      (192, "3m12s"), (7500, "2h05m"), (3 * 86400 + 4 * 3600 + 5, "3d04h")],
 )
 def test_durations_fit_a_column(value: float | None, text: str) -> None:
-    assert top.seconds(value) == text
+    assert cli_output.seconds(value) == text
 
 
 def test_a_lane_over_its_slo_is_highlighted_and_marked() -> None:
