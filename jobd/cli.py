@@ -30,11 +30,22 @@ __all__ = ["Context", "build_parser", "main", "version"]
 
 
 def _context(args: argparse.Namespace) -> Context:
-    config_path = args.config or os.environ.get("JOBD_CONFIG")
+    config_path = args.config or _environment("JOBD_CONFIG")
     config = load(config_path) if config_path else Config()
     schema = validate_schema(args.schema or config.schema)
-    url = resolve_url(args.database_url, config.database_url)
+    url = resolve_url(args.database_url, _environment("JOBD_DATABASE_URL"), config.database_url)
     return Context(config=config, url=url, schema=schema, as_json=args.json)
+
+
+def _environment(name: str) -> str | None:
+    """A variable of the environment, None when unset. Set but empty is refused, as an empty
+    ``--database-url`` or ``-c`` is: ``JOBD_DATABASE_URL=$PROD_URL`` with PROD_URL unset
+    would otherwise reach the next source (the config's URL, else the local default), the
+    wrong database without a word."""
+    value = os.environ.get(name)
+    if value is not None and not value.strip():
+        raise UsageError(f"${name} is set but empty: give it a value, or unset it")
+    return value
 
 
 # Arguments that are file names, not text for the database: any bytes the file system holds.

@@ -20,7 +20,6 @@ is at the other end of the URL (``database.pooler``, docs/pooler.md):
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import shlex
 import time
@@ -127,9 +126,10 @@ def validate_schema(schema: str) -> str:
     return schema
 
 
-def resolve_url(cli_url: str | None, config_url: str | None) -> str:
-    """``--database-url``, else ``JOBD_DATABASE_URL``, else the config's ``database.url``."""
-    return cli_url or os.environ.get("JOBD_DATABASE_URL") or config_url or DEFAULT_URL
+def resolve_url(cli_url: str | None, env_url: str | None, config_url: str | None) -> str:
+    """``--database-url``, else ``JOBD_DATABASE_URL``, else the config's ``database.url``,
+    else the local default."""
+    return cli_url or env_url or config_url or DEFAULT_URL
 
 
 def conninfo(url: str, schema: str | None, application_name: str = "jobd",

@@ -312,6 +312,14 @@ def test_an_option_given_empty_is_refused_not_taken_for_its_default(option: str)
     assert "must not be empty" in line
 
 
+@pytest.mark.parametrize("variable", ["JOBD_DATABASE_URL", "JOBD_CONFIG"])
+def test_a_variable_set_empty_is_refused_not_taken_for_unset(variable: str) -> None:
+    """`JOBD_DATABASE_URL=$PROD_URL jobd ...` with PROD_URL unset must not run on the
+    config's database or the local default."""
+    line = assert_one_line_error(cli("enqueue", "ecko", env=clean_env(**{variable: ""})), 2)
+    assert f"${variable} is set but empty" in line
+
+
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux)")
 @pytest.mark.parametrize("args", [["--version"], ["schedules", "next", "--cron", "* * * * *",
                                                   "--json"]])
