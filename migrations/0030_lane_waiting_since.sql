@@ -21,3 +21,11 @@ AS $$
             ORDER BY j.run_at LIMIT 1) AS first
      WHERE p.lane = lane_waiting_since.lane
 $$;
+
+DO $$
+BEGIN
+    -- As migration 0014 pinned every function's search_path: the schema, then pg_temp.
+    EXECUTE format('ALTER FUNCTION lane_waiting_since(text) SET search_path = %I, pg_temp',
+                   current_schema());
+END
+$$;
