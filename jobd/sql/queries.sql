@@ -11,9 +11,12 @@
 --
 -- Plan shape: psycopg prepares a statement after a few uses and PostgreSQL then settles on a
 -- generic plan that cannot see the parameters. Batch statements therefore select their rows
--- with `id = ANY(%(ids)s)` (a primary-key probe in any plan) and check each row's token with
--- `lease_token = tokens[array_position(ids, id)]`. Joining unnest(ids, tokens), or writing
--- state = 'claimed', let the generic plan walk every claimed row through jobs_lease_idx.
+-- with `id = ANY(%(ids)s)` (a primary-key probe in any plan), and join them to
+-- `unnest(ids, tokens) AS lease(id, token)` on both columns to check each row's token (and
+-- to read the other per-job arrays at the row's position). Without the ANY probe, the join
+-- alone, or `state = 'claimed'`, let the generic plan walk every claimed row through
+-- jobs_lease_idx. The join is hashed: `tokens[array_position(ids, id)]`, used before, reads
+-- the arrays once per row, and a completion of 500 jobs cost 16.9 µs a job against 6.5.
 
 -- name: enqueue_qualified
 -- The single-job path, also used on callers' own connections, so the schema is an identifier
@@ -358,8 +361,9 @@ RETURNING jobs.id, jobs.lease_token, jobs.lane, jobs.handler, jobs.payload::text
 UPDATE jobs
    SET lease_until = coalesce(%(now)s::timestamptz, now())
                      + make_interval(secs => %(visibility_timeout)s)
+  FROM unnest(%(ids)s::bigint[], %(tokens)s::bigint[]) AS lease(id, token)
  WHERE jobs.id = ANY(%(ids)s::bigint[])
-   AND jobs.lease_token = (%(tokens)s::bigint[])[array_position(%(ids)s::bigint[], jobs.id)]
+   AND jobs.id = lease.id AND jobs.lease_token = lease.token
 RETURNING jobs.id, jobs.cancel_requested_at IS NOT NULL
 
 -- name: complete_jobs
@@ -370,8 +374,9 @@ RETURNING jobs.id, jobs.cancel_requested_at IS NOT NULL
 -- is the user's: hence {schema}. (see jobd/queries.py).
 WITH finished AS (
     DELETE FROM {schema}.jobs
+     USING unnest(%(ids)s::bigint[], %(tokens)s::bigint[]) AS lease(id, token)
      WHERE jobs.id = ANY(%(ids)s::bigint[])
-       AND jobs.lease_token = (%(tokens)s::bigint[])[array_position(%(ids)s::bigint[], jobs.id)]
+       AND jobs.id = lease.id AND jobs.lease_token = lease.token
     RETURNING jobs.*
 )
 INSERT INTO {schema}.jobs_archive (id, lane, handler, payload, state, priority, run_at, attempts,
@@ -395,19 +400,20 @@ RETURNING id, state
 -- (the handler's CancelledError, say) recorded: it is not retried, whatever its budget.
 WITH failure AS (
     SELECT jobs.id,
-           array_position(%(ids)s::bigint[], jobs.id) AS position,
+           lease.position,
            jobs.cancel_requested_at IS NOT NULL AS cancelled,
-           (%(final)s::bool[])[array_position(%(ids)s::bigint[], jobs.id)]
-           OR jobs.attempts >= coalesce(
-               jobs.max_attempts,
-               (%(default_max_attempts)s::int[])[array_position(%(ids)s::bigint[], jobs.id)])
+           lease.final
+           OR jobs.attempts >= coalesce(jobs.max_attempts, lease.default_max_attempts)
                AS spent
       FROM jobs
+      JOIN unnest(%(ids)s::bigint[], %(tokens)s::bigint[], %(final)s::bool[],
+                  %(default_max_attempts)s::int[]) WITH ORDINALITY
+           AS lease(id, token, final, default_max_attempts, position)
+        ON jobs.id = lease.id AND jobs.lease_token = lease.token
      WHERE jobs.id = ANY(%(ids)s::bigint[])
-       AND jobs.lease_token = (%(tokens)s::bigint[])[array_position(%(ids)s::bigint[], jobs.id)]
        AND (NOT %(expired_only)s
             OR jobs.lease_until < coalesce(%(now)s::timestamptz, now()))
-       FOR UPDATE
+       FOR UPDATE OF jobs
 ),
 retried AS (
     UPDATE jobs
@@ -485,8 +491,9 @@ WITH released AS (
            lease_until = NULL,
            lease_token = NULL,
            claimed_by = NULL
+      FROM unnest(%(ids)s::bigint[], %(tokens)s::bigint[]) AS lease(id, token)
      WHERE jobs.id = ANY(%(ids)s::bigint[])
-       AND jobs.lease_token = (%(tokens)s::bigint[])[array_position(%(ids)s::bigint[], jobs.id)]
+       AND jobs.id = lease.id AND jobs.lease_token = lease.token
        AND jobs.cancel_requested_at IS NULL
     RETURNING jobs.id, jobs.lane, jobs.run_at
 ),
@@ -509,8 +516,9 @@ UPDATE jobs
        lease_token = NULL,
        claimed_by = NULL,
        suspect = true
+  FROM unnest(%(ids)s::bigint[], %(tokens)s::bigint[]) AS lease(id, token)
  WHERE jobs.id = ANY(%(ids)s::bigint[])
-   AND jobs.lease_token = (%(tokens)s::bigint[])[array_position(%(ids)s::bigint[], jobs.id)]
+   AND jobs.id = lease.id AND jobs.lease_token = lease.token
    AND jobs.cancel_requested_at IS NULL
 RETURNING jobs.id
 
