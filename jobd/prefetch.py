@@ -75,6 +75,10 @@ class Prefetch:
                     if adaptive else self.floor)
         self.horizon = ORDERED_HORIZON if lane.ordered else HORIZON
         self.size = self.floor
+        # The jobs are short: the start rate's horizon of work is more than the floor. An
+        # adapted buffer then grows past its floor; a fixed one (the lane's prefetch) stays,
+        # and this says the same thing for it (jobd.slots puts jobs on deck only then).
+        self.short = False
         self._window_at: float | None = None  # when the current window began
         self._window_count = 0  # the started count at its beginning
         self._held_until = -math.inf  # the floor holds until then (a crash in the lane)
@@ -86,19 +90,26 @@ class Prefetch:
         """A worker of the lane crashed: keep to the floor for a while."""
         self._held_until = now + HOLD_AFTER_CRASH
         self.size = self.floor
+        self.short = False
 
     def current(self, started: int, now: float) -> int:
         """The size now, given the worker's total of started jobs so far."""
-        if self.cap == self.floor or now < self._held_until:
-            self._window_at = None  # measure afresh once the hold ends
+        if self.floor == 0 or now < self._held_until:
+            # Nothing is claimed ahead (a limited lane), or a crash holds the floor: nothing
+            # to measure; measure afresh once the hold ends.
+            self._window_at = None
+            self.short = False
             return self.floor
         if self._window_at is None or now - self._window_at >= IDLE_RESET:
             self._begin(started, now)
             self.size = self.floor
+            self.short = False
             self._measured = False
         elif now - self._window_at >= WINDOW:
             rate = (started - self._window_count) / (now - self._window_at)
-            self.size = min(self.cap, max(self.floor, math.ceil(rate * self.horizon)))
+            wanted = math.ceil(rate * self.horizon)
+            self.size = min(self.cap, max(self.floor, wanted))
+            self.short = wanted > self.floor
             self._begin(started, now)
             self._measured = True
         return self.size

@@ -95,14 +95,15 @@ class Slots:
 
     def deck_size(self) -> int:
         """How many jobs may wait on deck now: half the buffer the claimer claims for, and
-        at least ``concurrency``, while that buffer is above its floor (the jobs are short:
-        the buffer holds a few milliseconds of work, :mod:`jobd.prefetch`, the deck half) and
+        at least ``concurrency``, while the jobs are short (an adapted buffer grew above its
+        floor, or a fixed one, the lane's ``prefetch``, holds less than the horizon's work:
+        :mod:`jobd.prefetch`; a fixed buffer without a deck drained 1 x 10 at 0.6 x) and
         no handler is async (the event loop takes every job at once), else none. Half, so
         that the threads have work while the loop waits for a claim, which it sends once
         the buffer is down to half: with ``concurrency`` alone (10 jobs, a third of a
         millisecond at 1 x 10) they ran dry early in each claim's round trip."""
         prefetch = self.claimer.prefetch
-        if self.runner.threads_only and prefetch.size > prefetch.floor:
+        if self.runner.threads_only and (prefetch.size > prefetch.floor or prefetch.short):
             return max(self.lane.concurrency, prefetch.size // 2)
         return 0
 

@@ -262,6 +262,12 @@ def test_the_deck_is_open_only_to_short_sync_jobs() -> None:
         for size, places in sizes:
             claimer.prefetch.size = size
             assert slots.deck_size() == (places if short_sync else 0)
+        # A fixed buffer (the lane's prefetch) stays at its floor: its start rate says.
+        claimer.prefetch.size = claimer.prefetch.floor
+        claimer.prefetch.short = True
+        assert slots.deck_size() == (max(lane.concurrency, lane.buffer_size // 2)
+                                     if short_sync else 0)
+        claimer.prefetch.short = False
         if runner.async_handlers is not None:
             event_loop = runner.async_handlers.loop
             event_loop.call_soon_threadsafe(event_loop.stop)

@@ -64,6 +64,25 @@ def test_the_cap_is_bounded_in_jobs_and_a_lane_can_fix_the_size() -> None:
     assert run_at_rate(limited, 20_000, 0.5)[0] == 0
 
 
+def test_a_fixed_buffer_stays_fixed_but_says_whether_the_jobs_are_short() -> None:
+    """The deck (jobd.slots) needs to know that jobs take microseconds; an adapted buffer
+    says so by growing past its floor, a fixed one (the lane's prefetch) by ``short``."""
+    fixed = Prefetch(LaneConfig("l", concurrency=10, prefetch=500))
+    assert not fixed.short  # nothing measured yet
+    size, now, started = run_at_rate(fixed, 20_000, 0.5)  # 1,000 jobs in the horizon
+    assert (size, fixed.short) == (500, True)
+    assert (fixed.current(started, now + IDLE_RESET), fixed.short) == (500, False)
+    slow = Prefetch(LaneConfig("l", concurrency=10, prefetch=500))
+    assert (run_at_rate(slow, 1_600, 0.5)[0], slow.short) == (500, False)  # 80 in 50 ms
+    limited = Prefetch(LaneConfig("l", concurrency=10, max_running=4))
+    assert (run_at_rate(limited, 20_000, 0.5)[0], limited.short) == (0, False)
+    adapted = Prefetch(LaneConfig("l", concurrency=10))
+    run_at_rate(adapted, 20_000, 0.5)
+    assert adapted.short and adapted.size > adapted.floor
+    adapted.hold(now)
+    assert not adapted.short
+
+
 def test_after_a_crash_in_the_lane_the_floor_holds_for_a_while() -> None:
     prefetch = Prefetch(LaneConfig("l", concurrency=10))
     size, now, started = run_at_rate(prefetch, 20_000, 0.5)
