@@ -51,17 +51,27 @@ def big_queue(databases: Databases) -> Iterator[psycopg.Connection]:
                  FROM generate_series(1, %s) AS i""",
             (DUE_JOBS,),
         )
-        conn.execute(
-            """INSERT INTO jobs (lane, handler, state, run_at, attempts, claimed_by,
-                                 lease_token, lease_until)
-               SELECT 'default', 'send_email', 'claimed', now() - interval '1 minute', 1,
-                      'node-1:' || i %% 16, nextval('lease_token_seq'),
-                      now() + make_interval(secs => i %% 60 - 30)
-                 FROM generate_series(1, %s) AS i""",
-            (CLAIMED_JOBS,),
-        )
+        add_claimed_jobs(conn, leases_from=-30)
         conn.execute("ANALYZE jobs")
         yield conn
+    drop_database(databases, url)
+
+
+def add_claimed_jobs(conn: psycopg.Connection, leases_from: int) -> None:
+    """CLAIMED_JOBS claimed jobs whose leases end over the minute from ``leases_from``
+    seconds from now."""
+    conn.execute(
+        """INSERT INTO jobs (lane, handler, state, run_at, attempts, claimed_by,
+                             lease_token, lease_until)
+           SELECT 'default', 'send_email', 'claimed', now() - interval '1 minute', 1,
+                  'node-1:' || i %% 16, nextval('lease_token_seq'),
+                  now() + make_interval(secs => i %% 60 + %s)
+             FROM generate_series(1, %s) AS i""",
+        (leases_from, CLAIMED_JOBS),
+    )
+
+
+def drop_database(databases: Databases, url: str) -> None:
     with databases.server.admin() as admin:
         admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
             sql.Identifier(psycopg.conninfo.conninfo_to_dict(url)["dbname"])))
@@ -376,20 +386,10 @@ def held_queue(databases: Databases) -> Iterator[psycopg.Connection]:
             """INSERT INTO jobs (lane, handler, run_at)
                SELECT 'default', 'send_email', now() + make_interval(secs => 60 + i)
                  FROM generate_series(1, 100000) AS i""")
-        conn.execute(
-            """INSERT INTO jobs (lane, handler, state, run_at, attempts, claimed_by,
-                                 lease_token, lease_until)
-               SELECT 'default', 'send_email', 'claimed', now() - interval '1 minute', 1,
-                      'node-1:' || i %% 16, nextval('lease_token_seq'),
-                      now() + make_interval(secs => 30 + i %% 60)
-                 FROM generate_series(1, %s) AS i""",
-            (CLAIMED_JOBS,),
-        )
+        add_claimed_jobs(conn, leases_from=30)
         conn.execute("ANALYZE jobs")
         yield conn
-    with databases.server.admin() as admin:
-        admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
-            sql.Identifier(psycopg.conninfo.conninfo_to_dict(url)["dbname"])))
+    drop_database(databases, url)
 
 
 def held_leases(conn: psycopg.Connection, count: int) -> list[Lease]:
