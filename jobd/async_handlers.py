@@ -5,6 +5,7 @@ its outcome handed back through the runner's ``deliver``. A cancel cancels the t
 from __future__ import annotations
 
 import asyncio
+import collections
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -29,6 +30,10 @@ class AsyncHandlers:
         # The job each running task runs, the tasks a handler started included, for the watch
         # (read from the worker's thread).
         self._jobs: dict[asyncio.Task[Any], jobs.Job] = {}
+        # Runs to start, handed over from the worker's thread; the loop takes them all in one
+        # callback, so a batch of starts costs one wake-up of the loop, not one each.
+        self._starts: collections.deque[tuple[ResolvedHandler, jobs.Job]] = collections.deque()
+        self._starts_scheduled = False
         self.loop = asyncio.new_event_loop()
         self.loop.set_task_factory(self._new_task)
         self.watch = LoopWatch(self.loop, self._job_of)
@@ -55,8 +60,20 @@ class AsyncHandlers:
         return None if job is None else (job.id, job.handler)
 
     def start(self, resolved: ResolvedHandler, job: jobs.Job) -> None:
-        """Run the job's handler now (from any thread)."""
-        asyncio.run_coroutine_threadsafe(self._run(resolved, job), self.loop)
+        """Run the job's handler now (from the worker's thread)."""
+        self._starts.append((resolved, job))
+        if not self._starts_scheduled:
+            self._starts_scheduled = True
+            self.loop.call_soon_threadsafe(self._start_handed)
+
+    def _start_handed(self) -> None:
+        """On the loop: a task for every run handed over. The flag is cleared before the
+        queue is read, so a run handed over meanwhile either is read here or schedules the
+        next call."""
+        self._starts_scheduled = False
+        while self._starts:
+            resolved, job = self._starts.popleft()
+            self.loop.create_task(self._run(resolved, job))
 
     def cancel(self, job_id: int) -> None:
         """Cancel the job's task, if it runs (from any thread)."""

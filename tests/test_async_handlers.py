@@ -60,6 +60,37 @@ def run(func: Any, *, timeout: float | None = None, cancel: bool = False,
         stop(runner.loop)
 
 
+
+def test_a_burst_of_starts_runs_every_job_once_on_few_wake_ups_of_the_loop() -> None:
+    """Starts are handed to the loop in batches (one wake-up of the loop for all the runs
+    handed over before it looks): none may be lost to the race between handing one over
+    and the loop emptying the queue, and none may run twice."""
+    delivered: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
+    runner = AsyncHandlers(None, delivered.put)
+    wake_ups = 0
+    call_soon_threadsafe = runner.loop.call_soon_threadsafe
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal wake_ups
+        wake_ups += 1
+        return call_soon_threadsafe(*args, **kwargs)
+
+    runner.loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+
+    async def noop(_job: jobs.Job) -> None:
+        await asyncio.sleep(0)
+
+    resolved = handlers.resolved("h", noop)
+    try:
+        for job_id in range(1, 20_001):
+            runner.start(resolved, job(job_id))
+        ids = [delivered.get(timeout=10).job.id for _ in range(20_000)]
+        assert sorted(ids) == list(range(1, 20_001))
+        assert delivered.empty()
+        assert wake_ups < 20_000
+    finally:
+        stop(runner.loop)
+
 def test_a_run_that_returns_succeeds() -> None:
     async def handler(job: jobs.Job) -> None:
         await asyncio.sleep(0)
