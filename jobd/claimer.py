@@ -5,7 +5,7 @@ worker's loop does the round trips.
 - A worker claims up to ``concurrency + prefetch`` jobs and tops its buffer up once it is
   half empty, so claims come in batches while handlers see ``concurrency`` jobs at a time.
   Unless the lane sets ``prefetch`` (or is limited), the size follows how fast the worker
-  starts jobs (``jobd.prefetch``): from 3 x concurrency for slow jobs to 50 x (at most 500)
+  starts jobs (``jobd.prefetch``): from 3 x concurrency for slow jobs to 500 jobs
   for jobs that take microseconds; a fair or age-promoting lane holds a tenth as much work.
 - Buffered jobs (``jobd.claim_buffer``) go back to the queue when the worker stops taking
   work (a drain, a retirement, a suspect to run alone) and after ``BUFFER_MAX_AGE``

@@ -6,7 +6,7 @@ A lane that sets ``prefetch`` (or ``max_running``, which claims nothing ahead) g
 size, always. Otherwise the buffer holds about :data:`HORIZON` of work at the start rate the
 worker measured over its last window (:data:`ORDERED_HORIZON` in a lane with ``fair_by`` or
 ``max_wait``), never less than the floor (3 x ``concurrency``, the size a lane got before)
-and never more than :data:`MAX_FACTOR` x ``concurrency`` or :data:`MAX_JOBS`. Why adapt
+and never more than :data:`MAX_JOBS` (or the floor, if that is larger). Why adapt
 instead of a larger fixed size:
 
 - Short jobs want a large buffer. A claim is a round trip and a commit; at 1 x 10 with no-op
@@ -54,14 +54,14 @@ HORIZON = 0.05  # seconds of work at the measured start rate that the buffer hol
 ORDERED_HORIZON = 0.005
 WINDOW = 0.02  # the start rate is measured over windows at least this long
 IDLE_RESET = 1.0  # a window this old (nothing measured since) no longer says anything
-# At most this many times the lane's concurrency ... 20 until 2026-12-02; at 1 x 10 and
-# 2 x 10 with no-op handlers 50 drained 6 % and 21 % faster (medians of three alternating
-# runs, docs/performance.md). The buffer still holds no more than HORIZON of the worker's own
-# work, so the higher cap counts only where one worker at concurrency 10 starts more than
-# 4,000 jobs/s; there a first crash in a quiet lane that its run board cannot attribute
-# makes up to 500 suspects instead of 200.
-MAX_FACTOR = 50
-MAX_JOBS = 500  # ... and at most this many jobs
+# At most this many jobs, whatever the lane's concurrency (unless its floor is larger). The
+# buffer still holds no more than HORIZON of the worker's own work, so the cap counts only
+# for short jobs. It was also at most 50 x concurrency until 2026-12-05: at concurrency 1
+# that kept a no-op drain to claims of 50, and 1 x 1 drained at 0.6 x Graphile Worker's
+# rate (docs/performance.md, "A cap in jobs, not in concurrency"). A first crash that its
+# run board cannot attribute makes up to this many suspects, each run alone: at
+# concurrency 1 that is how every job runs anyway.
+MAX_JOBS = 500
 HOLD_AFTER_CRASH = 30.0  # seconds at the floor after a crash in the lane
 
 
@@ -71,8 +71,7 @@ class Prefetch:
     def __init__(self, lane: LaneConfig) -> None:
         self.floor = lane.buffer_size
         adaptive = lane.prefetch is None and lane.max_running is None
-        self.cap = (max(self.floor, min(MAX_FACTOR * lane.concurrency, MAX_JOBS))
-                    if adaptive else self.floor)
+        self.cap = max(self.floor, MAX_JOBS) if adaptive else self.floor
         self.horizon = ORDERED_HORIZON if lane.ordered else HORIZON
         self.size = self.floor
         # The jobs are short: the start rate's horizon of work is more than the floor. An

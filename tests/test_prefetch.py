@@ -7,7 +7,6 @@ from jobd.prefetch import (
     HOLD_AFTER_CRASH,
     HORIZON,
     IDLE_RESET,
-    MAX_FACTOR,
     MAX_JOBS,
     ORDERED_HORIZON,
     WINDOW,
@@ -55,7 +54,10 @@ def test_a_worker_idle_for_a_while_starts_again_from_the_floor() -> None:
 
 
 def test_the_cap_is_bounded_in_jobs_and_a_lane_can_fix_the_size() -> None:
-    assert Prefetch(LaneConfig("l", concurrency=4)).cap == 4 * MAX_FACTOR
+    # In jobs, whatever the concurrency: claims of 50 at concurrency 1 kept a worker of
+    # no-op jobs at half the rate of one with a claim of 500.
+    assert Prefetch(LaneConfig("l", concurrency=1)).cap == MAX_JOBS
+    assert Prefetch(LaneConfig("l", concurrency=4)).cap == MAX_JOBS
     assert Prefetch(LaneConfig("l", concurrency=100)).cap == MAX_JOBS
     assert Prefetch(LaneConfig("l", concurrency=400)).cap == 1200  # the floor wins
     fixed = Prefetch(LaneConfig("l", concurrency=10, prefetch=5))
