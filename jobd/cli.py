@@ -91,9 +91,34 @@ def _server_message(exc: psycopg.Error) -> str:
     return exc.diag.message_primary or first_line(exc)
 
 
+# Options whose value may start with '-' followed by a digit (`--delay -5s`): argparse takes
+# such a token for an option and says "expected one argument". Joined to its option, the
+# value reaches the option's own check, which says what is wrong with it.
+_SIGNED_VALUE_OPTIONS = frozenset({"--delay"})
+
+
+def _join_signed_values(argv: Sequence[str]) -> list[str]:
+    joined: list[str] = []
+    tokens = iter(argv)
+    for token in tokens:
+        if token == "--":  # the rest is positional
+            joined.append(token)
+            joined.extend(tokens)
+            break
+        if token in _SIGNED_VALUE_OPTIONS:
+            value = next(tokens, None)
+            if value is not None and value[:1] == "-" and value[1:2].isdigit():
+                joined.append(f"{token}={value}")
+                continue
+            joined.extend([token] if value is None else [token, value])
+            continue
+        joined.append(token)
+    return joined
+
+
 def _dispatch(argv: Sequence[str] | None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_join_signed_values(sys.argv[1:] if argv is None else argv))
     func: Callable[[Context, argparse.Namespace], int] = args.func
     schema = "jobd's schema"  # named once the context is known
     try:

@@ -38,6 +38,8 @@ def parse_duration(value: object) -> float:
     else:
         match = _DURATION.match(str(value))
         if not match:
+            if str(value).strip().startswith("-") and _DURATION.match(str(value).strip()[1:]):
+                raise ValueError(f"a duration cannot be negative: {value!r}")
             raise ValueError(f"expected a duration like 30s, 5m or 250ms, not {value!r}")
         seconds = float(match[1]) * _UNIT_SECONDS[match[2]]
     if not math.isfinite(seconds):

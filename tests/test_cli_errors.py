@@ -312,6 +312,14 @@ def test_an_option_given_empty_is_refused_not_taken_for_its_default(option: str)
     assert "must not be empty" in line
 
 
+@pytest.mark.parametrize("args", [["--delay", "-5s"], ["--delay=-5s"], ["--delay", "-0.5m"]])
+def test_a_negative_delay_is_refused_as_negative_however_it_is_written(args: list[str]) -> None:
+    """argparse reads `-5s` after an option as another option ("expected one argument"):
+    the value reaches the duration's own check instead."""
+    line = assert_one_line_error(cli("enqueue", "h", *args), 2)
+    assert "--delay: a duration cannot be negative" in line
+
+
 @pytest.mark.parametrize("variable", ["JOBD_DATABASE_URL", "JOBD_CONFIG"])
 def test_a_variable_set_empty_is_refused_not_taken_for_unset(variable: str) -> None:
     """`JOBD_DATABASE_URL=$PROD_URL jobd ...` with PROD_URL unset must not run on the

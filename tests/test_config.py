@@ -447,7 +447,7 @@ def test_a_lane_may_declare_a_pickup_slo() -> None:
          "lanes.default.slo.pikup: unknown key"),
         ("lanes:\n  default:\n    slo: 5s\n", 3, "lanes.default.slo: must be a mapping"),
         ("lanes:\n  default:\n    slo:\n      pickup: -1s\n", 4,
-         "lanes.default.slo.pickup: expected a duration"),
+         "lanes.default.slo.pickup: a duration cannot be negative"),
     ],
 )
 def test_a_bad_slo_names_its_key(tmp_path: Path, text: str, line: int, expected: str) -> None:
