@@ -21,7 +21,6 @@ import statistics
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -45,22 +44,11 @@ KINDS = {"sync": "noop", "async": "async_noop"}
 
 def drain(env: Env, workers: int, concurrency: int, round_no: int, kind: str) -> float:
     specs = [jobd.JobSpec(KINDS[kind], {}, LANE) for _ in range(daemon_bench.DRAIN_JOBS)]
-    result = daemon_bench.measure_drain(env, workers, concurrency, round_no, specs=specs,
-                                        label=f"{kind}-{workers}x{concurrency}")
+    result = daemon_bench.measure_drain(
+        env, workers, concurrency, round_no, specs=specs,
+        label=f"{kind}-{workers}x{concurrency}",
+        handlers={KINDS["async"]: f"{ASYNC_MODULE}:noop"})
     return float(result["jobs_per_s"])
-
-
-def with_async_handler(env: Env) -> None:
-    """Every config the drains write names the async handler too."""
-    (env.handler_dir / f"{ASYNC_MODULE}.py").write_text(ASYNC_SOURCE, "utf-8")
-    write_config = daemon_bench.write_config
-
-    def writing_both(env_: Env, name: str, lanes: dict[str, tuple[int, int]],
-                     metrics_listen: str | None = None, **options: Any) -> Path:
-        return write_config(env_, name, lanes, metrics_listen, **options,
-                            handlers={KINDS["async"]: f"{ASYNC_MODULE}:noop"})
-
-    daemon_bench.write_config = writing_both
 
 
 def rounds(text: str) -> int:
@@ -78,7 +66,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="drains of each kind (default 3)")
     args = parser.parse_args(argv)
     with daemon_bench.environment(statements=False, keep=False) as env:
-        with_async_handler(env)
+        (env.handler_dir / f"{ASYNC_MODULE}.py").write_text(ASYNC_SOURCE, "utf-8")
         for workers, concurrency in args.settings:
             rates: dict[str, list[float]] = {kind: [] for kind in KINDS}
             for round_no in range(args.rounds):

@@ -763,16 +763,19 @@ def measure_drain(env: Env, workers: int, concurrency: int, round_no: int,
                   metrics_listen: str | None = None, *,
                   lane_options: dict[str, Any] | None = None,
                   specs: Sequence[jobd.JobSpec] | None = None,
-                  label: str | None = None) -> dict[str, Any]:
+                  label: str | None = None,
+                  handlers: dict[str, str] | None = None) -> dict[str, Any]:
     """With ``metrics_listen`` the daemon serves metrics and is scraped every second during
     the drain, as Prometheus would. ``lane_options`` adds keys to the lane's config,
     ``specs`` replaces the DRAIN_JOBS no-op jobs (bench/fairness_bench.py: fair lanes and
-    jobs with fairness keys), ``label`` names the contender in files and the log."""
+    jobs with fairness keys), ``label`` names the contender in files and the log,
+    ``handlers`` adds handlers to the config (name -> ``module:function``)."""
     reset_queue(env)
     name = label or drain_name(workers, concurrency)
     stamps = env.scratch(f"drain-{name}-{round_no}")
     config = write_config(env, f"drain-{name}", {LANE: (workers, concurrency)},
-                          metrics_listen, lane_options={LANE: lane_options or {}})
+                          metrics_listen, lane_options={LANE: lane_options or {}},
+                          handlers=handlers)
     if specs is None:
         specs = [jobd.JobSpec("noop", {}, LANE) for _ in range(DRAIN_JOBS)]
     total = len(specs)
