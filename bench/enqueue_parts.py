@@ -16,6 +16,15 @@ so drift favours none), every table emptied and vacuumed before each run:
 bare
     ``INSERT ... RETURNING id`` into a trigger-less copy of jobd.jobs (``LIKE ... INCLUDING
     ALL``): pressure.py's yardstick.
+collected
+    The same ``INSERT`` into a copy with a statement trigger that collects the inserted rows
+    (a transition table, as jobd.jobs's insert trigger has) and never fires: what the
+    collecting costs an insert the trigger steps aside for.
+plain_function
+    The bare ``INSERT`` from a PL/pgSQL function run with the caller's rights.
+least_privilege
+    That function with ``SECURITY DEFINER`` and a pinned ``search_path``, still into the
+    trigger-less copy.
 jobs_insert
     The same ``INSERT`` into ``jobd.jobs`` itself: what a caller's own insert costs. Its
     statement trigger announces the job (no worker waits here, so it sends no NOTIFY).
@@ -60,13 +69,18 @@ from jobd.migrate import migrate
 CONTENDERS = {
     "bare": "INSERT INTO enqueue_parts.bare_jobs (lane, handler, payload) "
             "VALUES ('x', 'noop', '{}') RETURNING id;",
+    "collected": "INSERT INTO enqueue_parts.collected_jobs (lane, handler, payload) "
+                 "VALUES ('x', 'noop', '{}') RETURNING id;",
+    "plain_function": "SELECT enqueue_parts.plain_function('noop', '{}', 'x');",
+    "least_privilege": "SELECT enqueue_parts.least_privilege('noop', '{}', 'x');",
     "jobs_insert": "INSERT INTO jobd.jobs (lane, handler, payload) "
                    "VALUES ('x', 'noop', '{}') RETURNING id;",
     "insert_only": "SELECT enqueue_parts.insert_only('noop', '{}', 'x');",
     "wake_core": "SELECT enqueue_parts.wake_core('noop', '{}', 'x');",
     "enqueue": "SELECT jobd.enqueue('noop', '{}', 'x');",
 }
-EMPTY = "TRUNCATE enqueue_parts.bare_jobs, jobd.jobs, jobd.lane_priorities"
+EMPTY = ("TRUNCATE enqueue_parts.bare_jobs, enqueue_parts.collected_jobs, jobd.jobs, "
+         "jobd.lane_priorities")
 PARTS_SQL = Path(__file__).with_name("sql") / "enqueue_parts.sql"
 DBNAME = "enqueue_parts"
 

@@ -8,6 +8,53 @@ CREATE SCHEMA enqueue_parts;
 -- jobd.jobs's columns, defaults, checks and indexes; no trigger, so nothing announced.
 CREATE TABLE enqueue_parts.bare_jobs (LIKE jobd.jobs INCLUDING ALL);
 
+-- The same, with a statement trigger that collects the inserted rows (a transition table, as
+-- jobd.jobs's insert trigger has) and whose WHEN never holds: what the collecting costs an
+-- insert that the trigger steps aside for.
+CREATE TABLE enqueue_parts.collected_jobs (LIKE jobd.jobs INCLUDING ALL);
+CREATE FUNCTION enqueue_parts.never_fires() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    RETURN NULL;
+END
+$$;
+CREATE TRIGGER collected_jobs_insert AFTER INSERT ON enqueue_parts.collected_jobs
+    REFERENCING NEW TABLE AS new_jobs
+    FOR EACH STATEMENT
+    WHEN (pg_trigger_depth() > 1000)
+    EXECUTE FUNCTION enqueue_parts.never_fires();
+
+-- The insert from a PL/pgSQL function run with the caller's rights: what a function call
+-- costs.
+CREATE FUNCTION enqueue_parts.plain_function(handler text, payload jsonb, lane text)
+RETURNS bigint
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    new_id bigint;
+BEGIN
+    INSERT INTO enqueue_parts.bare_jobs AS j (lane, handler, payload)
+         VALUES (plain_function.lane, plain_function.handler, plain_function.payload)
+    RETURNING j.id INTO new_id;
+    RETURN new_id;
+END
+$$;
+
+-- That function with least privilege (SECURITY DEFINER, a pinned search_path), still into
+-- the trigger-less copy.
+CREATE FUNCTION enqueue_parts.least_privilege(handler text, payload jsonb, lane text)
+RETURNS bigint
+LANGUAGE plpgsql SECURITY DEFINER SET search_path TO 'enqueue_parts', 'pg_temp'
+AS $$
+DECLARE
+    new_id bigint;
+BEGIN
+    INSERT INTO bare_jobs AS j (lane, handler, payload)
+         VALUES (least_privilege.lane, least_privilege.handler, least_privilege.payload)
+    RETURNING j.id INTO new_id;
+    RETURN new_id;
+END
+$$;
+
 -- The least a least-privilege enqueue does: insert into jobd.jobs, the insert trigger
 -- stepping aside as it does for jobd.enqueue (which announces its own job).
 CREATE FUNCTION enqueue_parts.insert_only(handler text, payload jsonb, lane text)
