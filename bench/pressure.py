@@ -84,7 +84,8 @@ sampled every 100 ms from another database, active backends only, no wait event 
 kind of backend: producer, worker, supervisor, reader). At the end of each scenario its
 database checks that every sent job is done exactly once (bench/pressure_stats.py); at the
 end of the run one verdict line per target. Results: ``bench/results/pressure-<date>.json``
-and ``.md`` (``-quick`` added for ``--quick`` runs). bench/README.md explains every figure.
+and ``.md`` (``-quick`` added for ``--quick`` runs, ``-2``, ``-3``... for a later run of the
+same day). bench/README.md explains every figure.
 
 Modules: this one is the command line; bench/pressure_run.py the cluster, the database and
 daemon of a scenario and its phases; bench/pressure_scenarios.py the scenarios;

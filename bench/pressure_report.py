@@ -26,6 +26,7 @@ from bench.pressure_stats import (
     recovered_after,
     top_statements,
 )
+from bench.result_files import free_stem
 
 if TYPE_CHECKING:
     from bench.pressure_run import PhaseRecord, Run
@@ -379,12 +380,13 @@ def write_results(meta: dict[str, Any], results: list[dict[str, Any]], directory
     print(flush=True)
     if directory is None:
         return
-    stem = f"pressure-{datetime.now(UTC):%Y-%m-%d}" + ("-quick" if quick else "")
     directory.mkdir(parents=True, exist_ok=True)
+    stem = free_stem(directory, f"pressure-{datetime.now(UTC):%Y-%m-%d}"
+                     + ("-quick" if quick else ""))
     data = {"benchmark": "pressure", **meta, "scenarios": results, "verdicts": found}
-    (directory / f"{stem}.json").write_text(json.dumps(data, indent=1, default=str) + "\n")
-    (directory / f"{stem}.md").write_text(markdown(meta, results, found))
-    print(f"wrote {directory / stem}.json and .md", flush=True)
+    stem.with_suffix(".json").write_text(json.dumps(data, indent=1, default=str) + "\n")
+    stem.with_suffix(".md").write_text(markdown(meta, results, found))
+    print(f"wrote {stem}.json and .md", flush=True)
 
 
 def markdown(meta: dict[str, Any], results: list[dict[str, Any]],

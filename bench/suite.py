@@ -50,6 +50,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 import jobd
 from bench.daemon_bench import descendants, rss_kb
 from bench.peers.install import Peers, install
+from bench.result_files import free_stem
 from bench.settings import DEFAULT_SETTINGS, KNOBS, Setting, parse_settings
 from jobd.archive import drop_before
 from jobd.db import connect
@@ -922,7 +923,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(markdown)
     if not args.no_save:
         args.out.mkdir(parents=True, exist_ok=True)
-        stem = args.out / datetime.now(UTC).strftime("%Y-%m-%d")
+        stem = free_stem(args.out, datetime.now(UTC).strftime("%Y-%m-%d"))
         stem.with_suffix(".json").write_text(json.dumps(results, indent=1, default=str) + "\n")
         stem.with_suffix(".md").write_text(markdown + "\n")
         report.chart(results, stem.with_suffix(".png"), peers)
