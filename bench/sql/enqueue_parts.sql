@@ -23,37 +23,29 @@ CREATE TRIGGER collected_jobs_insert AFTER INSERT ON enqueue_parts.collected_job
     WHEN (pg_trigger_depth() > 1000)
     EXECUTE FUNCTION enqueue_parts.never_fires();
 
--- The insert from a PL/pgSQL function run with the caller's rights: what a function call
--- costs.
-CREATE FUNCTION enqueue_parts.plain_function(handler text, payload jsonb, lane text)
-RETURNS bigint
-LANGUAGE plpgsql
-AS $$
+-- The insert from a PL/pgSQL function run with the caller's rights (what a function call
+-- costs), and the same body with least privilege (SECURITY DEFINER, a pinned search_path),
+-- still into the trigger-less copy: one body for both, so only the options differ.
+DO $do$
+DECLARE
+    body constant text := $body$
 DECLARE
     new_id bigint;
 BEGIN
-    INSERT INTO enqueue_parts.bare_jobs AS j (lane, handler, payload)
-         VALUES (plain_function.lane, plain_function.handler, plain_function.payload)
+    INSERT INTO enqueue_parts.bare_jobs AS j (handler, payload, lane)
+         VALUES ($1, $2, $3)
     RETURNING j.id INTO new_id;
     RETURN new_id;
 END
-$$;
-
--- That function with least privilege (SECURITY DEFINER, a pinned search_path), still into
--- the trigger-less copy.
-CREATE FUNCTION enqueue_parts.least_privilege(handler text, payload jsonb, lane text)
-RETURNS bigint
-LANGUAGE plpgsql SECURITY DEFINER SET search_path TO 'enqueue_parts', 'pg_temp'
-AS $$
-DECLARE
-    new_id bigint;
+$body$;
+    signature constant text := '(handler text, payload jsonb, lane text) RETURNS bigint '
+                               'LANGUAGE plpgsql';
 BEGIN
-    INSERT INTO bare_jobs AS j (lane, handler, payload)
-         VALUES (least_privilege.lane, least_privilege.handler, least_privilege.payload)
-    RETURNING j.id INTO new_id;
-    RETURN new_id;
+    EXECUTE format('CREATE FUNCTION enqueue_parts.plain_function%s AS %L', signature, body);
+    EXECUTE format('CREATE FUNCTION enqueue_parts.least_privilege%s SECURITY DEFINER '
+                   'SET search_path TO enqueue_parts, pg_temp AS %L', signature, body);
 END
-$$;
+$do$;
 
 -- The least a least-privilege enqueue does: insert into jobd.jobs, the insert trigger
 -- stepping aside as it does for jobd.enqueue (which announces its own job).
