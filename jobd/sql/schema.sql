@@ -1078,7 +1078,8 @@ BEGIN
                       WHERE j.lane = claim_level.lane AND j.state IN ('pending', 'failed')
                         AND j.priority = level AND (j.run_at, j.id) >= (floor_at, floor_id)
                         AND j.run_at > after AND j.run_at <= up_to AND NOT j.suspect
-                        AND runnable(j.handler, paused_handlers)
+                        AND (cardinality(paused_handlers) = 0
+                             OR runnable(j.handler, paused_handlers))
                       ORDER BY j.run_at, j.id
                       LIMIT wanted
                         FOR UPDATE SKIP LOCKED);
@@ -1110,7 +1111,8 @@ BEGIN
                       AND coalesce(j.fairness_key, j.handler) COLLATE "C" = s.key
                       AND (j.run_at, j.id) >= (s.floor_at, s.floor_id)
                       AND j.run_at > after AND j.run_at <= up_to AND NOT j.suspect
-                      AND runnable(j.handler, paused_handlers)
+                      AND (cardinality(paused_handlers) = 0
+                           OR runnable(j.handler, paused_handlers))
                       AND NOT (j.id = ANY(picked))
                     ORDER BY j.run_at, j.id
                     LIMIT s.share
