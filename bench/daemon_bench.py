@@ -223,6 +223,8 @@ class Env:
     settings: dict[str, str] = field(default_factory=dict)
     counter: int = 0
     dbname: str = DBNAME  # the database the daemon serves (bench/pressure.py has one per scenario)
+    # Keys every lane of the latency and drain configs gets (--lane-timeout: ``timeout``).
+    lane_defaults: dict[str, Any] = field(default_factory=dict)
 
     def admin(self) -> psycopg.Connection:
         return psycopg.connect(self.admin_url, autocommit=True,
@@ -256,6 +258,10 @@ def environment(statements: bool, keep: bool,
         if statements:  # shared_preload_libraries needs a restart
             cluster.stop()
             cluster.start()
+            # Known only once the library is loaded: planning time, beside execution time.
+            with psycopg.connect(cluster.url, autocommit=True) as conn:
+                conn.execute("ALTER SYSTEM SET pg_stat_statements.track_planning = on")
+                conn.execute("SELECT pg_reload_conf()")
         admin_url = make_conninfo(cluster.url, options="-c synchronous_commit=on")
         with psycopg.connect(admin_url, autocommit=True) as conn:
             conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(DBNAME)))
@@ -335,17 +341,18 @@ def report_statements(env: Env, title: str, limit: int = 8) -> list[dict[str, An
         return []
     with env.bench_conn() as conn:
         rows = conn.execute(
-            "SELECT s.calls, s.total_exec_time, s.rows, "
+            "SELECT s.calls, s.total_exec_time, s.rows, s.total_plan_time, s.plans, "
             "       regexp_replace(left(s.query, 70), '\\s+', ' ', 'g') "
             "  FROM public.pg_stat_statements s JOIN pg_database d ON d.oid = s.dbid "
             " WHERE d.datname = current_database() AND s.query NOT LIKE '%%pg_stat_statements%%'"
             " ORDER BY s.calls DESC LIMIT %s", (limit,)).fetchall()
-    log(f"pg_stat_statements, {title}: calls  total_ms  mean_ms  rows  query")
+    log(f"pg_stat_statements, {title}: calls  total_ms  mean_ms  rows  plans  plan_ms  query")
     result = []
-    for calls, total, nrows, text in rows:
-        log(f"  {calls:8d} {total:9.1f} {total / calls:8.3f} {nrows:7d}  {text}")
+    for calls, total, nrows, plan_ms, plans, text in rows:
+        log(f"  {calls:8d} {total:9.1f} {total / calls:8.3f} {nrows:7d} {plans:6d} {plan_ms:8.1f}"
+            f"  {text}")
         result.append({"calls": calls, "total_ms": round(total, 1), "rows": nrows,
-                       "query": text})
+                       "plans": plans, "plan_ms": round(plan_ms, 1), "query": text})
     return result
 
 
@@ -688,7 +695,8 @@ def wait_drained(env: Env, expected: int, timeout: float = DRAIN_TIMEOUT_S,
 def measure_latency(env: Env, round_no: int) -> dict[str, Any]:
     reset_queue(env)
     stamps = env.scratch(f"latency-{round_no}")
-    config = write_config(env, "latency", {LANE: (LATENCY_WORKERS, LATENCY_CONCURRENCY)})
+    config = write_config(env, "latency", {LANE: (LATENCY_WORKERS, LATENCY_CONCURRENCY)},
+                          lane_options={LANE: env.lane_defaults})
     total = int(LATENCY_RATE * LATENCY_SECONDS)
     with Daemon(env, config, stamps, workers=LATENCY_WORKERS) as daemon:
         time.sleep(LATENCY_SETTLE_S)
@@ -774,7 +782,8 @@ def measure_drain(env: Env, workers: int, concurrency: int, round_no: int,
     name = label or drain_name(workers, concurrency)
     stamps = env.scratch(f"drain-{name}-{round_no}")
     config = write_config(env, f"drain-{name}", {LANE: (workers, concurrency)},
-                          metrics_listen, lane_options={LANE: lane_options or {}},
+                          metrics_listen,
+                          lane_options={LANE: {**env.lane_defaults, **(lane_options or {})}},
                           handlers=handlers)
     if specs is None:
         specs = [jobd.JobSpec("noop", {}, LANE) for _ in range(DRAIN_JOBS)]
@@ -988,6 +997,9 @@ def print_header(env: Env, rounds: int) -> None:
           f"{os.cpu_count()} cores; Python {sys.version.split()[0]}; jobd {jobd.__version__}; "
           f"psycopg {psycopg.__version__}; rounds {rounds}")
     print(f"source: {source_revision()}")
+    if env.lane_defaults:
+        print("every lane of the latency and drain runs: "
+              + ", ".join(f"{key}: {value}" for key, value in env.lane_defaults.items()))
     print(f"PostgreSQL {s['server_version']} (private cluster); "
           + "; ".join(f"{name}={s[name]}" for name in SERVER_SETTINGS[1:]))
     print(flush=True)
@@ -1057,9 +1069,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         metavar="WxC,...",
                         help="drain contenders as worker processes x concurrency, e.g. "
                              "1x10,2x10,4x100 (default: 2x100,4x100)")
+    parser.add_argument("--lane-timeout", type=float, metavar="SECONDS",
+                        help="give the lane of the latency and drain runs this `timeout` "
+                             "(default: none, jobd's default; config/jobd.example.yaml sets "
+                             "one)")
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    if args.lane_timeout is not None and not args.lane_timeout > 0:
+        parser.error("--lane-timeout must be a positive number of seconds")
     return args
 
 
@@ -1085,6 +1103,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     report = Report()
     with environment(args.statements, args.keep) as env:
+        if args.lane_timeout is not None:
+            env.lane_defaults["timeout"] = f"{args.lane_timeout:g}s"
         print_header(env, args.rounds)
         if "idle" in parts:
             run_idle(env, report)

@@ -193,6 +193,14 @@ def claim(
             return _jobs(cursor.execute(query("claim_jobs_limited"), params).fetchall())
 
 
+# Outcomes written in a transaction of their own, fewer than this many, run their statements'
+# generic plans (queries.sql, outcomes_plans_generic): PostgreSQL otherwise planned
+# complete_jobs afresh for most small batches, and the planning cost more than the generic
+# plan's bitmap scan. bench/outcome_plans.py, generic over custom per job: 0.58 for a batch of
+# one, 0.81-0.88 at 50-100, 0.91-0.96 at 200; from 500 the two are within the spread (0.83-
+# 1.03), so larger batches are left to PostgreSQL's choice (docs/performance.md).
+GENERIC_PLANS_BELOW = 256
+
 # Claimed rows come back in binary: their three timestamps are cheaper to send and to parse as
 # 8-byte integers than as text, on both sides of the connection.
 _BINARY_RESULTS = frozenset({"claim_jobs", "claim_jobs_ordered", "claim_jobs_limited",
@@ -305,9 +313,12 @@ def settle_and_claim(
     # claim is always apart: its turn under the budget lock ends at its commit.
     together = (outcomes and request is not None and not separate
                 and request.budget is None)
+    generic = not together and 0 < len(completions) + len(failures) < GENERIC_PLANS_BELOW
     steps: list[fastpath.Step] = []
     if outcomes:
         steps.append((fastpath.BEGIN, None))
+        if generic:
+            steps.append(("outcomes_plans_generic", {}))
         if completions:
             steps.append(("complete_jobs", {**lease_arrays(completions), "now": now}))
         if failures:
@@ -330,6 +341,8 @@ def settle_and_claim(
                                  while_waiting=while_waiting))
     if outcomes:
         next(results)  # BEGIN
+        if generic:
+            next(results)  # outcomes_plans_generic
     completed = (_completed(completions, next(results)) if completions
                  else WriteOutcome([], []))
     failed = _fail_outcome(failures, next(results)) if failures else FailOutcome()

@@ -171,6 +171,38 @@ def test_a_claim_of_its_own_commits_asynchronously_outcomes_never(
     assert row is not None and row[0] == "on"
 
 
+def test_outcomes_written_alone_run_their_generic_plans(conn: psycopg.Connection) -> None:
+    """Left to choose, PostgreSQL plans complete_jobs afresh for most batches of one job
+    (queries.sql, outcomes_plans_generic). Written alone, a small batch's statements run the
+    generic plan every time, as the session's prepared statements count them; a claim in
+    the same exchange, in a transaction of its own, the session and a large batch are left
+    to choose."""
+
+    def plans(name: str) -> tuple[int, int]:
+        row = conn.execute("SELECT generic_plans, custom_plans FROM pg_prepared_statements "
+                           "WHERE name = %s", (f"jobd_{name}",)).fetchone()
+        assert row is not None, name
+        return int(row[0]), int(row[1])
+
+    for _ in range(8):
+        jobd.enqueue(conn, "h")
+        (job,) = queue.claim(conn, LANE, "w1", 1, 30.0)
+        queue.settle_and_claim(conn, [job.lease], [], None)
+    assert plans("complete_jobs") == (8, 0)
+    jobd.enqueue(conn, "h")
+    (job,) = queue.claim(conn, LANE, "w1", 1, 30.0)
+    queue.settle_and_claim(conn, [job.lease], [], request(limit=1), separate=True)
+    assert plans("complete_jobs") == (9, 0) and plans("claim_jobs") == (0, 1)
+    row = conn.execute("SHOW plan_cache_mode").fetchone()
+    assert row is not None and row[0] == "auto"
+    # A large batch pays for its planning: PostgreSQL chooses (its first choices are custom).
+    big = queue.GENERIC_PLANS_BELOW
+    jobd.enqueue_many(conn, [jobd.JobSpec("h", {}) for _ in range(big)])
+    leases = [job.lease for job in queue.claim(conn, LANE, "w1", big, 30.0)]
+    queue.settle_and_claim(conn, leases, [], None)
+    assert plans("complete_jobs") == (9, 1)
+
+
 def test_statements_lost_by_the_session_are_prepared_again(conn: psycopg.Connection) -> None:
     first, second = jobd.enqueue(conn, "h"), jobd.enqueue(conn, "h")
     claimed = queue.settle_and_claim(conn, [], [], request(limit=1))[2]

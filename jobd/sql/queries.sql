@@ -279,6 +279,17 @@ spent AS (
 )
 SELECT * FROM claimed
 
+-- name: outcomes_plans_generic
+-- First in a transaction of outcomes alone, of a small batch (queue.settle_and_claim,
+-- GENERIC_PLANS_BELOW): its statements run their generic plans. Left to choose, PostgreSQL
+-- prices complete_jobs' custom plan for a batch of one id (a primary-key probe) below its
+-- generic plan (a bitmap scan sized for ten ids), so it planned the statement afresh at
+-- most executions: at 200 jobs/s, 0.16 ms of planning for 0.07 ms of execution
+-- (docs/performance.md). The generic plans read by the primary key too (sequential scans
+-- are priced out of a worker's sessions: db.worker_session). Transaction-local: a claim
+-- sent in the same exchange runs in a transaction of its own.
+SELECT set_config('plan_cache_mode', 'force_generic_plan', true)
+
 -- name: claim_commits_async
 -- First in a claim's own transaction (queue.settle_and_claim): it commits asynchronously, so
 -- the claimed jobs start when the claim is visible rather than after its WAL flush (a third
