@@ -313,7 +313,7 @@ def settle_and_claim(
     # claim is always apart: its turn under the budget lock ends at its commit.
     together = (outcomes and request is not None and not separate
                 and request.budget is None)
-    generic = not together and 0 < len(completions) + len(failures) < GENERIC_PLANS_BELOW
+    generic = not together and len(completions) + len(failures) < GENERIC_PLANS_BELOW
     steps: list[fastpath.Step] = []
     if outcomes:
         steps.append((fastpath.BEGIN, None))
