@@ -71,7 +71,8 @@ _JOB_FIELDS = ("id", "lease_token", "lane", "handler", "payload_json", "priority
 
 
 class Job:
-    """A claimed job, as a handler sees it. Read-only.
+    """A claimed job, as a handler sees it. Read-only. Its times are aware datetimes, in UTC
+    on a worker's direct connection (``db.worker_session``).
 
     A job wraps the claim's result row as it came from the database (``from_row``); its fields
     are views of that row. A worker claims tens of thousands of jobs a second, and copying each

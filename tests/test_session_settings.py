@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 
 import daemon_support
 import psycopg
@@ -15,7 +16,8 @@ from conftest import Server
 from daemon_support import Daemon, make_config, wait_until
 from pgbouncer_support import PACKAGE, pgbouncer_binary, running_pgbouncer
 
-from jobd import protocol
+import jobd
+from jobd import protocol, queue
 from jobd.config import LaneConfig, parse
 from jobd.db import (
     APPLICATION_NAME_MAX,
@@ -26,6 +28,7 @@ from jobd.db import (
     is_pooled,
     options_settings,
     supervisor_session,
+    worker_session,
 )
 from jobd.errors import ConfigError, UsageError
 
@@ -173,6 +176,27 @@ def test_settings_in_the_url_apply_too(target: str) -> None:
     with connect(url, "jobd", session=DEFAULT_SESSION) as conn:
         # The URL's own settings, except where jobd's session settings name the same one.
         assert (show(conn, "work_mem"), show(conn, "lock_timeout")) == ("7MB", "10s")
+
+
+def test_a_workers_sessions_read_their_jobs_times_in_utc(db_url: str,
+                                                         conn: psycopg.Connection) -> None:
+    # A server whose zone is not "UTC" (here through the URL, as a database's or role's
+    # default would set it): the worker's claim still hands its jobs' times over in UTC,
+    # the same instants, while code that connects keeps the server's zone.
+    url = psycopg.conninfo.make_conninfo(db_url, options="-c TimeZone=America/New_York")
+    run_at = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+    job_id = jobd.enqueue(conn, "h", run_at=run_at)
+    with connect(url, "jobd", session=worker_session(DEFAULT_SESSION)) as worker_conn:
+        assert show(worker_conn, "TimeZone") == "UTC"
+        _, _, claimed = queue.settle_and_claim(
+            worker_conn, [], [], queue.ClaimRequest("default", "w1", 10, 30.0))
+    [job] = claimed.jobs
+    assert job.id == job_id
+    for moment in (job.run_at, job.created_at, job.lease_until):
+        assert moment.tzinfo is UTC, moment
+    assert job.run_at == run_at
+    with connect(url, "jobd", session=DEFAULT_SESSION) as users_conn:
+        assert show(users_conn, "TimeZone") == "America/New_York"
 
 
 def test_code_that_connects_gets_the_servers_own_timeouts(target: str) -> None:
