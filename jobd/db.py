@@ -361,8 +361,9 @@ def worker_session(session: SessionSettings) -> SessionSettings:
 
     UTC: psycopg turns a timestamptz into a datetime in the zone the session reports, and
     for any zone but "UTC" itself (a server's default is often "Etc/UTC" or a local zone)
-    through zoneinfo: 1.65 us a claimed row's three times against 0.54 in "UTC", about a
-    tenth of a worker's CPU in a drain (docs/performance.md, "Claimed jobs' times in UTC").
+    through zoneinfo: a claimed row loaded in 1.6-2.7 us against 0.55-1.0 in "UTC"
+    (bench/claim_decode.py), and a worker's CPU a job in a drain fell by about a sixth
+    (docs/performance.md, "Claimed jobs' times in UTC").
     The instants are the same; a handler sees its job's times in UTC. No statement of a
     worker depends on the session's zone (the archive's days are UTC days whoever computes
     them)."""

@@ -55,6 +55,8 @@ def test_a_bench_script_answers_help_run_as_a_file_and_as_a_module(name: str) ->
     (["bench.enqueue_parts", "--connections", "x"], "not a list of numbers"),
     (["bench.outcome_plans", "--sizes", "1,x"], "not a list of numbers"),
     (["bench.outcome_plans", "--jobs", "0"], "must be at least 1"),
+    (["bench.claim_decode", "--rows", "0"], "must be at least 1"),
+    (["bench.claim_decode", "--zones", " , "], "name at least one zone"),
     (["bench.daemon_bench", "--lane-timeout", "0"], "must be a positive number"),
     (["bench.pressure", "--scenarios", "bogus"], "unknown scenario bogus"),
     (["bench.limits_bench", "--settings", "2y10"], "not a setting W x C"),
