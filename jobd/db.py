@@ -363,10 +363,9 @@ def worker_session(session: SessionSettings) -> SessionSettings:
     for any zone but "UTC" itself (a server's default is often "Etc/UTC" or a local zone)
     through zoneinfo: a claimed row loaded in 1.6-2.7 us against 0.55-1.0 in "UTC"
     (bench/claim_decode.py), and a worker's CPU a job in a drain fell by about a sixth
-    (docs/performance.md, "Claimed jobs' times in UTC").
-    The instants are the same; a handler sees its job's times in UTC. No statement of a
-    worker depends on the session's zone (the archive's days are UTC days whoever computes
-    them)."""
+    (docs/performance.md, "Claimed jobs' times in UTC"). The instants are the same; a
+    handler sees its job's times in UTC. No statement of a worker depends on the session's
+    zone (the archive's days are UTC days whoever computes them)."""
     return replace(session, seqscan=False, time_zone=UTC_ZONE)
 
 
