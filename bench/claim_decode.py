@@ -33,8 +33,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 import jobd
 from bench.daemon_bench import log
-from jobd import db
-from jobd.claim_floors import full_scan_params
+from jobd import db, queue
 from jobd.localpg import throwaway_cluster
 from jobd.migrate import migrate
 from jobd.queries import query
@@ -47,10 +46,10 @@ DEFAULT_ZONES = "UTC,Etc/UTC,Europe/Berlin"
 def claim_result(conn: psycopg.Connection, rows: int) -> pq.abc.PGresult:
     """The binary result of one claim of ``rows`` jobs, as the worker's statement sends it."""
     jobd.enqueue_many(conn, [jobd.JobSpec("noop", {}, LANE) for _ in range(rows)])
-    params = {"lane": LANE, "worker": "bench", "limit": rows, "visibility_timeout": 300.0,
-              "now": None, "lacking_handlers": [], **full_scan_params()}
+    # The statement and parameters a worker's claim sends (a plain lane, from the head).
+    [(name, params)] = queue._claim_steps(queue.ClaimRequest(LANE, "bench", rows, 300.0), None)
     with conn.cursor(binary=True) as cursor:
-        cursor.execute(query("claim_jobs"), params)
+        cursor.execute(query(name), params)
         result = cursor.pgresult
     assert result is not None and result.ntuples == rows, "the claim took too few jobs"
     return result
