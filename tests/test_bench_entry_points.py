@@ -57,6 +57,7 @@ def test_a_bench_script_answers_help_run_as_a_file_and_as_a_module(name: str) ->
     (["bench.outcome_plans", "--jobs", "0"], "must be at least 1"),
     (["bench.claim_decode", "--rows", "0"], "must be at least 1"),
     (["bench.claim_decode", "--zones", " , "], "name at least one zone"),
+    (["bench.check_constraints", "--statements", "0"], "must be at least 1"),
     (["bench.daemon_bench", "--lane-timeout", "0"], "must be a positive number"),
     (["bench.pressure", "--scenarios", "bogus"], "unknown scenario bogus"),
     (["bench.limits_bench", "--settings", "2y10"], "not a setting W x C"),
