@@ -16,6 +16,14 @@ the signal ends the process. Each slot has one writer at a time, so there is no 
 the supervisor reads the board only once the worker has exited. Slot ``OVERFLOW`` counts
 async runs that found no free slot: a board that missed one cannot clear any job, and crash
 attribution then suspects every job held, as without a board.
+
+One slot is read while the worker lives: ``IDLE`` counts the times the worker ran out of work
+(nothing running, nothing claimed ahead), written by its loop alone. The supervisor's wake
+router counts what it routed to a worker as load until the worker's next report, once a
+second (``jobd.wake_routing``); a count that moved says that load is done. Then an idle
+lane's wake-ups go to the worker that has just finished, whose process, connection and
+server backend are warm, rather than to each worker in turn, and the supervisor learns it
+without a message, a read of shared memory when it routes.
 """
 
 from __future__ import annotations
@@ -27,7 +35,8 @@ from dataclasses import dataclass
 
 _SLOT_BYTES = 8  # a signed 64-bit integer in the machine's order: both sides run here
 OVERFLOW = 0
-THREADS = 1  # the first handler thread's slot
+IDLE = 1
+THREADS = 2  # the first handler thread's slot
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,8 +49,8 @@ class Running:
 
 
 class RunBoard:
-    """A worker's board: two slots per handler thread (its job, its last job) and
-    ``concurrency`` for async runs."""
+    """A worker's board: two slots per handler thread (its job, its last job),
+    ``concurrency`` for async runs, and the idle count."""
 
     def __init__(self, fd: int, concurrency: int) -> None:
         self.concurrency = concurrency
@@ -81,6 +90,14 @@ class RunBoard:
         if slot is not None:
             self._slots[slot] = 0
             self._free_async.append(slot)
+
+    def went_idle(self) -> None:
+        """The worker's loop: it has just run out of work."""
+        self._slots[IDLE] += 1
+
+    def idle_count(self) -> int:
+        """The times the worker ran out of work so far (the supervisor's read, any time)."""
+        return int(self._slots[IDLE])
 
     def running(self) -> Running:
         """The jobs on the board now (the supervisor's read, after the worker exited)."""

@@ -233,7 +233,10 @@ class Supervisor:
             self.listener.check()
 
     def _wake_workers(self) -> None:
-        pokes = self.router.route(self.pool.processes())
+        workers = self.pool.processes()
+        for worker in workers:
+            worker.look_for_idle()
+        pokes = self.router.route(workers)
         for worker, byte in pokes:
             pipes.poke(worker.wake_w, byte)
         if pokes:

@@ -31,7 +31,10 @@ class Wakeable(Protocol):
     lane: str
     retiring: bool
     capacity: int
-    wake_load: int  # the router's estimate of work it sent since the worker's last report
+    # The router's estimate of work it sent since the worker's last report, or since it last
+    # ran out of work (its run board's idle count, read before routing): so an idle lane's
+    # wake-ups go to the worker that has just finished, warm, not to each worker in turn.
+    wake_load: int
 
     @property
     def busy(self) -> int: ...

@@ -82,7 +82,7 @@ class Worker:
                                  self.slots, self.timers, self.controls, self.settler)
         self.leases = LeaseKeeper(spec.lane, self.link, self.slots, self.claimer,
                                   self.completer)
-        self.status = StatusReporter(spec, self.counters)
+        self.status = StatusReporter(spec, self.counters, self.runner.board)
         self.lifecycle = Lifecycle(spec.shutdown_timeout)
         self.loop = SelectLoop()
         for fd in (spec.wake_fd, spec.status_fd):

@@ -1,5 +1,6 @@
 """What a worker tells the outside about itself, once a second: a status line to the
-supervisor (busy, capacity, mode, connected, counters) and its process title for ``ps``.
+supervisor (busy, capacity, mode, connected, counters) and its process title for ``ps``; and,
+on its run board, each time it runs out of work (``jobd.run_board``, ``IDLE``).
 
 The report doubles as the worker's liveness signal: a supervisor that hears nothing for long
 enough takes the worker for frozen. Writes never block the loop; a report the supervisor has
@@ -14,6 +15,7 @@ import setproctitle
 
 from jobd.completer import Counters
 from jobd.protocol import StatusReport, WorkerMode, WorkerSpec
+from jobd.run_board import RunBoard
 
 REPORT_INTERVAL = 1.0  # seconds between liveness reports to the supervisor
 
@@ -21,13 +23,18 @@ REPORT_INTERVAL = 1.0  # seconds between liveness reports to the supervisor
 class StatusReporter:
     """The once-a-second status line and process title."""
 
-    def __init__(self, spec: WorkerSpec, counters: Counters) -> None:
+    def __init__(self, spec: WorkerSpec, counters: Counters, board: RunBoard | None) -> None:
         self.spec = spec
         self.counters = counters
+        self.board = board
         self.next_at = 0.0  # monotonic: the next report is due then
+        self._busy = 0  # running + buffered at the last call
 
     def report(self, now: float, mode: WorkerMode, running: int, buffered: int,
                capacity: int, connected: bool, force: bool = False) -> None:
+        if self._busy and not running + buffered and self.board is not None:
+            self.board.went_idle()
+        self._busy = running + buffered
         if not force and now < self.next_at:
             return
         self.next_at = now + REPORT_INTERVAL

@@ -58,13 +58,15 @@ class WorkerProcess:
     started: float
     last_seen: float
     report: StatusReport = field(default_factory=StatusReport)
-    wake_load: int = 0  # work routed to it since its last report (jobd.wake_routing)
+    wake_load: int = 0  # work routed to it since its last report or idle (jobd.wake_routing)
     buffer: bytes = b""
     kill_at: float | None = None  # SIGKILL due (after SIGABRT, or after the drain timeout)
     kill_reason: str | None = None
     release_on_exit: bool = False  # killed at the drain deadline: give its jobs back
     retiring: bool = False
     reported: bool = False  # a status report has arrived
+    idle_seen: int = 0  # its board's idle count when the router last looked
+    idle_since_report: bool = False  # it ran out of work after its last report
 
     @property
     def lane(self) -> str:
@@ -76,7 +78,16 @@ class WorkerProcess:
 
     @property
     def busy(self) -> int:
-        return self.report.busy
+        return 0 if self.idle_since_report else self.report.busy
+
+    def look_for_idle(self) -> None:
+        """Before routing: if the worker ran out of work since the router last looked (its
+        board's idle count moved), what it reported and what was routed to it is done."""
+        count = self.board.idle_count()
+        if count != self.idle_seen:
+            self.idle_seen = count
+            self.idle_since_report = True
+            self.wake_load = 0
 
     @property
     def capacity(self) -> int:
@@ -268,6 +279,7 @@ class WorkerPool:
             try:
                 process.report = StatusReport.parse(line)
                 process.wake_load = 0  # the report counts what it was sent
+                process.idle_since_report = False
                 process.reported = True
             except ValueError:
                 log.warning("unreadable worker report", pid=process.pid)

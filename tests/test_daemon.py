@@ -560,6 +560,25 @@ def test_a_job_due_below_an_idle_workers_claim_floors_still_starts_within_second
     wait_state(effects_db, straggler, "done", 5, daemon)
 
 
+def test_an_idle_lanes_wake_ups_go_to_the_worker_that_just_ran_out_of_work(
+    daemons: Daemons, effects_db: psycopg.Connection
+) -> None:
+    # One job at a time into a lane of three idle workers: each wake-up goes to the least
+    # loaded worker, and a worker that has just run out of work says so at once, so the
+    # same worker (warm) takes them, rather than each in turn at a third of the rate.
+    daemon = daemons(make_config({"default": {"workers": 3, "poll_interval": "60s"}}))
+    daemon.wait_workers_started("default", 3)
+    claimers = []
+    for _ in range(20):
+        job = jobd.enqueue(effects_db, "ok")
+        wait_state(effects_db, job, "done", 5, daemon)
+        claimers.append(job_row(effects_db, job)["claimed_by"])
+    # A wake-up the supervisor routes before it reads the previous job's report may go to
+    # another worker; without the report on the way to idle they took turns (7/7/6).
+    most = max(claimers.count(worker) for worker in set(claimers))
+    assert most >= 16, claimers
+
+
 # --- 10. command-line errors ---------------------------------------------------------------
 
 

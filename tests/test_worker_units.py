@@ -5,6 +5,7 @@ signal does to its mode)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -15,7 +16,7 @@ import pytest
 from worker_support import connected_worker
 
 import jobd
-from jobd import outcomes, queue, slots, worker
+from jobd import outcomes, protocol, queue, slots, worker
 from jobd.claim_floors import (
     FULL_SCAN_INTERVAL,
     HEAD_SCAN_SHARE,
@@ -26,7 +27,9 @@ from jobd.claim_floors import (
 from jobd.completer import SETTLE_DELAY, Completer, Counters
 from jobd.config import LaneConfig
 from jobd.protocol import WorkerMode
+from jobd.run_board import RunBoard
 from jobd.worker_mode import Lifecycle
+from jobd.worker_status import REPORT_INTERVAL, StatusReporter
 from jobd.worker_timers import select_timeout
 
 LANE = "default"
@@ -215,6 +218,47 @@ def test_a_retiring_worker_finishes_its_work_however_long_and_drains_if_orphaned
     life.supervisor_gone(in_flight=1)
     assert life.mode == WorkerMode.DRAINING and life.drain_deadline is not None
     assert not life.stop_now  # gone supervisor: a drain, not a stop
+
+
+def test_a_worker_counts_on_its_board_each_time_it_runs_out_of_work() -> None:
+    status_r, status_w = os.pipe()
+    os.set_blocking(status_r, False)
+    board, board_fd = RunBoard.create(concurrency=10)
+    os.close(board_fd)
+    spec = protocol.WorkerSpec(
+        worker_id=WORKER_ID, lane=LaneConfig(LANE), handlers={},
+        database_url="postgresql:///unused", schema="jobd", slot=0, generation=1,
+        status_fd=status_w, wake_fd=-1, shutdown_timeout=1.0)
+    reporter = StatusReporter(spec, Counters(), board)
+
+    def reports() -> list[int]:
+        try:
+            data = os.read(status_r, 65536)
+        except BlockingIOError:
+            return []
+        return [protocol.StatusReport.parse(line).busy for line in data.splitlines()]
+
+    try:
+        now = time.monotonic()
+        reporter.report(now, WorkerMode.RUNNING, 0, 0, 10, True)
+        assert (reports(), board.idle_count()) == ([0], 0)  # idle from the start: no news
+        reporter.report(now + 0.1, WorkerMode.RUNNING, 2, 3, 10, True)
+        reporter.report(now + 0.2, WorkerMode.RUNNING, 0, 0, 10, True)
+        # Out of work: counted on the board at once, no report before the second is up.
+        assert (reports(), board.idle_count()) == ([], 1)
+        reporter.report(now + 0.3, WorkerMode.RUNNING, 0, 0, 10, True)
+        assert board.idle_count() == 1  # still idle: nothing new
+        reporter.report(now + 0.4, WorkerMode.RUNNING, 0, 1, 10, True)  # a job claimed ahead
+        reporter.report(now + 0.5, WorkerMode.RUNNING, 0, 0, 10, True)
+        assert board.idle_count() == 2
+        reporter.report(now + REPORT_INTERVAL, WorkerMode.RUNNING, 1, 0, 10, True)
+        assert reports() == [1]  # the second's report
+        # The board's other slots, the running jobs, are untouched by the count.
+        assert board.running().job_ids == frozenset()
+    finally:
+        board.close()
+        os.close(status_r)
+        os.close(status_w)
 
 
 def test_a_busy_worker_holds_outcomes_for_company_until_its_whole_capacity_or_the_delay(
