@@ -51,8 +51,8 @@ DBNAME = "check_constraints"
 SCHEMAS = ("jobd", "unchecked", "domains")
 DOMAINS_SQL = Path(__file__).with_name("sql") / "check_constraints_domains.sql"
 
-# One-row statements, {schema} the contender's schema. The insert sets the setting with which
-# jobd.enqueue makes the insert trigger step aside, so that only the insert is timed.
+# One-row statements, {schema} the contender's schema. The loop sets the setting with which
+# jobd.enqueue makes the insert trigger step aside, so that the insert alone is timed.
 STATEMENTS = {
     "insert": "INSERT INTO {schema}.jobs (lane, handler, payload) VALUES ('x', 'noop', '{{}}')",
     "update": "UPDATE {schema}.jobs SET attempts = attempts + 1 WHERE id = first_id + i",
@@ -102,12 +102,12 @@ def us_a_statement(url: str, schema: str, kind: str, statements: int) -> float:
     """One loop of ``statements`` statements of ``kind`` on ``schema``: µs a statement."""
     identifier = sql.Identifier(schema)
     with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute(sql.SQL("TRUNCATE {}.jobs, {}.lane_priorities").format(
-            sql.Identifier(schema), sql.Identifier(schema)))
+        conn.execute(sql.SQL("TRUNCATE {schema}.jobs, {schema}.lane_priorities").format(
+            schema=identifier))
         # The jobs the update loop changes, one each: no statement follows another's version.
         conn.execute(sql.SQL("SELECT {}.enqueue('noop', '{{}}', 'x') FROM generate_series(0, %s)")
-                     .format(sql.Identifier(schema)), (statements,))
-        conn.execute(sql.SQL("VACUUM ANALYZE {}.jobs").format(sql.Identifier(schema)))
+                     .format(identifier), (statements,))
+        conn.execute(sql.SQL("VACUUM ANALYZE {}.jobs").format(identifier))
         statement = sql.SQL(STATEMENTS[kind]).format(schema=identifier)
         conn.execute(sql.SQL(LOOP).format(schema=identifier, statement=statement,
                                           statements=sql.Literal(statements)))

@@ -82,7 +82,9 @@ class WorkerProcess:
 
     def look_for_idle(self) -> None:
         """Before routing: if the worker ran out of work since the router last looked (its
-        board's idle count moved), what it reported and what was routed to it is done."""
+        board's idle count moved), what it reported and what was routed to it is done. A
+        worker stopped or hung since its last count takes one wake-up; the load of that one
+        sends the next ones to other workers, as before the count, until liveness acts."""
         count = self.board.idle_count()
         if count != self.idle_seen:
             self.idle_seen = count
