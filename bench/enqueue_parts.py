@@ -4,6 +4,7 @@ Usage (from the repository root)::
 
     .venv/bin/python -m bench.enqueue_parts                     # 4 and 8 connections, 3 rounds
     .venv/bin/python -m bench.enqueue_parts --connections 8 --rounds 5 --seconds 6
+    .venv/bin/python -m bench.enqueue_parts --one-call-transactions --rounds 6
 
 Issue 13 asks single-job ``jobd.enqueue`` to reach 0.8 x the rate of a bare ``INSERT``
 (bench/pressure.py, scenario ``enqueue``). This benchmark shows what stands between the two.
@@ -42,6 +43,14 @@ The jobs go to a lane no worker waits on. Per contender and round it prints tran
 and the server's CPU per transaction: the user and system time of the postmaster and every
 process below it, the backends that ended meanwhile included, over the run, divided by the
 transactions. pgbench runs on the same cores, so the rate also carries its own cost.
+
+With ``--one-call-transactions`` there is no pgbench: each contender is called from a
+PL/pgSQL procedure that commits after every call (``--calls`` a round, one session,
+``synchronous_commit = off`` so that no flush is waited for), and the procedure times
+itself by the server's clock. Every call pays what a transaction of its own costs (the
+relation locks, the executor and the function's expressions set up again, the commit) with
+nothing else running beside it, so the microseconds a transaction spread far less than the
+pgbench rounds' CPU figures.
 """
 
 from __future__ import annotations
@@ -79,6 +88,21 @@ CONTENDERS = {
     "wake_core": "SELECT enqueue_parts.wake_core('noop', '{}', 'x');",
     "enqueue": "SELECT jobd.enqueue('noop', '{}', 'x');",
 }
+# A contender's statement as a step of the procedure below: its result into a variable.
+ONE_CALL_LOOP = sql.SQL("""
+CREATE PROCEDURE enqueue_parts.{procedure}(calls integer, INOUT us float8 DEFAULT 0)
+LANGUAGE plpgsql AS $body$
+DECLARE
+    started timestamptz := clock_timestamp();
+    ignored bigint;
+BEGIN
+    FOR i IN 1..calls LOOP
+        {step}
+        COMMIT;
+    END LOOP;
+    us := extract(epoch FROM clock_timestamp() - started) * 1e6 / calls;
+END
+$body$""")
 EMPTY = ("TRUNCATE enqueue_parts.bare_jobs, enqueue_parts.collected_jobs, jobd.jobs, "
          "jobd.lane_priorities")
 PARTS_SQL = Path(__file__).with_name("sql") / "enqueue_parts.sql"
@@ -112,13 +136,18 @@ def main(argv: list[str] | None = None) -> None:
                         help="pgbench clients, comma-separated (default 4,8)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds (default 3)")
     parser.add_argument("--seconds", type=int, default=4, help="seconds a run (default 4)")
+    parser.add_argument("--one-call-transactions", action="store_true",
+                        help="time each contender from a procedure that commits after every "
+                             "call, instead of pgbench (--connections and --seconds unused)")
+    parser.add_argument("--calls", type=int, default=3000,
+                        help="calls a round with --one-call-transactions (default 3000)")
     args = parser.parse_args(argv)
     try:
         connections = [int(c) for c in args.connections.split(",")]
     except ValueError:
         parser.error(f"--connections: not a list of numbers: {args.connections!r}")
-    if min(*connections, args.rounds, args.seconds) < 1:
-        parser.error("--connections, --rounds and --seconds must be at least 1")
+    if min(*connections, args.rounds, args.seconds, args.calls) < 1:
+        parser.error("--connections, --rounds, --seconds and --calls must be at least 1")
     with throwaway_cluster("jobd-enqueue-parts-", log=log) as cluster:
         with psycopg.connect(cluster.url, autocommit=True) as conn:
             conn.execute("ALTER SYSTEM SET synchronous_commit = 'on'")
@@ -128,6 +157,9 @@ def main(argv: list[str] | None = None) -> None:
         with connect(url, "jobd") as conn:
             migrate(conn, "jobd")
             conn.execute(PARTS_SQL.read_text())
+        if args.one_call_transactions:
+            report_one_call(args.calls, time_one_call_transactions(url, args.rounds, args.calls))
+            return
         postmaster = int((cluster.datadir / "postmaster.pid").read_text().split()[0])
         pgbench = find_bindir() / "pgbench"
         scripts = {}
@@ -144,6 +176,46 @@ def main(argv: list[str] | None = None) -> None:
                     log(f"{clients} connections, round {round_no + 1}, {name}: "
                         f"{figures[name][-1][0]:,.0f} tx/s, {figures[name][-1][1]:.0f} µs")
             report(clients, figures)
+
+
+def one_call_step(statement: str) -> str:
+    """A contender's statement with its result kept: ``x := f(...)`` or ``... INTO x``."""
+    body = statement.rstrip(";")
+    if body.startswith("SELECT "):
+        return f"ignored := {body.removeprefix('SELECT ')};"
+    return f"{body} INTO ignored;"
+
+
+def time_one_call_transactions(url: str, rounds: int, calls: int) -> dict[str, list[float]]:
+    """Microseconds a transaction of each contender, each round, one call a transaction."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("SET synchronous_commit = off")
+        for name, statement in CONTENDERS.items():
+            conn.execute(ONE_CALL_LOOP.format(procedure=sql.Identifier(f"one_call_{name}"),
+                                              step=sql.SQL(one_call_step(statement))))
+        timings: dict[str, list[float]] = {name: [] for name in CONTENDERS}
+        for round_no in range(rounds):
+            conn.execute(EMPTY)
+            conn.execute("VACUUM ANALYZE")
+            order = list(CONTENDERS) if round_no % 2 == 0 else list(reversed(CONTENDERS))
+            for name in order:
+                procedure = sql.Identifier("enqueue_parts", f"one_call_{name}")
+                row = conn.execute(sql.SQL("CALL {}(%s)").format(procedure), (calls,)).fetchone()
+                assert row is not None
+                timings[name].append(float(row[0]))
+                log(f"round {round_no + 1}, {name}: {timings[name][-1]:.1f} µs a transaction")
+    return timings
+
+
+def report_one_call(calls: int, timings: dict[str, list[float]]) -> None:
+    print(f"\none call a transaction, {calls:,} calls a round | µs, each round | "
+          "min | median | ÷ bare, medians")
+    print("|---|---|---:|---:|---:|")
+    bare = statistics.median(timings["bare"])
+    for name, runs in timings.items():
+        each = " / ".join(f"{us:.1f}" for us in runs)
+        median = statistics.median(runs)
+        print(f"| {name} | {each} | {min(runs):.1f} | {median:.1f} | {median / bare:.2f} |")
 
 
 def report(clients: int, figures: dict[str, list[tuple[float, float]]]) -> None:

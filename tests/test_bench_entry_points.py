@@ -53,6 +53,7 @@ def test_a_bench_script_answers_help_run_as_a_file_and_as_a_module(name: str) ->
     (["bench", "--only", "drain,bogus"], "--only: unknown bogus"),
     (["bench", "--rounds", "0"], "must be at least 1"),
     (["bench.enqueue_parts", "--connections", "x"], "not a list of numbers"),
+    (["bench.enqueue_parts", "--one-call-transactions", "--calls", "0"], "must be at least 1"),
     (["bench.outcome_plans", "--sizes", "1,x"], "not a list of numbers"),
     (["bench.outcome_plans", "--jobs", "0"], "must be at least 1"),
     (["bench.claim_decode", "--rows", "0"], "must be at least 1"),
