@@ -178,7 +178,8 @@ def test_a_session_that_made_fair_claims_before_migration_0028_goes_on_after_it(
     """0028 replaced the functions under claim_order (same signature): a daemon whose
     session planned the old ones keeps claiming, and takes what it would have taken."""
     url = databases.empty()
-    before_0028 = [m for m in migrate_module.available() if m.version < 28]
+    # And 0032, the lease tokens this release's claims draw (the session claims with them).
+    before_0028 = [m for m in migrate_module.available() if m.version < 28 or m.version == 32]
     with connect(url, autocommit=True) as admin:
         monkeypatch.setattr(migrate_module, "available", lambda: before_0028)
         migrate_module.migrate(admin, "jobd")
@@ -193,7 +194,7 @@ def test_a_session_that_made_fair_claims_before_migration_0028_goes_on_after_it(
             positions = {(0, "a"): (run_at[ids[0]], ids[0])}
             assert claim_from_positions(daemon, positions) == set(ids) - {ids[1]}
             assert [m.version for m in migrate_module.migrate(admin, "jobd")] == [
-                m.version for m in migrate_module.available() if m.version >= 28]
+                m.version for m in migrate_module.available() if m not in before_0028]
             assert claim_from_positions(daemon, positions) == set(ids) - {ids[1]}
 
 
@@ -288,6 +289,25 @@ def test_paused_handlers_and_suspects_are_stepped_over(conn: psycopg.Connection)
     conn.execute("UPDATE jobs SET suspect = true WHERE payload->>'n' = '0'")
     fair = claim(conn, 10, now=t0, lane_order=order(fair_by="handler", max_wait=1))
     assert sorted(share_keys(fair)) == ["b"] * 4
+
+
+def test_keys_whose_due_jobs_a_claim_must_step_over_leave_it_to_the_keys_after_them(
+    conn: psycopg.Connection,
+) -> None:
+    # A claim of four looks for four share keys with due jobs. The first four keys in order
+    # hold only a paused handler's jobs and suspects: were they counted, the claim would take
+    # nothing, and the next claim would start at the same keys, for as long as the pause.
+    t0 = db_now(conn)
+    for key in ("t1", "t2"):
+        bulk(conn, 1, "mail", t0, fairness_key=key)
+    for key in ("t3", "t4"):
+        bulk(conn, 1, "report", t0, fairness_key=key)
+    conn.execute("UPDATE jobs SET suspect = true WHERE fairness_key IN ('t3', 't4')")
+    for key in ("t5", "t6", "t7", "t8"):
+        bulk(conn, 1, "resize", t0, fairness_key=key)
+    jobd.pause(conn, LANE, handler="mail")
+    taken = claim(conn, 4, now=t0, lane_order=order(fair_by="fairness_key"))
+    assert sorted(share_keys(taken)) == ["t5", "t6", "t7", "t8"]
 
 
 # --- entry points and config ---------------------------------------------------------------

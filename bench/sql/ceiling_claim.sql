@@ -6,7 +6,7 @@ WITH claimed AS (
            attempts = attempts + 1,
            claimed_by = 'pgbench',
            lease_until = now() + interval '30 seconds',
-           lease_token = (SELECT nextval('jobd.lease_token_seq'))
+           lease_token = (SELECT jobd.new_lease_token())
      WHERE id IN (SELECT id FROM jobd.jobs
                    WHERE lane = 'default' AND state IN ('pending', 'failed')
                      AND run_at <= now()

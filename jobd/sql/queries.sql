@@ -128,7 +128,7 @@ UPDATE jobs
        claimed_at = coalesce(%(now)s::timestamptz, now()),
        lease_until = coalesce(%(now)s::timestamptz, now())
                      + make_interval(secs => %(visibility_timeout)s),
-       lease_token = (SELECT nextval('lease_token_seq'))
+       lease_token = (SELECT new_lease_token())
  WHERE jobs.id = ANY(ARRAY(SELECT id FROM due))
 RETURNING jobs.id, jobs.lease_token, jobs.lane, jobs.handler, jobs.payload::text, jobs.priority,
           jobs.run_at, jobs.attempts, jobs.max_attempts, jobs.idempotency_key,
@@ -167,7 +167,7 @@ UPDATE jobs
        claimed_at = coalesce(%(now)s::timestamptz, now()),
        lease_until = coalesce(%(now)s::timestamptz, now())
                      + make_interval(secs => %(visibility_timeout)s),
-       lease_token = (SELECT nextval('lease_token_seq'))
+       lease_token = (SELECT new_lease_token())
  WHERE jobs.id = ANY((SELECT ids FROM picked)::bigint[])
 RETURNING jobs.id, jobs.lease_token, jobs.lane, jobs.handler, jobs.payload::text, jobs.priority,
           jobs.run_at, jobs.attempts, jobs.max_attempts, jobs.idempotency_key,
@@ -263,7 +263,7 @@ claimed AS (
            claimed_at = coalesce(%(now)s::timestamptz, now()),
            lease_until = coalesce(%(now)s::timestamptz, now())
                          + make_interval(secs => %(visibility_timeout)s),
-           lease_token = (SELECT nextval('lease_token_seq'))
+           lease_token = (SELECT new_lease_token())
      WHERE jobs.id = ANY(ARRAY(SELECT id FROM chosen))
     RETURNING jobs.id, jobs.lease_token, jobs.lane, jobs.handler, jobs.payload::text,
               jobs.priority, jobs.run_at, jobs.attempts, jobs.max_attempts,
@@ -353,7 +353,7 @@ UPDATE jobs
        claimed_at = coalesce(%(now)s::timestamptz, now()),
        lease_until = coalesce(%(now)s::timestamptz, now())
                      + make_interval(secs => %(visibility_timeout)s),
-       lease_token = (SELECT nextval('lease_token_seq'))
+       lease_token = (SELECT new_lease_token())
  WHERE jobs.id = (SELECT id FROM jobs
                    WHERE lane = %(lane)s AND suspect AND state IN ('pending', 'failed')
                      AND run_at <= coalesce(%(now)s::timestamptz, now())
@@ -802,8 +802,8 @@ SELECT id, lane, handler, attempts, last_error, died_at, idempotency_key
 
 -- name: replay_dead
 -- Moves dead jobs back to the queue with a fresh attempt budget, keeping their error history.
--- The job keeps its id (so its idempotency key still points at it); the lease token sequence
--- guarantees that a worker from before its death can never write to it again. It is due at
+-- The job keeps its id (so its idempotency key still points at it); its next claim draws a
+-- new random token, so a worker from before its death can never write to it again. It is due at
 -- once, or at its own run_at if that is later (a quarantined job scheduled for later).
 WITH revived AS (
     DELETE FROM dead_letter WHERE id = ANY(%(ids)s::bigint[]) RETURNING *

@@ -23,9 +23,23 @@
 -- job's row exists: so a sequence of its own rather than an identity column.
 CREATE SEQUENCE job_id_seq AS bigint;
 
--- Every claim draws one value; a worker must present it for every later write to the job
--- (heartbeat, complete, fail), so a worker whose lease was lost cannot touch the job again.
+-- The lease tokens of the previous release's claims, kept for its daemons during a rolling
+-- upgrade (migration 0032): this release's claims draw new_lease_token().
 CREATE SEQUENCE lease_token_seq AS bigint;
+
+-- Every claim draws one token; a worker must present it for every later write to the job
+-- (heartbeat, complete, fail), so a worker whose lease was lost cannot touch the job again.
+-- Random (63 bits of the server's strong random source, four of them the uuid's fixed
+-- version bits), not a sequence: claims commit without waiting for their flush, and a crash
+-- of the server could undo a claim together with a sequence's last steps, so that the job's
+-- next claim drew the same token and the undone claim's worker passed the fence
+-- (migration 0032).
+CREATE FUNCTION new_lease_token() RETURNS bigint
+LANGUAGE sql VOLATILE PARALLEL SAFE
+AS $$
+    SELECT ('x' || substr(replace(gen_random_uuid()::text, '-', ''), 1, 16))::bit(64)::bigint
+           & 9223372036854775807
+$$;
 
 -- Live jobs only: pending, claimed, or failed and waiting for a retry. Finished jobs leave this
 -- table in the statement that finishes them, so it stays as small as the backlog.
@@ -1001,8 +1015,9 @@ AS $$
               FROM (SELECT positions -> (level || ':' || key_floor.key) AS entry) AS found) AS p
 $$;
 
--- The share keys of one priority of a lane that have due jobs with run_at in (after, up_to],
--- in order after from_key and up to to_key (NULL: to the end), at most `wanted`: a skip scan
+-- The share keys of one priority of a lane that have due jobs with run_at in (after, up_to]
+-- that a claim may take (not suspects, not of paused_handlers: migration 0033), in order after
+-- from_key and up to to_key (NULL: to the end), at most `wanted`: a skip scan
 -- of jobs_fair_idx, one index descent per key (a recursive query stepping from key to key),
 -- and one more to see whether the key has a due job. Keys whose jobs are all scheduled for
 -- later cost their two descents each time a claim passes them. Sorts are priced out
@@ -1014,7 +1029,8 @@ $$;
 -- (migration 0028: the planning was more than half of a fair claim over one key).
 CREATE FUNCTION due_keys(lane text, level integer, from_key text, to_key text,
                          floor_at timestamptz, floor_id bigint, after timestamptz,
-                         up_to timestamptz, wanted integer, positions jsonb)
+                         up_to timestamptz, wanted integer, positions jsonb,
+                         paused_handlers text[])
 RETURNS text[]
 LANGUAGE plpgsql STABLE
 SET search_path FROM CURRENT
@@ -1050,6 +1066,13 @@ BEGIN
                           AND coalesce(j.fairness_key, j.handler) COLLATE "C" = w.key
                           AND (j.run_at, j.id) >= (f.floor_at, f.floor_id)
                           AND j.run_at > after AND j.run_at <= up_to
+                          -- What claim_level may take: a key whose due jobs are all a
+                          -- paused or lacking handler's, or suspects, must not count
+                          -- towards `wanted`, or it would stand in for a key after it at
+                          -- every claim for as long as the pause lasts (migration 0033).
+                          AND NOT j.suspect
+                          AND (cardinality(paused_handlers) = 0
+                               OR runnable(j.handler, paused_handlers))
                         LIMIT 1) AS due
                  WHERE w.key IS NOT NULL AND (to_key IS NULL OR w.key <= to_key)
                  LIMIT wanted) AS d);
@@ -1086,10 +1109,11 @@ BEGIN
     END IF;
     -- The keys after the cursor, then from the start around to it.
     keys := due_keys(claim_level.lane, level, coalesce(key_cursor, ''), NULL, floor_at,
-                     floor_id, after, up_to, wanted, positions);
+                     floor_id, after, up_to, wanted, positions, paused_handlers);
     IF cardinality(keys) < wanted AND coalesce(key_cursor, '') <> '' THEN
         keys := keys || due_keys(claim_level.lane, level, '', key_cursor, floor_at, floor_id,
-                                 after, up_to, wanted - cardinality(keys), positions);
+                                 after, up_to, wanted - cardinality(keys), positions,
+                                 paused_handlers);
     END IF;
     WHILE cardinality(keys) > 0 AND cardinality(picked) < wanted LOOP
         WITH shares AS (

@@ -29,6 +29,7 @@ from fault_support import (
 from invariants import assert_invariants
 
 import jobd
+from jobd import queue
 from jobd.db import connect
 from jobd.localpg import LocalCluster
 
@@ -195,6 +196,36 @@ def test_a_crash_restart_of_the_server_loses_and_doubles_nothing(
         wait_all_done(conn, ids, 120, daemon)
         assert daemon.running(), daemon.tail()
         assert_invariants(conn, ids, context=daemon.tail())
+
+
+def test_a_claim_undone_by_a_crash_leaves_its_worker_a_token_no_later_claim_draws(
+    private_cluster: Callable[..., LocalCluster],
+) -> None:
+    """A claim commits without waiting for its flush, so a crash of the server can undo it and
+    the job is claimed again. The worker of the undone claim may still be running the job:
+    nothing it writes with its token may pass for the new claim's. (Tokens drawn from a
+    sequence repeated here: the sequence's progress is written to the WAL at its first use
+    after a checkpoint, in the same unflushed WAL as the claim.)"""
+    # The WAL writer waits up to 10 s between flushes: the undone claim is not left to chance.
+    cluster = private_cluster(wal_writer_delay="10s")
+    with connect(cluster.url, autocommit=True) as conn:
+        job_id = jobd.enqueue(conn, "h", lane=LANE)
+        conn.execute("CHECKPOINT")
+        *_, first = queue.settle_and_claim(
+            conn, [], [], queue.ClaimRequest(LANE, "worker-a", 10, 30.0))
+        [stale] = [job.lease for job in first.jobs]
+    cluster.restart("immediate")
+    with connect(cluster.url, autocommit=True) as conn:
+        state = conn.execute("SELECT state FROM jobd.jobs WHERE id = %s", (job_id,)).fetchone()
+        assert state == ("pending",), "the crash was to undo the claim"
+        *_, second = queue.settle_and_claim(
+            conn, [], [], queue.ClaimRequest(LANE, "worker-b", 10, 30.0))
+        [current] = [job.lease for job in second.jobs]
+        assert current.id == stale.id == job_id
+        assert current.token != stale.token
+        assert queue.heartbeat(conn, [stale], 30.0).lease_lost == [job_id]
+        assert queue.complete(conn, [stale]).lease_lost == [job_id]
+        assert queue.complete(conn, [current]).applied == [job_id]
 
 
 RESTARTS = 5
