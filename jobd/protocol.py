@@ -101,11 +101,15 @@ class StatusReport:
     connected: bool = False
     counters: dict[str, int] = field(default_factory=dict)
     work: WorkTotals | None = None
+    # The worker's run-board idle count when it wrote this: a count the supervisor reads
+    # later but no higher is older than ``busy`` (jobd.workerpool.WorkerProcess.look_for_idle).
+    idle_count: int = 0
 
     def to_line(self) -> bytes:
         data = {"busy": self.busy, "capacity": self.capacity, "mode": str(self.mode),
                 "connected": self.connected, "counters": self.counters,
-                "work": None if self.work is None else self.work.to_json()}
+                "work": None if self.work is None else self.work.to_json(),
+                "idle_count": self.idle_count}
         return (json.dumps(data, separators=(",", ":")) + "\n").encode()
 
     @classmethod
@@ -122,7 +126,8 @@ class StatusReport:
                    mode=WorkerMode(data.get("mode", WorkerMode.RUNNING)),
                    connected=bool(data.get("connected")),
                    counters={str(k): _int(v) for k, v in counters.items()},
-                   work=None if work is None else WorkTotals.from_json(work))
+                   work=None if work is None else WorkTotals.from_json(work),
+                   idle_count=_int(data.get("idle_count", 0)))
 
 
 def backend_prefix(worker_id: str) -> str:

@@ -10,6 +10,7 @@ not read yet is simply skipped, as the next one says the same and more.
 from __future__ import annotations
 
 import os
+import select
 
 import setproctitle
 
@@ -28,13 +29,14 @@ class StatusReporter:
         self.counters = counters
         self.board = board
         self.next_at = 0.0  # monotonic: the next report is due then
-        self._busy = 0  # running + buffered at the last call
+        self._idle_told = True  # nothing held since the board last counted that
 
     def report(self, now: float, mode: WorkerMode, running: int, buffered: int,
                capacity: int, connected: bool, force: bool = False) -> None:
-        if self._busy and not running + buffered and self.board is not None:
-            self.board.went_idle()
-        self._busy = running + buffered
+        if running + buffered:
+            self._idle_told = False
+        elif not self._idle_told:
+            self._tell_idle()
         if not force and now < self.next_at:
             return
         self.next_at = now + REPORT_INTERVAL
@@ -48,8 +50,21 @@ class StatusReporter:
         # Busy and capacity count the buffer: a worker whose buffer is full claims nothing,
         # so waking it would only cost a round trip.
         report = StatusReport(running + buffered, capacity, mode,
-                              connected, self.counters.as_dict(), self.counters.work_totals())
+                              connected, self.counters.as_dict(), self.counters.work_totals(),
+                              self.board.idle_count() if self.board is not None else 0)
         try:
             os.write(self.spec.status_fd, report.to_line())
         except (BlockingIOError, BrokenPipeError):
             pass  # the supervisor reads when it can; a missed report only delays its view
+
+    def _tell_idle(self) -> None:
+        """Count on the board that the worker ran out of work, unless a wake-up waits in its
+        pipe: the supervisor routed work here during this turn, which the next turn claims,
+        and a count now would tell it that work was done. The next turn that ends with
+        nothing held counts instead."""
+        if self.board is None:
+            return
+        if select.select([self.spec.wake_fd], [], [], 0)[0]:
+            return
+        self.board.went_idle()
+        self._idle_told = True

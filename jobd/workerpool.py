@@ -281,6 +281,8 @@ class WorkerPool:
             try:
                 process.report = StatusReport.parse(line)
                 process.wake_load = 0  # the report counts what it was sent
+                # Counts up to the report's are older than it: only a later one is news.
+                process.idle_seen = process.report.idle_count
                 process.idle_since_report = False
                 process.reported = True
             except ValueError:

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 
 from jobd import protocol
+from jobd.config import LaneConfig
+from jobd.run_board import RunBoard
 from jobd.wake_routing import WakeRouter, choose
 from jobd.wakeup import Wakeup
+from jobd.workerpool import WorkerPool, WorkerProcess
 
 
 @dataclass(eq=False)
@@ -113,3 +119,32 @@ def test_jobs_behind_the_floors_reach_every_worker_of_the_lane_beside_the_wake_u
     router.notified([Wakeup("a", None, 1), Wakeup("a", None, 0, "behind")])
     assert sorted((id(w), byte) for w, byte in pokes(router, [a1, a2, b])) == sorted(
         [(id(a1), protocol.BEHIND), (id(a2), protocol.BEHIND), (id(a1), protocol.WAKE)])
+
+
+def test_an_idle_count_no_newer_than_the_workers_last_report_does_not_override_it() -> None:
+    """The supervisor's side of the run board's idle count (WorkerProcess.look_for_idle): a
+    worker that ran out of work, then claimed by itself and reported it busy, is busy; only
+    a count after that report says it is idle again."""
+    lane = dataclasses.replace(LaneConfig("default"), concurrency=1, prefetch=0)
+    board, fd = RunBoard.create(lane.concurrency)
+    worker_side = RunBoard(fd, lane.concurrency)  # the worker's mapping of the same memory
+    os.close(fd)
+    process = WorkerProcess(SimpleNamespace(lane=lane, worker_id="w"),  # type: ignore[arg-type]
+                            SimpleNamespace(pid=1), -1, -1, board, 0.0, 0.0)  # type: ignore[arg-type]
+
+    def report(busy: int) -> None:
+        line = protocol.StatusReport(busy, 1, idle_count=worker_side.idle_count()).to_line()
+        WorkerPool._take_reports(None, process, line)  # type: ignore[arg-type]
+
+    try:
+        report(0)
+        worker_side.went_idle()
+        report(1)  # written after the count: it claimed a job by itself
+        process.look_for_idle()
+        assert process.busy == 1
+        worker_side.went_idle()  # that job done
+        process.look_for_idle()
+        assert process.busy == 0
+    finally:
+        worker_side.close()
+        board.close()

@@ -223,12 +223,13 @@ def test_a_retiring_worker_finishes_its_work_however_long_and_drains_if_orphaned
 def test_a_worker_counts_on_its_board_each_time_it_runs_out_of_work() -> None:
     status_r, status_w = os.pipe()
     os.set_blocking(status_r, False)
+    wake_r, wake_w = os.pipe()
     board, board_fd = RunBoard.create(concurrency=10)
     os.close(board_fd)
     spec = protocol.WorkerSpec(
         worker_id=WORKER_ID, lane=LaneConfig(LANE), handlers={},
         database_url="postgresql:///unused", schema="jobd", slot=0, generation=1,
-        status_fd=status_w, wake_fd=-1, shutdown_timeout=1.0)
+        status_fd=status_w, wake_fd=wake_r, shutdown_timeout=1.0)
     reporter = StatusReporter(spec, Counters(), board)
 
     def reports() -> list[int]:
@@ -255,10 +256,22 @@ def test_a_worker_counts_on_its_board_each_time_it_runs_out_of_work() -> None:
         assert reports() == [1]  # the second's report
         # The board's other slots, the running jobs, are untouched by the count.
         assert board.running().job_ids == frozenset()
+        # A wake-up written during the turn that ran out of work routed work here, which the
+        # next turn claims: counting now would tell the supervisor that work was done.
+        os.write(wake_w, b"w")
+        reporter.report(now + 0.6, WorkerMode.RUNNING, 0, 0, 10, True)
+        assert board.idle_count() == 2
+        os.read(wake_r, 16)  # the next turn reads it, and finds nothing to claim
+        reporter.report(now + 0.7, WorkerMode.RUNNING, 0, 0, 10, True)
+        assert board.idle_count() == 3
+        # Each report carries the count as of its writing (2 x REPORT_INTERVAL: one is due).
+        reporter.report(now + 2 * REPORT_INTERVAL, WorkerMode.RUNNING, 0, 0, 10, True)
+        assert [protocol.StatusReport.parse(line).idle_count
+                for line in os.read(status_r, 65536).splitlines()] == [3]
     finally:
         board.close()
-        os.close(status_r)
-        os.close(status_w)
+        for fd in (status_r, status_w, wake_r, wake_w):
+            os.close(fd)
 
 
 def test_a_busy_worker_holds_outcomes_for_company_until_its_whole_capacity_or_the_delay(
