@@ -158,11 +158,17 @@ def _claim_query(request: ClaimRequest) -> str:
 
 
 def _claim_steps(request: ClaimRequest, now: datetime | None) -> list[fastpath.Step]:
-    """The statements of a claim: under the lane's budget lock for a lane with limits."""
+    """The statements of a claim: the suspect first for a worker that holds nothing, and
+    all of it under the lane's budget lock for a lane with limits (a suspect counts
+    against max_running as any claimed job does)."""
     params = _claim_params(request, now)
-    if request.budget is None:
-        return [(_claim_query(request), params)]
-    return [("lock_lane_budget", {"lane": request.lane}), ("claim_jobs_limited", params)]
+    steps: list[fastpath.Step] = []
+    if request.budget is not None:
+        steps.append(("lock_lane_budget", {"lane": request.lane}))
+    if request.suspect_first:
+        steps.append(("claim_suspect", {"max_running": None, **params}))
+    steps.append((_claim_query(request), params))
+    return steps
 
 
 def _jobs(rows: Iterable[tuple[Any, ...]]) -> list[Job]:
@@ -330,8 +336,6 @@ def settle_and_claim(
             steps.append(("claim_commits_async", {}))
         if request.disarm:
             steps.append(("disarm_waiter", {"worker": request.worker}))
-        if request.suspect_first:
-            steps.append(("claim_suspect", _claim_params(request, now)))
         steps.extend(_claim_steps(request, now))
         if together:
             steps.append((fastpath.COMMIT, None))
@@ -354,9 +358,9 @@ def settle_and_claim(
         next(results)  # claim_commits_async
     if request.disarm:
         next(results)
-    suspects = _jobs(next(results)) if request.suspect_first else []
     if request.budget is not None:
         next(results)  # the budget lock
+    suspects = _jobs(next(results)) if request.suspect_first else []
     return completed, failed, Claimed(_jobs(next(results)), suspects[0] if suspects else None)
 
 

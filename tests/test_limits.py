@@ -161,3 +161,23 @@ def test_a_limited_claim_through_the_worker_path(conn: psycopg.Connection) -> No
     _done, _failed, claimed = queue.settle_and_claim(conn, [claimed.jobs[0].lease], [],
                                                      request)
     assert len(claimed.jobs) == 1
+
+
+def test_a_suspect_counts_against_max_running(conn: psycopg.Connection) -> None:
+    # Suspects (a dead worker's jobs, each run alone: claim_suspect) are claimed by an idle
+    # worker before anything else; in a full lane they wait like any job.
+    jobd.enqueue(conn, "h")
+    suspect = jobd.enqueue(conn, "h")
+    conn.execute("UPDATE jobs SET suspect = true WHERE id = %s", (suspect,))
+    limits = budget(max_running=1)
+    full = queue.ClaimRequest(LANE, "w1", 1, 30, budget=limits)
+    assert len(queue.settle_and_claim(conn, [], [], full)[2].jobs) == 1
+    idle = queue.ClaimRequest(LANE, "w2", 1, 30, budget=limits, suspect_first=True)
+    _done, _failed, claimed = queue.settle_and_claim(conn, [], [], idle)
+    assert (claimed.suspect, claimed.jobs) == (None, [])
+    running = conn.execute("SELECT count(*) FROM jobs WHERE state = 'claimed'").fetchone()
+    assert running == (1,)
+    # Once the lane has room, the suspect goes first.
+    conn.execute("DELETE FROM jobs WHERE state = 'claimed'")
+    _done, _failed, claimed = queue.settle_and_claim(conn, [], [], idle)
+    assert claimed.suspect is not None and claimed.suspect.id == suspect

@@ -345,7 +345,9 @@ DELETE FROM lane_waiters WHERE worker_id = %(worker)s
 -- its worker is found (it then spends an attempt; the others keep theirs). A worker idle
 -- enough to ask sends this before claim_jobs in the same transaction, and claim_jobs then
 -- takes nothing while the suspect is held. Pauses and lacking handlers apply as in
--- claim_jobs.
+-- claim_jobs. In a lane with max_running (%(max_running)s, NULL otherwise) it is sent after
+-- lock_lane_budget, as claim_jobs_limited, and a suspect counts against the limit as any
+-- claimed job: none is taken while the lane is full. (It spends no rate-limit token.)
 UPDATE jobs
    SET state = 'claimed',
        attempts = jobs.attempts + 1,
@@ -361,6 +363,10 @@ UPDATE jobs
                                       WHERE p.lane = %(lane)s
                                         AND (p.handler IS NULL OR p.handler = jobs.handler))
                      AND runnable(handler, %(lacking_handlers)s::text[])
+                     AND (%(max_running)s::int IS NULL
+                          OR (SELECT count(*) FROM jobs AS r
+                               WHERE r.state = 'claimed' AND r.lane = %(lane)s)
+                             < %(max_running)s::int)
                    ORDER BY run_at
                    LIMIT 1
                      FOR UPDATE SKIP LOCKED)
