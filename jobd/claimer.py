@@ -68,6 +68,10 @@ class Claimer:
         self.handlers = HandlerFilter(lane.name, known_handlers)
         self.maybe_more = True  # there may be due work: claim when capacity allows
         self.buffer = ClaimBuffer()
+        # Jobs taken out of the buffer to be given back, until a release's answer says what
+        # became of them: a release whose answer was lost may have committed, so they must
+        # never start here, and the release is sent again (fenced, so it applies once).
+        self.releasing: list[jobs.Job] = []
         # Whether a suspect may be due in the lane: a new worker looks once; the supervisor
         # says so again (a SUSPECTS byte) when it makes some or one falls due.
         self.suspects_possible = True
@@ -250,10 +254,19 @@ class Claimer:
     def _releases_all(self, mode: WorkerMode) -> bool:
         return mode != WorkerMode.RUNNING or self.suspects_possible or self.lane_paused
 
+    def giving_back(self, leaving: list[jobs.Job]) -> None:
+        """Take ``leaving`` out of the buffer before their release is sent: from then on no
+        slot may start them, whatever becomes of the release (see ``releasing``)."""
+        self.buffer.drop({job.id for job in leaving})
+        self.releasing.extend(leaving)
+
     def released(self, mode: WorkerMode, ids: set[int]) -> None:
+        """A release's answer came: the jobs ``ids`` are no longer this worker's to give
+        back (given back, gone, or to be finished as cancelled)."""
         self.held_back = mode == WorkerMode.RUNNING and not self.suspects_possible
         self.floors.forget()  # they keep their run_at, below this worker's floors
         self.buffer.drop(ids)
+        self.releasing = [job for job in self.releasing if job.id not in ids]
 
     def finished(self, job_id: int) -> None:
         """A job left its slot (done, or failed for its timeout)."""

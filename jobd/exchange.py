@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import time
 
+import psycopg
 import structlog
 
-from jobd import claim_floors, fastpath, queue, recovery
+from jobd import claim_floors, fastpath, jobs, queue, recovery
 from jobd.claimer import Claimer
 from jobd.completer import Batch, Completer, Counters
-from jobd.db import ManagedConnection
+from jobd.db import ManagedConnection, is_pooled
+from jobd.outcomes import Outcome
 from jobd.protocol import WorkerMode, WorkerSpec
 from jobd.settler import Settler
 from jobd.slots import Slots
@@ -33,6 +35,10 @@ log = structlog.get_logger("jobd.worker")
 SPACING_WORTH_SAYING = 10.0
 # The weight of the newest round trip in the moving average of the usual one.
 ROUND_TRIP_WEIGHT = 0.1
+# How long the look for lost claims waits for the backend of a lost connection to exit once
+# told to (milliseconds), and how long it waits before telling again if it did not.
+BACKEND_EXIT_WAIT_MS = 1000
+BACKEND_RETRY = 1.0
 
 
 class Exchange:
@@ -60,6 +66,12 @@ class Exchange:
         self.claims_unknown = False
         # Seconds a claim round trip from the floors takes, a moving average.
         self.usual_round_trip = 0.0
+        # The server backend of the link's connection (None through a pooler), and those of
+        # lost connections not yet known to have exited: a claim sent on one may still run
+        # there, and commit after the repair looked (fail_claims_not_held).
+        self.backend_pid: int | None = None
+        self.lost_backends: list[int] = []
+        self.backends_retry_at = 0.0  # monotonic: no try to end them before
 
     def settle_and_claim(self, mode: WorkerMode, claim: bool = True) -> None:
         """Write finished jobs' outcomes and claim more work: one round trip, one commit;
@@ -160,19 +172,37 @@ class Exchange:
 
     def release_buffer(self, mode: WorkerMode) -> None:
         """Give back the buffered jobs the claimer no longer wants to hold, the ones on
-        deck included (taken back first: jobd.slots)."""
+        deck included (taken back first: jobd.slots), and again those whose last release
+        went unanswered."""
         now = time.monotonic()
         self.slots.recall_deck(mode, now)
         leaving = self.claimer.to_release(mode, now)
-        if not leaving:
-            return
+        if leaving:
+            # Out of the buffer before the statement goes: a release can commit and its
+            # answer be lost with the connection, and then another worker may be running
+            # the job already. Started here too, it would run twice at once.
+            self.claimer.giving_back(leaving)
+        if self.claimer.releasing:
+            self._give_back(mode, self.claimer.releasing)
+
+    def _give_back(self, mode: WorkerMode, leaving: list[jobs.Job]) -> None:
+        """Release ``leaving``. Fenced, so sent again after a lost answer it applies only
+        where the first did not; either way the jobs are no longer this worker's to start.
+        A job it leaves because it was asked to stop is finished as cancelled now, as a
+        heartbeat's news of the cancel would have it (LeaseKeeper.stop_cancelled): dropped,
+        it would stay claimed, renewed by nobody, until the lease sweep ended it."""
         leases = [job.lease for job in leaving]
-        if self.link.run("queue", lambda conn: queue.release(conn, leases)) is None:
-            return  # the leases are still ours; tried again next turn
-        gone = {job.id for job in leaving}
-        self.claimer.released(mode, gone)
-        self.counters.count_released(leaving)
-        log.debug("released buffered jobs", job_ids=sorted(gone))
+        stopping = self.link.run("queue", lambda conn: release_unless_stopping(conn, leases))
+        if stopping is None:
+            return  # out of the buffer still: sent again next turn, started never
+        self.claimer.released(mode, {job.id for job in leaving})
+        given_back = [job for job in leaving if job.id not in stopping]
+        for job in leaving:
+            if job.id in stopping:
+                self.completer.add(Outcome(job, None))  # its completion archives it cancelled
+        self.counters.count_released(given_back)
+        log.debug("released buffered jobs", job_ids=sorted(job.id for job in given_back),
+                  asked_to_stop=sorted(stopping))
 
     def arm_if_idle(self, mode: WorkerMode) -> None:
         """Out of work: ask to be woken (see ``jobd.claimer``, wake-ups)."""
@@ -211,14 +241,34 @@ class Exchange:
             log.info("claims from the head of the lane are quick again", lane=self.lane.name,
                      head_scan_ms=round(seconds * 1000, 1))
 
+    def connected(self) -> None:
+        """The link has a new connection: remember its server backend, to end it should the
+        connection be lost (not through a pooler, whose backend pid is not the server's)."""
+        conn = self.link.conn
+        self.backend_pid = None if conn is None or is_pooled(conn) else conn.info.backend_pid
+
+    def connection_lost(self) -> None:
+        """The server may have run a claim whose result we never read, and its backend,
+        not having noticed the loss yet, may still be running one."""
+        self.claims_unknown = True
+        if self.backend_pid is not None:
+            self.lost_backends.append(self.backend_pid)
+            self.backend_pid = None
+
     def fail_claims_not_held(self) -> None:
         """Fail the jobs claimed under this worker's name that it does not hold: a claim whose
         rows never reached it. Without this they would wait for their lease to expire. They
         count as a failed attempt (retried after the backoff, dead when the budget is
-        spent), so a job whose claim fails the same way every time cannot loop forever."""
+        spent), so a job whose claim fails the same way every time cannot loop forever.
+        Only once the backends of lost connections have ended: a claim still running on
+        one would commit after the look and escape it."""
+        if self.lost_backends and not self._lost_backends_ended():
+            return  # the flag stays and the loop looks again
         held = self.slots.all_leases()
         held += [o.job.lease for o in self.completer.pending]
         held += self.claimer.buffer.leases()
+        # Their release may not have applied: until it is answered they may still be ours.
+        held += [job.lease for job in self.claimer.releasing]
         policy = self.lane.retry_policy
         outcome = self.link.run("queue", lambda conn: recovery.fail_claims_not_held(
             conn, self.spec.worker_id, held,
@@ -232,3 +282,35 @@ class Exchange:
             # the new run_at and the supervisor sets a timer for it.
             log.warning("failed jobs claimed without reaching this worker", job_ids=orphans,
                         dead=outcome.dead)
+
+    def _lost_backends_ended(self) -> bool:
+        """End the backends of the lost connections and say whether all of them have
+        exited (waiting up to :data:`BACKEND_EXIT_WAIT_MS` for each). One that has not, or a
+        database that failed again, is tried again no sooner than :data:`BACKEND_RETRY`
+        later: each try may block the loop for the wait."""
+        if time.monotonic() < self.backends_retry_at:
+            return False
+        pids = list(self.lost_backends)
+        left = self.link.run("queue", lambda conn: queue.end_backends(
+            conn, pids, BACKEND_EXIT_WAIT_MS))
+        if left is not None:
+            self.lost_backends = left
+        if left is None or left:
+            self.backends_retry_at = time.monotonic() + BACKEND_RETRY
+        if left:
+            log.warning("a backend of a lost connection has not exited yet; claims whose rows"
+                        " never arrived are looked for once it has", pids=left)
+        return left == []
+
+    def repair_due_at(self) -> float | None:
+        """When the loop should try again to end the lost connections' backends, if it is
+        waiting for that; the other retries wait for the database to be usable again."""
+        return self.backends_retry_at if self.lost_backends else None
+
+
+def release_unless_stopping(conn: psycopg.Connection, leases: list[jobs.Lease]) -> set[int]:
+    """Release ``leases`` and return the jobs among them that the release left because they
+    were asked to stop (release_jobs does not give those back). The others were given back,
+    by this release or by an earlier one whose answer was lost, or were not ours any more."""
+    kept = set(queue.release(conn, leases).lease_lost)
+    return set(queue.asked_to_stop(conn, [lease for lease in leases if lease.id in kept]))

@@ -48,6 +48,9 @@ class LeaseKeeper:
             return
         self.next_at = now + self.lane.heartbeat
         held = self.slots.renewable_leases() + self.claimer.buffer.leases()
+        if self.claimer.releasing:
+            # Their release went unanswered: until one answers they may still be ours.
+            held += [job.lease for job in self.claimer.releasing]
         if not held:
             return
         renewed = self.link.run("queue", lambda conn: queue.heartbeat(

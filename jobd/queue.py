@@ -397,3 +397,24 @@ def release(
         return WriteOutcome([], [])
     rows = conn.execute(query("release_jobs"), lease_arrays(leases)).fetchall()
     return _fenced_outcome(leases, (row[0] for row in rows))
+
+
+def asked_to_stop(conn: psycopg.Connection, leases: Sequence[Lease]) -> list[int]:
+    """The jobs still held under ``leases`` that were asked to stop (jobd.cancel): after a
+    release, the ones it left to their worker to finish as cancelled, told apart from the
+    ones whose lease was gone. A read of its own, after the release: a cancel that
+    committed while the release ran made it skip the job, and only a later snapshot sees
+    it."""
+    if not leases:
+        return []
+    rows = conn.execute(query("held_asked_to_stop"), lease_arrays(leases)).fetchall()
+    return [row[0] for row in rows]
+
+
+def end_backends(conn: psycopg.Connection, pids: Sequence[int], wait_ms: int) -> list[int]:
+    """End the server backends ``pids`` of this connection's lost predecessors (those named
+    as it is), waiting up to ``wait_ms`` for each to exit; returns those not known to have
+    exited. Once one has, nothing it was sent can still commit."""
+    rows = conn.execute(query("end_lost_backends"),
+                        {"pids": list(pids), "wait_ms": wait_ms}).fetchall()
+    return [row[0] for row in rows]

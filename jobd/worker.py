@@ -149,7 +149,7 @@ class Worker:
         if self.lifecycle.mode == protocol.WorkerMode.RUNNING:
             return False  # asked at every turn: a running worker holds work or not, it goes on
         holds_work = bool(self.slots.working() or self.completer.pending
-                          or self.claimer.buffer)
+                          or self.claimer.buffer or self.claimer.releasing)
         return self.lifecycle.finished(holds_work, time.monotonic())
 
     def _select_timeout(self) -> float:
@@ -165,7 +165,7 @@ class Worker:
         # The poll and retries only matter to a worker that takes work.
         database = [*((self.timers.next_poll, *self.timers.wake_at) if running else ()),
                     self.completer.due_at(), claimer.arming.next_try_at,
-                    claimer.arming.recheck_at]
+                    claimer.arming.recheck_at, self.exchange.repair_due_at()]
         return select_timeout(time.monotonic(), local=local, database=database,
                               database_ready=self.link.ready_at(),
                               connected=self.conn is not None)
@@ -187,12 +187,13 @@ class Worker:
 
     def _ensure_connection(self) -> None:
         if self.link.ensure():
+            self.exchange.connected()
             self.claimer.maybe_more = True
             self.claimer.arming.disconnected()
             self.controls.stale = True
 
     def _claims_now_unknown(self) -> None:
-        self.exchange.claims_unknown = True
+        self.exchange.connection_lost()
 
     def _refresh_controls(self) -> None:
         self.controls.refresh(time.monotonic())
@@ -223,7 +224,8 @@ class Worker:
             self.link.retry_at = 0.0  # one more try, whatever the backoff said
             self._ensure_connection()
         self._settle_and_claim(claim=False)
-        unfinished = self.slots.unfinished_leases() + self.claimer.buffer.leases()
+        unfinished = (self.slots.unfinished_leases() + self.claimer.buffer.leases()
+                      + [job.lease for job in self.claimer.releasing])
         if unfinished:
             released = self.link.run("queue", lambda conn: queue.release(conn, unfinished))
             log.info("released unfinished jobs", job_ids=[lease.id for lease in unfinished],

@@ -16,6 +16,7 @@ from worker_support import connected_worker
 
 import jobd
 from jobd import pauses, protocol, worker
+from jobd.claim_buffer import BUFFER_MAX_AGE
 from jobd.claim_floors import HEAD
 from jobd.claimer import Claimer
 from jobd.config import Config, LaneConfig
@@ -228,6 +229,28 @@ def test_a_cancelled_buffered_job_is_finished_unstarted_at_the_next_renewal(
     subject._settle_and_claim(claim=False)
     assert states(conn) == {running: "claimed", waiting: "claimed", doomed: "cancelled"}
     assert (subject.counters.cancelled, subject.counters.completed) == (1, 0)
+
+
+def test_a_buffered_job_asked_to_stop_is_finished_cancelled_when_its_buffer_goes_back(
+    loop: tuple[worker.Worker, int], conn: psycopg.Connection,
+) -> None:
+    subject, _wake_w = loop
+    running, waiting, doomed = (jobd.enqueue(conn, "h") for _ in range(3))
+    claim_into_buffer(subject)
+    assert list(subject.inflight) == [running]
+    assert jobd.cancel(conn, [doomed]).requested == [doomed]
+    # Before any renewal tells the worker, its buffer goes back for its age: the release
+    # leaves the job asked to stop to it.
+    buffer = subject.claimer.buffer
+    aged = [(job, claimed_at - BUFFER_MAX_AGE - 1.0) for job, claimed_at in buffer]
+    buffer.clear()
+    buffer.extend(aged)
+    subject._release_buffer()
+    assert not buffer and subject.claimer.releasing == []
+    assert [outcome.job.id for outcome in subject.completer.pending] == [doomed]
+    subject._settle_and_claim(claim=False)
+    assert states(conn) == {running: "claimed", waiting: "pending", doomed: "cancelled"}
+    assert (subject.counters.cancelled, subject.counters.released) == (1, 1)
 
 
 def test_told_of_jobs_behind_its_floors_the_worker_claims_from_the_head(

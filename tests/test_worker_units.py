@@ -5,11 +5,14 @@ signal does to its mode)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import psycopg
 import pytest
@@ -17,6 +20,7 @@ from worker_support import connected_worker
 
 import jobd
 from jobd import outcomes, protocol, queue, slots, worker
+from jobd.claim_buffer import BUFFER_MAX_AGE
 from jobd.claim_floors import (
     FULL_SCAN_INTERVAL,
     HEAD_SCAN_SHARE,
@@ -34,6 +38,8 @@ from jobd.worker_timers import select_timeout
 
 LANE = "default"
 WORKER_ID = "test-node:default#0:cafe"
+WAIT_S = 10.0  # a bound for what happens at once, never a pause
+T = TypeVar("T")
 
 
 @pytest.fixture
@@ -180,6 +186,149 @@ def test_a_renewal_that_finds_a_lease_gone_stops_renewing_it(
     assert loop.inflight[taken_away.id].lease_lost and not loop.inflight[kept.id].lease_lost
     assert loop.slots.renewable_leases() == [kept.lease]
     assert loop.leases.next_at > time.monotonic()
+
+
+OTHER_WORKER = "other-node:default#0:f00d"
+
+
+def cut_after(real: Callable[..., T], commit: bool) -> Callable[..., T]:
+    """``real`` on a connection that is lost before its answer arrives: after the server
+    committed (``commit``) or before it was sent."""
+
+    def cut(conn: psycopg.Connection, *args: object, **kwargs: object) -> T:
+        if commit:
+            real(conn, *args, **kwargs)
+        conn.close()
+        raise psycopg.OperationalError("server closed the connection unexpectedly")
+
+    return cut
+
+
+@pytest.mark.parametrize("committed", [True, False], ids=["committed", "not-sent"])
+def test_jobs_whose_release_went_unanswered_never_start_and_are_released_again(
+        loop: worker.Worker, conn: psycopg.Connection, monkeypatch: pytest.MonkeyPatch,
+        committed: bool) -> None:
+    ids = [jobd.enqueue(conn, "h") for _ in range(2)]
+    claimed = queue.claim(conn, LANE, WORKER_ID, 2, 30.0)
+    loop.claimer.suspects_possible = False
+    # Unstarted past the buffer's age: due to go back.
+    loop.claimer.buffer.add(claimed, time.monotonic() - BUFFER_MAX_AGE - 1.0)
+    with monkeypatch.context() as patched:
+        patched.setattr(queue, "release", cut_after(queue.release, committed))
+        loop._release_buffer()
+    assert loop.conn is None
+    if committed:
+        # Another worker takes them, as the release's notification asks.
+        assert sorted(j.id for j in queue.claim(conn, LANE, OTHER_WORKER, 2, 30.0)) == ids
+    holder = OTHER_WORKER if committed else WORKER_ID
+    # The next turn, in the loop's order: the repair, then the slots are filled first.
+    loop._ensure_connection()
+    loop.exchange.fail_claims_not_held()
+    loop.slots.fill(WorkerMode.RUNNING)
+    assert loop.inflight == {}
+    # The repair took them for held: their release was not known to have applied.
+    assert {state_of(conn, i)[:2] for i in ids} == {("claimed", 1)}
+    assert {row[0] for row in conn.execute("SELECT claimed_by FROM jobs")} == {holder}
+    loop._release_buffer()
+    assert not loop.claimer.buffer and loop.claimer.releasing == []
+    assert loop.completer.pending == []
+    assert loop.counters.released == 2 and loop.counters.lease_lost == 0
+    expected = ("claimed", 1) if committed else ("pending", 0)
+    assert {state_of(conn, i)[:2] for i in ids} == {expected}
+
+
+def wait_for(condition: Callable[[], object], what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {WAIT_S}s: {what}")
+        time.sleep(0.01)
+
+
+def backend_state(conn: psycopg.Connection, pid: int) -> tuple[str, str | None] | None:
+    return conn.execute("SELECT state, wait_event_type FROM pg_stat_activity WHERE pid = %s",
+                        (pid,)).fetchone()
+
+
+@contextlib.contextmanager
+def budget_lock_held(db_url: str) -> Iterator[None]:
+    """The budget lock of a limited lane, held by another session: its claims wait."""
+    with psycopg.connect(db_url, autocommit=True) as holder:
+        key = f"jobd.{LANE}#budget"
+        holder.execute("SELECT pg_advisory_lock(hashtextextended(%s, 0))", (key,))
+        yield
+
+
+def claim_lost_while_waiting(subject: worker.Worker, conn: psycopg.Connection) -> int:
+    """Send a claim that waits on the lane's budget lock, and lose the connection while it
+    waits: the network goes, so the client knows and the backend does not. Returns the lost
+    connection's backend, still waiting; the lock is let go on the way out."""
+    assert subject.conn is not None
+    pid, fd = subject.conn.info.backend_pid, subject.conn.pgconn.socket
+
+    def cut_when_waiting() -> None:
+        wait_for(lambda: (backend_state(conn, pid) or (None, None))[1] == "Lock",
+                 "the claim waits on the budget lock")
+        with socket.socket(fileno=os.dup(fd)) as sock:
+            sock.shutdown(socket.SHUT_RDWR)
+
+    cutter = threading.Thread(target=cut_when_waiting)
+    cutter.start()
+    subject.claimer.suspects_possible = False
+    subject.claimer.maybe_more = True
+    subject._settle_and_claim()
+    cutter.join()
+    assert subject.conn is None and subject.claims_unknown
+    assert backend_state(conn, pid) == ("active", "Lock")
+    return pid
+
+
+@pytest.fixture
+def limited(db_url: str) -> Iterator[worker.Worker]:
+    lane = LaneConfig(LANE, concurrency=2, max_running=10, settle_connection=False)
+    with connected_worker(db_url, lane, WORKER_ID) as (subject, _wake):
+        yield subject
+
+
+def test_a_claim_still_running_on_a_lost_connections_backend_is_ended_before_the_repair(
+        limited: worker.Worker, db_url: str, conn: psycopg.Connection) -> None:
+    ids = [jobd.enqueue(conn, "h") for _ in range(2)]
+    with budget_lock_held(db_url):
+        old = claim_lost_while_waiting(limited, conn)
+        limited._ensure_connection()
+        limited.exchange.fail_claims_not_held()
+        assert not limited.claims_unknown
+    # The lock is free: a claim still waiting for it would go on and commit now.
+    wait_for(lambda: (backend_state(conn, old) or ("gone",))[0] != "active",
+             "the lost connection's backend is done")
+    # It was ended before the repair looked: its jobs wait for the next claim, attempt
+    # unspent, instead of staying claimed in the worker's name until their lease expires.
+    assert backend_state(conn, old) is None
+    assert {state_of(conn, i)[:2] for i in ids} == {("pending", 0)}
+    assert conn.execute("SELECT count(*) FROM jobs WHERE claimed_by = %s",
+                        (WORKER_ID,)).fetchone() == (0,)
+
+
+def test_the_repair_waits_for_a_lost_connections_backend_that_has_not_exited(
+        limited: worker.Worker, db_url: str, conn: psycopg.Connection,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    jobd.enqueue(conn, "h")
+    with budget_lock_held(db_url):
+        old = claim_lost_while_waiting(limited, conn)
+        limited._ensure_connection()
+        with monkeypatch.context() as patched:
+            # It outlives the wait (a backend stuck where a terminate cannot reach it).
+            patched.setattr(queue, "end_backends", lambda *_args: [old])
+            limited.exchange.fail_claims_not_held()
+        assert limited.claims_unknown and limited.exchange.lost_backends == [old]
+        retry_at = limited.exchange.repair_due_at()
+        assert retry_at is not None and retry_at > time.monotonic()
+        limited.exchange.fail_claims_not_held()  # not before its time: nothing tried
+        assert backend_state(conn, old) == ("active", "Lock")
+        limited.exchange.backends_retry_at = 0.0  # as if the loop woke at repair_due_at()
+        limited.exchange.fail_claims_not_held()
+        assert not limited.claims_unknown and limited.exchange.repair_due_at() is None
+        assert backend_state(conn, old) is None
 
 
 def test_moments_that_need_the_database_wait_until_it_can_be_used() -> None:

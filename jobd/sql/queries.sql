@@ -504,7 +504,8 @@ SELECT id, 'cancelled', NULL FROM cancelled
 -- the lane's workers have moved past, where a claim from the floors would not see it for up
 -- to a second. A job asked to stop (jobd.cancel) is not given back: its worker finishes it
 -- as cancelled when it learns of the request at its next renewal, which the cancel's
--- notification makes immediate, else the lease sweep does.
+-- notification makes immediate, or from this release itself (held_asked_to_stop), else the
+-- lease sweep does.
 WITH released AS (
     UPDATE jobs
        SET state = 'pending',
@@ -525,6 +526,30 @@ woken AS (
       FROM released GROUP BY lane
 )
 SELECT id FROM released WHERE (SELECT count(*) FROM woken) >= 0
+
+-- name: held_asked_to_stop
+-- After a worker's release of its buffered jobs: those it still holds under the same lease
+-- because they were asked to stop (release_jobs leaves them), which it finishes as
+-- cancelled at once; a job missing here was not its own any more.
+SELECT jobs.id
+  FROM jobs, unnest(%(ids)s::bigint[], %(tokens)s::bigint[]) AS lease(id, token)
+ WHERE jobs.id = ANY(%(ids)s::bigint[])
+   AND jobs.id = lease.id AND jobs.lease_token = lease.token
+   AND jobs.cancel_requested_at IS NOT NULL
+
+-- name: end_lost_backends
+-- A worker whose connection was lost, before it looks for claims whose rows never reached
+-- it: ends the backends of its lost connections (%(pids)s, named as its connection is, as
+-- the server keeps the name: a pid reused since by another session is left alone), so that
+-- a claim still running there (waiting on a lock) cannot commit after the look. Waits up to
+-- %(wait_ms)s for each to exit; returns those that did not (a backend already gone is not
+-- listed; one that exits between the two reads is, and is looked for again).
+SELECT pid
+  FROM pg_stat_activity
+ WHERE pid = ANY(%(pids)s::int[])
+   AND application_name = current_setting('application_name')
+   AND pid <> pg_backend_pid()
+   AND NOT pg_terminate_backend(pid, %(wait_ms)s)
 
 -- name: release_as_suspects
 -- Crash attribution for a worker that died holding several jobs: each gets its attempt back
