@@ -552,3 +552,14 @@ def test_the_run_board_shows_the_runs_in_progress_to_another_mapping() -> None:
     worker_side.async_ended(second)
     worker_side.close()
     supervisor_side.close()
+
+
+def test_ending_lost_backends_spares_any_session_not_named_as_the_caller(db_url: str) -> None:
+    """end_backends ends a worker's lost connections' backends by pid; a pid the server has
+    since given to another session, or to the caller's own, must survive it."""
+    with (psycopg.connect(db_url, autocommit=True, application_name="jobd worker x") as mine,
+          psycopg.connect(db_url, autocommit=True, application_name="someone else") as other):
+        pids = [other.info.backend_pid, mine.info.backend_pid]
+        assert queue.end_backends(mine, pids, 100) == []
+        assert other.execute("SELECT 1").fetchone() == (1,)
+        assert mine.execute("SELECT 1").fetchone() == (1,)
