@@ -16,6 +16,8 @@ stdin, and inherits two pipes:
 
 The worker's exit code says how it ended (:data:`EXIT_OK`, :data:`EXIT_BOOT_FAILURE`,
 :data:`EXIT_WEDGED`); :func:`describe_exit` turns one into words for logs and job errors.
+:data:`EXIT_OK` counts as a clean stop only with the shutdown mark on the worker's run board
+(``jobd.run_board``): a handler's ``os._exit(0)`` exits with 0 too.
 """
 
 from __future__ import annotations
@@ -165,7 +167,11 @@ def _int(value: object) -> int:
     return value
 
 
-def describe_exit(returncode: int) -> str:
+def describe_exit(returncode: int, shut_down: bool = True) -> str:
+    """``shut_down``: whether the worker finished its shutdown (its run board's mark); status
+    0 without it is a worker that ended itself mid-run (``os._exit(0)`` in a handler)."""
+    if returncode == EXIT_OK and not shut_down:
+        return "exit code 0 without shutting down"
     if returncode < 0:
         try:
             name = signal.Signals(-returncode).name

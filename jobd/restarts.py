@@ -14,12 +14,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jobd.protocol import EXIT_BOOT_FAILURE, EXIT_WEDGED
+from jobd.protocol import EXIT_BOOT_FAILURE, EXIT_OK, EXIT_WEDGED
 
 # Why a slot's worker ended and was replaced (jobd_worker_restarts_total's reason): it
-# crashed (a signal, a non-zero exit), was killed for silence (timeout), exited because every
-# slot was held by a timed-out handler (wedged), could not import a handler (boot_failure),
-# or exited cleanly on its own (exited: a SIGTERM sent to it alone).
+# crashed (a signal, a non-zero exit, or status 0 without its shutdown: os._exit(0) in a
+# handler), was killed for silence (timeout), exited because every slot was held by a
+# timed-out handler (wedged), could not import a handler (boot_failure), or shut down and
+# exited cleanly on its own (exited: a SIGTERM sent to it alone).
 RESTART_REASONS = ("crash", "timeout", "wedged", "boot_failure", "exited")
 
 
@@ -47,12 +48,13 @@ class SlotBackoff:
         return self.base
 
 
-def restart_reason(returncode: int, kill_reason: str | None) -> str:
-    """Which of :data:`RESTART_REASONS` a slot's worker that ended with ``returncode`` is."""
+def restart_reason(returncode: int, kill_reason: str | None, shut_down: bool = True) -> str:
+    """Which of :data:`RESTART_REASONS` a slot's worker that ended with ``returncode`` is;
+    ``shut_down``: whether it finished its shutdown (its run board's mark)."""
     if kill_reason is not None:
         return "timeout"
     if returncode == EXIT_BOOT_FAILURE:
         return "boot_failure"
     if returncode == EXIT_WEDGED:
         return "wedged"
-    return "exited" if returncode == 0 else "crash"
+    return "exited" if returncode == EXIT_OK and shut_down else "crash"

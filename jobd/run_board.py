@@ -17,6 +17,13 @@ the supervisor reads the board only once the worker has exited. Slot ``OVERFLOW`
 async runs that found no free slot: a board that missed one cannot clear any job, and crash
 attribution then suspects every job held, as without a board.
 
+The board's last slot is the worker's word that it shut down: written at the end of its
+shutdown, once it has given back what it held. A worker the supervisor did not ask to stop
+may still exit with status 0 (a handler calling ``os._exit(0)``, a C library calling
+``exit(0)``); without the mark, that exit is a crash like any other (``jobd.workerpool``).
+A worker started by a supervisor older than the mark finds no slot for it and writes none
+(that supervisor does not read it).
+
 One slot is read while the worker lives: ``IDLE`` counts the times the worker ran out of work
 (nothing running, nothing claimed ahead), written by its loop alone. The supervisor's wake
 router counts what it routed to a worker as load until the worker's next report, once a
@@ -48,13 +55,18 @@ class Running:
     complete: bool
 
 
+SHUT_DOWN_MARK = 1  # the value of the last slot once the worker has shut down
+
+
 class RunBoard:
     """A worker's board: two slots per handler thread (its job, its last job),
-    ``concurrency`` for async runs, and the idle count."""
+    ``concurrency`` for async runs, the idle count and the shutdown mark."""
 
     def __init__(self, fd: int, concurrency: int) -> None:
         self.concurrency = concurrency
-        self._map = mmap.mmap(fd, _size(concurrency))
+        # A board from a supervisor older than the shutdown mark is one slot short: map what
+        # there is (the worker then writes no mark).
+        self._map = mmap.mmap(fd, min(_size(concurrency), os.fstat(fd).st_size))
         # Item assignment on a cast view: the cheapest write Python has (about 20 ns, half
         # of struct.pack_into); a handler thread makes three per job.
         self._slots = memoryview(self._map).cast("q")
@@ -65,10 +77,15 @@ class RunBoard:
     @classmethod
     def create(cls, concurrency: int) -> tuple[RunBoard, int]:
         """A new, empty board and the descriptor to pass to the worker (close it once
-        passed: the mapping stays)."""
+        passed: the mapping stays). On OSError (out of descriptors or memory) nothing stays
+        open."""
         fd = _shared_file()
-        os.ftruncate(fd, _size(concurrency))
-        return cls(fd, concurrency), fd
+        try:
+            os.ftruncate(fd, _size(concurrency))
+            return cls(fd, concurrency), fd
+        except OSError:
+            os.close(fd)
+            raise
 
     def thread_started(self, thread: int, job_id: int) -> None:
         self._slots[THREADS + thread] = job_id
@@ -99,10 +116,26 @@ class RunBoard:
         """The times the worker ran out of work so far (the supervisor's read, any time)."""
         return int(self._slots[IDLE])
 
+    def mark_shut_down(self) -> None:
+        """The worker's loop, at the very end of its shutdown: it has given back what it
+        held, and exits on purpose (asked to, or wedged: its exit code says which)."""
+        if len(self._slots) > self._shut_down_slot:
+            self._slots[self._shut_down_slot] = SHUT_DOWN_MARK
+
+    def shut_down(self) -> bool:
+        """Whether the worker finished its shutdown (the supervisor's read, after it exited)."""
+        return (len(self._slots) > self._shut_down_slot
+                and self._slots[self._shut_down_slot] == SHUT_DOWN_MARK)
+
     def running(self) -> Running:
         """The jobs on the board now (the supervisor's read, after the worker exited)."""
         values = self._slots.tolist()
-        return Running(frozenset(v for v in values[THREADS:] if v), values[OVERFLOW] == 0)
+        return Running(frozenset(v for v in values[THREADS:self._shut_down_slot] if v),
+                       values[OVERFLOW] == 0)
+
+    @property
+    def _shut_down_slot(self) -> int:
+        return THREADS + 3 * self.concurrency
 
     def close(self) -> None:
         self._slots.release()  # the map cannot close while a view of it is exported
@@ -110,7 +143,7 @@ class RunBoard:
 
 
 def _size(concurrency: int) -> int:
-    return (THREADS + 3 * concurrency) * _SLOT_BYTES
+    return (THREADS + 3 * concurrency + 1) * _SLOT_BYTES  # + 1: the shutdown mark
 
 
 def _shared_file() -> int:

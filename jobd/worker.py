@@ -237,6 +237,10 @@ class Worker:
             self.settler.close()
         self.link.close()
         self.runner.close()
+        # Last: an exit without this mark (os._exit(0) in a handler, say) is a crash to the
+        # supervisor, whatever the exit code.
+        if self.runner.board is not None:
+            self.runner.board.mark_shut_down()
 
 
 def main() -> int:

@@ -2,7 +2,10 @@
 
 Each lane has ``workers`` slots; a slot holds at most one process at a time. A worker that
 exits is replaced after a per-slot delay that grows while it keeps dying young and resets
-after a healthy uptime (supervisord's model, :class:`jobd.restarts.SlotBackoff`); three
+after a healthy uptime (supervisord's model, :class:`jobd.restarts.SlotBackoff`). Only a
+worker that finished its shutdown (the mark on its run board, ``jobd.run_board``) and exited
+with status 0 stopped cleanly: any other exit, status 0 included, is a crash. A spawn that
+fails (out of processes, memory or descriptors) is retried after the same delay; three
 boot failures in a row (exit code 3: a handler cannot be imported) halt the lane until a
 reload. A worker whose liveness reports stop for ``worker_timeout`` is hung: SIGABRT (its
 ``faulthandler`` dumps every thread's stack), then SIGKILL. A reload that changes a lane
@@ -29,6 +32,7 @@ from jobd.config import Config, LaneConfig
 from jobd.eventloop import SelectLoop
 from jobd.protocol import (
     EXIT_BOOT_FAILURE,
+    EXIT_OK,
     StatusReport,
     WorkerSpec,
     describe_exit,
@@ -184,10 +188,10 @@ class WorkerPool:
             old.worker_handlers(), old.outbox_senders)
         self.fatal_lanes.clear()
         self.generation += 1
-        # Restart failures of slots replaced only because the node's worker count flipped
-        # settle_connection: auto: nothing about their lane changed, so neither does its
-        # crash history (a crash-looping lane must not restart at once after any reload).
-        failures: dict[tuple[str, int], int] = {}
+        # Slots replaced only because the node's worker count flipped settle_connection:
+        # auto: nothing about their lane changed, so neither does its crash history (a
+        # crash-looping lane must not restart at once after any reload).
+        carried: dict[tuple[str, int], Slot] = {}
         for (lane_name, index), slot in list(self.slots.items()):
             lane = new.lanes.get(lane_name)
             changed = lane is None or handlers_changed or _settings_differ(lane, slot.lane)
@@ -198,7 +202,7 @@ class WorkerPool:
                 if slot.process is not None:
                     self._retire(slot.process)
                 if not changed:
-                    failures[(lane_name, index)] = slot.backoff.failures
+                    carried[(lane_name, index)] = slot
             else:
                 slot.lane = lane  # its worker count changed, at most: a respawn uses the new
         self.config = new
@@ -206,7 +210,9 @@ class WorkerPool:
             for index in range(lane.workers):
                 if (lane.name, index) not in self.slots:
                     slot = self.slots[(lane.name, index)] = self._new_slot(lane, index)
-                    slot.backoff.failures = failures.get((lane.name, index), 0)
+                    old_slot = carried.get((lane.name, index))
+                    if old_slot is not None:
+                        _carry_restart_state(old_slot, slot)
 
     def _settles_apart(self, config: Config, lane: LaneConfig) -> bool:
         return lane.settles_apart(self.cores, config.workers)
@@ -225,32 +231,43 @@ class WorkerPool:
         for slot in self.slots.values():
             if (slot.process is None and slot.spawn_at <= now
                     and slot.lane.name not in self.fatal_lanes):
-                slot.process = self._spawn(slot)
+                slot.process = self._try_spawn(slot)
+
+    def _try_spawn(self, slot: Slot) -> WorkerProcess | None:
+        """A spawn that fails (EAGAIN at the process limit, ENOMEM, EMFILE) must not end the
+        supervisor, whose other workers run on: the slot stays empty and tries again after
+        its restart delay, which grows while spawns keep failing."""
+        try:
+            return self._spawn(slot)
+        except OSError as exc:
+            delay = slot.backoff.record_exit(0.0)
+            slot.spawn_at = time.monotonic() + delay
+            log.error("worker spawn failed; retrying after the restart delay",
+                      lane=slot.lane.name, slot=slot.index, error=str(exc), delay=delay,
+                      failures=slot.backoff.failures)
+            return None
 
     def _spawn(self, slot: Slot) -> WorkerProcess:
-        wake_r, wake_w = os.pipe()
-        status_r, status_w = os.pipe()
-        board, board_fd = RunBoard.create(slot.lane.concurrency)
-        config = self.config
-        spec = WorkerSpec(
-            worker_id=f"{config.node_name}:{slot.lane.name}#{slot.index}:"
-                      f"{secrets.token_hex(4)}",
-            lane=slot.lane, handlers=config.worker_handlers(),
-            senders=dict(config.outbox_senders), outbox_lane=config.outbox_lane,
-            database_url=self.url, schema=config.schema, slot=slot.index,
-            generation=slot.generation, status_fd=status_w, wake_fd=wake_r,
-            shutdown_timeout=config.shutdown_timeout, log_level=config.log_level,
-            metrics=config.metrics_listen is not None,
-            node=config.node_name, session=config.session,
-            settles_apart=self._settles_apart(config, slot.lane), board_fd=board_fd,
-        )
-        popen = subprocess.Popen(
-            [sys.executable, "-m", "jobd.worker"], stdin=subprocess.PIPE,
-            pass_fds=(wake_r, status_w, board_fd), close_fds=True,
-        )
-        assert popen.stdin is not None
-        popen.stdin.write(spec.to_json().encode())
-        popen.stdin.close()
+        opened: list[int] = []  # closed again if the spawn fails
+        board: RunBoard | None = None
+        try:
+            wake_r, wake_w = os.pipe()
+            opened += (wake_r, wake_w)
+            status_r, status_w = os.pipe()
+            opened += (status_r, status_w)
+            board, board_fd = RunBoard.create(slot.lane.concurrency)
+            opened.append(board_fd)
+            spec = self._spec(slot, status_w, wake_r, board_fd)
+            popen = subprocess.Popen(
+                [sys.executable, "-m", "jobd.worker"], stdin=subprocess.PIPE,
+                pass_fds=(wake_r, status_w, board_fd), close_fds=True,
+            )
+        except OSError:
+            _close_all(opened)
+            if board is not None:
+                board.close()
+            raise
+        _hand_over_spec(popen, spec)
         for fd in (wake_r, status_w, board_fd):
             os.close(fd)
         os.set_blocking(wake_w, False)
@@ -262,6 +279,21 @@ class WorkerPool:
         log.info("worker spawned", lane=slot.lane.name, slot=slot.index, pid=popen.pid,
                  worker=spec.worker_id, generation=slot.generation)
         return process
+
+    def _spec(self, slot: Slot, status_w: int, wake_r: int, board_fd: int) -> WorkerSpec:
+        config = self.config
+        return WorkerSpec(
+            worker_id=f"{config.node_name}:{slot.lane.name}#{slot.index}:"
+                      f"{secrets.token_hex(4)}",
+            lane=slot.lane, handlers=config.worker_handlers(),
+            senders=dict(config.outbox_senders), outbox_lane=config.outbox_lane,
+            database_url=self.url, schema=config.schema, slot=slot.index,
+            generation=slot.generation, status_fd=status_w, wake_fd=wake_r,
+            shutdown_timeout=config.shutdown_timeout, log_level=config.log_level,
+            metrics=config.metrics_listen is not None,
+            node=config.node_name, session=config.session,
+            settles_apart=self._settles_apart(config, slot.lane), board_fd=board_fd,
+        )
 
     def _read_status(self, process: WorkerProcess) -> None:
         try:
@@ -320,6 +352,7 @@ class WorkerPool:
         uptime = time.monotonic() - process.started
         self._read_final_reports(process)
         running = process.board.running()
+        shut_down = process.board.shut_down()
         process.board.close()
         for fd in (process.status_r, process.wake_w):
             self.loop.unregister(fd)
@@ -330,20 +363,24 @@ class WorkerPool:
         base = self.exited_counters.setdefault(process.lane, {})
         for key, value in process.report.counters.items():
             base[key] = base.get(key, 0) + value
-        crashed = returncode != 0 and not process.release_on_exit
-        reason = process.kill_reason or describe_exit(returncode)
+        # Status 0 alone proves nothing: a handler calling os._exit(0) exits with it too,
+        # and is a crash (its job spends an attempt, its slot backs off) like a segfault.
+        clean = returncode == EXIT_OK and shut_down
+        crashed = not clean and not process.release_on_exit
+        reason = process.kill_reason or describe_exit(returncode, shut_down)
         (log.error if crashed else log.info)(
             "worker exited", lane=process.lane, pid=process.pid,
             worker=process.spec.worker_id, cause=reason, uptime=round(uptime, 1))
         if slot is not None:
             slot.last_worker, slot.exited_at = process.spec.worker_id, time.monotonic()
-            key = (process.lane, restart_reason(returncode, process.kill_reason))
+            key = (process.lane, restart_reason(returncode, process.kill_reason, shut_down))
             self.restarts[key] = self.restarts.get(key, 0) + 1
-            self._schedule_restart(slot, returncode, uptime)
+            self._schedule_restart(slot, returncode, uptime, clean)
         return Exited(process.spec.worker_id, process.lane, process.pid, reason, crashed,
                       process.report, running)
 
-    def _schedule_restart(self, slot: Slot, returncode: int, uptime: float) -> None:
+    def _schedule_restart(self, slot: Slot, returncode: int, uptime: float, clean: bool
+                          ) -> None:
         if returncode == EXIT_BOOT_FAILURE:
             slot.boot_failures += 1
             if slot.boot_failures >= BOOT_FAILURES_BEFORE_FATAL:
@@ -353,7 +390,7 @@ class WorkerPool:
                 return
         else:
             slot.boot_failures = 0
-        delay = slot.backoff.record_exit(uptime) if returncode != 0 else 0.0
+        delay = 0.0 if clean else slot.backoff.record_exit(uptime)
         slot.spawn_at = time.monotonic() + delay
         if delay:
             log.warning("worker restart backing off", lane=slot.lane.name, slot=slot.index,
@@ -446,6 +483,44 @@ class WorkerPool:
         if self.retiring:
             parts.append(f"{len(self.retiring)} retiring")
         return parts
+
+
+def _carry_restart_state(old: Slot, new: Slot) -> None:
+    """What decides when ``new`` (replacing ``old`` for the same lane and index) spawns: its
+    failure count, the spawn time its delay set (or a crash-looping slot would restart at
+    once), its boot failures, and the worker that exited last (so crash attribution can
+    still forgive that worker's crash). The backoff's base and cap are the new config's."""
+    new.backoff.failures = old.backoff.failures
+    new.spawn_at = old.spawn_at
+    new.boot_failures = old.boot_failures
+    new.last_worker, new.exited_at = old.last_worker, old.exited_at
+
+
+def _hand_over_spec(popen: subprocess.Popen[bytes], spec: WorkerSpec) -> None:
+    """Write the worker its spec. A child that died before reading it breaks the pipe: it is
+    reaped as an exit like any other (a crash, with the slot's restart delay)."""
+    stdin = popen.stdin
+    assert stdin is not None
+    try:
+        stdin.write(spec.to_json().encode())
+        stdin.flush()
+    except OSError as exc:
+        log.error("could not hand a new worker its spec", lane=spec.lane.name,
+                  pid=popen.pid, error=str(exc))
+    try:
+        stdin.close()
+    except OSError as exc:  # the flush failed again; the descriptor is closed all the same
+        log.warning("could not flush a new worker's spec", lane=spec.lane.name,
+                    pid=popen.pid, error=str(exc))
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError as exc:
+            log.warning("could not close a descriptor of a failed spawn", fd=fd,
+                        error=str(exc))
 
 
 def _state_of(process: WorkerProcess) -> str:

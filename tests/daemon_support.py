@@ -71,6 +71,12 @@ def suicide(job):
     """Kills its own worker process, every attempt."""
     _record(job, "start")
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def exit_zero(job):
+    """Ends its own worker process with status 0, every attempt (as a C library's exit(0))."""
+    _record(job, "start")
+    os._exit(0)
 '''
 
 HANDLERS = {

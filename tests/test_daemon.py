@@ -203,6 +203,34 @@ def test_a_job_that_kills_its_worker_reaches_the_dead_letter_queue(
                message="both slots to be running again")
 
 
+def test_a_job_that_ends_its_worker_with_status_0_is_a_crash_and_reaches_the_dead_letter_queue(
+    daemons: Daemons, effects_db: psycopg.Connection
+) -> None:
+    """Status 0 the supervisor did not ask for (the worker never shut down) is a crash: the
+    job spends an attempt each time, and the slot backs off instead of respawning at once."""
+    daemon = daemons(make_config(
+        {"default": {"workers": 1, "concurrency": 1, "max_attempts": 3}},
+        handlers={**daemon_support.HANDLERS, "exit_zero": "testhandlers:exit_zero"}))
+    daemon.wait_workers_started("default", 1)
+    poison = jobd.enqueue(effects_db, "exit_zero")
+
+    wait_state(effects_db, poison, "dead", 40, daemon)
+    row = job_row(effects_db, poison)
+    assert row["attempts"] == 3
+    assert [e["attempt"] for e in row["errors"]] == [1, 2, 3]
+    for error in row["errors"]:
+        assert "died: exit code 0 without shutting down" in error["error"]
+    crashes = daemon.events("worker exited", cause="exit code 0 without shutting down")
+    assert len(crashes) == 3
+    # Each crash put the slot through its restart delay: one spawn per crash, not a fork
+    # loop (there is no other worker to run the retries).
+    assert len(daemon.events("worker restart backing off")) >= 3
+    daemon.wait_for_log("worker spawned", count=4)
+    assert len(daemon.events("worker spawned")) == 4
+    assert len(effects(effects_db, poison, "start")) == 3
+    assert not daemon.events("released the jobs of a stopped worker")
+
+
 class RetryNotWoken(AssertionError):
     """A retry that was due did not start: nothing woke the lane for it."""
 

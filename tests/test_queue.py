@@ -11,7 +11,7 @@ import psycopg
 import pytest
 
 import jobd
-from jobd import queue, recovery
+from jobd import queue, recovery, run_board
 from jobd.backoff import Backoff, RetryPolicy
 from jobd.claim_floors import full_scan_params
 from jobd.db import connect
@@ -563,3 +563,32 @@ def test_ending_lost_backends_spares_any_session_not_named_as_the_caller(db_url:
         assert queue.end_backends(mine, pids, 100) == []
         assert other.execute("SELECT 1").fetchone() == (1,)
         assert mine.execute("SELECT 1").fetchone() == (1,)
+
+
+def test_the_run_board_carries_the_workers_shutdown_mark() -> None:
+    """The worker marks the end of its shutdown; the supervisor reads it after the exit. The
+    mark is no job: it never shows among the runs in progress."""
+    supervisor_side, fd = RunBoard.create(concurrency=2)
+    worker_side = RunBoard(fd, concurrency=2)
+    os.close(fd)
+    worker_side.thread_started(1, 12)
+    assert not supervisor_side.shut_down()
+    worker_side.mark_shut_down()
+    assert supervisor_side.shut_down()
+    assert supervisor_side.running() == Running(frozenset({12}), complete=True)
+    worker_side.close()
+    supervisor_side.close()
+
+
+def test_a_board_from_a_supervisor_older_than_the_shutdown_mark_still_maps() -> None:
+    """A worker upgraded under a running supervisor gets a board one slot short: it maps
+    what there is, runs its jobs on it and writes no mark (that supervisor reads none)."""
+    fd = os.memfd_create("older-run-board")
+    os.ftruncate(fd, (run_board.THREADS + 3 * 2) * 8)  # the older layout: no mark
+    worker_side = RunBoard(fd, concurrency=2)
+    os.close(fd)
+    worker_side.thread_started(0, 11)
+    worker_side.mark_shut_down()
+    assert not worker_side.shut_down()
+    assert worker_side.running() == Running(frozenset({11}), complete=True)
+    worker_side.close()

@@ -228,6 +228,31 @@ def test_a_reload_decides_auto_again_for_the_whole_node() -> None:
     assert pool.slots[("mail", 0)].backoff.failures == 0
 
 
+def test_a_slot_replaced_because_auto_flipped_keeps_waiting_out_its_restart_delay() -> None:
+    """A crash-looping slot waits out its delay across a reload that replaces it only because
+    another lane's worker count flipped auto: it spawns no sooner, and a crash pinned on its
+    last worker's one job is still forgiven."""
+    def config(mail_workers: int) -> Config:
+        return Config(lanes={"default": LaneConfig("default", workers=1),
+                             "mail": LaneConfig("mail", workers=mail_workers)})
+
+    pool = WorkerPool(config(1), "", SelectLoop())
+    pool.cores = 4  # two workers settle apart, three do not
+    pool.build()
+    waiting = pool.slots[("default", 0)]
+    waiting.backoff.failures = 6
+    waiting.spawn_at = time.monotonic() + 32.0  # its sixth crash in a row: half a minute
+    waiting.last_worker, waiting.exited_at = "test-node:default#0:dead", time.monotonic()
+    pool.apply(config(2))
+    slot = pool.slots[("default", 0)]
+    assert slot is not waiting  # replaced: auto flipped
+    assert (slot.backoff.failures, slot.spawn_at) == (6, waiting.spawn_at)
+    assert pool.next_spawn_at() == pool.slots[("mail", 1)].spawn_at  # the new slot, at once
+    pool.forgive_crash("test-node:default#0:dead")
+    assert slot.backoff.failures == 5
+    assert slot.spawn_at == pytest.approx(waiting.exited_at + slot.backoff.base)
+
+
 def test_a_reload_changing_only_workers_respawns_with_the_new_lane_config() -> None:
     pool = WorkerPool(Config(lanes={"default": LaneConfig("default", workers=3)}), "",
                       SelectLoop())

@@ -1,12 +1,16 @@
-"""The supervisor's pure parts: restart backoff, exit descriptions, wake-up payloads and the
-systemd notification protocol (against a real AF_UNIX datagram socket)."""
+"""The supervisor's pure parts: restart backoff, exit descriptions, how the worker pool takes
+an exit and a failed spawn (with real child processes), wake-up payloads and the systemd
+notification protocol (against a real AF_UNIX datagram socket)."""
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -14,11 +18,17 @@ from pathlib import Path
 
 import psycopg
 import pytest
+import structlog
 
-from jobd.protocol import describe_exit
-from jobd.restarts import SlotBackoff
+from jobd import workerpool
+from jobd.config import Config, LaneConfig
+from jobd.eventloop import SelectLoop
+from jobd.protocol import WorkerSpec, describe_exit
+from jobd.restarts import SlotBackoff, restart_reason
+from jobd.run_board import RunBoard
 from jobd.sdnotify import Notifier
 from jobd.wakeup import Wakeup, parse_payload
+from jobd.workerpool import Slot, WorkerPool, WorkerProcess
 
 # --- SlotBackoff ---------------------------------------------------------------------------
 
@@ -80,6 +90,122 @@ def test_a_long_crash_loop_stays_at_the_cap() -> None:
 ])
 def test_describe_exit(returncode: int, description: str) -> None:
     assert describe_exit(returncode) == description
+
+
+def test_status_0_without_a_shutdown_is_told_apart_and_counts_as_a_crash() -> None:
+    assert describe_exit(0, shut_down=False) == "exit code 0 without shutting down"
+    assert describe_exit(1, shut_down=False) == "exit code 1"
+    assert restart_reason(0, None, shut_down=True) == "exited"
+    assert restart_reason(0, None, shut_down=False) == "crash"
+
+
+# --- the worker pool: exits --------------------------------------------------------------
+
+
+def one_slot_pool() -> WorkerPool:
+    lane = LaneConfig("default", workers=1, concurrency=1)
+    pool = WorkerPool(Config(lanes={"default": lane}), "", SelectLoop())
+    pool.build()
+    return pool
+
+
+def exited_with_status_0(pool: WorkerPool, shut_down: bool) -> Slot:
+    """Put in the pool's slot a worker that has exited with status 0, its run board marked
+    as a worker's shutdown marks it, or not (a handler's os._exit(0))."""
+    slot = pool.slots[("default", 0)]
+    board, board_fd = RunBoard.create(slot.lane.concurrency)
+    if shut_down:
+        worker_side = RunBoard(board_fd, slot.lane.concurrency)
+        worker_side.mark_shut_down()
+        worker_side.close()
+    os.close(board_fd)
+    status_r, status_w = os.pipe()
+    wake_r, wake_w = os.pipe()
+    for fd in (status_w, wake_r):
+        os.close(fd)
+    os.set_blocking(status_r, False)
+    popen = subprocess.Popen([sys.executable, "-c", "pass"])
+    popen.wait(timeout=30)
+    spec = WorkerSpec(worker_id="test-node:default#0:0", lane=slot.lane, handlers={},
+                      database_url="", schema="jobd", slot=0, generation=1, status_fd=-1,
+                      wake_fd=-1, shutdown_timeout=1.0)
+    now = time.monotonic()
+    slot.process = WorkerProcess(spec, popen, wake_w, status_r, board, started=now,
+                                 last_seen=now)
+    return slot
+
+
+def test_status_0_without_the_shutdown_mark_is_a_crash_and_the_slot_backs_off() -> None:
+    pool = one_slot_pool()
+    slot = exited_with_status_0(pool, shut_down=False)
+    [exited] = pool.reap(stopping=False)
+    assert exited.crashed  # crash attribution fails its job, spending the attempt
+    assert exited.reason == "exit code 0 without shutting down"
+    assert pool.restarts == {("default", "crash"): 1}
+    assert slot.backoff.failures == 1
+    assert slot.spawn_at >= time.monotonic() + 0.5  # the base delay (1 s), not at once
+
+
+def test_status_0_after_the_workers_shutdown_is_a_clean_exit() -> None:
+    pool = one_slot_pool()
+    slot = exited_with_status_0(pool, shut_down=True)
+    [exited] = pool.reap(stopping=False)
+    assert not exited.crashed  # its jobs are given back
+    assert exited.reason == "exit code 0"
+    assert pool.restarts == {("default", "exited"): 1}
+    assert slot.backoff.failures == 0
+    assert slot.spawn_at <= time.monotonic()
+
+
+# --- the worker pool: a failed spawn ------------------------------------------------------
+
+
+def open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_failed_spawn_leaks_nothing_and_is_retried_after_the_restart_delay(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = one_slot_pool()
+    slot = pool.slots[("default", 0)]
+
+    def at_the_process_limit(*_args: object, **_kwargs: object) -> subprocess.Popen[bytes]:
+        raise BlockingIOError(errno.EAGAIN, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(subprocess, "Popen", at_the_process_limit)
+    before = open_descriptors()
+    with structlog.testing.capture_logs() as logged:
+        pool.spawn_due()  # does not raise: the supervisor's loop goes on
+        pool.spawn_due()  # not due again yet
+    assert open_descriptors() == before  # the pipes and the run board are closed again
+    assert slot.process is None
+    [failure] = [e for e in logged if e["event"].startswith("worker spawn failed")]
+    assert (failure["log_level"], failure["lane"]) == ("error", "default")
+    assert "Resource temporarily unavailable" in failure["error"]
+    assert slot.backoff.failures == 1
+    assert pool.next_spawn_at() == slot.spawn_at >= time.monotonic() + 0.5
+    # Once the delay is over it spawns again, and a second failure waits longer.
+    slot.spawn_at = time.monotonic()
+    pool.spawn_due()
+    assert slot.backoff.failures == 2
+    assert slot.spawn_at >= time.monotonic() + 1.5
+    assert open_descriptors() == before
+
+
+def test_a_worker_gone_before_it_reads_its_spec_is_left_to_the_reaper() -> None:
+    """The child died before reading its spec: the broken pipe is logged, the pipe closed,
+    and the exit is reaped like any other (a crash, with the restart delay)."""
+    spec = WorkerSpec(worker_id="test-node:default#0:0", lane=LaneConfig("default"),
+                      handlers={}, database_url="", schema="jobd", slot=0, generation=1,
+                      status_fd=-1, wake_fd=-1, shutdown_timeout=1.0)
+    gone = subprocess.Popen([sys.executable, "-c", "import os; os.close(0)"],
+                            stdin=subprocess.PIPE)
+    gone.wait(timeout=30)
+    with structlog.testing.capture_logs() as logged:
+        workerpool._hand_over_spec(gone, spec)
+    assert gone.stdin is not None and gone.stdin.closed
+    assert [e["event"] for e in logged if e["log_level"] == "error"] == [
+        "could not hand a new worker its spec"]
 
 
 # --- wake-up payloads ----------------------------------------------------------------------
