@@ -22,6 +22,11 @@ from jobd.slots import Slots
 
 log = structlog.get_logger("jobd.worker")
 
+# Seconds before a heartbeat that could not be sent (the database unreachable, a statement
+# failed) is tried again: a whole heartbeat later, two missed in a row would leave the next
+# one at the leases' end. The link's own pause after a failure is as long.
+RETRY_AFTER_FAILURE = 1.0
+
 
 class LeaseKeeper:
     """The heartbeat of the jobs a worker holds, running or buffered."""
@@ -40,6 +45,8 @@ class LeaseKeeper:
         self.next_at = now + self.lane.heartbeat
 
     def renew_now(self) -> None:
+        """At the next turn: a cancel to learn of, or a new connection after a loss (the
+        heartbeats missed meanwhile brought the leases nearer their end)."""
         self.next_at = 0.0
 
     def renew(self, now: float) -> None:
@@ -56,7 +63,8 @@ class LeaseKeeper:
         renewed = self.link.run("queue", lambda conn: queue.heartbeat(
             conn, held, self.lane.visibility_timeout))
         if renewed is None:
-            return  # tried again at the next heartbeat; the leases last visibility_timeout
+            self.next_at = now + min(RETRY_AFTER_FAILURE, self.lane.heartbeat)
+            return
         reported = {*renewed.lease_lost, *renewed.cancelled}
         if any(job.id in reported for job, _claimed in self.slots.on_deck()):
             # Not started yet, the jobs on deck are handled as the buffered ones they are.

@@ -188,6 +188,7 @@ class Worker:
     def _ensure_connection(self) -> None:
         if self.link.ensure():
             self.exchange.connected()
+            self.leases.renew_now()
             self.claimer.maybe_more = True
             self.claimer.arming.disconnected()
             self.controls.stale = True

@@ -15,7 +15,7 @@ import pytest
 from worker_support import connected_worker
 
 import jobd
-from jobd import handlers, jobs, protocol, queue, worker
+from jobd import handlers, jobs, leases, protocol, queue, worker
 from jobd.claimer import Claimer
 from jobd.completer import Completer, Counters
 from jobd.config import LaneConfig
@@ -273,3 +273,21 @@ def test_the_deck_is_open_only_to_short_sync_jobs() -> None:
             event_loop.call_soon_threadsafe(event_loop.stop)
             until(lambda loop=event_loop: not loop.is_running(), "the event loop stops")
             event_loop.close()
+
+
+def test_a_heartbeat_that_could_not_be_sent_is_sent_again_soon_and_at_the_reconnect(
+        subject: worker.Worker, conn: psycopg.Connection) -> None:
+    # Tried again only a whole heartbeat later, two missed in a row (an outage of 11-20 s at
+    # the defaults) would leave the next one at the leases' end, racing the lease sweep.
+    claim_into_buffer(subject, conn, 1)
+    assert subject.conn is not None
+    backend = subject.conn.info.backend_pid
+    conn.execute("SELECT pg_terminate_backend(%s)", (backend,))
+    subject.leases.renew_now()
+    now = time.monotonic()
+    subject.leases.renew(now)  # the statement fails: the connection is gone
+    assert subject.leases.next_at <= now + leases.RETRY_AFTER_FAILURE
+    subject.link.retry_at = 0.0  # the link's pause after the failure, skipped
+    subject._ensure_connection()
+    assert subject.conn is not None and subject.conn.info.backend_pid != backend
+    assert subject.leases.next_at == 0.0  # the first turn on the new connection renews
