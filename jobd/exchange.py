@@ -102,9 +102,10 @@ class Exchange:
         turn_over = fastpath.WhileWaiting(self.slots.results_fd,
                                           lambda: self.slots.turn_over(mode)) if claim else None
         sent_at = time.monotonic()
+        settled: list[tuple[queue.WriteOutcome, queue.FailOutcome]] = []
         written = self.link.run("queue", lambda conn: queue.settle_and_claim(
             conn, batch.successes, batch.failures, request, separate=separate,
-            while_waiting=turn_over))
+            while_waiting=turn_over, settled_before_failure=settled))
         if request is not None:
             self._round_trip_took(claim_floors.kind(request.floors),
                                   time.monotonic() - sent_at)
@@ -113,7 +114,12 @@ class Exchange:
                 # The claim may have committed even if its rows did not reach us.
                 self.claims_unknown = True
                 self.separate_next = True
-            return  # kept for the next connection: the leases still decide what applies
+            if settled:
+                # The outcomes committed before the failure: written, not to be sent again
+                # (the fence would answer "lease lost" for every one of them).
+                completed, failed = settled[0]
+                self.timers.wake_at.extend(self.completer.written(batch, completed, failed))
+            return  # else kept for the next connection: the leases decide what applies
         self.separate_next = False
         completed, failed, claimed = written
         if outcomes_due:

@@ -169,14 +169,37 @@ def run(conn: psycopg.Connection, steps: Sequence[Step],
         if pgconn.transaction_status == pq.TransactionStatus.INERROR:
             _rollback(conn, pgconn)
         if error is not None:
+            setattr(error, _STEPS_DONE, _rows(transformer, messages, results))
             raise error
-        rows: list[list[tuple[Any, ...]]] = []
-        for message, result in zip(messages, results, strict=True):
-            if message.returns:
-                transformer.set_pgresult(result)
-                rows.append(transformer.load_rows(0, result.ntuples, tuple)
-                            if result.status == ExecStatus.TUPLES_OK else [])
-        return rows
+        return _rows(transformer, messages, results)
+
+
+# The attribute of a statement's error that holds the rows of the steps run before it.
+_STEPS_DONE = "_jobd_steps_done"
+
+
+def steps_done(error: psycopg.Error) -> list[list[tuple[Any, ...]]] | None:
+    """The rows of the steps of :func:`run` that the server ran before the step that raised
+    ``error``, one entry per step as :func:`run` returns them; None for an error that did
+    not come back as a step's result (a lost connection: what ran is unknown). A COMMIT
+    among them committed: the caller can tell what it wrote from what failed after."""
+    done = getattr(error, _STEPS_DONE, None)
+    return done if isinstance(done, list) else None
+
+
+def _rows(transformer: Transformer, messages: Sequence[_Message],
+          results: Sequence[pq.abc.PGresult]) -> list[list[tuple[Any, ...]]]:
+    """Each step's rows, up to the first that failed (or was skipped for an earlier
+    failure: the rest of the pipeline is aborted)."""
+    rows: list[list[tuple[Any, ...]]] = []
+    for message, result in zip(messages, results, strict=True):
+        if result.status in (ExecStatus.FATAL_ERROR, ExecStatus.PIPELINE_ABORTED):
+            break
+        if message.returns:
+            transformer.set_pgresult(result)
+            rows.append(transformer.load_rows(0, result.ntuples, tuple)
+                        if result.status == ExecStatus.TUPLES_OK else [])
+    return rows
 
 
 def _check_ready(conn: psycopg.Connection, pgconn: pq.abc.PGconn) -> None:

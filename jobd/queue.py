@@ -12,7 +12,7 @@ the clock without sleeping; production code passes nothing.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -300,6 +300,7 @@ def settle_and_claim(
     *,
     separate: bool = False,
     while_waiting: fastpath.WhileWaiting | None = None,
+    settled_before_failure: list[tuple[WriteOutcome, FailOutcome]] | None = None,
 ) -> tuple[WriteOutcome, FailOutcome, Claimed]:
     """:func:`complete`, :func:`fail` and :func:`claim` in one network round trip.
 
@@ -309,7 +310,11 @@ def settle_and_claim(
     fails cannot undo them (the worker asks for that after a failed exchange). On an error
     the connection is left idle and the error raised; the leases decide what a retry still
     applies. Needs an autocommit connection. ``while_waiting``: the caller's other work
-    while the server answers (``fastpath.run``).
+    while the server answers (``fastpath.run``). ``settled_before_failure``: when the
+    outcomes committed in their own transaction and what came after failed (a limited
+    lane's claim waiting past lock_timeout, say), their results are appended to it before
+    the error is raised, so the caller counts them written; retried, the fence would report
+    them as leases lost.
     """
     outcomes = bool(completions or failures)
     # One commit for the outcomes and the claim: half the WAL flushes per cycle. Apart (the
@@ -341,15 +346,19 @@ def settle_and_claim(
             steps.append((fastpath.COMMIT, None))
     if not steps:
         return WriteOutcome([], []), FailOutcome(), Claimed([])
-    results = iter(fastpath.run(conn, steps, binary=_BINARY_RESULTS,
-                                 while_waiting=while_waiting))
-    if outcomes:
-        next(results)  # BEGIN
-        if generic:
-            next(results)  # outcomes_plans_generic
-    completed = (_completed(completions, next(results)) if completions
-                 else WriteOutcome([], []))
-    failed = _fail_outcome(failures, next(results)) if failures else FailOutcome()
+    try:
+        results = iter(fastpath.run(conn, steps, binary=_BINARY_RESULTS,
+                                     while_waiting=while_waiting))
+    except psycopg.Error as exc:
+        done = fastpath.steps_done(exc)
+        # The outcomes' own transaction is the first steps; with its COMMIT among the steps
+        # run, they are written whatever failed after.
+        own_transaction = 2 + int(generic) + int(bool(completions)) + int(bool(failures))
+        if (settled_before_failure is not None and outcomes and not together
+                and done is not None and len(done) >= own_transaction):
+            settled_before_failure.append(_outcomes(iter(done), completions, failures, generic))
+        raise
+    completed, failed = _outcomes(results, completions, failures, generic)
     if outcomes and not together:
         next(results)  # COMMIT
     if request is None:
@@ -362,6 +371,20 @@ def settle_and_claim(
         next(results)  # the budget lock
     suspects = _jobs(next(results)) if request.suspect_first else []
     return completed, failed, Claimed(_jobs(next(results)), suspects[0] if suspects else None)
+
+
+def _outcomes(results: Iterator[list[tuple[Any, ...]]], completions: Sequence[Lease],
+              failures: Sequence[Failure], generic: bool) -> tuple[WriteOutcome, FailOutcome]:
+    """The outcomes' results from settle_and_claim's steps, up to (not including) their
+    COMMIT when they commit apart."""
+    if completions or failures:
+        next(results)  # BEGIN
+        if generic:
+            next(results)  # outcomes_plans_generic
+    completed = (_completed(completions, next(results)) if completions
+                 else WriteOutcome([], []))
+    failed = _fail_outcome(failures, next(results)) if failures else FailOutcome()
+    return completed, failed
 
 
 def arm(conn: psycopg.Connection, lane: str, worker: str, floors: Mapping[str, Any],

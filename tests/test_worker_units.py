@@ -512,3 +512,29 @@ def test_a_short_claim_keeps_the_buffer_as_it_was(
     assert len(loop.claimer.buffer) + len(loop.slots) == prefetch.floor  # all there was
     assert prefetch.size == prefetch.floor
 
+
+
+def test_outcomes_committed_before_a_failed_claim_count_as_written(
+        db_url: str, conn: psycopg.Connection) -> None:
+    # A limited lane writes outcomes in a transaction of their own, then claims under the
+    # lane's budget lock. A claim that fails there (lock_timeout) must not make the worker
+    # send the committed outcomes again: the fence would answer "lease lost" for each, and
+    # the done job would be logged and counted as a result discarded.
+    lane = LaneConfig(LANE, max_running=5, settle_connection=False)
+    with (connected_worker(db_url, lane, WORKER_ID) as (subject, _wake),
+          psycopg.connect(db_url, autocommit=True) as holder):
+        job_id = jobd.enqueue(conn, "h")
+        [job] = queue.claim(conn, LANE, WORKER_ID, 1, 30.0)
+        subject.completer.add(outcomes.Outcome(job, None))
+        subject.claimer.maybe_more = True
+        assert subject.conn is not None
+        subject.conn.execute("SET lock_timeout = '100ms'")
+        holder.execute("SELECT pg_advisory_lock(hashtextextended('jobd.' || %s || '#budget', 0))",
+                       (LANE,))
+        subject.exchange.settle_and_claim(WorkerMode.RUNNING)
+        assert subject.exchange.claims_unknown  # the claim failed: its fate is looked into
+        assert conn.execute("SELECT state FROM jobd.all_jobs WHERE id = %s",
+                            (job_id,)).fetchone() == ("done",)
+        assert not subject.completer.pending
+        counts = subject.counters.as_dict()
+        assert (counts["completed"], counts["lease_lost"]) == (1, 0)
