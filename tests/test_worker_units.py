@@ -16,6 +16,7 @@ from typing import TypeVar
 
 import psycopg
 import pytest
+from daemon_support import wait_until
 from worker_support import connected_worker
 
 import jobd
@@ -237,14 +238,6 @@ def test_jobs_whose_release_went_unanswered_never_start_and_are_released_again(
     assert {state_of(conn, i)[:2] for i in ids} == {expected}
 
 
-def wait_for(condition: Callable[[], object], what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {WAIT_S}s: {what}")
-        time.sleep(0.01)
-
-
 def backend_state(conn: psycopg.Connection, pid: int) -> tuple[str, str | None] | None:
     return conn.execute("SELECT state, wait_event_type FROM pg_stat_activity WHERE pid = %s",
                         (pid,)).fetchone()
@@ -267,8 +260,8 @@ def claim_lost_while_waiting(subject: worker.Worker, conn: psycopg.Connection) -
     pid, fd = subject.conn.info.backend_pid, subject.conn.pgconn.socket
 
     def cut_when_waiting() -> None:
-        wait_for(lambda: (backend_state(conn, pid) or (None, None))[1] == "Lock",
-                 "the claim waits on the budget lock")
+        wait_until(lambda: (backend_state(conn, pid) or (None, None))[1] == "Lock", WAIT_S,
+                   message="the claim waits on the budget lock")
         with socket.socket(fileno=os.dup(fd)) as sock:
             sock.shutdown(socket.SHUT_RDWR)
 
@@ -299,8 +292,8 @@ def test_a_claim_still_running_on_a_lost_connections_backend_is_ended_before_the
         limited.exchange.fail_claims_not_held()
         assert not limited.claims_unknown
     # The lock is free: a claim still waiting for it would go on and commit now.
-    wait_for(lambda: (backend_state(conn, old) or ("gone",))[0] != "active",
-             "the lost connection's backend is done")
+    wait_until(lambda: (backend_state(conn, old) or ("gone",))[0] != "active", WAIT_S,
+               message="the lost connection's backend is done")
     # It was ended before the repair looked: its jobs wait for the next claim, attempt
     # unspent, instead of staying claimed in the worker's name until their lease expires.
     assert backend_state(conn, old) is None
