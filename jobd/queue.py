@@ -137,6 +137,8 @@ class Claimed:
     suspect: Job | None = None
 
 
+# claim_suspect takes the limits' parameters whether or not the lane has limits.
+NO_LIMITS = {"max_running": None, "rate_limit": None, "rate_per": None}
 # claim_jobs_limited takes the fairness parameters whether or not the lane is fair.
 UNORDERED = {"ordered": False, "max_wait": None, "fair": False, "key_cursor": None}
 
@@ -159,14 +161,14 @@ def _claim_query(request: ClaimRequest) -> str:
 
 def _claim_steps(request: ClaimRequest, now: datetime | None) -> list[fastpath.Step]:
     """The statements of a claim: the suspect first for a worker that holds nothing, and
-    all of it under the lane's budget lock for a lane with limits (a suspect counts
-    against max_running as any claimed job does)."""
+    all of it under the lane's budget lock for a lane with limits (a suspect is budgeted
+    as any claimed job: it counts against max_running and spends a rate token)."""
     params = _claim_params(request, now)
     steps: list[fastpath.Step] = []
     if request.budget is not None:
         steps.append(("lock_lane_budget", {"lane": request.lane}))
     if request.suspect_first:
-        steps.append(("claim_suspect", {"max_running": None, **params}))
+        steps.append(("claim_suspect", {**NO_LIMITS, **params}))
     steps.append((_claim_query(request), params))
     return steps
 

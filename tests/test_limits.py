@@ -181,3 +181,26 @@ def test_a_suspect_counts_against_max_running(conn: psycopg.Connection) -> None:
     conn.execute("DELETE FROM jobs WHERE state = 'claimed'")
     _done, _failed, claimed = queue.settle_and_claim(conn, [], [], idle)
     assert claimed.suspect is not None and claimed.suspect.id == suspect
+
+
+def test_a_suspect_spends_a_rate_token_and_waits_for_one(conn: psycopg.Connection) -> None:
+    # A suspect is claimed alone by an idle worker (claim_suspect) but budgeted as any job:
+    # the lane's rate holds however many of a dead worker's jobs are suspects.
+    suspects = [jobd.enqueue(conn, "h") for _ in range(3)]
+    conn.execute("UPDATE jobs SET suspect = true WHERE id = ANY(%s)", (suspects,))
+    limits = budget(rate_limit=2, rate_per=1.0)
+    start = db_now(conn)
+
+    def suspect_at(worker: str, seconds: float) -> int | None:
+        request = queue.ClaimRequest(LANE, worker, 1, 30, budget=limits, suspect_first=True)
+        claimed = queue.settle_and_claim(conn, [], [], request,
+                                         now=start + timedelta(seconds=seconds))[2]
+        assert claimed.jobs == []  # a worker holding a suspect takes nothing else
+        return None if claimed.suspect is None else claimed.suspect.id
+
+    assert suspect_at("w1", 0.0) == suspects[0]
+    assert suspect_at("w2", 0.0) == suspects[1]
+    assert suspect_at("w3", 0.0) is None  # the bucket is empty
+    row = conn.execute("SELECT tokens FROM lane_tokens WHERE lane = %s", (LANE,)).fetchone()
+    assert row == (0.0,)
+    assert suspect_at("w3", 0.5) == suspects[2]  # one token back after half a second

@@ -345,34 +345,58 @@ DELETE FROM lane_waiters WHERE worker_id = %(worker)s
 -- its worker is found (it then spends an attempt; the others keep theirs). A worker idle
 -- enough to ask sends this before claim_jobs in the same transaction, and claim_jobs then
 -- takes nothing while the suspect is held. Pauses and lacking handlers apply as in
--- claim_jobs. In a lane with max_running (%(max_running)s, NULL otherwise) it is sent after
--- lock_lane_budget, as claim_jobs_limited, and a suspect counts against the limit as any
--- claimed job: none is taken while the lane is full. (It spends no rate-limit token.)
-UPDATE jobs
-   SET state = 'claimed',
-       attempts = jobs.attempts + 1,
-       claimed_by = %(worker)s,
-       claimed_at = coalesce(%(now)s::timestamptz, now()),
-       lease_until = coalesce(%(now)s::timestamptz, now())
-                     + make_interval(secs => %(visibility_timeout)s),
-       lease_token = (SELECT new_lease_token())
- WHERE jobs.id = (SELECT id FROM jobs
-                   WHERE lane = %(lane)s AND suspect AND state IN ('pending', 'failed')
-                     AND run_at <= coalesce(%(now)s::timestamptz, now())
-                     AND NOT EXISTS (SELECT 1 FROM lane_pauses AS p
-                                      WHERE p.lane = %(lane)s
-                                        AND (p.handler IS NULL OR p.handler = jobs.handler))
-                     AND runnable(handler, %(lacking_handlers)s::text[])
-                     AND (%(max_running)s::int IS NULL
-                          OR (SELECT count(*) FROM jobs AS r
-                               WHERE r.state = 'claimed' AND r.lane = %(lane)s)
-                             < %(max_running)s::int)
-                   ORDER BY run_at
-                   LIMIT 1
-                     FOR UPDATE SKIP LOCKED)
-RETURNING jobs.id, jobs.lease_token, jobs.lane, jobs.handler, jobs.payload::text, jobs.priority,
-          jobs.run_at, jobs.attempts, jobs.max_attempts, jobs.idempotency_key,
-          jobs.created_at, jobs.lease_until, jobs.fairness_key
+-- claim_jobs. In a lane with limits (%(max_running)s, %(rate_limit)s: NULL otherwise) it is
+-- sent after lock_lane_budget, as claim_jobs_limited, and a suspect is budgeted as any
+-- claimed job: none is taken while the lane is full or its bucket holds less than a token,
+-- and a suspect taken spends one (the bucket's arithmetic as in claim_jobs_limited).
+WITH tokens AS (
+    SELECT clock.at,
+           least(%(rate_limit)s::float8,
+                 t.tokens + %(rate_limit)s::float8 / %(rate_per)s::float8
+                            * greatest(0, extract(epoch FROM clock.at - t.refilled_at)))
+               AS available
+      FROM (SELECT coalesce(%(now)s::timestamptz, clock_timestamp()) AS at) AS clock
+      LEFT JOIN lane_tokens AS t ON t.lane = %(lane)s
+     WHERE %(rate_limit)s::int IS NOT NULL
+),
+claimed AS (
+    UPDATE jobs
+       SET state = 'claimed',
+           attempts = jobs.attempts + 1,
+           claimed_by = %(worker)s,
+           claimed_at = coalesce(%(now)s::timestamptz, now()),
+           lease_until = coalesce(%(now)s::timestamptz, now())
+                         + make_interval(secs => %(visibility_timeout)s),
+           lease_token = (SELECT new_lease_token())
+     WHERE jobs.id = (SELECT id FROM jobs
+                       WHERE lane = %(lane)s AND suspect AND state IN ('pending', 'failed')
+                         AND run_at <= coalesce(%(now)s::timestamptz, now())
+                         AND NOT EXISTS (SELECT 1 FROM lane_pauses AS p
+                                          WHERE p.lane = %(lane)s
+                                            AND (p.handler IS NULL OR p.handler = jobs.handler))
+                         AND runnable(handler, %(lacking_handlers)s::text[])
+                         AND (%(max_running)s::int IS NULL
+                              OR (SELECT count(*) FROM jobs AS r
+                                   WHERE r.state = 'claimed' AND r.lane = %(lane)s)
+                                 < %(max_running)s::int)
+                         -- A lane's first claim finds no bucket: it starts full.
+                         AND (%(rate_limit)s::int IS NULL
+                              OR coalesce((SELECT available FROM tokens), %(rate_limit)s) >= 1)
+                       ORDER BY run_at
+                       LIMIT 1
+                         FOR UPDATE SKIP LOCKED)
+    RETURNING jobs.id, jobs.lease_token, jobs.lane, jobs.handler, jobs.payload::text,
+              jobs.priority, jobs.run_at, jobs.attempts, jobs.max_attempts,
+              jobs.idempotency_key, jobs.created_at, jobs.lease_until, jobs.fairness_key
+),
+spent AS (
+    INSERT INTO lane_tokens AS t (lane, tokens, refilled_at)
+    SELECT %(lane)s, coalesce(b.available, %(rate_limit)s) - 1, b.at
+      FROM tokens AS b
+     WHERE EXISTS (SELECT 1 FROM claimed)
+    ON CONFLICT (lane) DO UPDATE SET tokens = excluded.tokens, refilled_at = excluded.refilled_at
+)
+SELECT * FROM claimed
 
 -- name: heartbeat
 -- Extends every lease a worker still holds, in one statement. Returns the jobs whose lease was
