@@ -91,6 +91,9 @@ class Batch:
     lost: list[int] = field(default_factory=list)  # transactional: lease lost at commit
     failed_jobs: dict[int, Outcome] = field(default_factory=dict)
     size: int = 0  # the pending outcomes it holds: the first ``size``, in order
+    # Outcomes sent before in a write whose answer never came, by job id: (attempt, error;
+    # None: a success). Refused by the fence now, they are looked up (jobd.unanswered).
+    unanswered: dict[int, tuple[int, str | None]] = field(default_factory=dict)
 
 
 class Completer:
@@ -100,6 +103,9 @@ class Completer:
         self.pending: list[Outcome] = []
         self.since: float | None = None  # when the oldest pending outcome arrived
         self.handed_over = False  # a batch is being written elsewhere (jobd.settler)
+        # Jobs whose outcome went out in a write whose answer never came: it may have
+        # committed (jobd.unanswered).
+        self.unanswered: set[int] = set()
 
     def add(self, outcome: Outcome) -> None:
         if not self.pending:
@@ -128,10 +134,16 @@ class Completer:
         self.handed_over = True
         return batch
 
-    def not_written(self) -> None:
+    def not_written(self, batch: Batch) -> None:
         """The batch handed over was not written: its outcomes go in the next one."""
+        self.went_unanswered(batch)
         self.handed_over = False
         self.since = time.monotonic() if self.pending else None
+
+    def went_unanswered(self, batch: Batch) -> None:
+        """``batch`` was sent and no answer came: written or not, its outcomes stay pending,
+        and the next batch says which of them may have been written already."""
+        self.unanswered.update(outcome.job.id for outcome in self.pending[:batch.size])
 
     def batch(self) -> Batch:
         assert not self.handed_over, "a batch is being written elsewhere"
@@ -151,7 +163,16 @@ class Completer:
                     outcome.job.lease, outcome.error,
                     self.lane.backoff.delay(outcome.job.attempt), self.lane.max_attempts,
                     final=outcome.final))
+        if self.unanswered:
+            self._add_unanswered(batch)
         return batch
+
+    def _add_unanswered(self, batch: Batch) -> None:
+        errors = {failure.lease.id: failure.error for failure in batch.failures}
+        for outcome in self.pending:
+            job = outcome.job
+            if job.id in self.unanswered and not (outcome.committed or outcome.lease_lost):
+                batch.unanswered[job.id] = (job.attempt, errors.get(job.id))
 
     def written(self, batch: Batch, completed: queue.WriteOutcome,
                 failed: queue.FailOutcome) -> list[float]:
@@ -160,6 +181,8 @@ class Completer:
         written stay pending, for the next batch."""
         written, self.pending = self.pending[:batch.size], self.pending[batch.size:]
         self.handed_over = False
+        if self.unanswered:
+            self.unanswered.difference_update(outcome.job.id for outcome in written)
         # Their arrival is not kept per outcome; from now, they wait SETTLE_DELAY at most.
         self.since = time.monotonic() if self.pending else None
         cancelled = completed.cancelled + failed.cancelled + batch.committed_cancelled

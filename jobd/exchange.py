@@ -17,7 +17,7 @@ import time
 import psycopg
 import structlog
 
-from jobd import claim_floors, fastpath, jobs, queue, recovery
+from jobd import claim_floors, fastpath, jobs, queue, recovery, unanswered
 from jobd.claimer import Claimer
 from jobd.completer import Batch, Completer, Counters
 from jobd.db import ManagedConnection, is_pooled
@@ -103,9 +103,10 @@ class Exchange:
                                           lambda: self.slots.turn_over(mode)) if claim else None
         sent_at = time.monotonic()
         settled: list[tuple[queue.WriteOutcome, queue.FailOutcome]] = []
-        written = self.link.run("queue", lambda conn: queue.settle_and_claim(
-            conn, batch.successes, batch.failures, request, separate=separate,
-            while_waiting=turn_over, settled_before_failure=settled))
+        written = self.link.run("queue", lambda conn: unanswered.recheck(
+            conn, self.spec.worker_id, batch.unanswered, queue.settle_and_claim(
+                conn, batch.successes, batch.failures, request, separate=separate,
+                while_waiting=turn_over, settled_before_failure=settled)))
         if request is not None:
             self._round_trip_took(claim_floors.kind(request.floors),
                                   time.monotonic() - sent_at)
@@ -119,7 +120,11 @@ class Exchange:
                 # (the fence would answer "lease lost" for every one of them).
                 completed, failed = settled[0]
                 self.timers.wake_at.extend(self.completer.written(batch, completed, failed))
-            return  # else kept for the next connection: the leases decide what applies
+            elif outcomes_due:
+                # Kept for the next connection: the leases decide what applies, and what
+                # the fence refuses then is looked up.
+                self.completer.went_unanswered(batch)
+            return
         self.separate_next = False
         completed, failed, claimed = written
         if outcomes_due:
@@ -137,7 +142,7 @@ class Exchange:
             return
         batch, written = answer
         if written is None:
-            self.completer.not_written()
+            self.completer.not_written(batch)
             return
         completed, failed, _claimed = written
         self.timers.wake_at.extend(self.completer.written(batch, completed, failed))

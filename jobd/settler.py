@@ -36,14 +36,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import structlog
 
-from jobd import pipes, queue
+from jobd import pipes, queue, unanswered
 from jobd.completer import Batch
 from jobd.db import ManagedConnection, worker_session
 from jobd.protocol import WorkerSpec, worker_connection_name
+from jobd.unanswered import Written
 
 log = structlog.get_logger("jobd.worker")
 
-Written = tuple[queue.WriteOutcome, queue.FailOutcome, queue.Claimed]
 
 # Seconds the loop writes outcomes with its claims again after a batch here failed (the
 # connection was lost or a statement failed): the link's own retry pause, so a broken
@@ -55,6 +55,7 @@ class Settler:
     """One background thread and its connection; at most one batch on its way."""
 
     def __init__(self, spec: WorkerSpec) -> None:
+        self.worker_id = spec.worker_id
         self.link = ManagedConnection(
             spec.database_url, spec.schema,
             # The worker's prefix: crash attribution ends this connection with the others.
@@ -116,7 +117,7 @@ class Settler:
 
     def _write(self, batch: Batch) -> Written | None:
         self.link.ensure()
-        return self.link.run("queue", _settle(batch))
+        return self.link.run("queue", _settle(batch, self.worker_id))
 
 
 def settles_apart(spec: WorkerSpec) -> bool:
@@ -135,5 +136,6 @@ def _log_unexpected(connected: Future[bool]) -> None:
         log.error("opening the outcomes connection failed", error=repr(error))
 
 
-def _settle(batch: Batch) -> Callable[..., Written]:
-    return lambda conn: queue.settle_and_claim(conn, batch.successes, batch.failures, None)
+def _settle(batch: Batch, worker: str) -> Callable[..., Written]:
+    return lambda conn: unanswered.recheck(conn, worker, batch.unanswered, queue.settle_and_claim(
+        conn, batch.successes, batch.failures, None))

@@ -531,3 +531,68 @@ def test_outcomes_committed_before_a_failed_claim_count_as_written(
         assert not subject.completer.pending
         counts = subject.counters.as_dict()
         assert (counts["completed"], counts["lease_lost"]) == (1, 0)
+
+
+@pytest.mark.parametrize("apart", [False, True], ids=["with-claims", "own-connection"])
+@pytest.mark.parametrize(("error", "max_attempts", "state", "counter"), [
+    (None, None, "done", "completed"),
+    ("boom", 3, "failed", "failed"),
+    ("boom", 1, "dead", "dead"),
+], ids=["done", "retried", "dead"])
+def test_outcomes_whose_answer_was_lost_after_their_commit_count_as_written(
+        db_url: str, conn: psycopg.Connection, monkeypatch: pytest.MonkeyPatch, apart: bool,
+        error: str | None, max_attempts: int | None, state: str, counter: str) -> None:
+    # The connection is lost between the outcomes' COMMIT and its answer: the worker sends
+    # them again and the fence refuses them. Reported as leases lost, a network blip would
+    # log "result discarded" for jobs that were not, and raise the lease_lost counter.
+    lane = LaneConfig(LANE, settle_connection=apart)
+    with connected_worker(db_url, lane, WORKER_ID) as (subject, _wake):
+        assert (subject.settler is not None) == apart
+        job_id = jobd.enqueue(conn, "h", max_attempts=max_attempts)
+        [job] = queue.claim(conn, LANE, WORKER_ID, 1, 30.0)
+        subject.claimer.maybe_more = False  # outcomes alone, no claim with them
+        subject.completer.add(outcomes.Outcome(job, error))
+        with monkeypatch.context() as patched:
+            patched.setattr(queue, "settle_and_claim",
+                            cut_after(queue.settle_and_claim, commit=True))
+            subject.exchange.settle_and_claim(WorkerMode.RUNNING)
+            subject.exchange.take_settled(wait=True)
+        assert state_of(conn, job_id)[0] == state  # written, its answer lost
+        assert len(subject.completer.pending) == 1
+        subject._ensure_connection()
+        subject.claimer.maybe_more = False
+        subject.exchange.settle_and_claim(WorkerMode.RUNNING)  # sent again, on the link
+        subject.exchange.take_settled(wait=True)
+        assert not subject.completer.pending
+        counts = subject.counters.as_dict()
+        assert (counts[counter], counts["lease_lost"]) == (1, 0)
+        assert state_of(conn, job_id)[0] == state
+
+
+@pytest.mark.parametrize("error", [None, "boom"], ids=["success", "failure"])
+def test_an_unanswered_write_that_did_not_commit_is_still_lost_if_the_lease_was(
+        db_url: str, conn: psycopg.Connection, monkeypatch: pytest.MonkeyPatch,
+        error: str | None) -> None:
+    # The look-up must not turn a real loss into a write: here the first write never
+    # reached the server, and meanwhile the job's lease expired and it was retried by
+    # another worker, which finished it (as it would have failed it: the sweep's entry).
+    with connected_worker(db_url, LaneConfig(LANE, settle_connection=False),
+                          WORKER_ID) as (subject, _wake):
+        job_id = jobd.enqueue(conn, "h")
+        [job] = queue.claim(conn, LANE, WORKER_ID, 1, 30.0)
+        subject.claimer.maybe_more = False
+        subject.completer.add(outcomes.Outcome(job, error))
+        with monkeypatch.context() as patched:
+            patched.setattr(queue, "settle_and_claim",
+                            cut_after(queue.settle_and_claim, commit=False))
+            subject.exchange.settle_and_claim(WorkerMode.RUNNING)
+        expired = queue.Failure(job.lease, "lease expired", 0.0, 3)
+        assert queue.fail(conn, [expired]).retried == [job_id]  # as the sweep would
+        [again] = queue.claim(conn, LANE, OTHER_WORKER, 1, 30.0)
+        queue.complete(conn, [again.lease])
+        subject._ensure_connection()
+        subject.claimer.maybe_more = False
+        subject.exchange.settle_and_claim(WorkerMode.RUNNING)
+        assert not subject.completer.pending
+        counts = subject.counters.as_dict()
+        assert (counts["completed"], counts["failed"], counts["lease_lost"]) == (0, 0, 1)

@@ -520,6 +520,45 @@ SELECT id, 'dead', NULL FROM buried
 UNION ALL
 SELECT id, 'cancelled', NULL FROM cancelled
 
+-- name: outcomes_on_record
+-- After a write of outcomes whose answer never came (a lost connection), sent again and
+-- refused by the fence: the attempts whose first write did commit (jobd/unanswered.py). Each
+-- is (id, attempt, error; NULL: a success). A success is on record as the archived row of that
+-- attempt, claimed by this worker, with no error entry for the attempt (a lease sweep that
+-- archived it as cancelled leaves one; complete_jobs never does). A failure is on record as
+-- its own entry in the job's errors (attempt, worker and text), wherever the job is now: dead
+-- or cancelled by that write if it ended there at that attempt, retried otherwise.
+WITH sent AS (
+    SELECT a.id, a.attempt, a.error,
+           jsonb_build_array(jsonb_build_object('attempt', a.attempt, 'worker', %(worker)s::text,
+                                                'error', a.error)) AS entry
+      FROM unnest(%(ids)s::bigint[], %(attempts)s::int[], %(errors)s::text[])
+           AS a(id, attempt, error)
+)
+SELECT s.id, x.state
+  FROM sent AS s
+  JOIN jobs_archive AS x ON x.id = s.id
+ WHERE s.error IS NULL AND x.attempts = s.attempt AND x.claimed_by = %(worker)s
+   AND NOT x.errors @> jsonb_build_array(jsonb_build_object('attempt', s.attempt))
+UNION ALL
+SELECT s.id,
+       CASE WHEN r.attempts <> s.attempt THEN 'failed'
+            WHEN r.place = 'dead_letter' THEN 'dead'
+            WHEN r.state = 'cancelled' THEN 'cancelled'
+            ELSE 'failed' END
+  FROM sent AS s
+ CROSS JOIN LATERAL (
+       SELECT 'jobs' AS place, j.state, j.attempts FROM jobs AS j
+        WHERE j.id = s.id AND j.errors @> s.entry
+       UNION ALL
+       SELECT 'jobs_archive', x.state, x.attempts FROM jobs_archive AS x
+        WHERE x.id = s.id AND x.errors @> s.entry
+       UNION ALL
+       SELECT 'dead_letter', 'dead', d.attempts FROM dead_letter AS d
+        WHERE d.id = s.id AND d.errors @> s.entry
+       LIMIT 1) AS r
+ WHERE s.error IS NOT NULL
+
 -- name: release_jobs
 -- Gives claimed jobs back without spending their attempt (a drain, a worker's buffer, a dead
 -- worker's unstarted jobs): they are claimable again at once, by any node, and their lanes
