@@ -108,8 +108,11 @@ class Exchange:
                 conn, batch.successes, batch.failures, request, separate=separate,
                 while_waiting=turn_over, settled_before_failure=settled)))
         if request is not None:
+            # Without the wait for a limited lane's budget lock: other claims' turns are
+            # not what a scan from the head costs.
+            waited = 0.0 if written is None else written[2].budget_wait
             self._round_trip_took(claim_floors.kind(request.floors),
-                                  time.monotonic() - sent_at)
+                                  max(0.0, time.monotonic() - sent_at - waited))
         if written is None:
             if request is not None:
                 # The claim may have committed even if its rows did not reach us.

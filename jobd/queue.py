@@ -135,6 +135,8 @@ class Claimed:
 
     jobs: list[Job]
     suspect: Job | None = None
+    # Seconds a limited lane's claim waited for the budget lock (other claims' turns).
+    budget_wait: float = 0.0
 
 
 # claim_suspect takes the limits' parameters whether or not the lane has limits.
@@ -369,10 +371,10 @@ def settle_and_claim(
         next(results)  # claim_commits_async
     if request.disarm:
         next(results)
-    if request.budget is not None:
-        next(results)  # the budget lock
+    budget_wait = float(next(results)[0][1]) if request.budget is not None else 0.0
     suspects = _jobs(next(results)) if request.suspect_first else []
-    return completed, failed, Claimed(_jobs(next(results)), suspects[0] if suspects else None)
+    return completed, failed, Claimed(_jobs(next(results)), suspects[0] if suspects else None,
+                                      budget_wait)
 
 
 def _outcomes(results: Iterator[list[tuple[Any, ...]]], completions: Sequence[Lease],

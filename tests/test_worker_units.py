@@ -596,3 +596,27 @@ def test_an_unanswered_write_that_did_not_commit_is_still_lost_if_the_lease_was(
         assert not subject.completer.pending
         counts = subject.counters.as_dict()
         assert (counts["completed"], counts["failed"], counts["lease_lost"]) == (0, 0, 1)
+
+
+def test_a_limited_lanes_wait_for_its_budget_lock_is_not_charged_to_a_scan_from_the_head(
+        limited: worker.Worker, db_url: str) -> None:
+    # Claims of a limited lane take turns under its budget lock, so a claim's round trip
+    # includes the others' turns. Charged to a scan from the head, a 0.3 s turn spaced such
+    # scans 60 s apart (the cap), leaving jobs below the floors waiting that long.
+    floors = limited.claimer.floors
+    limited.claimer.suspects_possible = False
+    limited._settle_and_claim()  # a first claim plans the statement on this connection
+    floors.forget()
+    limited.claimer.maybe_more = True
+    with psycopg.connect(db_url, autocommit=True) as holder:
+        holder.execute("SELECT pg_advisory_lock(hashtextextended(%s, 0))",
+                       (f"jobd.{LANE}#budget",))
+        releaser = threading.Timer(0.3, holder.execute, (
+            "SELECT pg_advisory_unlock(hashtextextended(%s, 0))", (f"jobd.{LANE}#budget",)))
+        releaser.start()
+        started = time.monotonic()
+        limited._settle_and_claim()
+        waited = time.monotonic() - started
+        releaser.join()
+    assert waited >= 0.3
+    assert FULL_SCAN_INTERVAL <= floors.full_scan_spacing <= 0.02 / HEAD_SCAN_SHARE

@@ -311,8 +311,13 @@ SELECT set_config('synchronous_commit', 'off', true)
 -- flushes, the lock made the lane's claims wait for each other's fsync, which cost a
 -- 2-worker drain a quarter. The worker writes outcomes in a transaction of their own before
 -- it (queue.settle_and_claim).
+-- Returns how long the statement waited for the lock (seconds, the server's clock): the
+-- worker takes it out of the claim's round trip before timing a scan from the head
+-- (Exchange._round_trip_took), which the other claims' turns would otherwise space out.
+-- The select list is evaluated in order: the clock is read once the lock is held.
 SELECT pg_advisory_xact_lock(hashtextextended(current_schema() || '.' || %(lane)s || '#budget',
-                                              0))
+                                              0)) AS locked,
+       extract(epoch FROM clock_timestamp() - statement_timestamp())::float8 AS waited
 
 -- name: arm_waiter
 -- See arm_waiter() in migrations/0011_lane_controls.sql: 'armed', 'work', 'contended' or
