@@ -26,7 +26,7 @@ def cmd_run(ctx: Context, _args: argparse.Namespace) -> int:
     if ctx.config.path is None:
         raise UsageError("jobd run needs a config file: -c FILE (or $JOBD_CONFIG)")
     config = replace(ctx.config, schema=ctx.schema)
-    logs.configure(config.log_level, process="supervisor")
+    logs.configure(config.log_level, reconfigurable=True, process="supervisor")
     with ctx.connect() as conn:
         problem = schema_problem(conn)
     if problem:

@@ -45,6 +45,16 @@ class CronError(ValueError):
     """An invalid expression or time zone; the message says which and why."""
 
 
+def time_zone(name: str) -> zoneinfo.ZoneInfo:
+    """The IANA time zone ``name``; CronError for anything else. A folder of the zone
+    database (``Europe``) is not a zone: ZoneInfo raises IsADirectoryError for it."""
+    try:
+        return zoneinfo.ZoneInfo(name)
+    except (zoneinfo.ZoneInfoNotFoundError, ValueError, OSError):
+        raise CronError(
+            f"unknown time zone {name!r} (use an IANA name like Europe/Berlin)") from None
+
+
 @dataclass(frozen=True, slots=True, order=True)
 class Occurrence:
     fire_at: datetime  # the instant (UTC)
@@ -76,12 +86,7 @@ class CronSchedule:
             raise CronError(
                 f"cron expression {expression!r} matches no date (e.g. February 30th)"
             ) from None
-        try:
-            zone = zoneinfo.ZoneInfo(timezone)
-        except (zoneinfo.ZoneInfoNotFoundError, ValueError):
-            raise CronError(
-                f"unknown time zone {timezone!r} (use an IANA name like Europe/Berlin)"
-            ) from None
+        zone = time_zone(timezone)
         wildcard = fields[0].startswith("*") or fields[1].startswith("*")
         return cls(normalized, zone, wildcard)
 

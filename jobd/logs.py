@@ -48,11 +48,14 @@ def _add_job(_logger: Any, _method: str, event: MutableMapping[str, Any]
     return event
 
 
-def configure(level: str = "info", **static: object) -> None:
+def configure(level: str = "info", *, reconfigurable: bool = False, **static: object) -> None:
     """Configure structlog for this process; ``static`` fields go into every event.
 
     Static fields (process role, worker id, pid) are added by a processor rather than bound
     in context variables, so events logged from handler threads carry them too.
+    ``reconfigurable``: a later call applies to loggers already used (the supervisor's
+    level follows a reload). Otherwise each logger keeps, from its first use, what it was
+    configured with: a worker logs from its hot path, and is replaced to change level.
     """
 
     def add_static(_logger: Any, _method: str, event: MutableMapping[str, Any]
@@ -80,7 +83,7 @@ def configure(level: str = "info", **static: object) -> None:
         # One write per line: the supervisor and its workers share stderr, and two lines
         # written piecemeal by two processes would interleave.
         logger_factory=structlog.WriteLoggerFactory(sys.stderr),
-        cache_logger_on_first_use=True,
+        cache_logger_on_first_use=not reconfigurable,
     )
 
 

@@ -28,7 +28,7 @@ from dataclasses import replace
 import setproctitle
 import structlog
 
-from jobd import pipes
+from jobd import logs, pipes
 from jobd.backoff import RetryPolicy
 from jobd.config import Config, load
 from jobd.db import ManagedConnection, application_name, supervisor_session
@@ -291,6 +291,9 @@ class Supervisor:
             # The node's row, its instance id and its connections' names carry the name.
             log.warning("node.name changes take effect on restart")
             new = replace(new, node_name=self.config.node_name)
+        if new.log_level != self.config.log_level:
+            # The workers follow as they are replaced (WorkerPool.apply).
+            logs.configure(new.log_level, reconfigurable=True, process="supervisor")
         if self.config.lanes and not new.lanes:
             log.warning("the reloaded config declares no lanes: this node runs no workers "
                         "until one does")

@@ -180,12 +180,12 @@ class WorkerPool:
         return Slot(lane, index, self.generation, backoff)
 
     def apply(self, new: Config) -> None:
-        """A reloaded config: lanes whose settings or handlers changed get a new generation
-        of workers while the old ones retire (finish what they hold); a change of
-        ``workers`` alone adds or retires slots."""
+        """A reloaded config: lanes whose settings changed get a new generation of workers
+        while the old ones retire (finish what they hold), and every lane does when a
+        setting every worker carries changed (_node_wide); a change of ``workers`` alone
+        adds or retires slots."""
         old = self.config
-        handlers_changed = (new.worker_handlers(), new.outbox_senders) != (
-            old.worker_handlers(), old.outbox_senders)
+        handlers_changed = _node_wide(new) != _node_wide(old)
         self.fatal_lanes.clear()
         self.generation += 1
         # Slots replaced only because the node's worker count flipped settle_connection:
@@ -527,6 +527,14 @@ def _state_of(process: WorkerProcess) -> str:
     if process.kill_reason is not None:
         return "hung"
     return str(process.report.mode) if process.reported else "starting"
+
+
+def _node_wide(config: Config) -> tuple[object, ...]:
+    """What every worker's spec carries from outside its lane (_spec): a worker keeps what
+    it was started with, so a change to any of these needs new workers in every lane (a
+    moved outbox lane, say, would otherwise keep getting the deliveries)."""
+    return (config.worker_handlers(), config.outbox_senders, config.outbox_lane,
+            config.shutdown_timeout, config.log_level)
 
 
 def _settings_differ(new: LaneConfig, old: LaneConfig) -> bool:

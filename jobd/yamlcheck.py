@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import math
 import re
-import zoneinfo
 from dataclasses import dataclass
 from typing import Any
 
 import yaml
 
 from jobd import validation
-from jobd.cron import CronError, CronSchedule
+from jobd.cron import CronError, CronSchedule, time_zone
 from jobd.db import validate_schema
 from jobd.errors import UsageError
 
@@ -33,6 +32,10 @@ def parse_duration(value: object) -> float:
     """``30s``, ``5m``, ``250ms``, ``1h``, ``2d`` or a bare number of seconds."""
     if isinstance(value, bool):
         raise ValueError(f"expected a duration like 30s or 5m, not {value!r}")
+    if isinstance(value, int) and abs(value) > MAX_DURATION_SECONDS:
+        # Before float(): an integer of hundreds of digits overflows it.
+        raise ValueError("a duration cannot exceed 3650d" if value > 0
+                         else "a duration cannot be negative")
     if isinstance(value, int | float):
         seconds = float(value)
     else:
@@ -213,10 +216,9 @@ def choice(*options: str) -> Any:
 
 def timezone(value: object) -> str:
     try:
-        zoneinfo.ZoneInfo(string(value))
-    except (zoneinfo.ZoneInfoNotFoundError, ValueError):
-        raise ValueError(
-            f"unknown time zone {value!r} (use an IANA name like Europe/Berlin)") from None
+        time_zone(string(value))
+    except CronError as exc:
+        raise ValueError(str(exc)) from None
     return str(value)
 
 

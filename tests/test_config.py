@@ -180,14 +180,16 @@ def test_bad_handler_import_path(tmp_path: Path) -> None:
     assert "module:function" in message
 
 
-def test_unknown_timezone(tmp_path: Path) -> None:
+@pytest.mark.parametrize("zone", ["Europe/Atlantis", "Europe", "Etc"])
+def test_unknown_timezone(tmp_path: Path, zone: str) -> None:
+    # Europe and Etc are folders of the zone database, not zones.
     _, line, message = config_error(
         tmp_path,
         HANDLERS + "schedules:\n  - id: nightly\n    cron: '30 2 * * *'\n"
-        "    timezone: Europe/Atlantis\n    handler: echo\n")
+        f"    timezone: {zone}\n    handler: echo\n")
     assert line == 6
     assert "schedules[0].timezone:" in message
-    assert "Europe/Atlantis" in message
+    assert f"unknown time zone {zone!r}" in message
 
 
 @pytest.mark.parametrize(
@@ -420,6 +422,9 @@ def test_non_finite_durations_are_refused(tmp_path: Path, text: str) -> None:
     [
         "lanes:\n  default: {visibility_timeout: 99999999999999d}\n",
         "lanes:\n  default: {backoff: {base: 1s, cap: 99999999999999d}}\n",
+        # An integer too large for a float.
+        "lanes:\n  default: {visibility_timeout: 1" + "0" * 400 + "}\n",
+        "lanes:\n  default: {visibility_timeout: -1" + "0" * 400 + "}\n",
     ],
 )
 def test_durations_beyond_the_timestamp_range_are_refused(tmp_path: Path, text: str) -> None:

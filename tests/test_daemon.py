@@ -685,3 +685,23 @@ def test_a_database_outage_neither_spins_nor_loses_work(
         second = jobd.enqueue(conn, "ok", {"n": 2})
         wait_state(conn, second, "done", 30, daemon)
     assert daemon.running()
+
+
+def test_reload_applies_a_new_log_level_to_the_supervisor_and_its_workers(
+    daemons: Daemons, effects_db: psycopg.Connection
+) -> None:
+    daemon = daemons(make_config({"default": {"workers": 1}}))
+    daemon.wait_workers_started("default", 1)
+    job_id = jobd.enqueue(effects_db, "ok")
+    wait_state(effects_db, job_id, "done", 15, daemon)
+    assert not daemon.events(process=None, level="debug")
+
+    mark = daemon.reload(make_config({"default": {"workers": 1}},
+                                     supervisor={"log_level": "debug"}))
+    daemon.wait_for_log("config reloaded", since=mark)
+    daemon.wait_workers_started("default", 1, since=mark)
+    job_id = jobd.enqueue(effects_db, "ok")
+    wait_state(effects_db, job_id, "done", 15, daemon)
+    # The supervisor relays the enqueue's wake-up, the new worker claims the job.
+    daemon.wait_for_log("waking workers", since=mark)
+    daemon.wait_for_log("claimed", process=None, since=mark)

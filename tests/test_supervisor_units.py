@@ -14,7 +14,9 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -414,3 +416,24 @@ def test_a_deadlock_fails_the_duty_but_keeps_the_supervisors_connection(db_url: 
     assert link.conn is None
     supervisor.listener.close()
     conn.close()
+
+
+@pytest.mark.parametrize("change", [
+    {"outbox_lane": "mail"}, {"shutdown_timeout": 60.0}, {"log_level": "debug"},
+], ids=["outbox-lane", "shutdown-timeout", "log-level"])
+def test_a_reload_of_a_setting_every_worker_carries_replaces_every_lanes_workers(
+        change: dict[str, Any]) -> None:
+    # A worker keeps the settings it was started with: kept, the old outbox lane would keep
+    # getting the deliveries, and a drain would stop handlers at the old shutdown_timeout
+    # while the supervisor waited for the new one.
+    config = Config(lanes={"default": LaneConfig("default"), "mail": LaneConfig("mail")})
+    pool = workerpool.WorkerPool(config, "", SelectLoop())
+    pool.build()
+    before = dict(pool.slots)
+    pool.apply(replace(config, **change))
+    assert sorted(pool.slots) == sorted(before)
+    assert not any(pool.slots[key] is before[key] for key in before)
+    assert {slot.generation for slot in pool.slots.values()} == {pool.generation}
+    unchanged = dict(pool.slots)
+    pool.apply(replace(config, **change))
+    assert all(pool.slots[key] is unchanged[key] for key in unchanged)
