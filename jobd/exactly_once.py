@@ -23,7 +23,7 @@ import psycopg
 
 from jobd.db import DEFAULT_SCHEMA
 from jobd.jobs import Job
-from jobd.queries import qualified
+from jobd.queries import qualified, query
 from jobd.queue import complete
 from jobd.recovery import handler_application_name
 
@@ -44,13 +44,22 @@ def run_transactional(
     resolve as the user writes them; jobd's own statements here name ``schema`` themselves.
     The transaction carries the job's lease in its ``application_name`` (a lease sweep that
     finds the lease expired terminates it) and, with a ``timeout``, is bounded by the server
-    too: no statement and no idle spell inside it may last longer.
+    too: no statement and no idle spell inside it may last longer (a tighter bound of the
+    role's or database's own stands).
+
+    It starts at READ COMMITTED whatever the role's or database's default: the worker renews
+    the job's lease (an UPDATE of its row) while the handler runs, and at REPEATABLE READ or
+    SERIALIZABLE the completion's fenced DELETE of that row would then fail every run that
+    outlasts a heartbeat.
     """
+    if conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
+        # Inside a caller's transaction (jobd.testing) the caller's level stands.
+        conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
     with conn.transaction():
         first = conn.execute(qualified("record_effect_key", schema), {
             "key": job.effect_key, "job_id": job.id,
             "application_name": handler_application_name(job.lease),
-            "timeout_ms": str(round(timeout * 1000)) if timeout else "0",
+            "timeout_ms": round(timeout * 1000) if timeout else None,
         }).fetchone()
         if first is not None:
             handler(job, conn)
@@ -60,3 +69,13 @@ def run_transactional(
     if completed.cancelled:
         return "cancelled"
     return "done" if first is not None else "replayed"
+
+
+def end_abandoned(conn: psycopg.Connection, job: Job) -> int:
+    """End the server side of ``job``'s transaction whose connection was lost (the client
+    gone, the backend perhaps still idle in it, holding the job's row and effect key):
+    otherwise the worker's write of the failure waits on those locks until the lease sweep
+    ends it. Its backend is known by its name (record_effect_key). Returns how many ended."""
+    row = conn.execute(query("terminate_stale_handlers"),
+                       {"names": [handler_application_name(job.lease)]}).fetchone()
+    return int(row[0]) if row else 0

@@ -17,8 +17,9 @@ import threading
 import time
 from typing import Protocol
 
+import psycopg
 import structlog
-from psycopg_pool import ConnectionPool
+from psycopg_pool import ConnectionPool, PoolTimeout
 
 from jobd import exactly_once, jobs, logs, pipes
 from jobd import handlers as handler_registry
@@ -171,9 +172,35 @@ class HandlerRunner:
     def _run_transactional(self, resolved: handler_registry.ResolvedHandler,
                            job: jobs.Job) -> str:
         assert self.tx_pool is not None
-        with self.tx_pool.connection() as conn:
-            return exactly_once.run_transactional(conn, job, resolved.func, self.spec.schema,
-                                                  self.lane.timeout)
+        lost = False
+        try:
+            with self.tx_pool.connection() as conn:
+                try:
+                    return exactly_once.run_transactional(conn, job, resolved.func,
+                                                          self.spec.schema, self.lane.timeout)
+                except BaseException:
+                    lost = conn.broken
+                    raise
+        finally:
+            # Once the lost connection is back in the pool (which drops it): the pool may
+            # hold no other.
+            if lost:
+                self._end_abandoned(job)
+
+    def _end_abandoned(self, job: jobs.Job) -> None:
+        """The handler's connection was lost mid-transaction: end what the server may
+        still hold of it before the failure is written (exactly_once.end_abandoned), on
+        another of the pool's connections. If that fails too, the lease sweep ends it."""
+        assert self.tx_pool is not None
+        try:
+            with self.tx_pool.connection(timeout=5.0) as other:
+                ended = exactly_once.end_abandoned(other, job)
+        except (psycopg.Error, PoolTimeout) as exc:
+            log.warning("could not end the transaction of a lost handler connection",
+                        job_id=job.id, error=str(exc).strip())
+            return
+        if ended:
+            log.info("ended the transaction of a lost handler connection", job_id=job.id)
 
     def _deliver(self, outcome: Outcome) -> None:
         """From any thread: hand an outcome to the loop, waking it if it may be asleep.

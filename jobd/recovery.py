@@ -91,18 +91,21 @@ def sweep_expired_leases(
     (``jobd.head_scans``).
     """
     started = time.perf_counter()
-    rows = conn.execute(query("expired_leases"),
-                        {"now": now, "limit": limit, "look_back": look_back}).fetchall()
+    found = conn.execute(query("expired_leases"),
+                         {"now": now, "limit": limit, "look_back": look_back}).fetchall()
     scan_seconds = time.perf_counter() - started
+    # The rows another session holds are left for a later sweep (expired_leases).
+    rows = [row for row in found if row[5]]
     outcome = _fail_rows(
         conn, rows, lambda worker: f"lease expired (held by {worker})", policy_for, now, True
     )
     swept = set(outcome.retried) | set(outcome.dead)
-    stale = [Lease(row[0], row[1]) for row in rows if row[0] in swept]
+    stale = [Lease(row[0], row[1]) for row in found if row[0] in swept or not row[5]]
     if stale:
         # The holder of an expired lease is stale by definition. If it is a transactional
         # handler frozen with its transaction open, it still holds the locks the job's next
-        # run needs (its effect key, its writes): end that transaction now.
+        # run needs (its effect key, its writes; the job's own row, if it got as far as its
+        # completion): end that transaction now, and the next sweep takes the row.
         conn.execute(query("terminate_stale_handlers"),
                      {"names": [handler_application_name(lease) for lease in stale]})
     expired: dict[str, int] = {}
@@ -111,7 +114,7 @@ def sweep_expired_leases(
         if row[0] in swept:
             expired[row[2]] = expired.get(row[2], 0) + 1
             holders[row[4]] = holders.get(row[4], 0) + 1
-    return Sweep(outcome, expired, holders, complete=len(rows) < limit,
+    return Sweep(outcome, expired, holders, complete=len(found) < limit,
                  scan_seconds=scan_seconds)
 
 

@@ -18,19 +18,24 @@ import os
 import signal
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 import psycopg
 import pytest
 from daemon_support import wait_until
+from netcut import cutting_proxy
 
 import jobd
 import jobd.testing
-from jobd import queue, recovery
+from jobd import exactly_once, handlers, protocol, queue, recovery
 from jobd.backoff import Backoff, RetryPolicy
+from jobd.config import LaneConfig
 from jobd.db import connect
 from jobd.exactly_once import LeaseLost, run_transactional
+from jobd.handler_runner import HandlerRunner
 from jobd.jobs import Job
+from jobd.outcomes import Outcome
 from jobd.queue import Failure
 
 VISIBILITY = 30.0  # seconds of lease per claim in these tests
@@ -456,3 +461,186 @@ def test_a_derived_key_does_not_collide_with_a_callers_key(
     assert [(run.id, run.outcome) for run in summary.runs] == [(keyless, "done"), (keyed, "done")]
     assert calls == ["w", "w"]  # neither run was taken for a replay of the other
     assert len(effect_rows(conn)) == 2
+
+
+# --- the transaction's settings --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("isolation", ["repeatable read", "serializable"])
+def test_a_stricter_default_isolation_does_not_fail_a_run_the_heartbeat_renewed(
+    tables: psycopg.Connection, db_url: str, isolation: str
+) -> None:
+    # The worker renews the job's lease (an UPDATE of its row) while the handler runs; at
+    # the role's or database's stricter default the completion's DELETE of that row failed
+    # every run that outlasted a heartbeat.
+    conn = tables
+    job_id = jobd.enqueue(conn, "tx", {"order": 1})
+    job = claim_one(conn, "worker-a", db_now(conn))
+
+    @jobd.transactional
+    def renewed_midway(job: Job, handler_conn: psycopg.Connection) -> None:
+        insert_effect(job, handler_conn, "worker-a")
+        assert queue.heartbeat(conn, [job.lease], VISIBILITY).applied == [job.id]
+
+    with connect(db_url) as handler_conn:
+        handler_conn.execute(f"SET default_transaction_isolation = '{isolation}'")
+        assert run_transactional(handler_conn, job, renewed_midway) == "done"
+    assert state_of(conn, job_id) == "done"
+    assert effect_rows(conn) == [(job.effect_key, job_id, "worker-a")]
+
+
+@pytest.mark.parametrize("lane_timeout", [None, 5.0], ids=["no-lane-timeout", "looser-lane"])
+def test_a_tighter_statement_timeout_of_the_role_stands_inside_the_transaction(
+    tables: psycopg.Connection, db_url: str, lane_timeout: float | None
+) -> None:
+    conn = tables
+    jobd.enqueue(conn, "tx", {"order": 1})
+    job = claim_one(conn, "worker-a", db_now(conn))
+
+    @jobd.transactional
+    def slow(job: Job, handler_conn: psycopg.Connection) -> None:
+        handler_conn.execute("SELECT pg_sleep(1)")
+
+    with connect(db_url) as handler_conn:
+        handler_conn.execute("SET statement_timeout = '200ms'")  # as ALTER ROLE would set it
+        with pytest.raises(psycopg.errors.QueryCanceled):
+            run_transactional(handler_conn, job, slow, timeout=lane_timeout)
+        assert handler_conn.execute("SHOW statement_timeout").fetchone() == ("200ms",)
+
+
+def test_a_lane_timeout_bounds_a_transaction_the_role_leaves_unbounded(
+    tables: psycopg.Connection, db_url: str
+) -> None:
+    conn = tables
+    jobd.enqueue(conn, "tx", {"order": 1})
+    job = claim_one(conn, "worker-a", db_now(conn))
+
+    @jobd.transactional
+    def slow(job: Job, handler_conn: psycopg.Connection) -> None:
+        handler_conn.execute("SELECT pg_sleep(1)")
+
+    with connect(db_url) as handler_conn:
+        handler_conn.execute("SET statement_timeout = 0")
+        with pytest.raises(psycopg.errors.QueryCanceled):
+            run_transactional(handler_conn, job, slow, timeout=0.2)
+
+
+@dataclass
+class Started:
+    """A job handed to a HandlerRunner (its Start)."""
+
+    job: Job
+    started: float | None = None
+    taken_back: bool = False
+
+
+# --- a transaction its worker lost --------------------------------------------------------------
+
+
+def abandoned_after_completion(db_url: str, job: Job) -> psycopg.Connection:
+    """A handler's transaction that got as far as its completion (the job's row deleted,
+    its key recorded) and was never committed: what the server keeps of a frozen or
+    disconnected handler. Returns its connection, left open."""
+    abandoned = connect(db_url)
+    abandoned.execute("BEGIN")
+    abandoned.execute(
+        "SELECT set_config('application_name', %s, true)",
+        (recovery.handler_application_name(job.lease),))
+    assert queue.complete(abandoned, [job.lease]).applied == [job.id]
+    return abandoned
+
+
+def test_the_sweep_takes_every_other_expired_lease_and_ends_an_abandoned_transaction(
+    conn: psycopg.Connection, db_url: str
+) -> None:
+    # One expired lease whose row an abandoned handler transaction holds made the sweep wait
+    # on it until lock_timeout, which rolled back the sweep of every other expired lease
+    # (and the duties sharing its transaction), every turn, on every node.
+    held, other = (jobd.enqueue(conn, "tx", {"n": n}) for n in (1, 2))
+    now = db_now(conn)
+    claimed = queue.claim(conn, LANE, "worker-a", 2, VISIBILITY, now=now)
+    job = next(j for j in claimed if j.id == held)
+    abandoned = abandoned_after_completion(db_url, job)
+    after = now + timedelta(seconds=VISIBILITY + 1)
+    try:
+        with connect(db_url) as sweeper:
+            sweeper.execute("SET lock_timeout = '200ms'")
+            with sweeper.transaction():
+                swept = recovery.sweep_expired_leases(sweeper, policy(), now=after)
+        assert swept.failed.retried == [other]
+        wait_until(lambda: abandoned.closed or abandoned.broken or not alive_backend(
+            conn, recovery.handler_application_name(job.lease)), 10,
+            message="the abandoned transaction is ended")
+        # Its row is back as it was claimed: the next sweep takes it.
+        def swept_again() -> bool:
+            with connect(db_url) as sweeper, sweeper.transaction():
+                return recovery.sweep_expired_leases(
+                    sweeper, policy(), now=after).failed.retried == [held]
+        wait_until(swept_again, 10, message="the next sweep takes the held job")
+    finally:
+        abandoned.close()
+
+
+def alive_backend(conn: psycopg.Connection, application_name: str) -> bool:
+    row = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name = %s",
+                       (application_name,)).fetchone()
+    return row is not None and row[0] > 0
+
+
+def test_ending_an_abandoned_transaction_frees_its_job_for_the_failure(
+    conn: psycopg.Connection, db_url: str
+) -> None:
+    # A worker whose handler connection was lost writes the failure at once; the server's
+    # side of that connection, idle in its transaction, would make it wait on the row.
+    job_id = jobd.enqueue(conn, "tx", {"n": 1})
+    job = claim_one(conn, "worker-a", db_now(conn))
+    abandoned = abandoned_after_completion(db_url, job)
+    try:
+        assert exactly_once.end_abandoned(conn, job) == 1
+        with connect(db_url) as worker_conn:
+            worker_conn.execute("SET lock_timeout = '5s'")
+            failed = queue.fail(worker_conn, [Failure(job.lease, "connection lost", 1.0, 8)])
+        assert failed.retried == [job_id]
+    finally:
+        abandoned.close()
+
+
+def is_commit(message: bytes) -> bool:
+    """A simple-protocol query message that is COMMIT and nothing else."""
+    return message[:1] == b"Q" and message[5:] == b"COMMIT\x00"
+
+
+def test_a_worker_whose_handler_connection_was_lost_before_commit_ends_its_transaction(
+    tables: psycopg.Connection, db_url: str
+) -> None:
+    # The network loses the handler's connection as it sends COMMIT, after the completion:
+    # the server's side stays idle in the transaction, holding the job's row. The worker
+    # ends it before the failure is written, which would otherwise wait on the row.
+    conn = tables
+    job_id = jobd.enqueue(conn, "tx", {"order": 1})
+    job = claim_one(conn, "worker-a", db_now(conn))
+    name = recovery.handler_application_name(job.lease)
+    with cutting_proxy(db_url) as (proxy, proxied_url):
+        spec = protocol.WorkerSpec(
+            worker_id="worker-a", lane=LaneConfig(LANE, concurrency=1), handlers={},
+            database_url=proxied_url, schema="jobd", slot=0, generation=1, status_fd=-1,
+            wake_fd=-1, shutdown_timeout=1.0)
+        runner = HandlerRunner(spec, {"tx": handlers.resolved("tx", effect_handler("a"))})
+        try:
+            proxy.cut_before(is_commit)
+            runner.start(Started(job))
+            outcomes: list[Outcome] = []
+            wait_until(lambda: outcomes.extend(runner.collect()) or outcomes, 10,
+                       message="the run's outcome")
+        finally:
+            runner.close()
+        assert proxy.cut.is_set()
+        [outcome] = outcomes
+        assert outcome.error is not None and "connection" in outcome.error
+        wait_until(lambda: not alive_backend(conn, name), 10,
+                   message="the server's side of the lost connection is ended")
+        with connect(db_url) as worker_conn:
+            worker_conn.execute("SET lock_timeout = '2s'")
+            failed = queue.fail(worker_conn, [Failure(job.lease, outcome.error, 1.0, 8)])
+        assert failed.retried == [job_id]
+        assert effect_rows(conn) == []

@@ -209,6 +209,32 @@ def test_an_outbox_entry_of_a_failed_or_stale_handler_is_rolled_back(
     assert scalar(conn, "SELECT count(*) FROM public.orders") == 1
 
 
+@pytest.mark.parametrize("running", [False, True], ids=["pending", "running"])
+def test_a_cancelled_delivery_marks_its_entry_dead(
+    conn: psycopg.Connection, db_url: str, running: bool
+) -> None:
+    # Cancelled, the delivery job was archived and its entry stayed 'pending' for good:
+    # never delivered, never dead, and neither a replay nor a rerun could deliver it.
+    create_tables(conn)
+    jobd.enqueue(conn, "order")
+    [job] = queue.claim(conn, "default", "w", 1, 30)
+    assert run_adding(conn, db_url, job) == "done"
+    [entry] = outbox_rows(conn)
+    delivery_id = entry["delivery_job_id"]
+    if running:
+        [delivery] = queue.claim(conn, "outbox", "w", 1, 30)
+        assert jobd.cancel(conn, [delivery_id]).requested == [delivery_id]
+        assert outbox_rows(conn)[0]["state"] == "pending"  # it may still deliver
+        # Its run ends without delivering (the sender's error, or the cancel's own).
+        failed = queue.fail(conn, [queue.Failure(delivery.lease, "CancelledError", 1.0, 8)])
+        assert failed.cancelled == [delivery_id]
+    else:
+        assert jobd.cancel(conn, [delivery_id]).cancelled == [delivery_id]
+    [entry] = outbox_rows(conn)
+    assert (entry["state"], entry["last_error"]) == ("dead", "cancelled before delivery")
+    assert scalar(conn, "SELECT state FROM all_jobs WHERE id = %s", (delivery_id,)) == "cancelled"
+
+
 def test_adding_a_key_twice_keeps_the_first_entry(conn: psycopg.Connection, db_url: str
                                                   ) -> None:
     create_tables(conn)

@@ -26,6 +26,7 @@ import yaml
 import jobd
 from jobd.config import ScheduleConfig
 from jobd.db import connect
+from jobd.migrate import migrate
 from jobd.testing import (
     Clock,
     Fired,
@@ -349,6 +350,27 @@ def test_an_outbox_entry_is_delivered_by_running_the_configured_outbox_lane(
     jobd.enqueue(user_conn, "confirm_order", {"order": order_id})
     run_jobs(user_conn, handlers={"confirm_order": testing_app.confirm_order})
     assert_enqueued(user_conn, "jobd.outbox", lane="outbox", count=1)
+
+
+def test_an_outbox_entry_goes_to_the_schema_the_run_uses_without_a_config(
+    app_url: str
+) -> None:
+    # Without a config, run_jobs(schema=...) ran the job in that schema but outbox.add
+    # recorded the entry (and its delivery job) in the default one.
+    with psycopg.connect(app_url, autocommit=True) as setup:
+        migrate(setup, "shop_jobs")
+    with psycopg.connect(app_url) as user_conn:
+        order_id = one(user_conn, "INSERT INTO orders (email, total) VALUES"
+                                  " ('e@example.com', 10) RETURNING id")
+        jobd.enqueue(user_conn, "confirm_order", {"order": order_id}, schema="shop_jobs")
+        summary = run_jobs(user_conn, handlers={"confirm_order": testing_app.confirm_order},
+                           schema="shop_jobs", raise_errors=True)
+        assert summary.done == 1
+        assert one(user_conn, "SELECT count(*) FROM shop_jobs.outbox") == 1
+        assert one(user_conn, "SELECT count(*) FROM jobd.outbox") == 0
+        assert one(user_conn, "SELECT lane FROM shop_jobs.jobs WHERE handler = 'jobd.outbox'"
+                   ) == "outbox"
+        user_conn.rollback()
 
 
 def test_run_jobs_refuses_to_run_without_handlers(user_conn: psycopg.Connection) -> None:

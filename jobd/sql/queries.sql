@@ -505,6 +505,13 @@ stopped AS (
      WHERE jobs.id = f.id AND f.cancelled
     RETURNING jobs.*, (%(errors)s::text[])[f.position] AS final_error
 ),
+-- An outbox delivery whose run ended without delivering (a delivery marks its entry
+-- delivered in the transaction that completes it): its entry will not be delivered.
+undelivered AS (
+    UPDATE outbox AS o SET state = 'dead', last_error = 'cancelled before delivery'
+      FROM stopped AS s
+     WHERE s.handler = 'jobd.outbox' AND o.delivery_job_id = s.id AND o.state = 'pending'
+),
 cancelled AS (
     INSERT INTO jobs_archive (id, lane, handler, payload, state, priority, run_at, attempts,
                               max_attempts, claimed_by, idempotency_key, created_at,
@@ -667,14 +674,27 @@ SELECT count(*) FILTER (WHERE pg_terminate_backend(pid))
 -- name: expired_leases
 -- Candidates for the lease-expiry sweep; rides jobs_lease_idx. With a look back (seconds),
 -- only leases that ran out since now() less that: the scan starts there instead of at the
--- head, past the dead entries a held horizon keeps (jobd/head_scans.py).
-SELECT id, lease_token, lane, attempts, claimed_by
-  FROM jobs
- WHERE state = 'claimed' AND lease_until < coalesce(%(now)s::timestamptz, now())
-   AND lease_until >= coalesce(coalesce(%(now)s::timestamptz, now())
-                               - make_interval(secs => %(look_back)s::float8), '-infinity')
- ORDER BY lease_until
- LIMIT %(limit)s
+-- head, past the dead entries a held horizon keeps (jobd/head_scans.py). The rows it can lock
+-- it locks, for the sweep's fail_jobs in the same transaction, and says so (locked): a row
+-- another session holds (a transactional handler's transaction left open by a frozen or
+-- disconnected worker, having deleted the row) must not make the sweep wait on it, nor its
+-- lock_timeout roll back the sweep of every other expired lease with the duties' transaction.
+WITH expired AS (
+    SELECT id, lease_token, lane, attempts, claimed_by
+      FROM jobs
+     WHERE state = 'claimed' AND lease_until < coalesce(%(now)s::timestamptz, now())
+       AND lease_until >= coalesce(coalesce(%(now)s::timestamptz, now())
+                                   - make_interval(secs => %(look_back)s::float8), '-infinity')
+     ORDER BY lease_until
+     LIMIT %(limit)s
+),
+locked AS MATERIALIZED (
+    SELECT jobs.id FROM jobs WHERE jobs.id IN (SELECT id FROM expired)
+       FOR UPDATE SKIP LOCKED
+)
+SELECT e.id, e.lease_token, e.lane, e.attempts, e.claimed_by,
+       e.id IN (SELECT id FROM locked) AS locked
+  FROM expired AS e
 
 -- name: jobs_held_by
 -- The jobs a worker holds: failed at once when the supervisor sees it die, or by the worker
@@ -1233,13 +1253,20 @@ DELETE FROM schedule_fires WHERE fire_at < now() - make_interval(secs => %(older
 -- A concurrent transaction holding the same key makes this wait for its outcome.
 -- The same statement names the backend after the lease for the rest of the transaction, so a
 -- lease sweep that finds the lease expired can end the transaction (terminate_stale_handlers),
--- and bounds the transaction on the server (the lane's timeout, 0 for none) in case the
--- worker is frozen where no sweep sees it.
+-- and bounds the transaction on the server by the lane's timeout (%(timeout_ms)s, NULL for
+-- none) in case the worker is frozen where no sweep sees it. A tighter bound of the role's or
+-- database's own stands, and without a lane timeout theirs do (current_setting() reads as an
+-- interval: 0, 300ms, 5s, 1min).
 INSERT INTO {schema}.processed_keys (idempotency_key, job_id)
 SELECT %(key)s, %(job_id)s
   FROM (SELECT set_config('application_name', %(application_name)s, true),
-               set_config('idle_in_transaction_session_timeout', %(timeout_ms)s, true),
-               set_config('statement_timeout', %(timeout_ms)s, true)) AS session
+               (SELECT count(set_config(setting, %(timeout_ms)s::bigint::text, true))
+                  FROM unnest(ARRAY['idle_in_transaction_session_timeout',
+                                    'statement_timeout']) AS setting
+                 WHERE %(timeout_ms)s::bigint IS NOT NULL
+                   AND NOT coalesce(extract(epoch FROM current_setting(setting)::interval)
+                                    * 1000 BETWEEN 0.001 AND %(timeout_ms)s::bigint, false))
+       ) AS session
 ON CONFLICT DO NOTHING
 RETURNING job_id
 

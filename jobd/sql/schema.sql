@@ -370,6 +370,9 @@ BEGIN
         RETURNING a.id
     )
     SELECT coalesce(array_agg(archived.id), '{}') INTO stopped FROM archived;
+    -- A delivery job cancelled before it delivered: its entry will not be delivered.
+    UPDATE outbox AS o SET state = 'dead', last_error = 'cancelled before delivery'
+     WHERE o.delivery_job_id = ANY(stopped) AND o.state = 'pending';
     WITH requested AS (
         UPDATE jobs AS j SET cancel_requested_at = coalesce(j.cancel_requested_at, now())
          WHERE j.id = ANY(cancel.ids) AND j.state = 'claimed'

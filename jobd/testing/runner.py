@@ -53,15 +53,14 @@ class _Plan:
     key_cursor: str | None = None
 
     @contextlib.contextmanager
-    def outbox(self) -> Iterator[None]:
-        """The config's outbox senders and lane, as a worker installs them, for the run
-        only: the next test may run with another config, or none."""
-        if self.config is None or not self.config.outbox_senders:
-            yield
-            return
-        senders = handlers.resolve_all(self.config.outbox_senders)
+    def outbox(self, schema: str) -> Iterator[None]:
+        """The config's outbox senders and lane (without one, none and the default lane),
+        and the run's ``schema``, where ``outbox.add`` records entries, as a worker installs
+        them; for the run only: the next test may run with another config, or none."""
+        config = self.config or Config()
+        senders = handlers.resolve_all(config.outbox_senders)
         with outbox.installed({name: r.func for name, r in senders.items()},
-                              self.config.outbox_lane, self.config.schema):
+                              config.outbox_lane, schema):
             yield
 
 
@@ -116,7 +115,7 @@ def run_jobs(target: Target, lane: str = "default", *, handlers: HandlerMap | No
     clock = clock or Clock()
     summary = RunSummary()
     with open_session(target, schema or (loaded.schema if loaded else None)) as session, \
-            plan.outbox():
+            plan.outbox(session.schema):
         while limit is None or summary.ran < limit:
             now = clock.parameter(session.conn)
             claimed = _claim_one(session, plan, now)

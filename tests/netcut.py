@@ -1,0 +1,84 @@
+"""A TCP proxy to the test's database that loses a connection the way a network does.
+
+Closing a client's socket sends the server a FIN, and its backend ends at once: not what a
+partition or a frozen node does. Here the proxy closes its side towards the client and
+keeps its side towards the server open and silent, so the server's backend stays where the
+client left it (idle in its transaction) until something ends it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import struct
+import threading
+from collections.abc import Callable, Iterator
+
+import pytest
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+
+class CuttingProxy:
+    def __init__(self, upstream: tuple[str, int]) -> None:
+        self.upstream = upstream
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self._cut_when: Callable[[bytes], bool] | None = None
+        self._lock = threading.Lock()
+        self._sockets: list[socket.socket] = []  # closed on the way out, the silent ones too
+        self.cut = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def cut_before(self, condition: Callable[[bytes], bool]) -> None:
+        """The next client message for which ``condition`` holds is not forwarded: its
+        client's connection is lost instead, the server's side left open."""
+        self._cut_when = condition
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return  # closed
+            server = socket.create_connection(self.upstream)
+            with self._lock:
+                self._sockets += [client, server]
+            threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket, from_client: bool) -> None:
+        try:
+            while data := source.recv(65536):
+                condition = self._cut_when
+                if from_client and condition is not None and condition(data):
+                    self._cut_when = None
+                    # Towards the client only: a reset, and nothing towards the server.
+                    source.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                      struct.pack("ii", 1, 0))
+                    source.close()
+                    self.cut.set()
+                    return
+                sink.sendall(data)
+        except OSError:
+            return
+
+    def close(self) -> None:
+        self.listener.close()
+        with self._lock:
+            for sock in self._sockets:
+                with contextlib.suppress(OSError):
+                    sock.close()
+
+
+@contextlib.contextmanager
+def cutting_proxy(db_url: str) -> Iterator[tuple[CuttingProxy, str]]:
+    """A proxy to ``db_url``'s server and the URL that goes through it."""
+    params = conninfo_to_dict(db_url)
+    host = str(params.get("host") or "")
+    if not host or host.startswith("/"):
+        pytest.skip("the test database is reached through a Unix socket; the proxy needs TCP")
+    proxy = CuttingProxy((host, int(params.get("port") or 5432)))
+    try:
+        yield proxy, make_conninfo(db_url, host="127.0.0.1", port=proxy.port)
+    finally:
+        proxy.close()
