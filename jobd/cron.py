@@ -16,6 +16,7 @@ module turns each wall-clock occurrence into instants following Debian cron's po
 
 from __future__ import annotations
 
+import re
 import zoneinfo
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -39,6 +40,10 @@ ALIASES = {
     "@midnight": "0 0 * * *",
     "@hourly": "0 * * * *",
 }
+
+
+# croniter's random field (R, R/5, R(0-30)): not a schedule.
+_RANDOM = re.compile(r"^R($|[/(])", re.IGNORECASE)
 
 
 class CronError(ValueError):
@@ -78,6 +83,11 @@ class CronSchedule:
                 f"invalid cron expression {expression!r}: expected 5 fields "
                 "(minute hour day-of-month month day-of-week) or an alias like @daily")
         normalized = " ".join(fields)
+        if any(_RANDOM.match(field) for field in fields):
+            # croniter draws R again at every evaluation: each tick, and each node, would
+            # find another minute, each a new occurrence (a new ledger key).
+            raise CronError(f"invalid cron expression {expression!r}: R (random) is not "
+                            "supported; pick the time")
         if not croniter.is_valid(normalized):
             raise CronError(f"invalid cron expression {expression!r}")
         try:

@@ -43,6 +43,9 @@ DECLARATION_TTL_FLOOR = 15.0
 # Expired declarations (of instances that died without leaving) are deleted this long after.
 DECLARATION_PRUNE_AFTER = timedelta(hours=1)
 
+# Less than any two distinct instants of a schedule (they are whole minutes apart).
+JUST_BEFORE = timedelta(microseconds=1)
+
 log = structlog.get_logger("jobd.schedules")
 
 
@@ -57,7 +60,13 @@ class Plan:
 def plan(schedule: CronSchedule, catchup: str, cursor: datetime, now: datetime) -> Plan:
     """The occurrences in ``(cursor, now]`` to fire under the catch-up policy. Pure."""
     if catchup == "latest":
-        return Plan(schedule.between(cursor, now, last=1), None)
+        newest = schedule.between(cursor, now, last=1)
+        if not newest:
+            return Plan([], None)
+        # Every occurrence at the newest's instant: a spring-forward gap moves 02:00 and
+        # 02:30 (or 02:00 and 03:00) to the instant after the jump, each its own occurrence,
+        # and the cursor then moves past them all.
+        return Plan(schedule.between(max(cursor, newest[0].fire_at - JUST_BEFORE), now), None)
     if catchup == "all":
         return Plan(schedule.between(cursor, now, last=CATCHUP_ALL_LIMIT), None)
     if catchup == "none":

@@ -378,6 +378,19 @@ def test_invalid_expressions_are_rejected(expression: str) -> None:
         CronSchedule.parse(expression, "UTC")
 
 
+@pytest.mark.parametrize("expression", ["R 2 * * *", "r 2 * * *", "R/5 * * * *",
+                                        "R(0-30) 2 * * *", "0 R * * *", "0 2 * * R"])
+def test_random_fields_are_rejected(expression: str) -> None:
+    # croniter draws R anew at each evaluation: a tick, a node, each saw another minute.
+    with pytest.raises(CronError, match="R \\(random\\) is not supported"):
+        CronSchedule.parse(expression, "UTC")
+
+
+@pytest.mark.parametrize("expression", ["0 2 * * FRI", "0 2 * MAR *", "0 2 * * FRI,SAT"])
+def test_names_with_an_r_are_still_names(expression: str) -> None:
+    CronSchedule.parse(expression, "UTC")
+
+
 @pytest.mark.parametrize("zone", ["Mars/Olympus", "Europe/Berlinn", "", "../../etc/passwd",
                                   "CEST", "Europe", "America"])
 def test_unknown_zones_are_rejected(zone: str) -> None:
@@ -422,6 +435,27 @@ def test_catchup_latest_fires_only_the_newest_missed(
     assert len(missed) > 1
     assert plan(schedule, "latest", NOW - behind, NOW).fire == [missed[-1]]
     assert plan(schedule, "latest", NOW - behind, NOW).advance_to is None
+
+
+@pytest.mark.parametrize(("expression", "zone", "expected"), [
+    ("0 2,3 * * *", "Europe/Berlin",
+     ["2026-03-29T02:00 Europe/Berlin", "2026-03-29T03:00 Europe/Berlin"]),
+    ("0,30 2 * * *", "Europe/Berlin",
+     ["2026-03-29T02:00 Europe/Berlin", "2026-03-29T02:30 Europe/Berlin"]),
+    ("0 2 * * *", "America/New_York", ["2026-03-08T02:00 America/New_York"]),
+])
+def test_catchup_latest_fires_every_occurrence_that_shares_the_newest_instant(
+    expression: str, zone: str, expected: list[str]
+) -> None:
+    # Spring forward: fixed times in the gap move to the instant after the jump, each its
+    # own occurrence; keeping one of them lost the others for good (the cursor moves past).
+    schedule = CronSchedule.parse(expression, zone)
+    jump = schedule.between(datetime(2026, 3, 1, tzinfo=UTC), datetime(2026, 3, 30, tzinfo=UTC))
+    jump_at = next(o.fire_at for o in jump if o.key == expected[0])
+    for cursor in (jump_at - timedelta(minutes=1), jump_at - timedelta(days=2)):
+        fired = plan(schedule, "latest", cursor, jump_at + timedelta(seconds=5)).fire
+        assert [o.key for o in fired] == expected
+        assert {o.fire_at for o in fired} == {jump_at}
 
 
 @pytest.mark.parametrize(("expression", "zone", "behind", "expected_count"), [
