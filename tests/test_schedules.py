@@ -462,21 +462,27 @@ def test_a_schedule_no_node_declares_stops_firing_and_keeps_its_ledger(
     assert len(ledger(conn, "b")) == 2
 
 
-def test_sync_of_a_changed_expression_keeps_the_cursor(conn: psycopg.Connection) -> None:
+def test_sync_of_a_changed_expression_starts_it_at_the_change(conn: psycopg.Connection) -> None:
     t0 = utc(2026, 10, 20, 12, 0, 30)
     sync(conn, [schedule("a", "*/5 * * * *")], now=t0)
     tick(conn, now=utc(2026, 10, 20, 12, 5, 1))
     cursor = cursor_of(conn, "a")
     unchanged_at = schedules_table(conn)["a"][3]
-    sync(conn, [schedule("a", "*/5 * * * *")], now=utc(2026, 10, 21))
+    sync(conn, [schedule("a", "*/5 * * * *")], now=utc(2026, 10, 20, 12, 10))
     assert schedules_table(conn)["a"][3] == unchanged_at  # nothing to write
-    sync(conn, [schedule("a", "30 2 * * *", "Europe/Berlin", catchup="all")],
-         now=utc(2026, 10, 21))
+    # A change of policy alone keeps the cursor: the missed */5 occurrences are still due.
+    sync(conn, [schedule("a", "*/5 * * * *", catchup="all")], now=utc(2026, 10, 20, 12, 20))
+    assert cursor_of(conn, "a") == cursor
+    # A new expression starts at the change: its occurrences before it never were due (kept,
+    # the cursor made the first tick fire every 02:30 and 14:00 since as missed).
+    changed_at = utc(2026, 10, 20, 13, 30)
+    sync(conn, [schedule("a", "0 2,14 * * *", "Europe/Berlin", catchup="all")],
+         now=changed_at)
     cron, enabled, materialized_until, _ = schedules_table(conn)["a"]
-    assert (cron, enabled, materialized_until) == ("30 2 * * *", True, cursor)
-    # The new rules apply from the cursor on: the next 02:30 Berlin is on the 21st.
+    assert (cron, enabled, materialized_until) == ("0 2,14 * * *", True, changed_at)
+    assert tick(conn, now=utc(2026, 10, 20, 13, 45)).enqueued == []  # 14:00 Berlin was 12:00Z
     result = tick(conn, now=utc(2026, 10, 21, 1))
-    assert [key for _, key, _ in result.enqueued] == ["2026-10-21T02:30 Europe/Berlin"]
+    assert [key for _, key, _ in result.enqueued] == ["2026-10-21T02:00 Europe/Berlin"]
 
 
 def test_the_job_carries_the_schedule_and_the_occurrence(conn: psycopg.Connection) -> None:

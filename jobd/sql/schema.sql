@@ -1478,11 +1478,18 @@ BEGIN
     IF NOT FOUND THEN
         RETURN 'undeclared';
     END IF;
+    -- A new expression or zone starts at the change: its occurrences before it never were
+    -- due (the old definition's were, and were fired up to now). Kept, the cursor (the last
+    -- fire) made the first tick fire them all as missed.
     UPDATE schedules AS sc
        SET cron = chosen->>'cron', timezone = chosen->>'timezone',
            handler = chosen->>'handler', lane = chosen->>'lane', payload = chosen->'payload',
            priority = (chosen->>'priority')::integer, catchup = chosen->>'catchup',
-           overlap = chosen->>'overlap', updated_at = now()
+           overlap = chosen->>'overlap', updated_at = now(),
+           materialized_until = CASE
+               WHEN (chosen->>'cron', chosen->>'timezone') IS DISTINCT FROM (sc.cron, sc.timezone)
+               THEN greatest(sc.materialized_until, clock)
+               ELSE sc.materialized_until END
      WHERE sc.id = s.id;
     RETURN 'changed';
 END
