@@ -3,6 +3,7 @@ the records that live exactly as long as the jobs they belong to."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -25,27 +26,62 @@ def drop_before(conn: psycopg.Connection, cutoff: datetime) -> int:
     return int(row[0])
 
 
+# Rows a prune deletes in one statement (and one commit), and how long one retention pass
+# prunes before it leaves the rest to the next (the supervisor's loop waits meanwhile).
+PRUNE_BATCH = 10_000
+PRUNE_BUDGET = 0.25
+
+# What the prunes forget, in order: the Retention field each counts into, and its query.
+_PRUNES = (("idempotency_keys_pruned", "prune_job_keys"),
+           ("effect_keys_pruned", "prune_processed_keys"),
+           ("outbox_entries_pruned", "prune_outbox"))
+
+
 @dataclass(frozen=True, slots=True)
 class Retention:
     """What one retention pass did."""
 
     partitions_created: int
     partitions_dropped: int
+    idempotency_keys_pruned: int
     effect_keys_pruned: int
     outbox_entries_pruned: int
+    # The pass ran out of its budget with more to forget: run the next one soon.
+    more: bool = False
 
 
-def apply_retention(conn: psycopg.Connection, retention: timedelta) -> Retention:
+def apply_retention(conn: psycopg.Connection, retention: timedelta,
+                    budget: float | None = None, batch: int | None = None) -> Retention:
     """Create the coming days' partitions, then forget what is older than ``retention``
-    (database clock): archive partitions, effect keys of transactional handlers, and
-    delivered outbox entries. Effect keys and outbox entries are the deduplication records
-    of jobs that can be replayed, so they live as long as those jobs' history; pending and
-    dead outbox entries are kept (they still need delivering or an operator's decision)."""
+    (database clock): archive partitions, idempotency keys of jobs no longer in the queue
+    or the dead-letter queue, effect keys of transactional handlers, and delivered outbox
+    entries. Effect keys and outbox entries are the deduplication records of jobs that can
+    be replayed, so they live as long as those jobs' history; pending and dead outbox
+    entries are kept (they still need delivering or an operator's decision). Needs an
+    autocommit connection: each drop and each batch of ``batch`` rows (PRUNE_BATCH) commits
+    on its own, for ``budget`` seconds (PRUNE_BUDGET) at most."""
     created = ensure_partitions(conn)
     row = conn.execute("SELECT now()").fetchone()
     assert row is not None
     cutoff = row[0] - retention
     dropped = drop_before(conn, cutoff)
-    keys = conn.execute(query("prune_processed_keys"), {"cutoff": cutoff}).rowcount
-    entries = conn.execute(query("prune_outbox"), {"cutoff": cutoff}).rowcount
-    return Retention(created, dropped, keys, entries)
+    pruned, more = prune_before(conn, cutoff, budget, batch)
+    return Retention(created, dropped, **pruned, more=more)
+
+
+def prune_before(conn: psycopg.Connection, cutoff: datetime, budget: float | None = None,
+                 batch: int | None = None) -> tuple[dict[str, int], bool]:
+    """Forget the records older than ``cutoff`` (see apply_retention) in batches, for
+    ``budget`` seconds at most; returns the counts and whether some were left."""
+    batch = PRUNE_BATCH if batch is None else batch
+    deadline = time.monotonic() + (PRUNE_BUDGET if budget is None else budget)
+    pruned = dict.fromkeys((field for field, _query in _PRUNES), 0)
+    for field, name in _PRUNES:
+        while True:
+            deleted = conn.execute(query(name), {"cutoff": cutoff, "batch": batch}).rowcount
+            pruned[field] += deleted
+            if deleted < batch:
+                break
+            if time.monotonic() >= deadline:
+                return pruned, True
+    return pruned, False

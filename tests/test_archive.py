@@ -150,7 +150,8 @@ def test_retention_forgets_old_keys_of_finished_jobs_only(conn: psycopg.Connecti
     row = conn.execute("SELECT now()").fetchone()
     assert row is not None
 
-    archive.drop_before(conn, row[0] - timedelta(days=7))
+    pruned, more = archive.prune_before(conn, row[0] - timedelta(days=7))
+    assert (pruned["idempotency_keys_pruned"], more) == (1, False)
 
     keys = {key for (key,) in conn.execute("SELECT idempotency_key FROM job_keys")}
     assert keys == {"old-dead", "old-live", "new-done"}
@@ -158,6 +159,34 @@ def test_retention_forgets_old_keys_of_finished_jobs_only(conn: psycopg.Connecti
     assert jobd.enqueue(conn, "h", idempotency_key="old-dead") == old_dead
     assert jobd.enqueue(conn, "h", idempotency_key="new-done") == new_done
     assert jobd.enqueue(conn, "h", idempotency_key="old-done") != old_done
+
+
+def test_a_backlog_to_forget_goes_in_batches_that_each_commit(conn: psycopg.Connection) -> None:
+    # One unbounded DELETE of every old key, in the statement that dropped the partitions:
+    # a backlog past the statement timeout rolled the drops back with it every hour, for
+    # good, and held the archive's lock (every completion) meanwhile.
+    today = utc_today(conn)
+    create_partition(conn, today - timedelta(days=20))
+    conn.execute("INSERT INTO job_keys (idempotency_key, job_id, created_at)"
+                 " SELECT 'old-' || n, -n, now() - interval '30 days'"
+                 "   FROM generate_series(1, 2500) AS n")
+    conn.execute("INSERT INTO processed_keys (idempotency_key, job_id, processed_at)"
+                 " SELECT 'old-' || n, -n, now() - interval '30 days'"
+                 "   FROM generate_series(1, 1500) AS n")
+    conn.execute("SET statement_timeout = '10s'")
+    first = archive.apply_retention(conn, timedelta(days=7), budget=0.0, batch=1000)
+    # The old partition went at once, whatever was left to forget.
+    assert partition_name(today - timedelta(days=20)) not in partitions(conn)
+    assert (first.partitions_dropped, first.idempotency_keys_pruned, first.more) == (1, 1000, True)
+    second = archive.apply_retention(conn, timedelta(days=7), budget=0.0, batch=1000)
+    assert (second.idempotency_keys_pruned, second.more) == (1000, True)
+    third = archive.apply_retention(conn, timedelta(days=7), budget=0.0, batch=1000)
+    assert (third.idempotency_keys_pruned, third.effect_keys_pruned, third.more) == (
+        500, 1000, True)
+    last = archive.apply_retention(conn, timedelta(days=7), budget=0.0, batch=1000)
+    assert (last.effect_keys_pruned, last.more) == (500, False)
+    assert conn.execute("SELECT count(*) FROM job_keys").fetchone() == (0,)
+    assert conn.execute("SELECT count(*) FROM processed_keys").fetchone() == (0,)
 
 
 def test_ensure_partitions_moves_rows_out_of_the_default_partition(

@@ -12,7 +12,7 @@ import structlog
 from daemon_support import wait_until
 
 import jobd
-from jobd import queue, recovery
+from jobd import archive, queue, recovery
 from jobd.backoff import Backoff, RetryPolicy
 from jobd.config import Config, LaneConfig, ScheduleConfig
 from jobd.db import ManagedConnection, connect
@@ -23,7 +23,7 @@ from jobd.duties.lane_poll import LanePoll
 from jobd.duties.lease_sweep import LeaseSweep
 from jobd.duties.materializer import Materializer
 from jobd.duties.node_heartbeat import NodeHeartbeat
-from jobd.duties.retention import MAINTENANCE_INTERVAL, Retention
+from jobd.duties.retention import BACKLOG_INTERVAL, MAINTENANCE_INTERVAL, Retention
 from jobd.duties.runner import DutyRunner
 from jobd.wake_routing import WakeRouter
 
@@ -214,6 +214,23 @@ def test_retention_runs_hourly(conn: psycopg.Connection) -> None:
     assert retention.due(NOW)
     retention.run(conn, NOW)
     assert retention.next_at == NOW + MAINTENANCE_INTERVAL
+
+
+def test_retention_comes_back_soon_while_a_backlog_lasts(
+    conn: psycopg.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    conn.execute("INSERT INTO job_keys (idempotency_key, job_id, created_at)"
+                 " SELECT 'old-' || n, -n, now() - interval '30 days'"
+                 "   FROM generate_series(1, 30) AS n")
+    monkeypatch.setattr(archive, "PRUNE_BATCH", 10)
+    monkeypatch.setattr(archive, "PRUNE_BUDGET", 0.0)
+    retention = Retention(lambda: 7 * 86400.0)
+    retention.run(conn, NOW)
+    assert retention.next_at == NOW + BACKLOG_INTERVAL
+    while retention.next_at == NOW + BACKLOG_INTERVAL:
+        retention.run(conn, NOW)
+    assert retention.next_at == NOW + MAINTENANCE_INTERVAL
+    assert conn.execute("SELECT count(*) FROM job_keys").fetchone() == (0,)
 
 
 class Recorder(Duty):

@@ -392,6 +392,7 @@ def test_a_late_node_cannot_refire_an_occurrence_whose_job_was_archived(
 
     # Even after archive retention dropped the job and forgot its idempotency key.
     archive.drop_before(conn, db_now(conn) + timedelta(days=30))
+    archive.prune_before(conn, db_now(conn) + timedelta(days=30))
     assert jobs_of(conn, "s") == []
     assert conn.execute("SELECT count(*) FROM job_keys").fetchone() == (0,)
     set_cursor(conn, "s", t0)

@@ -19,6 +19,7 @@ from jobd.queries import query
 log = structlog.get_logger("jobd.duties.retention")
 
 MAINTENANCE_INTERVAL = 3600.0
+BACKLOG_INTERVAL = 5.0  # seconds between passes while a retention backlog lasts
 NODE_STALE_AFTER = 3600.0  # seconds without a heartbeat before a node's row is pruned
 WAITER_STALE_AFTER = 3600.0  # seconds since an armed worker last refreshed its row
 
@@ -33,6 +34,9 @@ class Retention(Periodic):
 
     def work(self, conn: psycopg.Connection, now: float) -> None:
         done = archive.apply_retention(conn, timedelta(seconds=self.retention()))
+        if done.more:
+            # A backlog to forget: the next batches soon, not in an hour.
+            self.next_at = now + BACKLOG_INTERVAL
         conn.execute(query("prune_nodes"), {"older_than": NODE_STALE_AFTER})
         conn.execute(query("prune_waiters"), {"older_than": WAITER_STALE_AFTER})
         conn.execute(query("forget_unused_priorities"))

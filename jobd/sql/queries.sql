@@ -1270,16 +1270,38 @@ SELECT %(key)s, %(job_id)s
 ON CONFLICT DO NOTHING
 RETURNING job_id
 
+-- The retention's prunes (jobd/archive.py) delete %(batch)s rows at most, a statement (and a
+-- commit) per batch: a backlog (after archive.retention was shortened, or a long outage) never
+-- meets the statement timeout, and each batch keeps what it did.
+
+-- name: prune_job_keys
+-- The idempotency keys of jobs created before the retention cutoff that are neither live nor
+-- dead-lettered (a key lives as long as its job's history).
+DELETE FROM job_keys
+ WHERE idempotency_key = ANY(ARRAY(
+       SELECT k.idempotency_key FROM job_keys AS k
+        WHERE k.created_at < %(cutoff)s::timestamptz
+          AND NOT EXISTS (SELECT 1 FROM jobs AS j WHERE j.id = k.job_id)
+          AND NOT EXISTS (SELECT 1 FROM dead_letter AS d WHERE d.id = k.job_id)
+        LIMIT %(batch)s))
+
 -- name: prune_processed_keys
-DELETE FROM processed_keys WHERE processed_at < %(cutoff)s::timestamptz
+DELETE FROM processed_keys
+ WHERE idempotency_key = ANY(ARRAY(
+       SELECT p.idempotency_key FROM processed_keys AS p
+        WHERE p.processed_at < %(cutoff)s::timestamptz
+        LIMIT %(batch)s))
 
 -- name: prune_outbox
 -- Delivered entries past the retention cutoff. created_at <= delivered_at, so the created_at
 -- bound is implied; it is there to let the scan ride outbox_created_at_idx.
 DELETE FROM outbox
- WHERE created_at < %(cutoff)s::timestamptz
-   AND state = 'delivered'
-   AND delivered_at < %(cutoff)s::timestamptz
+ WHERE id = ANY(ARRAY(
+       SELECT o.id FROM outbox AS o
+        WHERE o.created_at < %(cutoff)s::timestamptz
+          AND o.state = 'delivered'
+          AND o.delivered_at < %(cutoff)s::timestamptz
+        LIMIT %(batch)s))
 
 -- name: outbox_add
 -- The outbox statements run in transactional handlers' transactions: {schema}. qualified.

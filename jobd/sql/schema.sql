@@ -1200,8 +1200,9 @@ BEGIN
 END
 $$;
 
--- Retention: drop whole archive partitions that end at or before the cutoff, and forget the
--- idempotency keys of jobs created before it. Returns the number of partitions dropped.
+-- Retention: drop whole archive partitions that end at or before the cutoff. Returns the
+-- number of partitions dropped. (The idempotency keys of those jobs are forgotten apart, in
+-- batches: prune_job_keys in jobd/sql/queries.sql, migration 0036.)
 CREATE FUNCTION drop_archive_partitions(cutoff timestamptz) RETURNS integer
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
@@ -1234,10 +1235,6 @@ BEGIN
     END LOOP;
     PERFORM set_config('lock_timeout', saved_lock_timeout, true);
     DELETE FROM jobs_archive_default WHERE finished_at < cutoff;
-    DELETE FROM job_keys k
-     WHERE k.created_at < cutoff
-       AND NOT EXISTS (SELECT 1 FROM jobs j WHERE j.id = k.job_id)
-       AND NOT EXISTS (SELECT 1 FROM dead_letter d WHERE d.id = k.job_id);
     RETURN dropped;
 END
 $$;
