@@ -17,6 +17,7 @@ from jobd.protocol import backend_prefix
 from jobd.queries import query
 from jobd.queue import FailOutcome, Failure, bigint_array, fail, lease_arrays, release
 from jobd.run_board import Running
+from jobd.views import NODE_GONE_GRACE, NODE_GONE_MISSES, NODE_GONE_UNKNOWN
 
 PolicyLookup = Callable[[str], RetryPolicy]
 
@@ -82,17 +83,22 @@ def sweep_expired_leases(
     now: datetime | None = None,
     limit: int = 1000,
     look_back: float | None = None,
+    lanes: Sequence[str] | None = None,
 ) -> Sweep:
     """The lease-expiry sweep: a job whose lease ran out counts as a failed attempt.
 
     It becomes claimable again after its backoff, or dead when its budget is spent. A worker
     that renews its lease between the scan and the write keeps its job. With ``look_back``
     (seconds), only leases that ran out since the database's ``now`` less that are read
-    (``jobd.head_scans``).
+    (``jobd.head_scans``). With ``lanes`` (the lanes the sweeping node configures), the
+    leases of other lanes are left to a live node that configures them, whose retry policy
+    (``policy_for``) is the lane's.
     """
     started = time.perf_counter()
-    found = conn.execute(query("expired_leases"),
-                         {"now": now, "limit": limit, "look_back": look_back}).fetchall()
+    found = conn.execute(query("expired_leases"), {
+        "now": now, "limit": limit, "look_back": look_back,
+        "lanes": None if lanes is None else list(lanes), "misses": NODE_GONE_MISSES,
+        "grace": NODE_GONE_GRACE, "unknown": NODE_GONE_UNKNOWN}).fetchall()
     scan_seconds = time.perf_counter() - started
     # The rows another session holds are left for a later sweep (expired_leases).
     rows = [row for row in found if row[5]]

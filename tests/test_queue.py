@@ -9,6 +9,7 @@ from datetime import datetime, timedelta
 
 import psycopg
 import pytest
+from psycopg.types.json import Jsonb
 
 import jobd
 from jobd import queue, recovery, run_board
@@ -16,6 +17,7 @@ from jobd.backoff import Backoff, RetryPolicy
 from jobd.claim_floors import full_scan_params
 from jobd.db import connect
 from jobd.jobs import JobSpec
+from jobd.queries import query
 from jobd.queue import Failure
 from jobd.run_board import RunBoard, Running
 
@@ -270,6 +272,38 @@ def test_sweep_spares_a_lease_renewed_in_time(conn: psycopg.Connection) -> None:
     swept = recovery.expire_leases(conn, policy(), now=start + timedelta(seconds=40))
     assert swept.retried == swept.dead == []
     assert state_of(conn, job_id) == "claimed"
+
+
+def test_a_node_leaves_the_expired_leases_of_a_lane_it_lacks_to_a_live_node_that_has_it(
+    conn: psycopg.Connection,
+) -> None:
+    # A mixed fleet: lane "render" (20 attempts on an hour's backoff) is configured on node A
+    # only. Node B's sweep used its defaults for it: 8 attempts, so a job at its 9th was
+    # dead-lettered, or retried on the wrong backoff, whichever node swept first.
+    job_id = jobd.enqueue(conn, "h", lane="render")
+    start = db_now(conn)
+    [job] = queue.claim(conn, "render", "a-worker", 1, 30, now=start)
+    conn.execute("UPDATE jobs SET attempts = 9 WHERE id = %s", (job_id,))
+    conn.execute(query("node_heartbeat"), {
+        "instance": "a:1:x", "node": "a", "pid": 1, "workers": Jsonb({"render": 1}),
+        "counters": Jsonb({}), "interval": 1.0, "listening": True})
+    after = db_now(conn) + timedelta(seconds=1)
+    conn.execute("UPDATE jobs SET lease_until = %s WHERE id = %s",
+                 (after - timedelta(seconds=1), job_id))
+    swept = recovery.sweep_expired_leases(conn, policy(), now=after, lanes=["default"])
+    assert swept.failed.retried == swept.failed.dead == []
+    assert state_of(conn, job_id) == "claimed"
+    # Node A, which has the lane, sweeps it with the lane's policy.
+    render = RetryPolicy(Backoff(60.0, 3600.0), 20)
+    swept = recovery.sweep_expired_leases(conn, lambda _lane: render, now=after,
+                                          lanes=["render"])
+    assert swept.failed.retried == [job.id]
+    # Once no live node has the lane, any node sweeps it (with what it knows).
+    conn.execute("UPDATE jobs SET state = 'claimed', lease_until = %s, lease_token = 7,"
+                 " claimed_by = 'a-worker' WHERE id = %s", (after - timedelta(seconds=1), job_id))
+    gone = after + timedelta(minutes=5)
+    swept = recovery.sweep_expired_leases(conn, policy(), now=gone, lanes=["default"])
+    assert swept.failed.dead == [job_id]
 
 
 def test_expired_only_fail_does_not_touch_a_live_lease(conn: psycopg.Connection) -> None:

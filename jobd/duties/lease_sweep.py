@@ -1,6 +1,7 @@
 """The lease-expiry sweep: a job whose lease ran out (its worker died with its node, froze,
 or lost the network) counts as a failed attempt, retried after its backoff or dead; every
-node sweeps every lease, so a dead node's jobs come back without it. The stale holder's
+node sweeps every lease of the lanes it configures, and of lanes no live node configures, so
+a dead node's jobs come back without it, on their lane's retry policy. The stale holder's
 transactional handler, if it still holds its transaction open, is terminated on the way
 (``recovery.expire_leases``)."""
 
@@ -38,7 +39,8 @@ class LeaseSweep(Periodic):
     def work(self, conn: psycopg.Connection, now: float) -> None:
         self.last_turn = {}
         look_back = self.head_scans.look_back(now)
-        sweep = recovery.sweep_expired_leases(conn, self.policy_for, look_back=look_back)
+        sweep = recovery.sweep_expired_leases(conn, self.policy_for, look_back=look_back,
+                                              lanes=list(self.lanes()))
         self.head_scans.ran(now, look_back, sweep.scan_seconds, sweep.complete)
         self.last_turn = sweep.expired_by_lane
         for lane, count in sweep.expired_by_lane.items():

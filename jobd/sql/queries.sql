@@ -679,12 +679,25 @@ SELECT count(*) FILTER (WHERE pg_terminate_backend(pid))
 -- another session holds (a transactional handler's transaction left open by a frozen or
 -- disconnected worker, having deleted the row) must not make the sweep wait on it, nor its
 -- lock_timeout roll back the sweep of every other expired lease with the duties' transaction.
+-- With %(lanes)s (the lanes the sweeping node configures), a lane it does not configure is
+-- left to the nodes that do, while one of them is live (judged as live_nodes judges it): the
+-- failed attempt is retried on the lane's backoff and budget, which this node does not know
+-- (its defaults would retry on the wrong backoff, or dead-letter the job early).
 WITH expired AS (
     SELECT id, lease_token, lane, attempts, claimed_by
       FROM jobs
      WHERE state = 'claimed' AND lease_until < coalesce(%(now)s::timestamptz, now())
        AND lease_until >= coalesce(coalesce(%(now)s::timestamptz, now())
                                    - make_interval(secs => %(look_back)s::float8), '-infinity')
+       AND (%(lanes)s::text[] IS NULL OR lane = ANY(%(lanes)s::text[])
+            OR NOT EXISTS (
+                SELECT 1 FROM nodes AS n
+                 WHERE n.workers ? jobs.lane
+                   AND coalesce(%(now)s::timestamptz, now()) - n.seen_at
+                       <= make_interval(secs => coalesce(
+                              greatest(%(misses)s * n.heartbeat_interval,
+                                       n.heartbeat_interval + %(grace)s),
+                              %(unknown)s))))
      ORDER BY lease_until
      LIMIT %(limit)s
 ),
@@ -1270,11 +1283,10 @@ SELECT %(key)s, %(job_id)s
 ON CONFLICT DO NOTHING
 RETURNING job_id
 
--- The retention's prunes (jobd/archive.py) delete %(batch)s rows at most, a statement (and a
--- commit) per batch: a backlog (after archive.retention was shortened, or a long outage) never
--- meets the statement timeout, and each batch keeps what it did.
-
 -- name: prune_job_keys
+-- This and the two prunes after it (jobd/archive.py) delete a batch of rows at most, a
+-- statement (and a commit) per batch: a backlog (after archive.retention was shortened, or a
+-- long outage) never meets the statement timeout, and each batch keeps what it did.
 -- The idempotency keys of jobs created before the retention cutoff that are neither live nor
 -- dead-lettered (a key lives as long as its job's history).
 DELETE FROM job_keys
