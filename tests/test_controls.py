@@ -143,6 +143,28 @@ def test_the_fallback_poll_sees_no_due_work_in_a_paused_lane_and_names_its_pause
     assert poll() == {LANE: (False, "*,h"), "other": (False, "")}
 
 
+def test_the_fallback_poll_does_not_send_workers_after_a_paused_handlers_suspect(
+    conn: psycopg.Connection,
+) -> None:
+    # Told of suspects, every worker of the lane gives back its buffer and empties its slots
+    # to claim one alone; a paused handler's suspect it may not claim (claim_suspect), so the
+    # lane ran in waves, told again at every poll.
+    suspect = jobd.enqueue(conn, "poison")
+    jobd.enqueue(conn, "h")
+    conn.execute("UPDATE jobs SET suspect = true WHERE id = %s", (suspect,))
+
+    def suspects_due() -> bool:
+        [row] = conn.execute(query("lane_heads"), {"lanes": [LANE], "now": None,
+                                                   "look_back": None}).fetchall()
+        return bool(row[3])
+
+    assert suspects_due()
+    pauses.pause(conn, LANE, "poison")
+    assert not suspects_due()
+    pauses.resume(conn, LANE, "poison")
+    assert suspects_due()
+
+
 # --- cancel --------------------------------------------------------------------------------
 
 

@@ -81,6 +81,27 @@ def test_overdue_jobs_of_several_priorities_go_oldest_first(conn: psycopg.Connec
     assert sorted(job.handler for job in taken) == ["p1"] * 3 + ["p5"] * 3
 
 
+@pytest.mark.parametrize("blocker", ["paused", "suspect"])
+@pytest.mark.parametrize("fair_by", ["none", "handler"])
+def test_an_overdue_job_the_claim_cannot_take_does_not_put_its_priority_first(
+    conn: psycopg.Connection, blocker: str, fair_by: str
+) -> None:
+    # The overdue pass orders priorities by their oldest overdue job. A job the claim steps
+    # over (a paused handler's, a suspect) put its priority first: the claim filled with that
+    # priority's younger overdue jobs and passed over an older one of another priority.
+    t0 = db_now(conn)
+    jobd.enqueue(conn, "blocker", lane=LANE, run_at=t0 - timedelta(seconds=600), priority=5)
+    oldest = jobd.enqueue(conn, "low", lane=LANE, run_at=t0 - timedelta(seconds=400))
+    bulk(conn, 20, "busy", t0 - timedelta(seconds=120), priority=5)
+    if blocker == "paused":
+        jobd.pause(conn, LANE, handler="blocker")
+    else:
+        conn.execute("UPDATE jobs SET suspect = true WHERE handler = 'blocker'")
+    taken = claim(conn, 10, now=t0, lane_order=order(max_wait=60, fair_by=fair_by))
+    assert len(taken) == 10 and oldest in [job.id for job in taken]
+    assert "blocker" not in share_keys(taken)
+
+
 def saturated_lane(conn: psycopg.Connection, lane_order: dict[str, Any] | None,
                    rounds: int) -> int | None:
     """A lane kept full by a flood of priority-9 jobs (each second 10 arrive, 10 are

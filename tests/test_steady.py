@@ -258,6 +258,25 @@ def test_unused_priorities_are_forgotten_unless_an_enqueue_is_in_flight(
     assert conn.execute("SELECT priority FROM lane_priorities").fetchall() == [(1,)]
 
 
+@pytest.mark.parametrize("isolation", ["repeatable read", "serializable"])
+def test_an_enqueue_whose_snapshot_predates_the_forgetting_of_its_priority_is_claimable(
+    db_url: str, conn: psycopg.Connection, isolation: str
+) -> None:
+    # The producer's snapshot still shows the pair the retention duty forgot meanwhile: the
+    # enqueue did not record it again, and every claim reads the lane's priorities there.
+    done = jobd.enqueue(conn, "h", priority=2)
+    [job] = queue.claim(conn, LANE, "w", 10, 30)
+    queue.complete(conn, [job.lease])
+    with connect(db_url, autocommit=False) as producer:
+        producer.execute(f"SET TRANSACTION ISOLATION LEVEL {isolation}")
+        producer.execute("SELECT count(*) FROM lane_priorities")  # the snapshot is taken
+        assert conn.execute("SELECT forget_unused_priorities(%s)", [LANE]).fetchone() == (1,)
+        late = jobd.enqueue(producer, "h", priority=2)
+        producer.commit()
+    assert late != done
+    assert [j.id for j in queue.claim(conn, LANE, "w", 10, 30)] == [late]
+
+
 # --- claim floors --------------------------------------------------------------------------
 
 

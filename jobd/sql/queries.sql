@@ -1021,7 +1021,8 @@ SELECT drop_archive_partitions(%(cutoff)s::timestamptz)
 -- Per lane, the earliest run_at of its claimable jobs (epoch seconds, NULL when it has none),
 -- the database clock, and whether suspects are due (made by any node's crash attribution): the
 -- supervisor wakes lanes with due work, sets timers for the rest, and tells the workers of a
--- lane with suspects to look for them when idle. A paused lane has nothing due. The last
+-- lane with suspects they may claim (not a paused handler's) to look for them when idle. A
+-- paused lane has nothing due. The last
 -- column names the lane's pauses ('*' for the lane's own): a change the supervisor did not
 -- hear of (its LISTEN connection was down) shows there, and it tells the lane's workers.
 -- The head is lane_head(), written out to take a look back (seconds): with one, only jobs
@@ -1034,7 +1035,12 @@ SELECT l.lane,
        NOT c.lane_paused
        AND EXISTS (SELECT 1 FROM jobs AS j
                     WHERE j.lane = l.lane AND j.suspect AND j.state IN ('pending', 'failed')
-                      AND j.run_at <= coalesce(%(now)s::timestamptz, now())),
+                      AND j.run_at <= coalesce(%(now)s::timestamptz, now())
+                      -- A paused handler's suspect waits, as claim_suspect leaves it: told
+                      -- of it, every worker of the lane gave back its buffer and emptied its
+                      -- slots to look for it, found nothing, and was told again at the poll.
+                      AND NOT EXISTS (SELECT 1 FROM lane_pauses AS p
+                                       WHERE p.lane = l.lane AND p.handler = j.handler)),
        c.pauses
   FROM unnest(%(lanes)s::text[]) AS l(lane)
  CROSS JOIN LATERAL (

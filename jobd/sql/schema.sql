@@ -648,7 +648,12 @@ BEGIN
          VALUES (new_id, enqueue.lane, enqueue.handler, enqueue.payload, level, due_at,
                  enqueue.idempotency_key, enqueue.max_attempts, enqueue.fairness_key);
     PERFORM set_config('jobd.enqueue_announces', '', true);
-    IF NOT lane_state.priority_known THEN
+    -- Outside READ COMMITTED the transaction's snapshot may predate the retention duty's
+    -- forgetting of the priority (forget_unused_priorities): seen in the snapshot, gone from
+    -- the table, and every claim, arming and poll, which read the lane's priorities there,
+    -- would never see the job. Recorded whatever the snapshot says, as the insert trigger does.
+    IF NOT lane_state.priority_known
+       OR current_setting('transaction_isolation') <> 'read committed' THEN
         INSERT INTO lane_priorities (lane, priority) VALUES (enqueue.lane, level)
             ON CONFLICT DO NOTHING;
     END IF;
@@ -941,11 +946,17 @@ BEGIN
               FROM lane_floors(claim_order.lane, priorities, run_ats, ids, ages, default_age, at)
                    AS l
              CROSS JOIN LATERAL (
+                   -- The oldest overdue job the claim may take (claim_level's filters): a
+                   -- paused or lacking handler's, or a suspect, put its priority first and
+                   -- an older overdue job of another priority waited behind it.
                    SELECT j.run_at FROM jobs AS j
                     WHERE j.lane = claim_order.lane AND j.state IN ('pending', 'failed')
                       AND j.priority = l.priority
                       AND (j.run_at, j.id) >= (l.floor_at, l.floor_id)
                       AND j.run_at <= overdue_before
+                      AND NOT j.suspect
+                      AND (cardinality(paused_handlers) = 0
+                           OR runnable(j.handler, paused_handlers))
                     ORDER BY j.run_at, j.id
                     LIMIT 1) AS head
              ORDER BY head.run_at
@@ -970,7 +981,10 @@ BEGIN
                               AND j.priority = l.priority
                               AND (j.run_at, j.id) >= (l.floor_at, l.floor_id)
                               AND j.run_at > coalesce(overdue_before, '-infinity')
-                              AND j.run_at <= at)
+                              AND j.run_at <= at
+                              AND NOT j.suspect
+                              AND (cardinality(paused_handlers) = 0
+                                   OR runnable(j.handler, paused_handlers)))
              ORDER BY l.priority DESC
         LOOP
             picked := picked || claim_level(claim_order.lane, level.priority, level.floor_at,
