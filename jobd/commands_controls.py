@@ -123,11 +123,16 @@ def _payload_match(pairs: list[tuple[str, Any]]) -> dict[str, Any] | None:
 
 
 def cmd_dlq_quarantine(ctx: Context, args: argparse.Namespace) -> int:
-    checked_names(ctx.config, args.lane, args.handler)
+    # Jobs of a handler no config has (a typo in a producer, a removed handler) are what an
+    # operator quarantines too (docs/operations.md): as resume, the config's names only tell
+    # a typo from a handler with no jobs to move.
+    _name_rule(args.lane, args.handler)
     match = _payload_match(args.where)
     with ctx.connect() as conn:
         moved = dlq.quarantine(conn, args.handler, args.lane, match)
     total = sum(moved.values())
+    if not total:
+        checked_names(ctx.config, args.lane, args.handler)
     if ctx.as_json:
         print_json({"handler": args.handler, "lane": args.lane, "where": match,
                     "quarantined": total, "by_lane": moved})

@@ -95,18 +95,18 @@ def sweep_expired_leases(
     (``policy_for``) is the lane's.
     """
     started = time.perf_counter()
-    found = conn.execute(query("expired_leases"), {
-        "now": now, "limit": limit, "look_back": look_back,
-        "lanes": None if lanes is None else list(lanes), "misses": NODE_GONE_MISSES,
-        "grace": NODE_GONE_GRACE, "unknown": NODE_GONE_UNKNOWN}).fetchall()
+    found = conn.execute(query("expired_leases"),
+                         expired_leases_params(now, limit, look_back, lanes)).fetchall()
     scan_seconds = time.perf_counter() - started
-    # The rows another session holds are left for a later sweep (expired_leases).
-    rows = [row for row in found if row[5]]
+    locked = {row[0] for row in conn.execute(query("lock_expired"), {
+        "ids": bigint_array(row[0] for row in found)})} if found else set()
+    # The rows another session holds are left for a later sweep (lock_expired).
+    rows = [row for row in found if row[0] in locked]
     outcome = _fail_rows(
         conn, rows, lambda worker: f"lease expired (held by {worker})", policy_for, now, True
     )
     swept = set(outcome.retried) | set(outcome.dead)
-    stale = [Lease(row[0], row[1]) for row in found if row[0] in swept or not row[5]]
+    stale = [Lease(row[0], row[1]) for row in found if row[0] in swept or row[0] not in locked]
     if stale:
         # The holder of an expired lease is stale by definition. If it is a transactional
         # handler frozen with its transaction open, it still holds the locks the job's next
@@ -122,6 +122,16 @@ def sweep_expired_leases(
             holders[row[4]] = holders.get(row[4], 0) + 1
     return Sweep(outcome, expired, holders, complete=len(found) < limit,
                  scan_seconds=scan_seconds)
+
+
+def expired_leases_params(now: datetime | None = None, limit: int = 1000,
+                          look_back: float | None = None,
+                          lanes: Sequence[str] | None = None) -> dict[str, Any]:
+    """The parameters of the expired_leases query (see sweep_expired_leases); a node is
+    judged gone as ``jobd status`` judges it."""
+    return {"now": now, "limit": limit, "look_back": look_back,
+            "lanes": None if lanes is None else list(lanes), "misses": NODE_GONE_MISSES,
+            "grace": NODE_GONE_GRACE, "unknown": NODE_GONE_UNKNOWN}
 
 
 def handler_application_name(lease: Lease) -> str:

@@ -58,6 +58,21 @@ def test_a_pause_outside_the_config_can_be_lifted_with_it(db_url: str,
     assert "unknown lane 'retired'" in line
 
 
+def test_jobs_of_a_handler_no_config_has_can_be_quarantined_with_one(
+        db_url: str, conn: psycopg.Connection) -> None:
+    # A producer's typo: no node has the handler, its jobs stay pending, and the operations
+    # guide says to quarantine them. With a config, the name check refused it.
+    typo = jobd.enqueue(conn, "resize_imgae")
+    moved = ok_json("dlq", "quarantine", "--handler", "resize_imgae", "--lane", "default",
+                    "-c", EXAMPLE, "--database-url", db_url)
+    assert (moved["quarantined"], moved["by_lane"]) == (1, {"default": 1})
+    assert [row["id"] for row in ok_json("dlq", "list", "--database-url", db_url)] == [typo]
+    # Nothing to move: the config's names tell the typo.
+    line = assert_one_line_error(cli("dlq", "quarantine", "--handler", "resize_imgae", "-c",
+                                     EXAMPLE, "--database-url", db_url), 2)
+    assert "unknown handler 'resize_imgae'" in line
+
+
 def test_status_lists_the_pauses(db_url: str, conn: psycopg.Connection) -> None:
     pauses.pause(conn, "reports")
     pauses.pause(conn, "default", "fail")

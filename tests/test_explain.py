@@ -16,7 +16,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from jobd import queue
+from jobd import queue, recovery
 from jobd.claim_floors import full_scan_params
 from jobd.db import connect
 from jobd.jobs import Lease
@@ -184,7 +184,7 @@ def test_claim_finds_jobs_due_at_an_injected_time_with_the_same_plan(
 
 
 def test_expired_leases_ride_the_lease_index(big_queue: psycopg.Connection) -> None:
-    params = {"now": None, "limit": 1000, "look_back": None}
+    params = recovery.expired_leases_params()
     plan = explain(big_queue, "expired_leases", params)
     assert seq_scans_on_jobs(plan) == []
     assert "jobs_lease_idx" in indexes_used(plan)

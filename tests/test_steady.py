@@ -613,7 +613,7 @@ def test_the_supervisors_poll_and_sweep_look_back_past_what_a_held_horizon_keeps
 
         def expired(look_back: float | None) -> tuple[list[object], int]:
             rows, reads = entries_read_by(db_url, conn, "jobs_lease_idx", "expired_leases",
-                                          {"now": None, "limit": 1000, "look_back": look_back})
+                                          recovery.expired_leases_params(look_back=look_back))
             return [row[0] for row in rows], reads
 
         ids, reads = expired(claim_floors.LOOK_BACK)

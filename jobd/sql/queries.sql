@@ -674,40 +674,35 @@ SELECT count(*) FILTER (WHERE pg_terminate_backend(pid))
 -- name: expired_leases
 -- Candidates for the lease-expiry sweep; rides jobs_lease_idx. With a look back (seconds),
 -- only leases that ran out since now() less that: the scan starts there instead of at the
--- head, past the dead entries a held horizon keeps (jobd/head_scans.py). The rows it can lock
--- it locks, for the sweep's fail_jobs in the same transaction, and says so (locked): a row
--- another session holds (a transactional handler's transaction left open by a frozen or
--- disconnected worker, having deleted the row) must not make the sweep wait on it, nor its
--- lock_timeout roll back the sweep of every other expired lease with the duties' transaction.
+-- head, past the dead entries a held horizon keeps (jobd/head_scans.py).
 -- With %(lanes)s (the lanes the sweeping node configures), a lane it does not configure is
 -- left to the nodes that do, while one of them is live (judged as live_nodes judges it): the
 -- failed attempt is retried on the lane's backoff and budget, which this node does not know
 -- (its defaults would retry on the wrong backoff, or dead-letter the job early).
-WITH expired AS (
-    SELECT id, lease_token, lane, attempts, claimed_by
-      FROM jobs
-     WHERE state = 'claimed' AND lease_until < coalesce(%(now)s::timestamptz, now())
-       AND lease_until >= coalesce(coalesce(%(now)s::timestamptz, now())
-                                   - make_interval(secs => %(look_back)s::float8), '-infinity')
-       AND (%(lanes)s::text[] IS NULL OR lane = ANY(%(lanes)s::text[])
-            OR NOT EXISTS (
-                SELECT 1 FROM nodes AS n
-                 WHERE n.workers ? jobs.lane
-                   AND coalesce(%(now)s::timestamptz, now()) - n.seen_at
-                       <= make_interval(secs => coalesce(
-                              greatest(%(misses)s * n.heartbeat_interval,
-                                       n.heartbeat_interval + %(grace)s),
-                              %(unknown)s))))
-     ORDER BY lease_until
-     LIMIT %(limit)s
-),
-locked AS MATERIALIZED (
-    SELECT jobs.id FROM jobs WHERE jobs.id IN (SELECT id FROM expired)
-       FOR UPDATE SKIP LOCKED
-)
-SELECT e.id, e.lease_token, e.lane, e.attempts, e.claimed_by,
-       e.id IN (SELECT id FROM locked) AS locked
-  FROM expired AS e
+SELECT id, lease_token, lane, attempts, claimed_by
+  FROM jobs
+ WHERE state = 'claimed' AND lease_until < coalesce(%(now)s::timestamptz, now())
+   AND lease_until >= coalesce(coalesce(%(now)s::timestamptz, now())
+                               - make_interval(secs => %(look_back)s::float8), '-infinity')
+   AND (%(lanes)s::text[] IS NULL OR lane = ANY(%(lanes)s::text[])
+        OR NOT EXISTS (
+            SELECT 1 FROM nodes AS n
+             WHERE n.workers ? jobs.lane
+               AND coalesce(%(now)s::timestamptz, now()) - n.seen_at
+                   <= make_interval(secs => coalesce(
+                          greatest(%(misses)s * n.heartbeat_interval,
+                                   n.heartbeat_interval + %(grace)s),
+                          %(unknown)s))))
+ ORDER BY lease_until
+ LIMIT %(limit)s
+
+-- name: lock_expired
+-- The expired leases' rows the sweep can lock, locked for its fail_jobs in the same
+-- transaction. A row another session holds (a transactional handler's transaction left open
+-- by a frozen or disconnected worker, having deleted the row) must not make the sweep wait on
+-- it, nor its lock_timeout roll back the sweep of every other expired lease with the duties'
+-- transaction: it is left to a later sweep.
+SELECT id FROM jobs WHERE id = ANY(%(ids)s::bigint[]) FOR UPDATE SKIP LOCKED
 
 -- name: jobs_held_by
 -- The jobs a worker holds: failed at once when the supervisor sees it die, or by the worker
