@@ -246,9 +246,12 @@ def _health(view: NodeView) -> list[Metric]:
             workers.add_metric([lane, state], states.get(state, 0))
         for reason in RESTART_REASONS:
             restarts.add_metric([lane, reason], view.restarts.get((lane, reason), 0))
-        expiries.add_metric([lane], view.lease_expiries.get(lane, 0))
         totals = view.work.get(lane)
         stale.add_metric([lane], totals.stale_completions if totals else 0)
+    # The sweep also takes the leases of lanes no live node configures (a gone node's): those
+    # lanes are not this node's, but what it swept of them counts.
+    for lane in sorted(set(view.lanes) | set(view.lease_expiries)):
+        expiries.add_metric([lane], view.lease_expiries.get(lane, 0))
     listener = GaugeMetricFamily("jobd_listener_connected",
                                  "1 while the LISTEN connection for wake-ups is up.",
                                  value=1 if view.listener_connected else 0)

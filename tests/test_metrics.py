@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta
@@ -32,7 +33,7 @@ from prometheus_client.registry import CollectorRegistry
 from prometheus_support import Prometheus, check_metrics, fetch
 
 import jobd
-from jobd import protocol, queue, recovery, views, worker
+from jobd import dlq, protocol, queue, recovery, views, worker
 from jobd.backoff import Backoff, RetryPolicy
 from jobd.completer import Counters
 from jobd.config import Config, LaneConfig
@@ -53,6 +54,7 @@ from jobd.metrics import (
     handler_labels,
 )
 from jobd.outcomes import Outcome
+from jobd.queries import query
 from jobd.restarts import RESTART_REASONS, restart_reason
 from jobd.run_board import RunBoard
 from jobd.wake_routing import WakeRouter
@@ -464,6 +466,79 @@ def test_pauses_are_exported_per_lane_and_handler(conn: psycopg.Connection) -> N
     jobd.resume(conn, "default")
     text = exposition_of(empty_view(sample=take_sample(conn, ["default", "mail"])))
     assert value(text, "jobd_lane_paused", lane="default", handler="") == 0.0
+
+
+def test_paused_jobs_are_not_counted_as_waiting_for_the_pickup_slo(
+    conn: psycopg.Connection,
+) -> None:
+    # The incident runbook pauses the poison handler: its jobs then wait by the operator's
+    # choice, and counted, they kept the pickup SLO alert firing while the lane served the
+    # rest of its work in milliseconds.
+    start = db_now(conn)
+    jobd.enqueue(conn, "poison", lane="a", run_at=start - timedelta(seconds=300))
+    jobd.enqueue(conn, "h", lane="a", run_at=start - timedelta(seconds=2))
+    conn.execute("UPDATE jobs SET created_at = run_at")  # enqueued when due
+
+    def age() -> float:
+        return take_sample(conn, ["a"], now=start).lanes["a"].oldest_unclaimed_age
+
+    assert age() == pytest.approx(300.0, abs=1.0)
+    jobd.pause(conn, "a", "poison")
+    assert age() == pytest.approx(2.0, abs=1.0)
+    jobd.pause(conn, "a")
+    assert age() == 0.0
+    jobd.resume(conn, "a")
+    jobd.resume(conn, "a", "poison")
+    assert age() == pytest.approx(300.0, abs=1.0)
+
+
+def test_the_dlq_depth_of_a_lane_without_live_jobs_stays_exported(
+    conn: psycopg.Connection,
+) -> None:
+    # The retention duty forgets the priorities of lanes without live jobs; the lane's dead
+    # jobs stay, and so must its DLQ depth, in the gauges no config names it in.
+    jobd.enqueue(conn, "h", lane="x")
+    assert dlq.quarantine(conn, "h", "x") == {"x": 1}
+    conn.execute("SELECT forget_unused_priorities('x')")
+    text = exposition_of(empty_view(sample=take_sample(conn, ["default"])))
+    assert value(text, "jobd_dlq_depth", lane="x") == 1.0
+
+
+def test_expiries_swept_from_a_lane_this_node_does_not_configure_are_exported() -> None:
+    text = exposition_of(empty_view(lanes=("default",), lease_expiries={"default": 0, "x": 3}))
+    assert value(text, "jobd_lease_expiries_total", lane="x") == 3.0
+    assert value(text, "jobd_lease_expiries_total", lane="default") == 0.0
+
+
+def test_a_running_vacuum_is_not_taken_for_a_transaction_holding_back_vacuum(
+        db_url: str, conn: psycopg.Connection) -> None:
+    conn.execute("CREATE TABLE public.slow_to_vacuum AS SELECT n FROM generate_series(1, 20000) n")
+    conn.execute("DELETE FROM public.slow_to_vacuum")
+    with psycopg.connect(db_url, autocommit=True) as vacuuming:
+        # Throttled to a crawl: the VACUUM stays in pg_stat_progress_vacuum meanwhile.
+        vacuuming.execute("SET vacuum_cost_delay = '100ms'")
+        vacuuming.execute("SET vacuum_cost_limit = 1")
+        pid = vacuuming.info.backend_pid
+        runner = threading.Thread(target=lambda: suppress_cancel(
+            vacuuming, "VACUUM public.slow_to_vacuum"))
+        runner.start()
+        try:
+            wait_until(lambda: conn.execute(
+                "SELECT count(*) FROM pg_stat_progress_vacuum WHERE pid = %s",
+                (pid,)).fetchone() == (1,), 10, message="the vacuum to run")
+            sample = take_sample(conn, [])
+            assert (sample.oldest_transaction_age, sample.xmin_horizon_age) == (0.0, 0)
+            assert conn.execute(query("horizon_holders")).fetchall() == []
+        finally:
+            conn.execute("SELECT pg_cancel_backend(%s)", (pid,))
+            runner.join(10)
+
+
+def suppress_cancel(conn: psycopg.Connection, statement: str) -> None:
+    try:
+        conn.execute(statement)
+    except psycopg.errors.QueryCanceled:
+        pass  # the test cancels it when done
 
 
 def test_the_sampler_sees_a_transaction_that_holds_back_vacuum(

@@ -815,8 +815,12 @@ SELECT coalesce(%(now)s::timestamptz, now())
 
 -- name: lanes_enqueued_to
 -- Every lane with a priority in use (lane_priorities: every enqueue records its pair, and the
--- retention duty forgets the pairs of lanes without live jobs), configured anywhere or not.
-SELECT DISTINCT lane FROM lane_priorities
+-- retention duty forgets the pairs of lanes without live jobs), configured anywhere or not,
+-- and every lane with dead jobs: its DLQ depth must not vanish from the gauges once its last
+-- live job is gone (dead_letter_lane_idx).
+SELECT lane FROM lane_priorities
+UNION
+SELECT DISTINCT lane FROM dead_letter
 
 -- name: metrics_queue_state
 -- The metrics sampler (jobd/duties/metrics_sampler.py), once per sampling interval for the
@@ -900,15 +904,16 @@ ON CONFLICT (lane) DO UPDATE
 -- name: metrics_database_hazards
 -- The metrics sampler: what holds back vacuum of the hot table and what fills the
 -- notification queue. The oldest open transaction of this database (a snapshot or an xid
--- keeps dead rows alive; autovacuum's own does not hold back other vacuums, so it is left
--- out) and prepared transactions, in seconds; the oldest xmin among those and the
--- replication slots (which carry no timestamp), in transaction ids; the dead tuples of
--- jobd.jobs; pg_notification_queue_usage(). Another role's sessions show their
--- transaction start only to members of pg_read_all_stats.
+-- keeps dead rows alive; a running VACUUM's own, autovacuum's or a manual one's, does not
+-- hold back other vacuums, so it is left out: pg_stat_progress_vacuum) and prepared
+-- transactions, in seconds; the oldest xmin among those and the replication slots (which
+-- carry no timestamp), in transaction ids; the dead tuples of jobd.jobs;
+-- pg_notification_queue_usage(). Another role's sessions show their transaction start only
+-- to members of pg_read_all_stats.
 SELECT coalesce(extract(epoch FROM now() - least(
            (SELECT min(a.xact_start) FROM pg_stat_activity AS a
              WHERE a.datname = current_database() AND a.pid <> pg_backend_pid()
-               AND a.backend_type <> 'autovacuum worker'
+               AND a.pid NOT IN (SELECT v.pid FROM pg_stat_progress_vacuum AS v)
                AND (a.backend_xmin IS NOT NULL OR a.backend_xid IS NOT NULL)),
            (SELECT min(p.prepared) FROM pg_prepared_xacts AS p
              WHERE p.database = current_database()))), 0)::float8
@@ -916,7 +921,7 @@ SELECT coalesce(extract(epoch FROM now() - least(
        coalesce(greatest(
            (SELECT max(age(coalesce(a.backend_xmin, a.backend_xid))) FROM pg_stat_activity AS a
              WHERE a.datname = current_database() AND a.pid <> pg_backend_pid()
-               AND a.backend_type <> 'autovacuum worker'),
+               AND a.pid NOT IN (SELECT v.pid FROM pg_stat_progress_vacuum AS v)),
            (SELECT max(age(s.xmin)) FROM pg_replication_slots AS s
              WHERE s.xmin IS NOT NULL),
            (SELECT max(age(p.transaction)) FROM pg_prepared_xacts AS p
@@ -1098,7 +1103,9 @@ SELECT l.lane, forget_unused_priorities(l.lane)
 -- What holds back the horizon below which vacuum may remove dead rows of jobd's tables: the
 -- oldest open transaction of each kind, in this database (backends of others do not hold
 -- back its tables) or anywhere (replication slots, prepared transactions), with its age by
--- the database clock. A slot's age is in transactions: a slot has no start time.
+-- the database clock. A slot's age is in transactions: a slot has no start time. A running
+-- VACUUM (autovacuum's or a manual one) holds back no other vacuum, and a slot's catalog_xmin
+-- only the system catalogs: neither is named, as metrics_database_hazards counts neither.
 (SELECT 'transaction' AS kind, a.pid, a.application_name, a.state,
         extract(epoch FROM now() - a.xact_start)::float8 AS age_seconds,
         greatest(age(a.backend_xid), age(a.backend_xmin)) AS age_xids
@@ -1106,6 +1113,7 @@ SELECT l.lane, forget_unused_priorities(l.lane)
   WHERE a.datname = current_database() AND a.pid <> pg_backend_pid()
     AND (a.backend_xid IS NOT NULL OR a.backend_xmin IS NOT NULL)
     AND a.xact_start IS NOT NULL
+    AND a.pid NOT IN (SELECT v.pid FROM pg_stat_progress_vacuum AS v)
   ORDER BY a.xact_start LIMIT 1)
 UNION ALL
 (SELECT 'prepared transaction', NULL, p.gid, NULL,
@@ -1115,10 +1123,10 @@ UNION ALL
 UNION ALL
 (SELECT 'replication slot', s.active_pid, s.slot_name, CASE WHEN s.active THEN 'active'
                                                             ELSE 'inactive' END,
-        NULL, greatest(age(s.xmin), age(s.catalog_xmin))
+        NULL, age(s.xmin)
    FROM pg_replication_slots AS s
-  WHERE s.xmin IS NOT NULL OR s.catalog_xmin IS NOT NULL
-  ORDER BY greatest(age(s.xmin), age(s.catalog_xmin)) DESC LIMIT 1)
+  WHERE s.xmin IS NOT NULL
+  ORDER BY age(s.xmin) DESC LIMIT 1)
 
 -- name: prune_nodes
 DELETE FROM nodes WHERE seen_at < now() - make_interval(secs => %(older_than)s)

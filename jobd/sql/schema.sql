@@ -1304,13 +1304,21 @@ CREATE FUNCTION lane_waiting_since(lane text) RETURNS timestamptz
 LANGUAGE sql STABLE
 SET search_path FROM CURRENT
 AS $$
+    -- Jobs an operator paused (the lane, or their handler) wait by choice: left out, so that
+    -- the pickup SLO shows whether the lane does the rest of its work (migration 0039).
     SELECT min(first.waiting_since)
       FROM lane_priorities AS p
+     CROSS JOIN (SELECT coalesce(bool_or(lp.handler IS NULL), false) AS whole_lane,
+                        coalesce(array_agg(lp.handler) FILTER (WHERE lp.handler IS NOT NULL),
+                                 '{}') AS handlers
+                   FROM lane_pauses AS lp
+                  WHERE lp.lane = lane_waiting_since.lane) AS paused
      CROSS JOIN LATERAL (
            SELECT greatest(j.run_at, j.created_at) AS waiting_since FROM jobs AS j
             WHERE j.lane = p.lane AND j.state IN ('pending', 'failed') AND j.priority = p.priority
+              AND (cardinality(paused.handlers) = 0 OR runnable(j.handler, paused.handlers))
             ORDER BY j.run_at LIMIT 1) AS first
-     WHERE p.lane = lane_waiting_since.lane
+     WHERE p.lane = lane_waiting_since.lane AND NOT paused.whole_lane
 $$;
 
 
