@@ -34,6 +34,7 @@ worker's loop does the round trips.
 from __future__ import annotations
 
 import time
+from datetime import datetime, timedelta
 
 import structlog
 
@@ -44,20 +45,11 @@ from jobd.claim_floors import ClaimFloors
 from jobd.clock_watch import ClockWatch
 from jobd.config import LaneConfig
 from jobd.handler_filter import HandlerFilter
+from jobd.key_positions import next_key_cursor
 from jobd.prefetch import Prefetch
 from jobd.protocol import WorkerMode
 
 log = structlog.get_logger("jobd.claimer")
-
-
-def next_key_cursor(cursor: str | None, taken: list[jobs.Job]) -> str:
-    """Where the next fair claim starts: the last share key this one reached. claim_order
-    visits keys in order after ``cursor`` and then wraps to the start, so the last key
-    reached is the greatest at or below the cursor when the claim wrapped, else the
-    greatest. Keys compare as the claim compares them (COLLATE "C": code point order)."""
-    keys = {job.fairness_key or job.handler for job in taken}
-    wrapped = [key for key in keys if cursor is not None and key <= cursor]
-    return max(wrapped or keys)
 
 
 class Claimer:
@@ -157,7 +149,8 @@ class Claimer:
         self.floors.claimed(request.floors, taken, limit, now, sent_at=sent_at, fair=fair,
                             aged=self.lane.max_wait is not None)
         if fair and claimed.jobs:
-            self.key_cursor = next_key_cursor(self.key_cursor, claimed.jobs)
+            self.key_cursor = next_key_cursor(self.key_cursor, claimed.jobs,
+                                              self._overdue_before(claimed.jobs[0], request))
             self.floors.keys.claimed([(job.priority, job.fairness_key or job.handler,
                                        job.run_at, job.id) for job in claimed.jobs], limit)
         # A suspect runs alone; once it is done the worker is idle and asks for the next.
@@ -186,6 +179,14 @@ class Claimer:
             self.buffer.append((claimed.suspect, now))
         self.buffer.add(claimed.jobs, now)
         return []
+
+    def _overdue_before(self, job: jobs.Job, request: queue.ClaimRequest) -> datetime | None:
+        """Where the claim's overdue pass ended (claim_order's overdue_before): its clock is
+        the one that set the leases."""
+        if self.lane.max_wait is None:
+            return None
+        claimed_at = job.lease_until - timedelta(seconds=request.visibility_timeout)
+        return claimed_at - timedelta(seconds=self.lane.max_wait)
 
     def _watch_clock(self, claimed: queue.Claimed, request: queue.ClaimRequest,
                      sent_at: float, answered_at: float) -> None:

@@ -1,6 +1,7 @@
 """A fair lane's positions per share key: where a worker's scan of each key starts. Pure
 logic; ``claim_order`` takes them as four arrays, which it turns into one lookup per claim
-(``key_positions`` in migrations/0028).
+(``key_positions`` in migrations/0028). And the key cursor: where the next fair claim
+starts its walk from key to key.
 
 A fair claim shares a priority's jobs across share keys and takes each key's oldest jobs,
 not a prefix of the priority, so a position per priority (:mod:`jobd.claim_floors`) says
@@ -15,7 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from jobd import jobs
 
 # The share keys a fair lane's worker keeps a position for (the most recently taken).
 MAX_KEY_FLOORS = 256
@@ -50,3 +54,35 @@ class KeyPositions:
                 "key_floor_keys": [key for (_priority, key), _at in keys],
                 "key_floor_run_ats": [at[0] for _key, at in keys],
                 "key_floor_ids": [at[1] for _key, at in keys]}
+
+
+def next_key_cursor(cursor: str | None, taken: list[jobs.Job],
+                    overdue_before: datetime | None = None) -> str:
+    """Where the next fair claim starts: the last share key this one reached in the last
+    level it visited (last_level). claim_order visits keys in order after ``cursor`` and
+    then wraps to the start, so the last key reached is the greatest at or below the cursor
+    when the claim wrapped, else the greatest. Keys compare as the claim compares them
+    (COLLATE "C": code point order)."""
+    keys = {job.fairness_key or job.handler for job in last_level(taken, overdue_before)}
+    wrapped = [key for key in keys if cursor is not None and key <= cursor]
+    return max(wrapped or keys)
+
+
+def last_level(taken: list[jobs.Job], overdue_before: datetime | None) -> list[jobs.Job]:
+    """The jobs a fair claim took in the last level it visited. claim_order visits, with
+    max_wait, each priority's jobs due before ``overdue_before`` (oldest first), then each
+    priority's other due jobs, highest first; every level before the last one came back
+    short, drained, so only the last one's keys have more to rotate through. A cursor taken
+    over all the levels stuck at a key of another level (a high priority's key sorting after
+    the tenants', an overdue job's), and the last level started at its first keys again at
+    every claim: the keys after them starved."""
+    later = [job for job in taken if overdue_before is None or job.run_at > overdue_before]
+    if later:
+        lowest = min(job.priority for job in later)
+        return [job for job in later if job.priority == lowest]
+    # Every job overdue: the overdue levels go in the order of their oldest job.
+    oldest: dict[int, datetime] = {}
+    for job in taken:
+        oldest[job.priority] = min(oldest.get(job.priority, job.run_at), job.run_at)
+    last = max(oldest, key=oldest.__getitem__)
+    return [job for job in taken if job.priority == last]

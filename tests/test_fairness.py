@@ -13,10 +13,10 @@ import pytest
 import jobd
 from jobd import claim_floors, dlq, queue
 from jobd import migrate as migrate_module
-from jobd.claimer import next_key_cursor
 from jobd.config import LaneConfig, parse
 from jobd.db import connect
 from jobd.errors import ConfigError
+from jobd.key_positions import next_key_cursor
 
 if TYPE_CHECKING:
     from conftest import Databases
@@ -268,6 +268,35 @@ def test_with_more_keys_than_a_claim_takes_the_keys_rotate(conn: psycopg.Connect
     expected = [f"tenant-{key:03}" for key in range(250)]
     assert claims[0] | claims[1] == set(expected[:200])
     assert claims[2] == set(expected[200:] + expected[:50])
+
+
+@pytest.mark.parametrize("other", ["higher priority", "overdue"])
+def test_the_keys_rotate_when_a_claim_also_takes_another_levels_jobs(
+    conn: psycopg.Connection, other: str
+) -> None:
+    # Twenty tenants with a backlog, four of them busier. Every claim also takes a job of
+    # another level: a higher priority's key (webhook, sorting after the tenants), or an
+    # overdue job (zz-late). A cursor taken over every level stayed on that key, and the
+    # tenants' level started at its first keys at every claim: 4 tenants of 20 served.
+    t0 = db_now(conn)
+    for key in range(20):
+        bulk(conn, 50, "h", t0 - timedelta(seconds=5), fairness_key=f"t{key:02}")
+    lane = LaneConfig(LANE, fair_by="fairness_key",
+                      max_wait=60.0 if other == "overdue" else None)
+    cursor: str | None = None
+    served: set[str] = set()
+    for n in range(10):
+        if other == "overdue":
+            jobd.enqueue(conn, "h", run_at=t0 - timedelta(minutes=5), fairness_key="zz-late")
+        else:
+            jobd.enqueue(conn, "h", run_at=t0, priority=5, fairness_key="webhook")
+        now = t0 + timedelta(milliseconds=n)
+        taken = claim(conn, 5, now=now, lane_order=lane.claim_order(cursor))
+        assert len(taken) == 5
+        served |= {key for key in share_keys(taken) if key.startswith("t")}
+        cursor = next_key_cursor(cursor, taken,
+                                 now - timedelta(seconds=60) if lane.max_wait else None)
+    assert len(served) == 20
 
 
 def test_the_cursor_is_the_last_key_reached() -> None:

@@ -27,9 +27,9 @@ from typing import Any
 from jobd import config as config_module
 from jobd import exactly_once, handlers, outbox, queue
 from jobd.backoff import RetryPolicy
-from jobd.claimer import next_key_cursor
 from jobd.config import Config, LaneConfig
 from jobd.jobs import Job
+from jobd.key_positions import next_key_cursor
 from jobd.outcomes import error_text, within_timeout
 from jobd.testing.clock import Clock
 from jobd.testing.results import JobFailed, JobRun, RunSummary
