@@ -15,9 +15,11 @@ RETRY_INTERVAL = 0.1  # seconds between attempts to deliver a state change
 
 class Notifier:
     """Sends without ever blocking: the supervisor's loop must not stall on a slow or absent
-    reader (``$NOTIFY_SOCKET``'s datagram queue is short). A ``STATUS=`` or ``WATCHDOG=``
-    that does not fit is dropped (the next one says the same); state changes (``READY=1``,
-    ``RELOADING=1``, ``STOPPING=1``) are kept and retried by :meth:`flush`, in order."""
+    reader (``$NOTIFY_SOCKET``'s datagram queue is short). A ``STATUS=`` that does not fit is
+    dropped (the next one says the same); a ``WATCHDOG=1`` that does not fit is the caller's
+    to retry (:meth:`watchdog` says so: dropped, the next ping came a whole interval later,
+    with no margin left); state changes (``READY=1``, ``RELOADING=1``, ``STOPPING=1``) are
+    kept and retried by :meth:`flush`, in order."""
 
     def __init__(self, address: str | None = None) -> None:
         address = address if address is not None else os.environ.get("NOTIFY_SOCKET", "")
@@ -26,8 +28,10 @@ class Notifier:
         watchdog_usec = os.environ.get("WATCHDOG_USEC", "")
         watchdog_pid = os.environ.get("WATCHDOG_PID", "")
         enabled = watchdog_usec.isdigit() and (not watchdog_pid or watchdog_pid == str(os.getpid()))
-        # Ping at half the watchdog timeout, as sd_watchdog_enabled(3) recommends.
-        self.watchdog_interval = int(watchdog_usec) / 2e6 if enabled else None
+        # Ping at a quarter of the watchdog timeout (sd_watchdog_enabled(3) says half at
+        # most): a ping the reader could not take is retried, and one turn of the loop may be
+        # long while the database stalls (statements bounded by their timeouts).
+        self.watchdog_interval = int(watchdog_usec) / 4e6 if enabled else None
         self.pending: list[bytes] = []  # state changes not delivered yet, oldest first
         self._socket: socket.socket | None = None
 
@@ -98,5 +102,8 @@ class Notifier:
     def status(self, status: str) -> None:
         self.send(status=status)
 
-    def watchdog(self) -> None:
-        self.send(watchdog=1)
+    def watchdog(self) -> bool:
+        """Ping; False when the reader could not take it now (retry soon)."""
+        if not self.address:
+            return True
+        return self._deliver(self._encode({"watchdog": 1})) != "busy"

@@ -28,7 +28,7 @@ from dataclasses import replace
 import setproctitle
 import structlog
 
-from jobd import logs, pipes
+from jobd import logs, pipes, sdnotify
 from jobd.backoff import RetryPolicy
 from jobd.config import Config, load
 from jobd.db import ManagedConnection, application_name, supervisor_session
@@ -388,8 +388,9 @@ class Supervisor:
     def _watchdog(self) -> None:
         now = time.monotonic()
         if self.notifier.watchdog_interval and now >= self.next_watchdog:
-            self.notifier.watchdog()
-            self.next_watchdog = now + self.notifier.watchdog_interval
+            delivered = self.notifier.watchdog()
+            self.next_watchdog = now + (self.notifier.watchdog_interval if delivered
+                                        else sdnotify.RETRY_INTERVAL)
 
     def _status_text(self) -> str:
         parts = self.pool.status_parts()

@@ -4,6 +4,7 @@ notification protocol (against a real AF_UNIX datagram socket)."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import secrets
@@ -366,14 +367,49 @@ def test_a_full_notify_queue_never_blocks_and_state_changes_arrive_later(
         assert all(message.startswith(b"STATUS=update") for message in received)
 
 
+def test_a_watchdog_ping_the_reader_could_not_take_is_sent_again_soon(
+    notify_socket: tuple[str, socket.socket], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Dropped, the next ping came a whole interval later: at half the timeout, exactly the
+    # timeout after the last one delivered.
+    address, sock = notify_socket
+    monkeypatch.setenv("WATCHDOG_USEC", "40000000")
+    monkeypatch.delenv("WATCHDOG_PID", raising=False)
+    from jobd.config import Config
+    from jobd.supervisor import Supervisor
+    supervisor = Supervisor(Config(), "postgresql:///unused")
+    supervisor.notifier = Notifier(address)
+    try:
+        for _ in range(5000):  # far more than any datagram queue holds
+            if not supervisor.notifier.watchdog():
+                break  # the queue is full
+        else:
+            pytest.fail("the notify socket's queue never filled")
+        before = time.monotonic()
+        supervisor.next_watchdog = 0.0
+        supervisor._watchdog()  # the queue is full: not delivered
+        assert supervisor.next_watchdog <= before + 1.0
+        sock.settimeout(0.05)
+        with contextlib.suppress(TimeoutError):
+            while True:
+                sock.recv(65536)  # the reader catches up
+        supervisor.next_watchdog = 0.0
+        supervisor._watchdog()
+        assert supervisor.next_watchdog >= time.monotonic() + 9.0  # a quarter of 40 s
+        sock.settimeout(2.0)
+        assert receive(sock) == {"WATCHDOG": "1"}
+    finally:
+        supervisor.notifier.close()
+
+
 @pytest.mark.parametrize(("usec", "pid", "interval"), [
-    ("2000000", None, 1.0),
-    ("2000000", "self", 1.0),
+    ("2000000", None, 0.5),
+    ("2000000", "self", 0.5),
     ("2000000", "other", None),
     ("", None, None),
     ("soon", None, None),
 ])
-def test_watchdog_interval_is_half_the_timeout_for_this_process(
+def test_watchdog_interval_is_a_quarter_of_the_timeout_for_this_process(
     monkeypatch: pytest.MonkeyPatch, usec: str, pid: str | None, interval: float | None
 ) -> None:
     monkeypatch.setenv("WATCHDOG_USEC", usec)
