@@ -34,6 +34,10 @@ class SelectLoop:
     def _record(self, signum: int, _frame: object) -> None:
         self._signals.append(signum)
 
+    def pending_signals(self) -> list[int]:
+        """The signals recorded and not taken yet, oldest first (they stay recorded)."""
+        return list(self._signals)
+
     def take_signals(self) -> list[int]:
         """The signals recorded since the last call, oldest first."""
         taken, self._signals = self._signals, []

@@ -131,14 +131,22 @@ class Supervisor:
                                     **self.config.outbox_senders})
 
     def run(self) -> int:
+        # First: a signal during the boot check (its import of every handler can take a
+        # while) waits for it instead of ending the daemon with the default action (a
+        # SIGHUP's is to exit, which systemd does not restart) and orphaning the check.
+        self.loop.install_signals(
+            (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD))
         problems = self.check_boot()
         if problems:
             for problem in problems:
                 log.error("boot failure", error=problem)
             return EXIT_BOOT_FAILURE_SUPERVISOR
+        stop = [signum for signum in self.loop.pending_signals()
+                if signum in (signal.SIGTERM, signal.SIGINT)]
+        if stop:
+            log.info("stopped before starting", signal=signal.Signals(stop[0]).name)
+            return EXIT_OK
         self._start_metrics()  # before any worker: an address in use stops the start
-        self.loop.install_signals(
-            (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD))
         self.link.ensure()
         self._ensure_listener()
         self.pool.build()

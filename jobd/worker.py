@@ -251,6 +251,11 @@ def main() -> int:
     setproctitle.setproctitle(f"jobd: worker {spec.lane.name}#{spec.slot} starting")
     faulthandler.enable()  # SIGABRT from the supervisor dumps every thread's stack
     logs.capture_handler_output(spec.log_level)
+    # Held back while the handlers import (seconds, for a heavy application): a SIGTERM of a
+    # drain, or a Ctrl-C in the terminal, would otherwise end the worker with the default
+    # action, which the supervisor takes for a crash. Delivered once the loop handles them.
+    held = {*HANDLED_SIGNALS, signal.SIGINT}
+    signal.pthread_sigmask(signal.SIG_BLOCK, held)
     try:
         resolved = handler_registry.resolve_all(spec.handlers)
         outbox.install(
@@ -261,6 +266,7 @@ def main() -> int:
         return EXIT_BOOT_FAILURE
     worker = Worker(spec, resolved)
     worker.install_signal_handlers()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
     log.info("worker started", lane=spec.lane.name, generation=spec.generation,
              concurrency=spec.lane.concurrency)
     return worker.run()

@@ -461,6 +461,75 @@ def test_a_reload_whose_handlers_import_slowly_does_not_hold_up_the_lanes(
     daemon.wait_for_log("config reloaded", since=mark)
 
 
+def gated_module(daemon: Daemon, *, in_workers_only: bool = False) -> Path:
+    """A handler module whose import waits for a file (the returned path): in the boot
+    check's process, or only in the workers' (``python -m jobd.worker``). It leaves a file
+    named ``importing`` when it starts waiting."""
+    gate = daemon.dir / "gate"
+    only = "sys.argv[0].endswith('worker.py')" if in_workers_only else "True"
+    (daemon.dir / "slowimport.py").write_text(
+        "import os, sys, time\n"
+        f"if {only}:\n"
+        f"    open({str(daemon.dir / 'importing')!r}, 'w').close()\n"
+        f"while {only} and not os.path.exists({str(gate)!r}):\n"
+        "    time.sleep(0.05)\n"
+        "def run(job):\n"
+        "    pass\n")
+    return gate
+
+
+def boot_check_running(daemon: Daemon) -> bool:
+    return any("jobd.handlers" in line for line in daemon_support.children_of(daemon.pid).values())
+
+
+def test_a_sigterm_while_the_handlers_import_at_start_stops_the_daemon_cleanly(
+    daemons: Daemons,
+) -> None:
+    # Before, the signal took its default action: exit 143, nothing logged, the import
+    # check orphaned.
+    daemon = new_daemon(daemons)
+    gate = gated_module(daemon)
+    daemon.start({**config({"default": {}}), "handlers": {**HANDLERS, "later": "slowimport:run"}})
+    wait_until(lambda: boot_check_running(daemon), 15, message="the boot's import check")
+    daemon.signal(signal.SIGTERM)
+    gate.touch()
+    assert daemon.wait_exit(15) == 0
+    assert daemon.events("stopped before starting", signal="SIGTERM")
+    assert not daemon.events("worker spawned")
+
+
+def test_a_sighup_while_the_handlers_import_at_start_is_a_reload_once_running(
+    daemons: Daemons, effects_db: psycopg.Connection
+) -> None:
+    # Its default action is to exit (129), which systemd's Restart=on-failure does not undo.
+    daemon = new_daemon(daemons)
+    gate = gated_module(daemon)
+    daemon.start({**config({"default": {}}), "handlers": {**HANDLERS, "later": "slowimport:run"}})
+    wait_until(lambda: boot_check_running(daemon), 15, message="the boot's import check")
+    daemon.signal(signal.SIGHUP)
+    gate.touch()
+    daemon.wait_workers_started("default", 1)
+    daemon.wait_for_log("config reloaded")
+    job_id = jobd.enqueue(effects_db, "ok", {})
+    wait_state(effects_db, job_id, "done", 15, daemon)
+
+
+def test_a_worker_asked_to_drain_while_its_handlers_import_drains_and_is_no_crash(
+    daemons: Daemons,
+) -> None:
+    daemon = new_daemon(daemons)
+    gate = gated_module(daemon, in_workers_only=True)
+    daemon.start({**config({"default": {}}), "handlers": {**HANDLERS, "later": "slowimport:run"}})
+    spawned = daemon.wait_for_log("worker spawned", lane="default")
+    wait_until((daemon.dir / "importing").exists, 15, message="the worker's import")
+    daemon.signal(signal.SIGTERM)  # the supervisor drains: SIGTERM to the importing worker
+    wait_until(lambda: daemon.events("draining"), 15, message="the drain to begin")
+    gate.touch()
+    assert daemon.wait_exit(20) == 0
+    [exited] = daemon.events("worker exited", pid=spawned["pid"])
+    assert exited["level"] == "info", exited  # before: "killed by SIGTERM", a crash
+
+
 # --- claiming ahead (prefetch) -------------------------------------------------------------
 
 
