@@ -249,7 +249,7 @@ def connect(
     gucs = session.gucs(schema)
     if session.pooler == "none" or (session.pooler == "auto" and url not in _refusing_urls):
         try:
-            return psycopg.connect(conninfo(url, None, application_name, gucs),
+            conn = psycopg.connect(conninfo(url, None, application_name, gucs),
                                    autocommit=autocommit)
         except psycopg.OperationalError as exc:
             if session.pooler == "none" or _REFUSED_PARAMETER not in str(exc):
@@ -257,7 +257,32 @@ def connect(
             # No log here: the CLI's output is its own. The daemon's connections say it
             # (ManagedConnection).
             _refusing_urls.add(url)
+        else:
+            if _options_applied(conn, gucs):
+                return conn
+            # A pooler that drops the options instead of refusing them (PgBouncer with
+            # ignore_startup_parameters = options): nothing of the session was set, and a
+            # LISTEN there would hear nothing.
+            conn.close()
+            if session.pooler == "none":
+                raise UsageError(
+                    f"the database at {redact(url)} ignored the connection's options (a "
+                    "pooler with ignore_startup_parameters = options?): set "
+                    "database.pooler: transaction, or use a direct connection")
+            _refusing_urls.add(url)
     return _connect_pooled(url, application_name, autocommit, gucs)
+
+
+def _options_applied(conn: psycopg.Connection, gucs: Mapping[str, str]) -> bool:
+    """Whether the startup options reached the server: its search_path is the one they
+    set (jobd's own connections set one; others are not checked)."""
+    wanted = gucs.get("search_path")
+    if wanted is None:
+        return True
+    row = conn.execute("SELECT current_setting('search_path')").fetchone()
+    if not conn.autocommit:
+        conn.rollback()
+    return row is not None and row[0] == wanted
 
 
 def _connect_pooled(url: str, application_name: str, autocommit: bool,

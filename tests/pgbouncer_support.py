@@ -90,7 +90,8 @@ class PgBouncer:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
-def _ini(port: int, server: dict[str, str], directory: Path, pool_mode: str) -> str:
+def _ini(port: int, server: dict[str, str], directory: Path, pool_mode: str,
+         ignore_startup_parameters: str = "") -> str:
     target = " ".join(f"{key}={server[key]}" for key in ("host", "port", "user", "password")
                       if server.get(key))
     return "\n".join([
@@ -104,11 +105,14 @@ def _ini(port: int, server: dict[str, str], directory: Path, pool_mode: str) -> 
         "auth_type = trust",
         f"auth_file = {directory / 'users.txt'}",
         f"logfile = {directory / 'pgbouncer.log'}",
+        *([f"ignore_startup_parameters = {ignore_startup_parameters}"]
+          if ignore_startup_parameters else []),
         "",
     ])
 
 
-def start_pgbouncer(server_url: str, *, pool_mode: str = "transaction") -> PgBouncer:
+def start_pgbouncer(server_url: str, *, pool_mode: str = "transaction",
+                    ignore_startup_parameters: str = "") -> PgBouncer:
     """A PgBouncer on a free port in front of ``server_url``'s server; waits until it answers."""
     binary = pgbouncer_binary()
     if binary is None:
@@ -121,7 +125,7 @@ def start_pgbouncer(server_url: str, *, pool_mode: str = "transaction") -> PgBou
     (directory / "users.txt").write_text(f'"{server["user"]}" ""\n')
     port = free_port()
     ini = directory / "pgbouncer.ini"
-    ini.write_text(_ini(port, server, directory, pool_mode))
+    ini.write_text(_ini(port, server, directory, pool_mode, ignore_startup_parameters))
     command = [binary, str(ini)]
     user = _run_as()
     if user is not None:
@@ -218,8 +222,8 @@ class TcpRelay:
 
 
 @contextlib.contextmanager
-def running_pgbouncer(server_url: str) -> Iterator[PgBouncer]:
-    bouncer = start_pgbouncer(server_url)
+def running_pgbouncer(server_url: str, **settings: str) -> Iterator[PgBouncer]:
+    bouncer = start_pgbouncer(server_url, **settings)
     try:
         yield bouncer
     finally:

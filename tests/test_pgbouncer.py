@@ -22,9 +22,11 @@ from prometheus_support import fetch
 
 import jobd
 from jobd import queue
-from jobd.db import DEFAULT_SESSION, connect, is_pooled
+from jobd.db import DEFAULT_SESSION, SessionSettings, connect, is_pooled
+from jobd.errors import UsageError
 from jobd.localpg import free_port
 from jobd.queue import ClaimRequest
+from jobd.wakeup import Listener
 
 daemons = daemon_support.daemons  # the fixture
 
@@ -52,6 +54,31 @@ def bouncer(pg_server: Server) -> Iterator[PgBouncer]:
 @pytest.fixture
 def pooled_url(bouncer: PgBouncer, db_url: str) -> str:
     return bouncer.url_for(db_url)
+
+
+def test_a_pooler_that_drops_the_options_instead_of_refusing_them_is_taken_for_one(
+    pg_server: Server, db_url: str
+) -> None:
+    # PgBouncer with ignore_startup_parameters = options accepts the connection and drops
+    # its settings: taken for direct, nothing of jobd's session was set, and a LISTEN there
+    # (listen_url) reported itself connected and heard nothing.
+    with running_pgbouncer(pg_server.admin_url,
+                           ignore_startup_parameters="options,extra_float_digits") as lenient:
+        url = lenient.url_for(db_url)
+        conn = connect(url, session=SessionSettings(statement_timeout=42.0))
+        try:
+            assert is_pooled(conn)
+            assert conn.execute("SHOW statement_timeout").fetchone() == ("42s",)
+        finally:
+            conn.close()
+        with pytest.raises(UsageError, match="ignored the connection's options"):
+            connect(url, session=SessionSettings(pooler="none"))
+        listener = Listener(url, "jobd", listen_url=url)
+        try:
+            listener.link.ensure()
+            assert not listener.connected
+        finally:
+            listener.close()
 
 
 def pooled_daemon(daemons: Daemons, tmp_path: Path, pooled_url: str) -> Daemon:
