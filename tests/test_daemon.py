@@ -700,8 +700,13 @@ def test_reload_applies_a_new_log_level_to_the_supervisor_and_its_workers(
                                      supervisor={"log_level": "debug"}))
     daemon.wait_for_log("config reloaded", since=mark)
     daemon.wait_workers_started("default", 1, since=mark)
-    job_id = jobd.enqueue(effects_db, "ok")
-    wait_state(effects_db, job_id, "done", 15, daemon)
-    # The supervisor relays the enqueue's wake-up, the new worker claims the job.
-    daemon.wait_for_log("waking workers", since=mark)
-    daemon.wait_for_log("claimed", process=None, since=mark)
+
+    def relayed() -> bool:
+        # A job enqueued while the new worker sleeps armed: the supervisor relays its
+        # wake-up (a worker that is still claiming takes it without one).
+        job_id = jobd.enqueue(effects_db, "ok")
+        wait_state(effects_db, job_id, "done", 15, daemon)
+        return bool(daemon.events("waking workers", since=mark))
+
+    wait_until(relayed, 30, interval=0.2, message="a wake-up the supervisor logs at debug")
+    daemon.wait_for_log("claimed", process=None, since=mark)  # the new worker's
