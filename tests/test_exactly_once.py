@@ -489,9 +489,13 @@ def test_a_stricter_default_isolation_does_not_fail_a_run_the_heartbeat_renewed(
     assert effect_rows(conn) == [(job.effect_key, job_id, "worker-a")]
 
 
-@pytest.mark.parametrize("lane_timeout", [None, 5.0], ids=["no-lane-timeout", "looser-lane"])
-def test_a_tighter_statement_timeout_of_the_role_stands_inside_the_transaction(
-    tables: psycopg.Connection, db_url: str, lane_timeout: float | None
+@pytest.mark.parametrize(("role_timeout", "lane_timeout"), [
+    ("200ms", None),  # the role's own bound stands without a lane timeout
+    ("200ms", 5.0),  # and against a looser lane timeout
+    ("0", 0.2),  # the lane's bounds a transaction the role leaves unbounded
+], ids=["no-lane-timeout", "looser-lane", "lane-only"])
+def test_the_tighter_of_the_roles_and_the_lanes_statement_timeout_bounds_the_transaction(
+    tables: psycopg.Connection, db_url: str, role_timeout: str, lane_timeout: float | None
 ) -> None:
     conn = tables
     jobd.enqueue(conn, "tx", {"order": 1})
@@ -502,27 +506,11 @@ def test_a_tighter_statement_timeout_of_the_role_stands_inside_the_transaction(
         handler_conn.execute("SELECT pg_sleep(1)")
 
     with connect(db_url) as handler_conn:
-        handler_conn.execute("SET statement_timeout = '200ms'")  # as ALTER ROLE would set it
+        # As ALTER ROLE ... SET statement_timeout would set it.
+        handler_conn.execute(f"SET statement_timeout = '{role_timeout}'")
         with pytest.raises(psycopg.errors.QueryCanceled):
             run_transactional(handler_conn, job, slow, timeout=lane_timeout)
-        assert handler_conn.execute("SHOW statement_timeout").fetchone() == ("200ms",)
-
-
-def test_a_lane_timeout_bounds_a_transaction_the_role_leaves_unbounded(
-    tables: psycopg.Connection, db_url: str
-) -> None:
-    conn = tables
-    jobd.enqueue(conn, "tx", {"order": 1})
-    job = claim_one(conn, "worker-a", db_now(conn))
-
-    @jobd.transactional
-    def slow(job: Job, handler_conn: psycopg.Connection) -> None:
-        handler_conn.execute("SELECT pg_sleep(1)")
-
-    with connect(db_url) as handler_conn:
-        handler_conn.execute("SET statement_timeout = 0")
-        with pytest.raises(psycopg.errors.QueryCanceled):
-            run_transactional(handler_conn, job, slow, timeout=0.2)
+        assert handler_conn.execute("SHOW statement_timeout").fetchone() == (role_timeout,)
 
 
 @dataclass

@@ -478,6 +478,15 @@ def gated_module(daemon: Daemon, *, in_workers_only: bool = False) -> Path:
     return gate
 
 
+def started_with_a_slow_import(daemons: Daemons, *, in_workers_only: bool = False
+                               ) -> tuple[Daemon, Path]:
+    """A daemon started with a handler whose import waits (gated_module), and its gate."""
+    daemon = new_daemon(daemons)
+    gate = gated_module(daemon, in_workers_only=in_workers_only)
+    daemon.start({**config({"default": {}}), "handlers": {**HANDLERS, "later": "slowimport:run"}})
+    return daemon, gate
+
+
 def boot_check_running(daemon: Daemon) -> bool:
     return any("jobd.handlers" in line for line in daemon_support.children_of(daemon.pid).values())
 
@@ -487,9 +496,7 @@ def test_a_sigterm_while_the_handlers_import_at_start_stops_the_daemon_cleanly(
 ) -> None:
     # Before, the signal took its default action: exit 143, nothing logged, the import
     # check orphaned.
-    daemon = new_daemon(daemons)
-    gate = gated_module(daemon)
-    daemon.start({**config({"default": {}}), "handlers": {**HANDLERS, "later": "slowimport:run"}})
+    daemon, gate = started_with_a_slow_import(daemons)
     wait_until(lambda: boot_check_running(daemon), 15, message="the boot's import check")
     daemon.signal(signal.SIGTERM)
     gate.touch()
@@ -502,9 +509,7 @@ def test_a_sighup_while_the_handlers_import_at_start_is_a_reload_once_running(
     daemons: Daemons, effects_db: psycopg.Connection
 ) -> None:
     # Its default action is to exit (129), which systemd's Restart=on-failure does not undo.
-    daemon = new_daemon(daemons)
-    gate = gated_module(daemon)
-    daemon.start({**config({"default": {}}), "handlers": {**HANDLERS, "later": "slowimport:run"}})
+    daemon, gate = started_with_a_slow_import(daemons)
     wait_until(lambda: boot_check_running(daemon), 15, message="the boot's import check")
     daemon.signal(signal.SIGHUP)
     gate.touch()
@@ -517,9 +522,7 @@ def test_a_sighup_while_the_handlers_import_at_start_is_a_reload_once_running(
 def test_a_worker_asked_to_drain_while_its_handlers_import_drains_and_is_no_crash(
     daemons: Daemons,
 ) -> None:
-    daemon = new_daemon(daemons)
-    gate = gated_module(daemon, in_workers_only=True)
-    daemon.start({**config({"default": {}}), "handlers": {**HANDLERS, "later": "slowimport:run"}})
+    daemon, gate = started_with_a_slow_import(daemons, in_workers_only=True)
     spawned = daemon.wait_for_log("worker spawned", lane="default")
     wait_until((daemon.dir / "importing").exists, 15, message="the worker's import")
     daemon.signal(signal.SIGTERM)  # the supervisor drains: SIGTERM to the importing worker
