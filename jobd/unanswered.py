@@ -36,6 +36,8 @@ def recheck(conn: psycopg.Connection, worker: str, attempts: Attempts, written: 
     that are on record as ``worker``'s moved from ``lease_lost`` to what they were written
     as. A look-up that fails leaves them lost (the conservative report: the database is
     right either way) and is logged."""
+    if not attempts:
+        return written  # every exchange but the one after a lost answer: nothing to do
     completed, failed, _claimed = written
     refused = [job_id for job_id in (*completed.lease_lost, *failed.lease_lost)
                if job_id in attempts]
