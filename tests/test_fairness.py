@@ -360,6 +360,30 @@ def test_keys_whose_due_jobs_a_claim_must_step_over_leave_it_to_the_keys_after_t
     assert sorted(share_keys(taken)) == ["t5", "t6", "t7", "t8"]
 
 
+@pytest.mark.parametrize("cursor", [None, "t2"])
+def test_keys_whose_jobs_another_claim_holds_leave_it_to_the_keys_after_them(
+    conn: psycopg.Connection, db_url: str, cursor: str | None,
+) -> None:
+    # Another worker's claim, not yet committed, holds every due job of the first keys this
+    # claim finds. Those keys take nothing; the claim must go on to the keys after them, or it
+    # comes back short and its worker thinks the lane dry with jobs left. With a cursor, the
+    # keys after it come first and the ones before it (around the wrap) after them.
+    t0 = db_now(conn)
+    for key in ("t1", "t2", "t3", "t4", "t5", "t6"):
+        bulk(conn, 2, "h", t0, fairness_key=key)
+    held = ("t3", "t4") if cursor else ("t1", "t2")
+    with connect(db_url) as other, other.transaction():
+        other.execute("SELECT id FROM jobs WHERE fairness_key = ANY(%s) FOR UPDATE",
+                      [list(held)])
+        taken = claim(conn, 2, now=t0, lane_order=order(fair_by="fairness_key", cursor=cursor))
+        assert len(taken) == 2
+        assert not set(share_keys(taken)) & set(held)
+        # Every key left but the held ones: the keys after them, then around the wrap.
+        rest = claim(conn, 8, now=t0, lane_order=order(fair_by="fairness_key", cursor=cursor))
+        assert len(rest) == 6
+        assert not set(share_keys(rest)) & set(held)
+
+
 # --- entry points and config ---------------------------------------------------------------
 
 
