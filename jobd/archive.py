@@ -27,7 +27,7 @@ def drop_before(conn: psycopg.Connection, cutoff: datetime) -> int:
 
 
 # Rows a prune deletes in one statement (and one commit), and how long one retention pass
-# prunes before it leaves the rest to the next (the supervisor's loop waits meanwhile).
+# prunes before it leaves the rest to the next (the other duties wait meanwhile).
 PRUNE_BATCH = 10_000
 PRUNE_BUDGET = 0.25
 

@@ -4,12 +4,14 @@ supervisord), and the loop that runs everything else the node does.
 One loop sleeps in ``select`` on the signal pipe, the workers' status pipes and the LISTEN
 connection. Each turn it: handles signals; finishes a reload whose import check is done;
 reaps, kills and respawns workers (:mod:`jobd.workerpool`); turns notifications into wake
-decisions (:mod:`jobd.wake_routing`); runs the duties that are due (:mod:`jobd.duties`:
-crash attribution, lease sweep, node heartbeat, schedules, fallback poll, retention); pokes
-the workers routing chose; and tells systemd how it is (:mod:`jobd.sdnotify`). Nothing in
-the loop blocks for long: statements are bounded, notifications never block, a reload's
-handler import runs in a child process. With ``metrics.listen`` it also publishes what the
-node's Prometheus metrics export (:mod:`jobd.metrics`), served from a thread of its own.
+decisions (:mod:`jobd.wake_routing`); hands the duties that are due (:mod:`jobd.duties`:
+crash attribution, lease sweep, node heartbeat, schedules, fallback poll, retention) to the
+thread that runs their statements and takes back what they routed; pokes the workers
+routing chose; and tells systemd how it is (:mod:`jobd.sdnotify`). The loop waits on its
+``select`` alone: the duties' statements run on their thread (:mod:`jobd.duties.runner`),
+notifications never block, a reload's handler import runs in a child process. With
+``metrics.listen`` it also publishes what the node's Prometheus metrics export
+(:mod:`jobd.metrics`), served from a thread of its own.
 
 SIGHUP reloads the config (refused, keeping the old one, if it cannot be read or is
 invalid); workers whose settings changed retire while a new generation starts. SIGTERM or
@@ -24,6 +26,7 @@ import secrets
 import signal
 import time
 from dataclasses import replace
+from functools import partial
 
 import setproctitle
 import structlog
@@ -40,7 +43,7 @@ from jobd.duties.materializer import Materializer
 from jobd.duties.metrics_sampler import MetricsSampler
 from jobd.duties.node_heartbeat import NodeHeartbeat
 from jobd.duties.retention import Retention
-from jobd.duties.runner import DutyRunner
+from jobd.duties.runner import DeferredRouter, DutyRunner, LoopCalls
 from jobd.errors import ConfigError
 from jobd.eventloop import SelectLoop
 from jobd.handlers import HandlerCheck, check_in_subprocess
@@ -58,6 +61,11 @@ KILL_GRACE = 5.0  # after the drain timeout, how long before stragglers are SIGK
 LISTENER_PROBE_INTERVAL = 60.0
 LOOP_TICK = 1.0  # the longest the loop sleeps with nothing due
 METRICS_PUBLISH_INTERVAL = 0.5  # seconds between views published for the metrics server
+# A batch of duties on their thread this long (each statement is bounded: 10 s, a connection
+# attempt 5 s, a lost connection noticed within 30 s) means the thread is stuck: the systemd
+# watchdog is no longer pinged, so systemd restarts the daemon.
+DUTIES_STUCK_AFTER = 120.0
+FINISH_WAIT = 15.0  # on exit, how long to wait for the duties' batch in flight
 
 log = structlog.get_logger("jobd.supervisor")
 
@@ -77,17 +85,21 @@ class Supervisor:
                                  session=config.session, node=config.node_name)
         self.listener_fd: int | None = None
         self.router = WakeRouter()
-        self.crashes = CrashAttribution(self._retry_policy, self.router, self._lanes,
-                                        pinned=self.pool.forgive_crash)
-        self.lane_poll = LanePoll(lambda: self.config, self.router)
-        self.materializer = Materializer(self.instance, lambda: self.config, self.router)
-        self.lease_sweep = LeaseSweep(self._duty_interval, self._retry_policy, self.router,
+        # The duties run on a thread: what they ask of the loop waits for it (runner.py).
+        loop_calls = LoopCalls()
+        routes = DeferredRouter(self.router, loop_calls)
+        self.crashes = CrashAttribution(
+            self._retry_policy, routes, self._lanes,
+            pinned=lambda worker: loop_calls.later(partial(self.pool.forgive_crash, worker)))
+        self.lane_poll = LanePoll(lambda: self.config, routes)
+        self.materializer = Materializer(self.instance, lambda: self.config, routes)
+        self.lease_sweep = LeaseSweep(self._duty_interval, self._retry_policy, routes,
                                       self._lanes)
         duties = [
             # In this order in the transaction they share every duty_interval.
             self.lease_sweep,
             NodeHeartbeat(self._duty_interval, self.instance, lambda: self.config.node_name,
-                          self.pool.snapshot, self.router, self._lanes,
+                          self.pool.snapshot, routes, self._lanes,
                           lambda: self.listener.connected),
             self.materializer,
             self.crashes,
@@ -106,7 +118,7 @@ class Supervisor:
             self.metrics_server = Server(config.metrics_listen, NodeCollector(self.metrics))
             self.sampler = MetricsSampler(self._lanes)
             duties.append(self.sampler)
-        self.duties = DutyRunner(duties)
+        self.duties = DutyRunner(duties, self.link, self.loop, loop_calls)
         self.next_listener_probe = time.monotonic() + LISTENER_PROBE_INTERVAL
         self.next_watchdog = 0.0
         self.stopping = False
@@ -170,14 +182,11 @@ class Supervisor:
             else:
                 self.pool.check_liveness()
                 self.pool.spawn_due()
-            self.link.ensure()
             self._ensure_listener()
             self._receive_wakeups()
-            # Workers first: a due duty's statements must not sit between a notification and
-            # the wake-up it asks for. Duties can make more wake-ups due (retries, suspects).
+            # What a batch of duties that came back routed (retries, suspects) is due too.
             self._wake_workers()
-            self.duties.run_due(self.link)
-            self._wake_workers()
+            self.duties.dispatch()
             self._watchdog()
             self._update_status()
             self._publish_metrics()
@@ -213,10 +222,10 @@ class Supervisor:
         for exited in self.pool.reap(self.stopping):
             # A crashed worker's jobs are settled now (jobd.duties.crash_attribution); a
             # worker we stopped gives its jobs back. Nobody waits for a lease to expire.
-            self.crashes.add(Attribution(
+            self.duties.when_idle(partial(self.crashes.add, Attribution(
                 exited.worker_id, exited.lane,
                 f"worker {exited.worker_id} (pid {exited.pid}) died: {exited.reason}",
-                release=not exited.crashed, running=exited.running))
+                release=not exited.crashed, running=exited.running)))
             if self.metrics is not None:
                 self.metrics.retire(exited.lane, exited.report.work)
 
@@ -231,7 +240,7 @@ class Supervisor:
             assert self.listener_fd is not None
             self.loop.register(self.listener_fd, lambda _fd: None)
             # Notifications sent while we were not listening are lost: look at every lane.
-            self.lane_poll.poll_now()
+            self.duties.when_idle(self.lane_poll.poll_now)
 
     def _receive_wakeups(self) -> None:
         self.router.notified(self.listener.receive())
@@ -307,8 +316,8 @@ class Supervisor:
                         "until one does")
         self.pool.apply(new)
         self.config = new
-        self.materializer.resync()  # the new schedules are declared on the next turn
-        self.lane_poll.poll_now()  # look at every lane, new ones included
+        self.duties.when_idle(self.materializer.resync)  # declared on the next turn
+        self.duties.when_idle(self.lane_poll.poll_now)  # every lane, new ones included
         log.info("config reloaded", lanes={n: lane.workers for n, lane in new.lanes.items()},
                  generation=self.pool.generation)
         self.notifier.ready(self._status_text())
@@ -346,14 +355,20 @@ class Supervisor:
         self.stop_deadline = None
 
     def _finish(self) -> None:
+        # The loop is done: the duties' last statements may wait here.
+        settled = self.duties.settle(FINISH_WAIT)
         self._reap()
-        self.link.run("crash attribution",
-                      lambda conn: self.crashes.run(conn, time.monotonic()))
-        self.duties.stop(self.link)  # leave the nodes table, withdraw schedule declarations
+        if settled:
+            self.link.run("crash attribution",
+                          lambda conn: self.crashes.run(conn, time.monotonic()))
+            self.duties.stop()  # leave the nodes table, withdraw schedule declarations
+            self.link.close()
+        else:
+            log.warning("a duty's statement was still running at exit; the node's row and "
+                        "schedule declarations expire instead", waited=FINISH_WAIT)
         self.listener.close()
         self.notifier.flush()  # a last try for STOPPING=1; never waits
         self.notifier.close()
-        self.link.close()
         if self.metrics_server is not None:
             self.metrics_server.stop()
         log.info("stopped")
@@ -395,6 +410,8 @@ class Supervisor:
 
     def _watchdog(self) -> None:
         now = time.monotonic()
+        if self.duties.in_flight_for(now) > DUTIES_STUCK_AFTER:
+            return  # systemd restarts a daemon whose duties have stopped
         if self.notifier.watchdog_interval and now >= self.next_watchdog:
             delivered = self.notifier.watchdog()
             self.next_watchdog = now + (self.notifier.watchdog_interval if delivered

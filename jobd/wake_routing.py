@@ -58,9 +58,10 @@ class WakeRouter:
 
     # --- the database clock ------------------------------------------------------------
 
-    def measured_db_clock(self, db_epoch: float) -> None:
-        """The database clock reads ``db_epoch`` now (a node heartbeat's round trip)."""
-        self._db_minus_monotonic = db_epoch - time.monotonic()
+    def measured_db_clock(self, db_epoch: float, at: float | None = None) -> None:
+        """The database clock read ``db_epoch`` at monotonic instant ``at`` (default: now;
+        a node heartbeat's round trip)."""
+        self._db_minus_monotonic = db_epoch - (time.monotonic() if at is None else at)
 
     def db_epoch(self, now: float | None = None) -> float:
         """The database clock at monotonic instant ``now`` (default: now), as last measured."""

@@ -607,6 +607,41 @@ def test_an_idle_lanes_wake_ups_go_to_the_worker_that_just_ran_out_of_work(
     assert most >= 16, claimers
 
 
+def test_the_loop_relays_wake_ups_and_takes_signals_while_a_duty_statement_runs_long(
+    daemons: Daemons, effects_db: psycopg.Connection
+) -> None:
+    # The duties' statements (lease sweep, heartbeat, schedules, polls) run off the
+    # supervisor's loop: one that takes long (a slow scan under a held horizon, a lock, a
+    # pooler's queue) must not hold up the wake-ups the loop relays or the signals it takes.
+    # They waited for it, up to the statement timeout (10 s) of each. Here the node heartbeat
+    # takes 8 s.
+    daemon = daemons(make_config({"default": {}}, supervisor={"log_level": "debug"}))
+    daemon.wait_workers_started("default", 1)
+    wait_until(lambda: effects_db.execute("SELECT count(*) FROM lane_waiters").fetchone()
+               == (1,), 10, message=lambda: "the worker to sleep armed")
+    effects_db.execute("""
+        CREATE FUNCTION public.slow_heartbeat() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN PERFORM pg_sleep(8); RETURN NEW; END $$;
+        CREATE TRIGGER slow_heartbeat BEFORE INSERT ON jobd.nodes
+            FOR EACH ROW EXECUTE FUNCTION public.slow_heartbeat()""")
+    sleeping_sql = ("SELECT pid, query_start FROM pg_stat_activity"
+                    " WHERE datname = current_database()"
+                    " AND application_name LIKE 'jobd supervisor%'"
+                    " AND wait_event = 'PgSleep'")
+    sleeping = wait_until(lambda: effects_db.execute(sleeping_sql).fetchone(), 10,
+                          message=lambda: "the heartbeat to take its time")
+    mark = daemon.mark()
+    job = jobd.enqueue(effects_db, "ok")
+    daemon.wait_for_log("woken", process="worker default#0", since=mark)
+    wait_state(effects_db, job, "done", 5, daemon)
+    daemon.signal(signal.SIGTERM)
+    daemon.wait_for_log("draining", since=mark)
+    # All while that very statement still ran.
+    assert effects_db.execute(sleeping_sql).fetchone() == sleeping
+    assert daemon.wait_exit(30) == 0
+    effects_db.execute("DROP TRIGGER slow_heartbeat ON jobd.nodes")
+
+
 # --- 10. command-line errors ---------------------------------------------------------------
 
 

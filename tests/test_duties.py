@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from datetime import datetime, timedelta
+from types import SimpleNamespace
 
 import psycopg
 import pytest
@@ -12,11 +13,11 @@ import structlog
 from daemon_support import wait_until
 
 import jobd
-from jobd import archive, queue, recovery
+from jobd import archive, protocol, queue, recovery
 from jobd.backoff import Backoff, RetryPolicy
 from jobd.config import Config, LaneConfig, ScheduleConfig
 from jobd.db import ManagedConnection, connect
-from jobd.duties import Duty
+from jobd.duties import Duty, Router
 from jobd.duties.crash_attribution import Attribution, CrashAttribution
 from jobd.duties.horizon_watch import HorizonWatch
 from jobd.duties.lane_poll import LanePoll
@@ -24,7 +25,8 @@ from jobd.duties.lease_sweep import LeaseSweep
 from jobd.duties.materializer import Materializer
 from jobd.duties.node_heartbeat import NodeHeartbeat
 from jobd.duties.retention import BACKLOG_INTERVAL, MAINTENANCE_INTERVAL, Retention
-from jobd.duties.runner import DutyRunner
+from jobd.duties.runner import DeferredRouter, DutyRunner, LoopCalls
+from jobd.eventloop import SelectLoop
 from jobd.wake_routing import WakeRouter
 
 NOW = 1000.0  # the injected monotonic clock
@@ -107,6 +109,7 @@ def test_the_node_heartbeat_reports_the_node_and_measures_the_clock(
     router.db_clock_offset = 1e6
     heartbeat = NodeHeartbeat(lambda: 5.0, INSTANCE, lambda: "node-1",
                               lambda: ({"default": 2}, {"default": {"claimed": 7}}), router)
+    heartbeat.prepare()  # on the loop: the pool's snapshot
     heartbeat.run(conn, NOW)
     assert heartbeat.next_at == NOW + 5.0
     assert abs(router.db_clock_offset) < 5  # the same machine: about zero
@@ -263,19 +266,102 @@ def link(db_url: str, conn: psycopg.Connection) -> ManagedConnection:
     managed.close()
 
 
+def come_back(runner: DutyRunner, loop: SelectLoop, timeout: float = 10.0) -> None:
+    """Sleep in the loop, as the supervisor does, until the batch on the thread comes back."""
+    wait_until(lambda: (loop.wait(0.1), not runner.busy)[1], timeout,
+               message=lambda: "the duties' batch to come back")
+
+
 def test_duties_due_together_share_one_transaction(
     link: ManagedConnection, conn: psycopg.Connection,
 ) -> None:
     ok, failing, alone = Recorder(), Recorder(fail=True), Recorder(alone=True)
-    runner = DutyRunner([ok, failing, alone])
-    runner.run_due(link, NOW)
+    loop = SelectLoop()
+    runner = DutyRunner([ok, failing, alone], link, loop, LoopCalls())
+    runner.dispatch(NOW)
+    come_back(runner, loop)
     # The failing duty rolled back the one it shared a transaction with, not the one alone.
     assert conn.execute("SELECT count(*) FROM public.recorded").fetchone() == (1,)
     assert ok.rolled and failing.rolled and not alone.rolled
     assert link.conn is not None  # a failed statement is not a lost connection
     assert runner.next_at() == NOW + 1.0
-    runner.run_due(link, NOW + 0.5)  # nothing due yet
-    assert conn.execute("SELECT count(*) FROM public.recorded").fetchone() == (1,)
+    runner.dispatch(NOW + 0.5)  # nothing due yet
+    assert not runner.busy
+    runner.stop()
+
+
+class Waiter(Duty):
+    """A duty whose statement waits for a lock, then routes a wake-up."""
+
+    name = "waiter"
+
+    def __init__(self, router: Router) -> None:
+        super().__init__()
+        self.router = router
+        self.polled = 0
+
+    def poll_now(self) -> None:
+        self.polled += 1
+        self.next_at = 0.0
+
+    def run(self, conn: psycopg.Connection, now: float) -> None:
+        self.next_at = now + 60.0
+        conn.execute("LOCK TABLE public.recorded IN SHARE MODE")
+        self.router.due_now("default")
+
+
+def test_the_loop_does_not_wait_for_a_duty_that_waits_for_a_lock(
+    link: ManagedConnection, conn: psycopg.Connection, db_url: str,
+) -> None:
+    # The supervisor's loop relays wake-ups, reaps workers and takes signals: a duty's
+    # statement that waits (a lock, a slow scan, a pooler's queue) must not hold it up.
+    router = WakeRouter()
+    worker = SimpleNamespace(lane="default", retiring=False, capacity=10, wake_load=0, busy=0)
+    calls = LoopCalls()
+    waiter = Waiter(DeferredRouter(router, calls))
+    loop = SelectLoop()
+    runner = DutyRunner([waiter], link, loop, calls)
+    with connect(db_url, autocommit=False) as holder:
+        holder.execute("LOCK TABLE public.recorded IN EXCLUSIVE MODE")
+        runner.dispatch(NOW)
+        wait_until(lambda: conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+            " AND application_name = 'jobd test' AND wait_event_type = 'Lock'"
+        ).fetchone() == (1,), 10,
+            message=lambda: "the duty's statement to wait for the lock")
+        loop.wait(0.05)  # returns: nothing woke it but the timeout
+        assert runner.busy and runner.next_at() == math.inf
+        # What the loop asks of a duty on the thread waits for the batch to come back, and
+        # what the duty routed reaches the router only then, on the loop.
+        runner.when_idle(waiter.poll_now)
+        assert waiter.polled == 0
+        holder.rollback()
+        wait_until(lambda: len(calls._calls) == 1, 10,
+                   message=lambda: "the duty to route its wake-up")
+        assert router.route([worker]) == []  # not before the batch comes back
+    come_back(runner, loop)
+    assert waiter.polled == 1 and waiter.next_at == 0.0
+    assert router.route([worker]) == [(worker, protocol.WAKE)]
+    runner.stop()
+
+
+class Broken(Duty):
+    name = "broken"
+
+    def run(self, conn: psycopg.Connection, now: float) -> None:
+        self.next_at = now + 60.0
+        raise KeyError("a defect, not a database error")
+
+
+def test_a_defect_in_a_duty_ends_the_loop_as_it_would_on_the_loop(
+    link: ManagedConnection,
+) -> None:
+    loop = SelectLoop()
+    runner = DutyRunner([Broken()], link, loop, LoopCalls())
+    runner.dispatch(NOW)
+    with pytest.raises(KeyError, match="a defect"):
+        come_back(runner, loop)
+    assert not runner.busy
 
 
 def test_the_horizon_watch_names_the_transaction_that_holds_vacuum_back(

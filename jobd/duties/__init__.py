@@ -13,19 +13,36 @@
 
 A duty says when it next wants to run (:attr:`Duty.next_at`, monotonic) and does its work
 in :meth:`Duty.run` with a connection; the :class:`~jobd.duties.runner.DutyRunner` runs the
-due ones on the supervisor's loop. Duties that run every ``duty_interval`` share one
-transaction, so an idle node costs the database one transaction per interval; the others
-(``alone``) run in their own, so a slow one cannot roll back the rest. Each duty is
+due ones on a thread of its own, so the supervisor's loop never waits for their statements.
+What a duty reads of the loop's state it copies in :meth:`Duty.prepare`, on the loop; what it
+routes goes through a :class:`Router`, whose calls the runner carries out on the loop.
+Duties that run every ``duty_interval`` share one transaction, so an idle node costs the
+database one transaction per interval; the others (``alone``) run in their own, so a slow
+one cannot roll back the rest. Each duty is
 testable with a connection and an injected clock (``now``), without processes.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import ClassVar
+from collections.abc import Callable, Iterable, Mapping
+from datetime import datetime
+from typing import ClassVar, Protocol
 
 import psycopg
+
+
+class Router(Protocol):
+    """What the duties ask of :class:`jobd.wake_routing.WakeRouter`."""
+
+    def measured_db_clock(self, db_epoch: float) -> None: ...
+    def db_epoch(self, now: float | None = None) -> float: ...
+    def due_now(self, lane: str, count: int | None = None) -> None: ...
+    def due_everywhere(self, lanes: Iterable[str]) -> None: ...
+    def due_at(self, lane: str, at_epoch: float) -> None: ...
+    def retries_due(self, next_retry_by_lane: Mapping[str, datetime]) -> None: ...
+    def suspects_due(self, lane: str, at_epoch: float | None = None) -> None: ...
+    def controls_changed(self, lane: str) -> None: ...
 
 
 class Duty:
@@ -37,6 +54,9 @@ class Duty:
 
     def due(self, now: float) -> bool:
         return now >= self.next_at
+
+    def prepare(self) -> None:
+        """On the loop, before a turn on the duties' thread: copy what it reads of the loop."""
 
     def run(self, conn: psycopg.Connection, now: float) -> None:
         raise NotImplementedError

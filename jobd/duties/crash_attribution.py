@@ -18,10 +18,9 @@ import psycopg
 import structlog
 
 from jobd import jobs, queue, recovery
-from jobd.duties import NEVER, Duty
+from jobd.duties import NEVER, Duty, Router
 from jobd.queries import query
 from jobd.run_board import Running
-from jobd.wake_routing import WakeRouter
 
 log = structlog.get_logger("jobd.duties.crash_attribution")
 
@@ -46,7 +45,7 @@ class CrashAttribution(Duty):
     name = "crash attribution"
     alone = True
 
-    def __init__(self, policy_for: recovery.PolicyLookup, router: WakeRouter,
+    def __init__(self, policy_for: recovery.PolicyLookup, router: Router,
                  lanes: Callable[[], Iterable[str]],
                  pinned: Callable[[str], None] = lambda _worker: None) -> None:
         super().__init__()

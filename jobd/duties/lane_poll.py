@@ -12,17 +12,16 @@ from collections.abc import Callable
 import psycopg
 
 from jobd.config import Config
-from jobd.duties import NEVER, Duty
+from jobd.duties import NEVER, Duty, Router
 from jobd.head_scans import HeadScans
 from jobd.queries import query
-from jobd.wake_routing import WakeRouter
 
 
 class LanePoll(Duty):
     name = "lane poll"
     alone = True
 
-    def __init__(self, config: Callable[[], Config], router: WakeRouter) -> None:
+    def __init__(self, config: Callable[[], Config], router: Router) -> None:
         super().__init__()
         self.config = config
         self.router = router

@@ -13,9 +13,8 @@ import psycopg
 import structlog
 
 from jobd import recovery
-from jobd.duties import Periodic
+from jobd.duties import Periodic, Router
 from jobd.head_scans import HeadScans
-from jobd.wake_routing import WakeRouter
 
 log = structlog.get_logger("jobd.duties.lease_sweep")
 
@@ -24,7 +23,7 @@ class LeaseSweep(Periodic):
     name = "lease sweep"
 
     def __init__(self, interval: Callable[[], float], policy_for: recovery.PolicyLookup,
-                 router: WakeRouter, lanes: Callable[[], Iterable[str]]) -> None:
+                 router: Router, lanes: Callable[[], Iterable[str]]) -> None:
         super().__init__(interval)
         self.policy_for = policy_for
         self.router = router
@@ -43,8 +42,9 @@ class LeaseSweep(Periodic):
                                               lanes=list(self.lanes()))
         self.head_scans.ran(now, look_back, sweep.scan_seconds, sweep.complete)
         self.last_turn = sweep.expired_by_lane
-        for lane, count in sweep.expired_by_lane.items():
-            self.expired[lane] = self.expired.get(lane, 0) + count
+        # A new dict, never one changed in place: the loop copies it for the metrics.
+        self.expired = {lane: self.expired.get(lane, 0) + sweep.expired_by_lane.get(lane, 0)
+                        for lane in self.expired.keys() | sweep.expired_by_lane.keys()}
         outcome = sweep.failed
         self.router.retries_due(outcome.next_retry_by_lane)
         if outcome.retried or outcome.dead:
@@ -54,8 +54,8 @@ class LeaseSweep(Periodic):
             self.router.due_everywhere(self.lanes())
 
     def rolled_back(self) -> None:
-        for lane, count in self.last_turn.items():
-            self.expired[lane] -= count
+        self.expired = {lane: count - self.last_turn.get(lane, 0)
+                        for lane, count in self.expired.items()}
         self.last_turn = {}
         # What that turn swept is still to sweep, below the next turn's look back perhaps.
         self.head_scans.from_head_next()

@@ -12,8 +12,7 @@ import psycopg
 
 from jobd import schedules
 from jobd.config import Config
-from jobd.duties import NEVER, Duty
-from jobd.wake_routing import WakeRouter
+from jobd.duties import NEVER, Duty, Router
 
 TIMER_FLOOR = 0.05  # seconds: a slightly early timer (clock offset error) must not spin
 RETRY_AFTER = 1.0  # seconds before a failed turn is tried again
@@ -22,7 +21,7 @@ RETRY_AFTER = 1.0  # seconds before a failed turn is tried again
 class Materializer(Duty):
     name = "schedules"
 
-    def __init__(self, instance: str, config: Callable[[], Config], router: WakeRouter) -> None:
+    def __init__(self, instance: str, config: Callable[[], Config], router: Router) -> None:
         super().__init__()
         self.instance = instance
         self.config = config

@@ -13,9 +13,8 @@ from collections.abc import Callable, Iterable
 import psycopg
 from psycopg.types.json import Jsonb
 
-from jobd.duties import Periodic
+from jobd.duties import Periodic, Router
 from jobd.queries import query
-from jobd.wake_routing import WakeRouter
 
 # (live workers per lane, counters per lane)
 Snapshot = tuple[dict[str, int], dict[str, dict[str, int]]]
@@ -26,7 +25,7 @@ class NodeHeartbeat(Periodic):
 
     def __init__(self, interval: Callable[[], float], instance: str,
                  node_name: Callable[[], str], snapshot: Callable[[], Snapshot],
-                 router: WakeRouter, lanes: Callable[[], Iterable[str]] = tuple,
+                 router: Router, lanes: Callable[[], Iterable[str]] = tuple,
                  listening: Callable[[], bool] = lambda: True) -> None:
         super().__init__(interval)
         self.listening = listening  # whether notifications reach this node (LISTEN)
@@ -35,9 +34,14 @@ class NodeHeartbeat(Periodic):
         self.node_name = node_name
         self.snapshot = snapshot
         self.router = router
+        self.taken: Snapshot = ({}, {})
+
+    def prepare(self) -> None:
+        # The worker pool is the loop's: read on the loop, not while it reaps or spawns.
+        self.taken = self.snapshot()
 
     def work(self, conn: psycopg.Connection, now: float) -> None:
-        live, counters = self.snapshot()
+        live, counters = self.taken
         # Every configured lane is listed, with 0 while none of its workers runs (restarting,
         # or unable to start), so status shows what the node serves, not only what is up.
         workers = {lane: 0 for lane in self.lanes()} | live
