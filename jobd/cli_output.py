@@ -4,6 +4,7 @@ values for people, and the time formats both use."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from datetime import UTC, datetime
 
@@ -18,26 +19,59 @@ def print_json(data: object) -> None:
     print(json.dumps(data, default=_json_default, indent=2))
 
 
+# C0 controls, DEL and C1 controls: what a terminal may take for a command. Text producers
+# control (an error that quotes a payload, an idempotency key) could otherwise clear the
+# screen, retitle the window or, with a carriage return, overwrite what the line said.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def escaped(text: str) -> str:
+    """``text`` with each control character written as its escape (\\x1b, \\r, \\t), on
+    one line. ``--json`` needs none of this: JSON escapes them itself."""
+    return _CONTROL.sub(lambda match: repr(match[0])[1:-1], text)
+
+
+def json_escaped(text: str) -> str:
+    """JSON text with each control character written as JSON's escape (\\u009b): still
+    JSON, with the same value. (jsonb prints C0 controls escaped, but DEL and C1 as they
+    are.)"""
+    return _CONTROL.sub(lambda match: f"\\u{ord(match[0]):04x}", text)
+
+
+def text_lines(text: str) -> list[str]:
+    """The lines of a text, escaped. Only a newline (or CR LF) ends a line: a lone carriage
+    return, a form feed or a NEL is shown as its escape, not taken for a line break."""
+    return [escaped(line) for line in _NEWLINE.split(text)]
+
+
+_NEWLINE = re.compile(r"\r?\n")
+
+
 def one_line(text: str) -> str:
-    """The first line of a text; "..." marks that more lines follow (tracebacks)."""
-    lines = text.strip().splitlines()
-    if not lines:
-        return ""
+    """The first line of a text, escaped; "..." marks that more lines follow (tracebacks)."""
+    lines = text_lines(text.strip())
     return lines[0] + (" ..." if len(lines) > 1 else "")
 
 
 def field(value: object) -> str:
-    """A value on one line: jobs show's fields."""
+    """A value on one line, whole and escaped: jobs show's fields. (An error's text is
+    shown by :func:`error_line` instead.)"""
     if value is None:
         return "-"
     if isinstance(value, datetime):
         return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + "Z"
-    return one_line(str(value))
+    return escaped(str(value))
+
+
+def error_line(error: str | None) -> str:
+    """An error's text as a field or cell shows it: its first line (a traceback's last
+    words are in ``jobd jobs show --full-errors``)."""
+    return "-" if error is None else one_line(error)
 
 
 def cell(value: object) -> str:
-    """A value in a table cell: one line (a traceback must not break the rows), at most 60
-    characters."""
+    """A value in a table cell: escaped onto one line (a line break must not break the
+    rows), at most 60 characters."""
     text = field(value)
     return text if len(text) <= 60 else text[:57] + "..."
 

@@ -11,7 +11,18 @@ from typing import Any
 
 from jobd import dlq, pauses, schedules, views
 from jobd.cli_context import Context
-from jobd.cli_output import cell, field, one_line, print_json, print_table, seconds
+from jobd.cli_output import (
+    cell,
+    error_line,
+    escaped,
+    field,
+    json_escaped,
+    one_line,
+    print_json,
+    print_table,
+    seconds,
+    text_lines,
+)
 from jobd.commands_controls import checked_names
 from jobd.config import Config
 from jobd.errors import UsageError
@@ -119,7 +130,7 @@ def _print_pauses(found: list[pauses.Pause]) -> None:
     for pause in found:
         what = "the whole lane" if pause.handler is None else f"handler {pause.handler}"
         print(f"  lane {pause.lane}: {what}, since {field(pause.paused_at)} "
-              f"by {pause.paused_by}")
+              f"by {field(pause.paused_by)}")
 
 
 def _print_schedule_conflicts(found: list[schedules.Conflict]) -> None:
@@ -171,6 +182,8 @@ def cmd_jobs_show(ctx: Context, args: argparse.Namespace) -> int:
         value = job[key]
         if key == "max_attempts":
             value = _max_attempts_text(ctx.config, job, limit, source)
+        elif key == "last_error":
+            value = error_line(value)
         print(f"{key:>{width}}: {field(value)}")
     print(f"{'payload':>{width}}: {_payload_text(job, args.payload)}")
     for line in _history_lines(history, args.full_errors):
@@ -214,7 +227,7 @@ def _payload_text(job: dict[str, Any], whole: bool) -> str:
     text = job["payload_text"]
     note = f" ({job['payload_problem']})" if job["payload_problem"] else ""
     if whole or len(text) <= PAYLOAD_PREVIEW_CHARS:
-        return text + note
+        return json_escaped(text) + note
     return f"{len(text.encode())} bytes of JSON{note}; use --payload to show it"
 
 
@@ -228,11 +241,11 @@ def _history_lines(history: list[Any], full: bool) -> list[str]:
     for entry in history:
         if isinstance(entry, dict) and "error" in entry:
             error = str(entry["error"] or "")
-            head = (f"  attempt {entry.get('attempt', '?')} at {_when(entry.get('at'))} "
-                    f"on worker {entry.get('worker') or '-'}")
+            head = escaped(f"  attempt {entry.get('attempt', '?')} at {_when(entry.get('at'))} "
+                           f"on worker {entry.get('worker') or '-'}")
             if full:
                 lines.append(head + ":")
-                lines.extend("    " + line for line in error.splitlines() or [""])
+                lines.extend("    " + line for line in text_lines(error.rstrip("\r\n")))
             else:
                 lines.append(f"{head}: {one_line(error)}")
         elif isinstance(entry, dict) and "replayed_at" in entry:
@@ -254,7 +267,7 @@ def _when(value: object) -> str:
         try:
             return cell(datetime.fromisoformat(value))
         except ValueError:
-            return value
+            return escaped(value)
     return field(value)
 
 
@@ -265,8 +278,12 @@ def cmd_jobs_list(ctx: Context, args: argparse.Namespace) -> int:
         print_json(rows)
         return 0
     columns = ["id", "lane", "handler", "state", "priority", "run_at", "attempts", "last_error"]
-    print_table(columns, [[row[c] for c in columns] for row in rows], empty="no jobs")
+    print_table(columns, [_row_cells(row, columns) for row in rows], empty="no jobs")
     return 0
+
+
+def _row_cells(row: dict[str, Any], columns: list[str]) -> list[object]:
+    return [error_line(row[c]) if c == "last_error" else row[c] for c in columns]
 
 
 def cmd_dlq_list(ctx: Context, args: argparse.Namespace) -> int:
@@ -276,7 +293,7 @@ def cmd_dlq_list(ctx: Context, args: argparse.Namespace) -> int:
         print_json(rows)
         return 0
     columns = ["id", "lane", "handler", "attempts", "died_at", "last_error"]
-    print_table(columns, [[row[c] for c in columns] for row in rows],
+    print_table(columns, [_row_cells(row, columns) for row in rows],
                  empty="the dead-letter queue is empty")
     return 0
 

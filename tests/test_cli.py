@@ -478,6 +478,47 @@ def test_listings_keep_one_row_per_line(db_url: str, conn: psycopg.Connection) -
     assert ok_json("dlq", "list", "--database-url", db_url)[0]["last_error"] == TRACEBACK
 
 
+# Text producers control, written with terminal controls: clear the screen, retitle the
+# window, overwrite the line (CR), a C1 CSI and DEL.
+HOSTILE = "\x1b[2J\x1b]0;pwned\x07X\rY\x9b31m\x7f"
+HOSTILE_SHOWN = "\\x1b[2J\\x1b]0;pwned\\x07X\\rY\\x9b31m\\x7f"
+
+
+def assert_no_controls(out: str) -> None:
+    assert not re.search(r"[\x00-\x09\x0b-\x1f\x7f-\x9f]", out), repr(out)
+
+
+def test_text_producers_control_cannot_drive_the_terminal(
+    db_url: str, conn: psycopg.Connection
+) -> None:
+    job_id = jobd.enqueue(conn, "send_email", {"to": HOSTILE}, priority=TOP, max_attempts=1,
+                          idempotency_key=f"k{HOSTILE}", fairness_key=f"f{HOSTILE}")
+    error = f"ValueError: bad order {HOSTILE}\nTraceback (most recent call last):\n  {HOSTILE}"
+    fail_attempts(conn, job_id, [error])
+    out = ok("jobs", "show", str(job_id), "--database-url", db_url)
+    assert_no_controls(out)
+    fields = show_fields(out)
+    assert fields["idempotency_key"] == f"k{HOSTILE_SHOWN}"
+    assert fields["fairness_key"] == f"f{HOSTILE_SHOWN}"
+    assert fields["last_error"] == f"ValueError: bad order {HOSTILE_SHOWN} ..."
+    # The payload stays JSON, with the same value: C1 and DEL as JSON escapes.
+    assert json.loads(fields["payload"]) == {"to": HOSTILE}
+    assert out.splitlines()[-1].endswith(f"ValueError: bad order {HOSTILE_SHOWN} ...")
+    full = ok("jobs", "show", str(job_id), "--full-errors", "--database-url", db_url)
+    assert_no_controls(full)
+    assert full.splitlines()[-3:] == [f"    ValueError: bad order {HOSTILE_SHOWN}",
+                                      "    Traceback (most recent call last):",
+                                      f"      {HOSTILE_SHOWN}"]
+    for listing in (["jobs", "list"], ["dlq", "list"]):
+        text = ok(*listing, "--database-url", db_url)
+        assert_no_controls(text)
+        assert len(text.splitlines()) == 2 and "\\x1b[2J" in text, text
+    # --json is exact: JSON escapes the controls itself.
+    shown = ok_json("jobs", "show", str(job_id), "--database-url", db_url)
+    assert (shown["idempotency_key"], shown["payload"]) == (f"k{HOSTILE}", {"to": HOSTILE})
+    assert shown["last_error"] == error
+
+
 # --- dead-letter queue ---------------------------------------------------------------------
 
 
