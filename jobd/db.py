@@ -144,10 +144,15 @@ def conninfo(url: str, schema: str | None, application_name: str = "jobd",
     with None it is left to the server, database and role defaults (handlers' connections).
     ``gucs`` are further server settings passed as startup parameters; None for a pooled
     connection, which takes neither (see :class:`PooledConnection`)."""
+    if _SECOND_AT.match(url):
+        # libpq ends the password at the first @: the rest of it would be taken for the
+        # host, and named in the error that it cannot be resolved.
+        raise UsageError("invalid database URL: more than one @ before its host (write an @ "
+                         "in the user name or password as %40)")
     try:
         params = conninfo_to_dict(url)
-    except psycopg.ProgrammingError as exc:
-        raise UsageError(f"invalid database URL: {first_line(exc)}") from None
+    except psycopg.ProgrammingError:
+        raise UsageError(f"invalid database URL: {_parse_error(url)}") from None
     params.setdefault("application_name", application_name)
     params.setdefault("connect_timeout", CONNECT_TIMEOUT_SECONDS)
     # A peer that vanished without closing (a partition, a frozen host) must not hold a
@@ -350,6 +355,41 @@ def redact(url: str) -> str:
     if "password" in params:
         params["password"] = "***"
     return make_conninfo(**params)
+
+
+def _parse_error(url: str) -> str:
+    """Why ``url`` does not parse, in libpq's words but without its password: libpq quotes
+    the text it stopped at, the whole URL or the password itself. The message is that of
+    the URL with its passwords masked, whose text is all it can quote; when the masked URL
+    parses, the password was what libpq could not read."""
+    try:
+        conninfo_to_dict(_mask_passwords(url))
+    except psycopg.ProgrammingError as exc:
+        return first_line(exc)
+    return ("its password cannot be read (in a URL, write %, @, / and spaces in it as %25, "
+            "%40, %2F and %20)")
+
+
+# Where a password may be in a connection string that need not parse: the userinfo of a URL
+# (postgresql://user:PASSWORD@host, up to the authority's last @, as a password may hold an
+# unencoded one), a password parameter of a URL's query, and a password=value of the
+# keyword form (quoted or not).
+_PASSWORD_TEXT = re.compile(
+    r"^(?P<scheme>[a-z][a-z0-9+.-]*://[^:@/]*:)[^/]*(?=@)"
+    r"|(?P<query>[?&]password=)[^&]*"
+    r"|(?P<keyword>\bpassword\s*=\s*)(?:'(?:[^'\\]|\\.)*'?|\S*)",
+    re.IGNORECASE)
+
+
+# A URL with a second @ in its authority (before the path or the query).
+_SECOND_AT = re.compile(r"[a-z][a-z0-9+.-]*://[^/@]*@[^/?]*@", re.IGNORECASE)
+
+
+def _mask_passwords(text: str) -> str:
+    """``text``, a connection string that may not parse, with each password it may hold
+    written as ***."""
+    return _PASSWORD_TEXT.sub(lambda m: (m["scheme"] or m["query"] or m["keyword"]) + "***",
+                              text)
 
 
 def first_line(exc: BaseException) -> str:

@@ -261,6 +261,27 @@ def test_database_refusals_map_to_exit_codes(
     assert count_jobs(conn) == 0
 
 
+# --- database URLs that do not parse -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("url", "fragment"),
+    [
+        ("postgresql://app:s3cretPW@[::1/appdb", 'matching "]" in IPv6 host address'),
+        ("postgresql://app:s3cret%PW@db.internal/appdb", "its password cannot be read"),
+        ("postgresql://app:s3c@retPW@db/appdb", "more than one @ before its host"),
+        ("postgresql://app@db/appdb?password=s3cret%PW", "its password cannot be read"),
+        ("postgresql://app:s3cretPW@db/appdb?x", 'URI query parameter: "x"'),
+        ("host=db password='s3cretPW", "its password cannot be read"),
+    ],
+)
+def test_a_url_that_does_not_parse_is_named_without_its_password(url: str,
+                                                                 fragment: str) -> None:
+    line = assert_one_line_error(cli("status", "--database-url", url), 2)
+    assert line.startswith("jobd: invalid database URL: ") and fragment in line
+    assert "s3c" not in line and "PW" not in line
+
+
 # --- config files that cannot be read ------------------------------------------------------
 
 
