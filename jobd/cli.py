@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import io
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -117,11 +118,13 @@ def _join_signed_values(argv: Sequence[str]) -> list[str]:
 
 
 def _dispatch(argv: Sequence[str] | None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(_join_signed_values(sys.argv[1:] if argv is None else argv))
-    func: Callable[[Context, argparse.Namespace], int] = args.func
     schema = "jobd's schema"  # named once the context is known
     try:
+        # Parsed in here: parsing reads `--payload -` from standard input, which Ctrl-C
+        # may interrupt.
+        args = build_parser().parse_args(
+            _join_signed_values(sys.argv[1:] if argv is None else argv))
+        func: Callable[[Context, argparse.Namespace], int] = args.func
         _refuse_unstorable_text(args)
         ctx = _context(args)
         schema = f"schema {ctx.schema}"
@@ -148,6 +151,7 @@ def _dispatch(argv: Sequence[str] | None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    _tolerant_stdout()
     try:
         try:
             return _dispatch(argv)
@@ -167,6 +171,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"jobd: cannot write the output: {exc.strerror}", file=sys.stderr)
         _silence_stdout()
         return 1
+
+
+def _tolerant_stdout() -> None:
+    """Characters the output's encoding lacks (PYTHONIOENCODING=ascii, a Latin-1 locale) are
+    written as escapes (\\U0001f600), as on stderr, instead of failing mid-output."""
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        sys.stdout.reconfigure(errors="backslashreplace")
 
 
 # What a write to a file that cannot take more says.

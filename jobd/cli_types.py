@@ -155,7 +155,7 @@ def payload_argument(text: str) -> Any:
     standard input (neither ``@`` nor ``-`` can start a JSON text). A payload larger than
     the command line takes (about 128 KiB on Linux) has to come from one of those."""
     if text == "-":
-        return payload(_decoded(_read_at_most(sys.stdin.buffer), "standard input"))
+        return payload(_decoded(_read_stdin(), "standard input"))
     if text.startswith("@"):
         path = text[1:]
         if not path:
@@ -168,6 +168,16 @@ def payload_argument(text: str) -> Any:
                 f"cannot read the payload file {path!r}: {exc.strerror}") from None
         return payload(_decoded(data, f"the payload file {path!r}"))
     return payload(text)
+
+
+def _read_stdin() -> bytes:
+    if sys.stdin is None:  # closed (`<&-`): Python has no stream for it
+        raise argparse.ArgumentTypeError("- reads standard input, which is closed")
+    try:
+        return _read_at_most(sys.stdin.buffer)
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(
+            f"cannot read standard input: {exc.strerror}") from None
 
 
 def _read_at_most(source: BinaryIO) -> bytes:

@@ -145,6 +145,59 @@ def test_an_escaped_backslash_before_u0000_is_not_a_nul(db_url: str,
     assert row == ({"path": "C:\\u0000"},)
 
 
+def test_a_payload_from_a_closed_standard_input_is_a_usage_error(
+    db_url: str, conn: psycopg.Connection
+) -> None:
+    result = subprocess.run(
+        ["sh", "-c", 'exec "$0" -m jobd enqueue h --payload - --database-url "$1" <&-',
+         sys.executable, db_url], capture_output=True, text=True, env=clean_env(),
+        timeout=TIMEOUT)
+    assert "standard input, which is closed" in assert_one_line_error(result, 2)
+    assert count_jobs(conn) == 0
+
+
+class InterruptedStdin:
+    """Standard input whose read Ctrl-C interrupts (SIGINT raises KeyboardInterrupt)."""
+
+    @property
+    def buffer(self) -> InterruptedStdin:
+        return self
+
+    def read(self, _size: int = -1) -> bytes:
+        raise KeyboardInterrupt
+
+
+def test_ctrl_c_while_the_payload_is_read_ends_quietly(
+    db_url: str, conn: psycopg.Connection, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(sys, "stdin", InterruptedStdin())
+    try:
+        code = jobd_cli.main(["enqueue", "h", "--payload", "-", "--database-url", db_url])
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C left main() (a traceback at the terminal)")
+    assert code == 130
+    assert capsys.readouterr() == ("", "")
+    assert count_jobs(conn) == 0
+
+
+def test_output_in_an_encoding_without_the_texts_characters(
+    db_url: str, conn: psycopg.Connection
+) -> None:
+    """PYTHONIOENCODING=ascii (or a Latin-1 terminal): what the encoding lacks is written as
+    its escape, as on stderr, not a traceback halfway through the output."""
+    job_id = jobd.enqueue(conn, "h", {"k": "\U0001f600"})
+    ascii_only = clean_env(PYTHONIOENCODING="ascii")
+    shown = cli("jobs", "show", str(job_id), "--database-url", db_url, env=ascii_only)
+    assert shown.returncode == 0, shown.stderr
+    assert '{"k": "\\U0001f600"}' in shown.stdout
+    moved = cli("dlq", "quarantine", "--handler", "h", "--where", "k=\U0001f600",
+                "--database-url", db_url, env=ascii_only)
+    assert moved.returncode == 0, moved.stderr
+    assert moved.stdout.startswith("quarantined 1 job(s) of handler h with payload "
+                                   "k='\\U0001f600'")
+
+
 # --- NUL characters in any argument --------------------------------------------------------
 # A process's argv cannot hold NUL, so these go through main() in this process.
 
