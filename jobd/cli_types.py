@@ -196,15 +196,23 @@ def _decoded(data: bytes, source: str) -> str:
             f"payload refused: {source} is not UTF-8 (byte {exc.start})") from None
 
 
+class _NotJson(ValueError):
+    """NaN, Infinity or -Infinity: Python's json reads them, JSON has no such words."""
+
+
+def _not_json(name: str) -> Any:
+    raise _NotJson(name)
+
+
 def where(text: str) -> tuple[str, Any]:
     """``KEY=VALUE``: a payload field to match. VALUE is JSON when it parses as JSON (42,
-    true, "42", {"a": 1}), else the text itself (a@example.com)."""
+    true, "42", {"a": 1}), else the text itself (a@example.com, NaN)."""
     key, sep, value = text.partition("=")
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, not {text[:40]!r}")
     try:
-        json.loads(value)
-    except json.JSONDecodeError:
+        json.loads(value, parse_constant=_not_json)
+    except (json.JSONDecodeError, _NotJson):
         return key, value
     except (ValueError, RecursionError):
         pass  # a number too long, nested too deeply: payload says which
