@@ -9,8 +9,9 @@ Each subcommand's parser names the function that implements it (``func``), in
 from __future__ import annotations
 
 import argparse
+import sys
 from importlib import metadata
-from typing import Any
+from typing import IO, Any
 
 import jobd
 from jobd import views
@@ -71,6 +72,11 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"{self.prog}: {printable(message)} (see {self.prog} --help)\n")
+
+    def print_help(self, file: IO[str] | None = None) -> None:
+        # argparse ignores a write that fails: the help is output like any other, and a
+        # full disk is reported as for --version (jobd.cli.main), not an exit code 0.
+        (file or sys.stdout).write(self.format_help())
 
 
 # --- parser --------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import psycopg
 from jobd import jobs, logs, producer, top, top_screen
 from jobd.cli_context import Context
 from jobd.cli_output import print_json
-from jobd.errors import UsageError
+from jobd.errors import JobdError, UsageError
 from jobd.grants import MissingRole
 from jobd.migrate import NotOwner, schema_problem, upgrade
 from jobd.supervisor import Supervisor
@@ -30,7 +30,9 @@ def cmd_run(ctx: Context, _args: argparse.Namespace) -> int:
     with ctx.connect() as conn:
         problem = schema_problem(conn)
     if problem:
-        raise UsageError(problem)
+        # A runtime failure, as for every other command: the same `jobd run` starts once
+        # `jobd migrate` has run.
+        raise JobdError(problem)
     return Supervisor(config, ctx.url).run()
 
 

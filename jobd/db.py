@@ -31,7 +31,7 @@ import psycopg
 import structlog
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from jobd.errors import DatabaseUnavailable, UsageError
+from jobd.errors import DatabaseUnavailable, InvalidDatabaseUrl, JobdError, UsageError
 from jobd.queries import query
 
 T = TypeVar("T")
@@ -147,12 +147,12 @@ def conninfo(url: str, schema: str | None, application_name: str = "jobd",
     if _SECOND_AT.match(url):
         # libpq ends the password at the first @: the rest of it would be taken for the
         # host, and named in the error that it cannot be resolved.
-        raise UsageError("invalid database URL: more than one @ before its host (write an @ "
-                         "in the user name or password as %40)")
+        raise InvalidDatabaseUrl("invalid database URL: more than one @ before its host "
+                                 "(write an @ in the user name or password as %40)")
     try:
         params = conninfo_to_dict(url)
     except psycopg.ProgrammingError:
-        raise UsageError(f"invalid database URL: {_parse_error(url)}") from None
+        raise InvalidDatabaseUrl(f"invalid database URL: {_parse_error(url)}") from None
     params.setdefault("application_name", application_name)
     params.setdefault("connect_timeout", CONNECT_TIMEOUT_SECONDS)
     # A peer that vanished without closing (a partition, a frozen host) must not hold a
@@ -258,7 +258,7 @@ def connect(
                                    autocommit=autocommit)
         except psycopg.OperationalError as exc:
             if session.pooler == "none" or _REFUSED_PARAMETER not in str(exc):
-                raise _unavailable(url, exc) from None
+                raise _refused(url, exc) from None
             # No log here: the CLI's output is its own. The daemon's connections say it
             # (ManagedConnection).
             _refusing_urls.add(url)
@@ -303,7 +303,7 @@ def _connect_pooled(url: str, application_name: str, autocommit: bool,
             make_conninfo(**params), autocommit=autocommit,
             prepare_threshold=None, cursor_factory=PooledCursor)
     except psycopg.OperationalError as exc:
-        raise _unavailable(url, exc) from None
+        raise _refused(url, exc) from None
     conn.session_gucs = gucs
     return conn
 
@@ -339,6 +339,22 @@ def users_connection_setup(url: str, session: SessionSettings
         if session.pooler == "transaction" or url in _refusing_urls:
             conn.prepare_threshold = None
     return setup
+
+
+# How libpq refuses an option's value before it connects (a port that is no number, an
+# sslmode it does not know): the URL is wrong, where a server away is a runtime failure.
+_INVALID_OPTION = re.compile(r'invalid integer value "[^"]*" for connection option "\w+"'
+                             r'|invalid port number: "[^"]*"'
+                             r'|invalid \w+ value: "[^"]*"'
+                             r"|could not match \d+ [\w ]+ to \d+ [\w ]+")
+
+
+def _refused(url: str, exc: psycopg.OperationalError) -> JobdError:
+    """What a failed connection attempt means: an invalid URL, or a database unavailable."""
+    invalid = _INVALID_OPTION.search(str(exc))
+    if invalid:
+        return InvalidDatabaseUrl(f"invalid database URL: {invalid[0]}")
+    return _unavailable(url, exc)
 
 
 def _unavailable(url: str, exc: BaseException) -> DatabaseUnavailable:
@@ -476,7 +492,9 @@ class ManagedConnection:
         try:
             conn = connect(self.url, self.schema, application_name=self.application_name,
                            session=self.session)
-        except DatabaseUnavailable as exc:
+        except (DatabaseUnavailable, InvalidDatabaseUrl) as exc:
+            # An invalid URL too: the listener's (database.listen_url) is first used here,
+            # and the node runs on without notifications, saying why at each attempt.
             self._failed_attempt(str(exc))
             return False
         try:

@@ -19,6 +19,11 @@ class ConfigError(UsageError):
     """The configuration file is invalid; the message names the file and line."""
 
 
+class InvalidDatabaseUrl(UsageError):
+    """A database URL that libpq refuses before connecting: it does not parse, or an
+    option's value is invalid (a port that is no number, an unknown sslmode)."""
+
+
 class DatabaseUnavailable(JobdError):
     """The database could not be reached with the URL given (exit code 1, a runtime
     failure: a script may retry; the message says whether the server refused, was not

@@ -335,6 +335,26 @@ def test_a_url_that_does_not_parse_is_named_without_its_password(url: str,
     assert "s3c" not in line and "PW" not in line
 
 
+@pytest.mark.parametrize(
+    ("query", "fragment"),
+    [
+        (":notaport/db", 'invalid integer value "notaport" for connection option "port"'),
+        (":99999/db", 'invalid port number: "99999"'),
+        ("/db?sslmode=bogus", 'invalid sslmode value: "bogus"'),
+        ("/db?target_session_attrs=bogus", 'invalid target_session_attrs value: "bogus"'),
+        ("/db?keepalives=abc", 'invalid integer value "abc" for connection option'),
+        ("/db?foo=bar", 'invalid URI query parameter: "foo"'),
+    ],
+)
+def test_an_invalid_connection_option_is_an_input_error(query: str, fragment: str) -> None:
+    """libpq refuses these before it connects: the URL is wrong (2), not the server away
+    (1)."""
+    url = f"postgresql://app:s3cretPW@127.0.0.1{query}"
+    line = assert_one_line_error(cli("status", "--database-url", url), 2)
+    assert line.startswith("jobd: invalid database URL: ") and fragment in line, line
+    assert "s3cretPW" not in line
+
+
 # --- config files that cannot be read ------------------------------------------------------
 
 
@@ -403,12 +423,16 @@ def test_a_variable_set_empty_is_refused_not_taken_for_unset(variable: str) -> N
 
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux)")
-@pytest.mark.parametrize("args", [["--version"], ["schedules", "next", "--cron", "* * * * *",
-                                                  "--json"]])
-def test_output_to_a_full_disk_is_one_line_not_a_traceback(args: list[str]) -> None:
+@pytest.mark.parametrize("args", [["--version"], ["--help"], ["dlq", "replay", "--help"],
+                                  ["schedules", "next", "--cron", "* * * * *", "--json"]])
+@pytest.mark.parametrize("unbuffered", ["", "1"])
+def test_output_to_a_full_disk_is_one_line_not_a_traceback(args: list[str],
+                                                           unbuffered: str) -> None:
+    # Unbuffered (PYTHONUNBUFFERED=1, as under some service managers), the write itself
+    # fails, not the flush at the end.
     with open("/dev/full", "w") as full:
         result = subprocess.run([sys.executable, "-m", "jobd", *args], stdout=full,
-                                stderr=subprocess.PIPE, text=True, env=clean_env(),
-                                timeout=TIMEOUT)
+                                stderr=subprocess.PIPE, text=True,
+                                env=clean_env(PYTHONUNBUFFERED=unbuffered), timeout=TIMEOUT)
     assert result.returncode == 1
     assert result.stderr == "jobd: cannot write the output: No space left on device\n"
