@@ -15,8 +15,18 @@ log = structlog.get_logger("jobd.examples")
 
 
 def echo(job: Job) -> None:
-    """Logs the job's id and payload keys, and succeeds."""
-    log.info("echo", job_id=job.id, attempt=job.attempt, keys=sorted(job.payload or {}))
+    """Logs the job's id and its payload's keys (or, for a payload that is not an object,
+    its JSON type: a payload is any JSON value), and succeeds."""
+    if isinstance(job.payload, dict):
+        log.info("echo", job_id=job.id, attempt=job.attempt, keys=sorted(job.payload))
+    else:
+        log.info("echo", job_id=job.id, attempt=job.attempt,
+                 payload_type=_JSON_TYPES[type(job.payload)])
+
+
+# A decoded payload's Python type -> its JSON type.
+_JSON_TYPES = {list: "array", str: "string", int: "number", float: "number", bool: "boolean",
+               type(None): "null"}
 
 
 def sleep(job: Job) -> None:

@@ -14,11 +14,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import daemon_support
+import psycopg
 import pytest
 import yaml
 from cli_support import clean_env
 from daemon_support import Daemon
 from readme_support import ROOT, commands, localize, section, shell_blocks
+
+import jobd
+from jobd.testing import run_jobs
 
 daemons = daemon_support.daemons
 
@@ -39,6 +43,15 @@ def test_the_quick_start_uses_the_example_config_for_every_command() -> None:
     first_command = next(i for i, line in enumerate(steps) if ".venv/bin/jobd" in line)
     assert exports and exports[0] < first_command
     assert not any(" -c " in line or "--config" in line for line in steps)
+
+
+@pytest.mark.parametrize("payload", [42, 1.5, "text", [3, "a", None], True, None, {"b": 1}])
+def test_the_example_echo_handler_takes_any_json_payload(conn: psycopg.Connection,
+                                                         payload: object) -> None:
+    """`jobd enqueue echo --payload 42`: a payload is any JSON value, not only an object."""
+    jobd.enqueue(conn, "echo", payload)
+    summary = run_jobs(conn, config=EXAMPLE, raise_errors=True)
+    assert [run.outcome for run in summary.runs] == ["done"]
 
 
 @pytest.mark.slow
