@@ -258,7 +258,14 @@ def connect(
             # (ManagedConnection).
             _refusing_urls.add(url)
         else:
-            if _options_applied(conn, gucs):
+            try:
+                applied = _options_applied(conn, gucs)
+            except psycopg.OperationalError as exc:
+                # Lost before it served (terminated, the network): the next attempt's to
+                # make. Raised as it was, it ended the supervisor whose connection it was.
+                conn.close()
+                raise _unavailable(url, exc) from None
+            if applied:
                 return conn
             # A pooler that drops the options instead of refusing them (PgBouncer with
             # ignore_startup_parameters = options): nothing of the session was set, and a
