@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import psycopg
+from psycopg.rows import tuple_row
 from psycopg.types.json import Jsonb
 
 from jobd.db import DEFAULT_SCHEMA
@@ -78,7 +79,8 @@ def add(conn: psycopg.Connection, job: Job, sender: str, payload: Any, *,
     The delivery job goes to the configured ``outbox.lane``.
     """
     entry_key = key if key is not None else f"{job.effect_key}:{sender}"
-    row = conn.execute(qualified("outbox_add", _settings.schema), {
+    # A tuple whatever row factory the handler gave its connection.
+    row = conn.cursor(row_factory=tuple_row).execute(qualified("outbox_add", _settings.schema), {
         "key": entry_key, "sender": sender, "payload": Jsonb(payload), "lane": _settings.lane,
         "source_job_id": job.id,
     }).fetchone()
