@@ -171,7 +171,7 @@ def _transactional(session: Session, plan: _Plan, resolved: handlers.ResolvedHan
 
 def _call(resolved: handlers.ResolvedHandler, job: Job, timeout: float | None) -> None:
     if not resolved.is_async:
-        resolved.func(job)
+        handlers.check_ran(resolved.name, resolved.func(job))
         return
     coroutine: Coroutine[Any, Any, Any] = resolved.func(job)
     if timeout:
