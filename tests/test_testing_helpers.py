@@ -22,6 +22,7 @@ import pytest
 import readme_support
 import testing_app
 import yaml
+from psycopg.rows import dict_row
 
 import jobd
 from jobd.config import ScheduleConfig
@@ -55,6 +56,14 @@ def app_url(db_url: str) -> str:
 @pytest.fixture
 def user_conn(app_url: str) -> Iterator[psycopg.Connection]:
     with psycopg.connect(app_url) as conn:
+        yield conn
+        conn.rollback()
+
+
+@pytest.fixture
+def dict_conn(app_url: str) -> Iterator[psycopg.Connection[dict[str, Any]]]:
+    """A suite's connection that reads rows as dicts (``row_factory=dict_row``)."""
+    with psycopg.connect(app_url, row_factory=dict_row) as conn:
         yield conn
         conn.rollback()
 
@@ -433,6 +442,59 @@ def test_the_clock_follows_the_database_until_moved_or_frozen(
         Clock(datetime(2030, 1, 1))
     with pytest.raises(ValueError, match="forward"):
         clock.advance(-1)
+
+
+# --- a connection that reads rows as dicts ------------------------------------------------
+
+
+def test_the_assertions_the_clock_and_schedules_work_on_a_connection_reading_dicts(
+    dict_conn: psycopg.Connection[dict[str, Any]],
+) -> None:
+    job_id = jobd.enqueue(dict_conn, "send_receipt", {"order": 1})
+    [job] = assert_enqueued(dict_conn, "send_receipt")
+    assert (job.id, job.handler, job.payload) == (job_id, "send_receipt", {"order": 1})
+    row = dict_conn.execute("SELECT now() AS now").fetchone()
+    assert row is not None
+    assert Clock().advance(1).now(dict_conn) == row["now"] + timedelta(seconds=1)
+    clock = Clock(datetime(2027, 3, 1, 0, 0, tzinfo=UTC))
+    hourly = ScheduleConfig("hourly", "0 * * * *", "nightly_report")
+    assert materialize_schedules(dict_conn, [hourly], clock=clock) == []
+    [fired] = materialize_schedules(dict_conn, [hourly], clock=clock.advance(3600))
+    assert fired.occurrence.startswith("2027-03-01T01:00")
+
+
+def test_run_jobs_works_on_a_connection_reading_dicts_and_hands_it_on_as_it_is(
+    dict_conn: psycopg.Connection[dict[str, Any]], tmp_path: Path
+) -> None:
+    seen: list[Any] = []
+
+    @jobd.transactional
+    def count_orders(job: jobd.Job, conn: psycopg.Connection) -> None:
+        seen.append(conn.execute("SELECT count(*) AS orders FROM orders").fetchone())
+
+    def declines(job: jobd.Job) -> None:
+        raise testing_app.PaymentDeclined("declined")
+
+    jobd.enqueue(dict_conn, "count_orders", {})
+    jobd.enqueue(dict_conn, "declines", {})
+    summary = run_jobs(dict_conn, handlers={"count_orders": count_orders, "declines": declines})
+    assert [run.outcome for run in summary.runs] == ["done", "failed"]
+    assert seen == [{"orders": 0}]  # the handler's connection reads dicts, as the test's does
+
+    # The outbox: an entry added on the connection, delivered through it.
+    config = tmp_path / "jobd.yaml"
+    config.write_text(yaml.safe_dump({
+        "handlers": {"confirm_order": "testing_app:confirm_order"},
+        "lanes": {"default": {}, "mail": {}},
+        "outbox": {"lane": "mail", "senders": {"mail": "testing_app:send_mail"}}}))
+    testing_app.SENT.clear()
+    order = dict_conn.execute("INSERT INTO orders (email, total) VALUES ('f@example.com', 1)"
+                              " RETURNING id").fetchone()
+    assert order is not None
+    jobd.enqueue(dict_conn, "confirm_order", {"order": order["id"]})
+    assert run_jobs(dict_conn, config=config, raise_errors=True).done == 1
+    assert run_jobs(dict_conn, "mail", config=config, raise_errors=True).done == 1
+    assert [payload for _, payload in testing_app.SENT] == [{"order": order["id"]}]
 
 
 # --- the README's example ------------------------------------------------------------------

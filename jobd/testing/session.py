@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import psycopg
 from psycopg import pq
+from psycopg.rows import tuple_row
 
 from jobd.db import DEFAULT_SCHEMA, connect, conninfo, validate_schema
 from jobd.queries import query
@@ -43,23 +44,25 @@ class Session:
 
     @contextlib.contextmanager
     def jobd_statements(self) -> Iterator[psycopg.Connection]:
-        """``conn`` with the jobd schema as its search_path, for jobd's own statements."""
+        """``conn`` with the jobd schema as its search_path, reading rows as tuples, for
+        jobd's own statements."""
         if not self.on_callers_connection:
             yield self.conn
             return
-        if self.callers_path is None:
-            row = self.conn.execute(query("testing_session_settings")).fetchone()
-            assert row is not None
-            self.callers_path = str(row[0])
-        self.conn.execute(query("testing_set_search_path"), {"path": self.schema})
-        try:
-            yield self.conn
-        finally:
-            # An aborted transaction refuses every statement; its rollback restores the
-            # search_path by itself.
-            if self.conn.info.transaction_status != pq.TransactionStatus.INERROR:
-                self.conn.execute(query("testing_set_search_path"),
-                                  {"path": self.callers_path})
+        with _reading_tuples(self.conn):
+            if self.callers_path is None:
+                row = self.conn.execute(query("testing_session_settings")).fetchone()
+                assert row is not None
+                self.callers_path = str(row[0])
+            self.conn.execute(query("testing_set_search_path"), {"path": self.schema})
+            try:
+                yield self.conn
+            finally:
+                # An aborted transaction refuses every statement; its rollback restores the
+                # search_path by itself.
+                if self.conn.info.transaction_status != pq.TransactionStatus.INERROR:
+                    self.conn.execute(query("testing_set_search_path"),
+                                      {"path": self.callers_path})
 
     @contextlib.contextmanager
     def handler_connection(self) -> Iterator[psycopg.Connection]:
@@ -82,13 +85,26 @@ class Session:
 
 
 @contextlib.contextmanager
+def _reading_tuples(conn: psycopg.Connection) -> Iterator[None]:
+    """The test's connection reading rows as tuples, then its own row factory again: jobd's
+    statements read their rows by position, a test's may be dicts (``dict_row``), and its
+    handlers get the connection as the test configured it."""
+    row_factory = conn.row_factory
+    conn.row_factory = tuple_row
+    try:
+        yield
+    finally:
+        conn.row_factory = row_factory
+
+
+@contextlib.contextmanager
 def _settings_kept(conn: psycopg.Connection) -> Iterator[None]:
     """Inside an open transaction, what a transactional run sets for the rest of it
     (record_effect_key: application_name and two timeouts, all local) is put back after."""
     if conn.info.transaction_status != pq.TransactionStatus.INTRANS:
         yield  # the run's own transaction ends its local settings
         return
-    row = conn.execute(query("testing_session_settings")).fetchone()
+    row = conn.cursor(row_factory=tuple_row).execute(query("testing_session_settings")).fetchone()
     assert row is not None
     try:
         yield
