@@ -142,6 +142,42 @@ def test_run_jobs_runs_a_transactional_handler_inside_the_tests_transaction(
     assert one(observer, "SELECT count(*) FROM all_jobs") == 0
 
 
+@pytest.mark.parametrize(("settings", "after_commit"), [
+    # A local search_path ends with the transaction, as it would without run_jobs.
+    (["SET LOCAL search_path = elsewhere, public"], None),
+    # A session-level one set in the transaction stays, under a local one set after it.
+    (["SET search_path = elsewhere, public"], "elsewhere, public"),
+    (["SET search_path = elsewhere, public", "SET LOCAL search_path = other, public"],
+     "elsewhere, public"),
+])
+def test_run_jobs_leaves_a_local_search_path_local_and_a_session_one_in_the_session(
+    user_conn: psycopg.Connection, settings: list[str], after_commit: str | None
+) -> None:
+    role_default = one(user_conn, "SHOW search_path")
+    for setting in settings:
+        user_conn.execute(setting)
+    path = one(user_conn, "SHOW search_path")
+    order_id = testing_app.place_order(user_conn, "g@example.com", 1)
+    assert run_jobs(user_conn, handlers=HANDLERS).done == 1
+    assert one(user_conn, "SELECT receipt_sent FROM orders WHERE id = %s", (order_id,)) is True
+    assert one(user_conn, "SHOW search_path") == path
+    user_conn.commit()
+    assert one(user_conn, "SHOW search_path") == (after_commit or role_default)
+
+
+def test_run_jobs_in_a_transaction_block_of_an_autocommit_connection_keeps_set_local_local(
+    app_url: str,
+) -> None:
+    with psycopg.connect(app_url, autocommit=True) as app:
+        role_default = one(app, "SHOW search_path")
+        with app.transaction():
+            app.execute("SET LOCAL search_path = elsewhere, public")
+            testing_app.place_order(app, "h@example.com", 1)
+            assert run_jobs(app, handlers=HANDLERS).done == 1
+            assert one(app, "SHOW search_path") == "elsewhere, public"
+        assert one(app, "SHOW search_path") == role_default
+
+
 def test_a_failing_handler_is_retried_after_its_backoff_and_dead_when_spent(
     user_conn: psycopg.Connection,
 ) -> None:

@@ -6,7 +6,9 @@ code enqueued without committing are there to assert on and to run, and the test
 undoes everything the helpers did. jobd's queue statements are written for connections whose
 search_path is the jobd schema (jobd/queries.py); on a test's connection the helpers switch
 the search_path for those statements alone and put the test's own back before any handler
-runs, so handler code resolves names exactly as the test's code does.
+runs, so handler code resolves names exactly as the test's code does. Inside a transaction
+both switches are local to it, so the test's own setting, local or session-level, is what
+the transaction's end leaves.
 """
 
 from __future__ import annotations
@@ -49,12 +51,14 @@ class Session:
         if not self.on_callers_connection:
             yield self.conn
             return
+        local = _in_transaction_block(self.conn)
         with _reading_tuples(self.conn):
             if self.callers_path is None:
                 row = self.conn.execute(query("testing_session_settings")).fetchone()
                 assert row is not None
                 self.callers_path = str(row[0])
-            self.conn.execute(query("testing_set_search_path"), {"path": self.schema})
+            self.conn.execute(query("testing_set_search_path"),
+                              {"path": self.schema, "local": local})
             try:
                 yield self.conn
             finally:
@@ -62,7 +66,7 @@ class Session:
                 # search_path by itself.
                 if self.conn.info.transaction_status != pq.TransactionStatus.INERROR:
                     self.conn.execute(query("testing_set_search_path"),
-                                      {"path": self.callers_path})
+                                      {"path": self.callers_path, "local": local})
 
     @contextlib.contextmanager
     def handler_connection(self) -> Iterator[psycopg.Connection]:
@@ -82,6 +86,15 @@ class Session:
     def close(self) -> None:
         if self.handler_conn is not None:
             self.handler_conn.close()
+
+
+def _in_transaction_block(conn: psycopg.Connection) -> bool:
+    """Whether the next statement runs in a transaction that outlasts it: the caller's open
+    one, or the one a connection that is not autocommit begins with it. There jobd sets the
+    search_path locally (SET LOCAL), so the transaction's end brings back the caller's
+    setting as the caller made it, local or session-level; a session-level change would
+    turn a caller's SET LOCAL into a session setting at the commit."""
+    return not conn.autocommit or conn.info.transaction_status == pq.TransactionStatus.INTRANS
 
 
 @contextlib.contextmanager
