@@ -237,6 +237,21 @@ def test_a_delayed_job_runs_once_the_clock_is_advanced_past_it(
     assert_enqueued(user_conn, "send_receipt")  # another lane: run_jobs left it alone
 
 
+def test_a_handler_gets_the_jobs_times_in_utc_as_on_a_worker(
+    user_conn: psycopg.Connection,
+) -> None:
+    user_conn.execute("SET TIME ZONE 'Pacific/Kiritimati'")  # UTC+14: even the date differs
+    jobd.enqueue(user_conn, "review_order", {})
+    [enqueued] = assert_enqueued(user_conn, "review_order")
+    got: list[jobd.Job] = []
+    assert run_jobs(user_conn, handlers={"review_order": got.append}).done == 1
+    [job] = got
+    times = (job.run_at, job.created_at, job.lease_until)
+    assert [at.utcoffset() for at in times] == [timedelta(0)] * 3
+    assert (job.run_at, job.created_at) == (enqueued.run_at, enqueued.created_at)
+    assert one(user_conn, "SHOW TimeZone") == "Pacific/Kiritimati"  # the test's, untouched
+
+
 def test_limit_runs_due_jobs_one_at_a_time_in_queue_order(
     user_conn: psycopg.Connection,
 ) -> None:
