@@ -6,7 +6,9 @@ code enqueued without committing are there to assert on and to run, and the test
 undoes everything the helpers did. jobd's queue statements are written for connections whose
 search_path is the jobd schema (jobd/queries.py); on a test's connection the helpers switch
 the search_path for those statements alone and put the test's own back before any handler
-runs, so handler code resolves names exactly as the test's code does.
+runs, so handler code resolves names exactly as the test's code does. Inside a transaction
+both switches are local to it, so the test's own setting, local or session-level, is what
+the transaction's end leaves.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 
 import psycopg
 from psycopg import pq
+from psycopg.rows import tuple_row
 
 from jobd.db import DEFAULT_SCHEMA, connect, conninfo, validate_schema
 from jobd.queries import query
@@ -43,23 +46,27 @@ class Session:
 
     @contextlib.contextmanager
     def jobd_statements(self) -> Iterator[psycopg.Connection]:
-        """``conn`` with the jobd schema as its search_path, for jobd's own statements."""
+        """``conn`` with the jobd schema as its search_path, reading rows as tuples, for
+        jobd's own statements."""
         if not self.on_callers_connection:
             yield self.conn
             return
-        if self.callers_path is None:
-            row = self.conn.execute(query("testing_session_settings")).fetchone()
-            assert row is not None
-            self.callers_path = str(row[0])
-        self.conn.execute(query("testing_set_search_path"), {"path": self.schema})
-        try:
-            yield self.conn
-        finally:
-            # An aborted transaction refuses every statement; its rollback restores the
-            # search_path by itself.
-            if self.conn.info.transaction_status != pq.TransactionStatus.INERROR:
-                self.conn.execute(query("testing_set_search_path"),
-                                  {"path": self.callers_path})
+        local = _in_transaction_block(self.conn)
+        with _reading_tuples(self.conn):
+            if self.callers_path is None:
+                row = self.conn.execute(query("testing_session_settings")).fetchone()
+                assert row is not None
+                self.callers_path = str(row[0])
+            self.conn.execute(query("testing_set_search_path"),
+                              {"path": self.schema, "local": local})
+            try:
+                yield self.conn
+            finally:
+                # An aborted transaction refuses every statement; its rollback restores the
+                # search_path by itself.
+                if self.conn.info.transaction_status != pq.TransactionStatus.INERROR:
+                    self.conn.execute(query("testing_set_search_path"),
+                                      {"path": self.callers_path, "local": local})
 
     @contextlib.contextmanager
     def handler_connection(self) -> Iterator[psycopg.Connection]:
@@ -81,6 +88,28 @@ class Session:
             self.handler_conn.close()
 
 
+def _in_transaction_block(conn: psycopg.Connection) -> bool:
+    """Whether the next statement runs in a transaction that outlasts it: the caller's open
+    one, or the one a connection that is not autocommit begins with it. There jobd sets the
+    search_path locally (SET LOCAL), so the transaction's end brings back the caller's
+    setting as the caller made it, local or session-level; a session-level change would
+    turn a caller's SET LOCAL into a session setting at the commit."""
+    return not conn.autocommit or conn.info.transaction_status == pq.TransactionStatus.INTRANS
+
+
+@contextlib.contextmanager
+def _reading_tuples(conn: psycopg.Connection) -> Iterator[None]:
+    """The test's connection reading rows as tuples, then its own row factory again: jobd's
+    statements read their rows by position, a test's may be dicts (``dict_row``), and its
+    handlers get the connection as the test configured it."""
+    row_factory = conn.row_factory
+    conn.row_factory = tuple_row
+    try:
+        yield
+    finally:
+        conn.row_factory = row_factory
+
+
 @contextlib.contextmanager
 def _settings_kept(conn: psycopg.Connection) -> Iterator[None]:
     """Inside an open transaction, what a transactional run sets for the rest of it
@@ -88,7 +117,7 @@ def _settings_kept(conn: psycopg.Connection) -> Iterator[None]:
     if conn.info.transaction_status != pq.TransactionStatus.INTRANS:
         yield  # the run's own transaction ends its local settings
         return
-    row = conn.execute(query("testing_session_settings")).fetchone()
+    row = conn.cursor(row_factory=tuple_row).execute(query("testing_session_settings")).fetchone()
     assert row is not None
     try:
         yield
