@@ -349,6 +349,31 @@ def test_run_jobs_on_a_database_url_commits_as_a_worker_does(
     assert state == "done" and claimed_by.startswith("jobd.testing:")
 
 
+def test_on_a_database_url_a_handlers_session_settings_end_with_its_job(
+    app_url: str, observer: psycopg.Connection
+) -> None:
+    # As on a worker (whose handler pool resets each connection), one transactional
+    # handler's SET search_path must not reach the next job on the session's connection.
+    observer.execute("CREATE SCHEMA elsewhere")
+    observer.execute("CREATE TABLE elsewhere.seen (path text)")
+    observer.execute("CREATE TABLE public.seen (path text)")
+
+    @jobd.transactional
+    def moves(job: jobd.Job, conn: psycopg.Connection) -> None:
+        conn.execute("SET search_path = elsewhere, public")
+
+    @jobd.transactional
+    def records(job: jobd.Job, conn: psycopg.Connection) -> None:
+        conn.execute("INSERT INTO seen VALUES (current_setting('search_path'))")
+
+    with psycopg.connect(app_url, autocommit=True) as app:
+        jobd.enqueue(app, "moves")
+        jobd.enqueue(app, "records")
+    assert run_jobs(app_url, handlers={"moves": moves, "records": records}).done == 2
+    assert one(observer, "SELECT path FROM public.seen") == '"$user", public'
+    assert one(observer, "SELECT count(*) FROM elsewhere.seen") == 0
+
+
 def test_on_an_autocommit_connection_every_run_commits(
     app_url: str, observer: psycopg.Connection
 ) -> None:

@@ -21,7 +21,14 @@ import psycopg
 from psycopg import pq
 from psycopg.rows import tuple_row
 
-from jobd.db import DEFAULT_SCHEMA, connect, conninfo, validate_schema
+from jobd.db import (
+    DEFAULT_SCHEMA,
+    SERVER_DEFAULTS,
+    connect,
+    conninfo,
+    users_connection_reset,
+    validate_schema,
+)
 from jobd.queries import query
 
 Target = psycopg.Connection | str
@@ -72,7 +79,8 @@ class Session:
     def handler_connection(self) -> Iterator[psycopg.Connection]:
         """The connection a transactional handler runs on: the test's own (its transaction
         becomes a savepoint in the test's), else one with the role's search_path, as the
-        worker's handler pool opens them, kept for the session."""
+        worker's handler pool opens them, kept for the session and reset after each job as
+        the pool resets them (db.users_connection_reset)."""
         if self.on_callers_connection:
             with _settings_kept(self.conn):
                 yield self.conn
@@ -81,7 +89,11 @@ class Session:
         if self.handler_conn is None or self.handler_conn.closed or self.handler_conn.broken:
             self.handler_conn = psycopg.connect(
                 conninfo(self.url, None, "jobd.testing handler"), autocommit=True)
-        yield self.handler_conn
+        try:
+            yield self.handler_conn
+        finally:
+            if not self.handler_conn.closed and not self.handler_conn.broken:
+                users_connection_reset(self.url, SERVER_DEFAULTS)(self.handler_conn)
 
     def close(self) -> None:
         if self.handler_conn is not None:
