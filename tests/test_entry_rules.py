@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from decimal import Decimal
 from typing import Any
 
 import psycopg
@@ -18,6 +19,7 @@ from jobd import validation
 
 DEEP = 300  # levels: over the limit of 256
 HUGE = 10 ** 4300  # 4301 digits: Python's decoder refuses it
+BEYOND_FLOAT = str(2**1024 - 2**970)  # from here on, a number with a fraction reads as inf
 
 
 def nested(levels: int) -> Any:
@@ -76,6 +78,9 @@ REFUSED = {
                                      payload={"outbox_id": 1}),
     "payload with a lone surrogate": Case(payload={"s": "\ud800"},
                                           payload_sql='{"s": "\\ud800"}'),
+    # Python's json reads it as infinity: the handler would not get the value enqueued.
+    "payload with a fraction beyond a float's range": Case(
+        payload=[Decimal(BEYOND_FLOAT + ".5")], payload_sql="[" + BEYOND_FLOAT + ".5]"),
 }
 
 ACCEPTED = {
