@@ -17,7 +17,7 @@ import jobd
 from jobd import views
 from jobd.cli_output import print_json
 from jobd.cli_types import (
-    duration,
+    delay,
     int32,
     interval,
     lane_name,
@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     when = enqueue_cmd.add_mutually_exclusive_group()
     when.add_argument("--run-at", type=timestamp, metavar="ISO8601",
                       help="when the job becomes due, with a UTC offset (default: now)")
-    when.add_argument("--delay", type=duration, metavar="DURATION",
+    when.add_argument("--delay", type=delay, metavar="DURATION",
                       help="due after this long by the database clock, e.g. 30s, 5m "
                            "(default: due now)")
     enqueue_cmd.add_argument("--idempotency-key", metavar="KEY",

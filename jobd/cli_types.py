@@ -238,6 +238,15 @@ def duration(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def delay(text: str) -> float:
+    """``enqueue --delay``: a duration without the config's 3650d cap; jobd.enqueue's rule
+    (below 10**9 seconds) decides, as for every other entry point."""
+    try:
+        return validation.delay(parse_duration(text, capped=False))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 # A refresh more often than this would load the database for figures no one can read.
 MIN_TOP_INTERVAL = 0.1
 

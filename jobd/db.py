@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 import psycopg
 import structlog
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.rows import tuple_row
 
 from jobd.errors import DatabaseUnavailable, InvalidDatabaseUrl, JobdError, UsageError
 from jobd.queries import query
@@ -263,7 +264,14 @@ def connect(
             # (ManagedConnection).
             _refusing_urls.add(url)
         else:
-            if _options_applied(conn, gucs):
+            try:
+                applied = _options_applied(conn, gucs)
+            except psycopg.OperationalError as exc:
+                # Lost before it served (terminated, the network): the next attempt's to
+                # make. Raised as it was, it ended the supervisor whose connection it was.
+                conn.close()
+                raise _unavailable(url, exc) from None
+            if applied:
                 return conn
             # A pooler that drops the options instead of refusing them (PgBouncer with
             # ignore_startup_parameters = options): nothing of the session was set, and a
@@ -336,9 +344,30 @@ def users_connection_setup(url: str, session: SessionSettings
     automatic prepared statements. Decided per connection, as ``auto`` learns that a URL is
     pooled when jobd's own first connection to it is refused."""
     def setup(conn: psycopg.Connection) -> None:
-        if session.pooler == "transaction" or url in _refusing_urls:
+        if _pooled_for_users(url, session):
             conn.prepare_threshold = None
     return setup
+
+
+def users_connection_reset(url: str, session: SessionSettings
+                           ) -> Callable[[psycopg.Connection], None]:
+    """What makes a connection of the transactional handlers' pool as it was opened, before
+    the next job gets it: one handler's ``SET search_path`` or ``conn.row_factory`` must not
+    reach the next job, which may be another handler's. Server side ``DISCARD ALL`` (session
+    settings, temporary tables, session advisory locks, LISTEN); through a transaction-mode
+    pooler the session is not the connection's, so only the client side is reset there."""
+    def reset(conn: psycopg.Connection) -> None:
+        conn.autocommit = True  # as the pool opens them; DISCARD ALL needs it
+        conn.read_only = conn.deferrable = None
+        conn.row_factory = tuple_row
+        conn.cursor_factory = psycopg.Cursor
+        if not _pooled_for_users(url, session):
+            conn.execute("DISCARD ALL")
+    return reset
+
+
+def _pooled_for_users(url: str, session: SessionSettings) -> bool:
+    return session.pooler == "transaction" or url in _refusing_urls
 
 
 # How libpq refuses an option's value before it connects (a port that is no number, an

@@ -20,8 +20,10 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import psycopg
+from psycopg.rows import tuple_row
 
 from jobd.db import DEFAULT_SCHEMA
+from jobd.handlers import check_ran
 from jobd.jobs import Job
 from jobd.queries import qualified, query
 from jobd.queue import complete
@@ -55,17 +57,26 @@ def run_transactional(
     if conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
         # Inside a caller's transaction (jobd.testing) the caller's level stands.
         conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
-    with conn.transaction():
-        first = conn.execute(qualified("record_effect_key", schema), {
-            "key": job.effect_key, "job_id": job.id,
-            "application_name": handler_application_name(job.lease),
-            "timeout_ms": round(timeout * 1000) if timeout else None,
-        }).fetchone()
-        if first is not None:
-            handler(job, conn)
-        completed = complete(conn, [job.lease], schema=schema)
-        if not completed.applied:
-            raise LeaseLost(f"job {job.id}: lease lost before commit; effect rolled back")
+    # jobd's statements read tuples; the handler gets the connection's own row factory, and
+    # whatever it sets (dict_row, say) ends with its run.
+    callers_rows = conn.row_factory
+    try:
+        with conn.transaction():
+            conn.row_factory = tuple_row
+            first = conn.execute(qualified("record_effect_key", schema), {
+                "key": job.effect_key, "job_id": job.id,
+                "application_name": handler_application_name(job.lease),
+                "timeout_ms": round(timeout * 1000) if timeout else None,
+            }).fetchone()
+            if first is not None:
+                conn.row_factory = callers_rows
+                check_ran(job.handler, handler(job, conn))
+                conn.row_factory = tuple_row
+            completed = complete(conn, [job.lease], schema=schema)
+            if not completed.applied:
+                raise LeaseLost(f"job {job.id}: lease lost before commit; effect rolled back")
+    finally:
+        conn.row_factory = callers_rows
     if completed.cancelled:
         return "cancelled"
     return "done" if first is not None else "replayed"

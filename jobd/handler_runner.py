@@ -24,7 +24,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 from jobd import exactly_once, jobs, logs, pipes
 from jobd import handlers as handler_registry
 from jobd.async_handlers import AsyncHandlers
-from jobd.db import conninfo, users_connection_setup
+from jobd.db import conninfo, users_connection_reset, users_connection_setup
 from jobd.loop_watch import Blocked, Freed
 from jobd.outcomes import Outcome, failed
 from jobd.protocol import WorkerSpec, worker_connection_name
@@ -69,7 +69,8 @@ class HandlerRunner:
                          worker_connection_name(spec, "handler")),
                 min_size=0, max_size=spec.lane.concurrency, open=True,
                 kwargs={"autocommit": True}, name=f"jobd-{spec.lane.name}-handlers",
-                configure=users_connection_setup(spec.database_url, spec.session))
+                configure=users_connection_setup(spec.database_url, spec.session),
+                reset=users_connection_reset(spec.database_url, spec.session))
         self.async_handlers = (AsyncHandlers(spec.lane.timeout, self._deliver, self.board)
                                if any(h.is_async for h in resolved.values()) else None)
         self.results_r, self._results_w = os.pipe()
@@ -156,7 +157,7 @@ class HandlerRunner:
                     outcome = Outcome(job, None, committed=True,
                                       cancelled=result == "cancelled")
                 else:
-                    resolved.func(job)
+                    handler_registry.check_ran(resolved.name, resolved.func(job))
                     outcome = Outcome(job, None)
             except exactly_once.LeaseLost:
                 outcome = Outcome(job, None, lease_lost=True)

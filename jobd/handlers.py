@@ -60,9 +60,10 @@ def resolve(name: str, path: str) -> ResolvedHandler:
 
 def resolved(name: str, target: Handler) -> ResolvedHandler:
     """A callable as a handler named ``name``: async or not, transactional or not."""
-    # A class instance with an ``async def __call__`` is an async handler too.
-    is_async = inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(
-        type(target).__call__)
+    # A class instance with an ``async def __call__`` is an async handler too, and so is an
+    # ``async def`` behind a plain decorator that kept it as ``__wrapped__`` (functools.wraps).
+    is_async = any(inspect.iscoroutinefunction(candidate) for candidate in (
+        target, type(target).__call__, inspect.unwrap(target)))
     is_transactional = bool(getattr(target, TRANSACTIONAL_ATTRIBUTE, False))
     if is_async and is_transactional:
         # Its transaction is a psycopg (sync) connection's, committed on a handler thread.
@@ -70,6 +71,19 @@ def resolved(name: str, target: Handler) -> ResolvedHandler:
             f"handler {name!r} is async and @jobd.transactional: a transactional handler "
             f"runs on a thread with a sync connection; write it as a plain def")
     return ResolvedHandler(name, target, is_async, is_transactional)
+
+
+def check_ran(name: str, result: object) -> None:
+    """A sync handler returned ``result``. An awaitable means its body never ran (an async
+    function behind a wrapper that hid it): that fails the job rather than count it done."""
+    if not inspect.isawaitable(result):
+        return
+    if inspect.iscoroutine(result):
+        result.close()  # no "never awaited" warning: the job's error says it
+    raise TypeError(
+        f"handler {name!r} returned {type(result).__name__} instead of running: an async "
+        f"function behind a plain decorator; declare the decorator's wrapper async def, or "
+        f"apply functools.wraps so jobd sees the async function")
 
 
 def resolve_all(paths: Mapping[str, str]) -> dict[str, ResolvedHandler]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import psycopg
+from psycopg.rows import tuple_row
 from psycopg.types.json import Jsonb
 
 from jobd.db import DEFAULT_SCHEMA
@@ -78,7 +79,9 @@ def add(conn: psycopg.Connection, job: Job, sender: str, payload: Any, *,
     The delivery job goes to the configured ``outbox.lane``.
     """
     entry_key = key if key is not None else f"{job.effect_key}:{sender}"
-    row = conn.execute(qualified("outbox_add", _settings.schema), {
+    # A tuple whatever row factory the handler gave its connection (or a test's, under
+    # jobd.testing).
+    row = conn.cursor(row_factory=tuple_row).execute(qualified("outbox_add", _settings.schema), {
         "key": entry_key, "sender": sender, "payload": Jsonb(payload), "lane": _settings.lane,
         "source_job_id": job.id,
     }).fetchone()
@@ -89,8 +92,9 @@ def add(conn: psycopg.Connection, job: Job, sender: str, payload: Any, *,
 @transactional
 def deliver(job: Job, conn: psycopg.Connection) -> None:
     """The delivery job: hand the entry to its sender, then mark it delivered."""
-    row = conn.execute(qualified("outbox_entry_for_delivery", _settings.schema),
-                       {"id": job.payload["outbox_id"]}).fetchone()
+    row = conn.cursor(row_factory=tuple_row).execute(  # tuples, as in add
+        qualified("outbox_entry_for_delivery", _settings.schema),
+        {"id": job.payload["outbox_id"]}).fetchone()
     if row is None:
         raise LookupError(f"outbox entry {job.payload['outbox_id']} does not exist")
     entry_id, key, sender_name, payload, state = row

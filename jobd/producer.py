@@ -13,6 +13,7 @@ from psycopg import pq
 from psycopg.rows import tuple_row
 from psycopg.types.json import Jsonb
 
+from jobd import validation
 from jobd.db import DEFAULT_SCHEMA
 from jobd.jobs import JobSpec
 from jobd.queries import qualified, query
@@ -60,10 +61,8 @@ def enqueue(
     """
     if run_at is not None and delay is not None:
         raise ValueError("give run_at or delay, not both")
-    if delay is not None and (not isinstance(delay, int | float) or isinstance(delay, bool)
-                              or not 0 <= delay < 10**9):
-        raise ValueError(f"delay must be a non-negative number of seconds below 10**9, "
-                         f"not {delay!r}")
+    if delay is not None:
+        validation.delay(delay)
     spec = JobSpec(
         handler, {} if payload is _NO_PAYLOAD else payload, lane, run_at, priority,
         idempotency_key, max_attempts, fairness_key,

@@ -18,6 +18,7 @@ from datetime import datetime
 from typing import Any
 
 import psycopg
+from psycopg.rows import tuple_row
 
 from jobd import claim_floors, fastpath
 from jobd.jobs import Job, Lease
@@ -244,7 +245,9 @@ def complete(
     if not leases:
         return WriteOutcome([], [])
     statement = query("complete_jobs") if schema is None else qualified("complete_jobs", schema)
-    rows = conn.execute(statement, {**lease_arrays(leases), "now": now}).fetchall()
+    # Tuples: a connection with the user's search_path is the user's, and may read dicts.
+    rows = conn.cursor(row_factory=tuple_row).execute(
+        statement, {**lease_arrays(leases), "now": now}).fetchall()
     return _completed(leases, rows)
 
 

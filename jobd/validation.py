@@ -49,6 +49,7 @@ MAX_KEY_BYTES = 512
 # A fairness key is part of an index entry (jobs_fair_idx): bounded well below its limit.
 MAX_FAIRNESS_KEY_BYTES = 256
 MAX_PAYLOAD_DEPTH = 256
+MAX_DELAY_SECONDS = 10**9
 EARLIEST_RUN_AT = datetime(1970, 1, 1, tzinfo=UTC)
 LATEST_RUN_AT = datetime(9999, 1, 1, tzinfo=UTC)
 
@@ -128,9 +129,18 @@ def run_at(value: object) -> datetime:
     return value
 
 
+def delay(value: object) -> float:
+    """A delay in seconds: a number from 0 to below 10**9 (about 31 years)."""
+    if (not isinstance(value, int | float) or isinstance(value, bool)
+            or not 0 <= value < MAX_DELAY_SECONDS):
+        raise ValueError(f"delay must be a non-negative number of seconds below 10**9, "
+                         f"not {value!r}")
+    return float(value)
+
+
 def encode_payload(payload: Any) -> str:
     """The payload as JSON text, or ValueError saying why it cannot be a payload."""
-    _check_depth(payload)
+    _check_shape(payload)
     try:
         text = json.dumps(payload, allow_nan=False, ensure_ascii=False)
     except ValueError as exc:  # NaN/Infinity, or an integer too long for a string
@@ -165,16 +175,23 @@ def _spelled_out(token: str) -> str:
     return digits if "." in digits else f"{digits}.0"
 
 
-def _check_depth(payload: Any) -> None:
+def _check_shape(payload: Any) -> None:
     """Refuse values nested deeper than MAX_PAYLOAD_DEPTH (the root is level 0), the rule
-    the SQL function checks with the JSON path ``strict $.**{257}``. Iterative, so a deep
-    payload is refused with a message rather than a RecursionError."""
+    the SQL function checks with the JSON path ``strict $.**{257}``, and object keys that
+    are not strings: json.dumps would write 1, True and None as "1", "true" and "null", so
+    the handler would get another payload than the one enqueued ({1: "a", "1": "b"} even
+    loses a member). Iterative, so a deep payload is refused with a message rather than a
+    RecursionError."""
     stack: list[tuple[Any, int]] = [(payload, 0)]
     while stack:
         value, level = stack.pop()
         if level > MAX_PAYLOAD_DEPTH:
             raise ValueError(f"payload is nested more than {MAX_PAYLOAD_DEPTH} levels deep")
         if isinstance(value, dict):
+            for key in value:
+                if not isinstance(key, str):
+                    raise ValueError(f"payload object keys must be strings, as in JSON, "
+                                     f"not {key!r} ({type(key).__name__})")
             stack.extend((child, level + 1) for child in value.values())
         elif isinstance(value, list | tuple):
             stack.extend((child, level + 1) for child in value)

@@ -41,6 +41,10 @@ from jobd.restarts import SlotBackoff, restart_reason
 from jobd.run_board import RunBoard, Running
 
 ABORT_GRACE = 5.0  # after SIGABRT, how long a hung worker gets before SIGKILL
+# The supervisor's loop looks at its workers at least once a second. A longer gap between two
+# looks means the supervisor itself did not run (SIGSTOP, a paused VM, a starved host): the
+# reports it did not read meanwhile are not its workers' silence.
+SUPERVISOR_STALL = 3.0
 BOOT_FAILURES_BEFORE_FATAL = 3
 
 # What a lane's slots hold (jobd_workers' state): a worker that has not reported yet, one per
@@ -149,6 +153,7 @@ class WorkerPool:
         self.restarts: dict[tuple[str, str], int] = {}  # (lane, reason): slot workers replaced
         # The cores the workers may run on (they inherit the supervisor's affinity).
         self.cores = len(os.sched_getaffinity(0))
+        self.last_liveness_check: float | None = None  # monotonic
 
     def processes(self) -> list[WorkerProcess]:
         live = [slot.process for slot in self.slots.values() if slot.process is not None]
@@ -411,8 +416,18 @@ class WorkerPool:
             slot.spawn_at = spawn_at
             return
 
-    def check_liveness(self) -> None:
-        now = time.monotonic()
+    def check_liveness(self, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        stalled = 0.0 if self.last_liveness_check is None else now - self.last_liveness_check
+        self.last_liveness_check = now
+        if stalled > SUPERVISOR_STALL:
+            # Every worker gets a fresh worker_timeout, rather than being aborted, its
+            # running jobs charged to it, for the supervisor's own pause.
+            log.warning("the supervisor did not run for a while; its workers' silence is "
+                        "counted from now", stalled=round(stalled, 1))
+            for process in self.processes():
+                process.last_seen = max(process.last_seen, now)
+            return
         timeout = self.config.worker_timeout
         for process in self.processes():
             if process.kill_at is not None or process.kill_reason is not None:

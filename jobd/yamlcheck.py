@@ -28,8 +28,9 @@ _DECIMAL = re.compile(r"[-+]?(0|[1-9][0-9]*)")
 _LISTEN = re.compile(r"^(?P<host>[^\s:]+|\[[0-9a-fA-F:]+\]):(?P<port>\d{1,5})$")
 
 
-def parse_duration(value: object) -> float:
-    """``30s``, ``5m``, ``250ms``, ``1h``, ``2d`` or a bare number of seconds."""
+def parse_duration(value: object, capped: bool = True) -> float:
+    """``30s``, ``5m``, ``250ms``, ``1h``, ``2d`` or a bare number of seconds, up to 3650d
+    unless not ``capped`` (a caller that applies a rule of its own)."""
     if isinstance(value, bool):
         raise ValueError(f"expected a duration like 30s or 5m, not {value!r}")
     if isinstance(value, int) and abs(value) > MAX_DURATION_SECONDS:
@@ -49,7 +50,7 @@ def parse_duration(value: object) -> float:
         raise ValueError(f"a duration must be a finite number, not {value!r}")
     if seconds < 0:
         raise ValueError(f"a duration cannot be negative: {value!r}")
-    if seconds > MAX_DURATION_SECONDS:
+    if capped and seconds > MAX_DURATION_SECONDS:
         raise ValueError(f"a duration cannot exceed 3650d, not {value!r}")
     return seconds
 

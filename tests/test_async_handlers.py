@@ -5,6 +5,7 @@ thread and event loop, no database."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import queue
 import threading
 import time
@@ -322,3 +323,48 @@ def test_a_loop_that_answers_is_never_called_blocked() -> None:
         runner.outcomes.get(timeout=10)
     finally:
         stop(runner.async_handlers.loop)
+
+
+# --- an async function behind a plain decorator ----------------------------------------------
+
+
+def logged(func: Any) -> Any:
+    """A user's decorator that keeps the function it wraps (functools.wraps)."""
+    @functools.wraps(func)
+    def wrapper(*args: Any) -> Any:
+        return func(*args)
+    return wrapper
+
+
+def test_an_async_function_behind_a_decorator_that_kept_it_runs_as_async() -> None:
+    ran: list[int] = []
+
+    @logged
+    async def handler(job: jobs.Job) -> None:
+        await asyncio.sleep(0)
+        ran.append(job.id)
+
+    assert handlers.resolved("h", handler).is_async
+    assert run(handler).error is None and ran == [7]
+
+
+def test_a_handler_that_returns_a_coroutine_without_running_it_fails_its_job() -> None:
+    # A decorator that hides its async function (no functools.wraps): the call returns a
+    # coroutine and nothing runs. Counted done before, with only a "never awaited" warning.
+    ran: list[int] = []
+
+    async def body(job: jobs.Job) -> None:
+        ran.append(job.id)
+
+    def handler(job: jobs.Job) -> Any:
+        return body(job)
+
+    runner = async_runner(handler)
+    assert not runner.is_async("h")
+    try:
+        runner.start(SimpleNamespace(job=job(7), started=None, taken_back=False))
+        outcome = runner.outcomes.get(timeout=10)
+    finally:
+        runner.close()
+    assert outcome.error is not None and "returned coroutine instead of running" in outcome.error
+    assert ran == []

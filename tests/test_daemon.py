@@ -299,6 +299,29 @@ def test_a_stopped_worker_is_aborted_killed_and_replaced(
     assert effects(effects_db, job_id, "end")[0]["pid"] == respawned["pid"]
 
 
+def test_a_stopped_supervisor_does_not_take_its_own_pause_for_its_workers_silence(
+    daemons: Daemons, effects_db: psycopg.Connection
+) -> None:
+    # SIGSTOP of the supervisor (or a paused VM) for longer than worker_timeout: on resume it
+    # found every worker silent for that long and aborted them all, charging their running
+    # jobs as a crash's, though the workers had kept reporting into their pipes.
+    daemon = daemons(make_config({"default": {"workers": 2}},
+                                 supervisor={"worker_timeout": "2s"}))
+    pids = daemon.wait_workers_started("default", 2)
+    mark = daemon.mark()
+    daemon.signal(signal.SIGSTOP)
+    try:
+        time.sleep(4)  # the pause itself: twice worker_timeout
+    finally:
+        daemon.signal(signal.SIGCONT)
+    job_id = jobd.enqueue(effects_db, "ok")
+    wait_state(effects_db, job_id, "done", 15, daemon)
+    assert daemon.events("worker hung; aborting it", since=mark) == []
+    assert daemon.worker_pids("default") == pids
+    daemon.wait_for_log("the supervisor did not run for a while; its workers' silence is "
+                        "counted from now", since=mark)
+
+
 def test_a_claim_held_up_by_a_lock_is_not_a_step_of_the_database_clock(
     daemons: Daemons, effects_db: psycopg.Connection
 ) -> None:

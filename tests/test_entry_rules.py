@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from decimal import Decimal
 from typing import Any
 
 import psycopg
@@ -18,6 +19,7 @@ from jobd import validation
 
 DEEP = 300  # levels: over the limit of 256
 HUGE = 10 ** 4300  # 4301 digits: Python's decoder refuses it
+BEYOND_FLOAT = str(2**1024 - 2**970)  # from here on, a number with a fraction reads as inf
 
 
 def nested(levels: int) -> Any:
@@ -76,6 +78,9 @@ REFUSED = {
                                      payload={"outbox_id": 1}),
     "payload with a lone surrogate": Case(payload={"s": "\ud800"},
                                           payload_sql='{"s": "\\ud800"}'),
+    # Python's json reads it as infinity: the handler would not get the value enqueued.
+    "payload with a fraction beyond a float's range": Case(
+        payload=[Decimal(BEYOND_FLOAT + ".5")], payload_sql="[" + BEYOND_FLOAT + ".5]"),
 }
 
 ACCEPTED = {
@@ -218,6 +223,35 @@ def test_python_refuses_arguments_of_the_wrong_type(conn: psycopg.Connection) ->
     ):
         with pytest.raises(ValueError, match=message):
             jobd.enqueue(conn, "h", **arguments)
+    assert conn.execute("SELECT count(*) FROM jobs").fetchone() == (0,)
+
+
+def test_the_cli_and_python_take_the_same_delays(conn: psycopg.Connection, db_url: str) -> None:
+    # The CLI's --delay took the config's duration cap (3650d) where jobd.enqueue and a
+    # run_at of the same day took the job.
+    four_thousand_days = 4000 * 86400
+    jobd.enqueue(conn, "h", delay=four_thousand_days)
+    result = cli("enqueue", "h", "--delay", "4000d", "--database-url", db_url)
+    assert result.returncode == 0, result.stderr
+    # And past the rule (below 10**9 seconds, about 11,574 days), both refuse it, alike.
+    with pytest.raises(ValueError, match="below 10\\*\\*9") as refused:
+        jobd.enqueue(conn, "h", delay=11575 * 86400)
+    line = assert_one_line_error(cli("enqueue", "h", "--delay", "11575d",
+                                     "--database-url", db_url), 2)
+    assert str(refused.value) in line
+    assert conn.execute("SELECT count(*) FROM jobs").fetchone() == (2,)
+
+
+@pytest.mark.parametrize("payload", [{1: "a"}, {True: 1}, {None: 2}, {"a": [{2.5: 0}]},
+                                     {1: "a", "1": "b"}])
+def test_object_keys_that_are_not_strings_are_refused(conn: psycopg.Connection,
+                                                      payload: Any) -> None:
+    # JSON writes them as strings: the handler would get {"1": "a"} for {1: "a"}, and
+    # {1: "a", "1": "b"} would lose a member, where the payload must arrive as enqueued.
+    with pytest.raises(ValueError, match="keys must be strings"):
+        jobd.enqueue(conn, "h", payload)
+    with pytest.raises(ValueError, match="keys must be strings"):
+        jobd.enqueue_many(conn, [jobd.JobSpec("h", payload)])
     assert conn.execute("SELECT count(*) FROM jobs").fetchone() == (0,)
 
 

@@ -25,6 +25,7 @@ import psycopg
 import pytest
 from daemon_support import wait_until
 from netcut import cutting_proxy
+from psycopg.rows import dict_row
 
 import jobd
 import jobd.testing
@@ -632,3 +633,74 @@ def test_a_worker_whose_handler_connection_was_lost_before_commit_ends_its_trans
             failed = queue.fail(worker_conn, [Failure(job.lease, outcome.error, 1.0, 8)])
         assert failed.retried == [job_id]
         assert effect_rows(conn) == []
+
+
+# --- what one job leaves on the pooled handler connection -------------------------------------
+
+
+def run_in_turn(db_url: str, funcs: dict[str, Callable[[Job, psycopg.Connection], None]],
+                job_ids: list[int], conn: psycopg.Connection) -> list[Outcome]:
+    """Run the jobs one after another on a runner of one slot: one pooled connection."""
+    spec = protocol.WorkerSpec(
+        worker_id="worker-a", lane=LaneConfig(LANE, concurrency=1), handlers={},
+        database_url=db_url, schema="jobd", slot=0, generation=1, status_fd=-1,
+        wake_fd=-1, shutdown_timeout=1.0)
+    runner = HandlerRunner(spec, {name: handlers.resolved(name, jobd.transactional(func))
+                                  for name, func in funcs.items()})
+    outcomes: list[Outcome] = []
+    try:
+        for job_id in job_ids:
+            [job] = queue.claim(conn, LANE, "worker-a", 1, VISIBILITY)
+            assert job.id == job_id
+            runner.start(Started(job))
+            outcomes.append(runner.outcomes.get(timeout=10))
+    finally:
+        runner.close()
+    return outcomes
+
+
+def test_a_handlers_row_factory_reaches_neither_jobds_statements_nor_the_next_job(
+    tables: psycopg.Connection, db_url: str
+) -> None:
+    # psycopg's usual idiom, conn.row_factory = dict_row, in one handler: jobd's completion
+    # read its rows by position and failed the job, and the pooled connection kept the dict
+    # rows for the next job of another handler, which failed the same way.
+    conn = tables
+
+    def as_dicts(job: Job, handler_conn: psycopg.Connection) -> None:
+        handler_conn.row_factory = dict_row
+        insert_effect(job, handler_conn, "dicts")
+
+    def by_position(job: Job, handler_conn: psycopg.Connection) -> None:
+        row = handler_conn.execute("SELECT 1").fetchone()
+        assert row is not None and row[0] == 1
+        insert_effect(job, handler_conn, "tuples")
+
+    ids = [jobd.enqueue(conn, "as_dicts"), jobd.enqueue(conn, "by_position")]
+    outcomes = run_in_turn(db_url, {"as_dicts": as_dicts, "by_position": by_position}, ids,
+                           conn)
+    assert [o.error for o in outcomes] == [None, None]
+    assert [row[2] for row in effect_rows(conn)] == ["dicts", "tuples"]
+
+
+def test_a_handlers_session_settings_do_not_reach_the_next_job(
+    tables: psycopg.Connection, db_url: str
+) -> None:
+    # One handler's SET search_path sent the next job's unqualified INSERT INTO effects,
+    # another handler's, to the other schema.
+    conn = tables
+    conn.execute("CREATE SCHEMA elsewhere")
+    conn.execute("CREATE TABLE elsewhere.effects (LIKE public.effects INCLUDING ALL)")
+
+    def moves(job: Job, handler_conn: psycopg.Connection) -> None:
+        handler_conn.execute("SET search_path = elsewhere, public")
+        handler_conn.execute("CREATE TEMPORARY TABLE scratch (n int)")
+
+    def writes(job: Job, handler_conn: psycopg.Connection) -> None:
+        handler_conn.execute("CREATE TEMPORARY TABLE scratch (n int)")  # gone with its job
+        insert_effect(job, handler_conn, "writes")
+
+    ids = [jobd.enqueue(conn, "moves"), jobd.enqueue(conn, "writes")]
+    outcomes = run_in_turn(db_url, {"moves": moves, "writes": writes}, ids, conn)
+    assert [o.error for o in outcomes] == [None, None]
+    assert [row[2] for row in effect_rows(conn)] == ["writes"]  # in public.effects

@@ -14,6 +14,7 @@ import psycopg
 import pytest
 from conftest import Server
 from daemon_support import Daemon, make_config, wait_until
+from netcut import cutting_proxy
 from pgbouncer_support import PACKAGE, pgbouncer_binary, running_pgbouncer
 
 import jobd
@@ -22,6 +23,7 @@ from jobd.config import LaneConfig, parse
 from jobd.db import (
     APPLICATION_NAME_MAX,
     DEFAULT_SESSION,
+    ManagedConnection,
     SessionSettings,
     application_name,
     connect,
@@ -30,7 +32,7 @@ from jobd.db import (
     supervisor_session,
     worker_session,
 )
-from jobd.errors import ConfigError, UsageError
+from jobd.errors import ConfigError, DatabaseUnavailable, UsageError
 
 daemons = daemon_support.daemons  # the fixture
 
@@ -269,3 +271,22 @@ def test_the_daemons_connections_name_node_lane_and_role(
     assert sorted(re.sub(r"^jobd worker [0-9a-f]{12} ", "", w) for w in workers) == [
         "default/0 node=web-1", "default/0 settle node=web-1",
         "default/1 node=web-1", "default/1 settle node=web-1"]
+
+
+def test_a_connection_lost_while_its_options_are_checked_is_unavailable_not_an_error(
+    db_url: str,
+) -> None:
+    # connect() reads search_path back (a pooler may have dropped the options). A connection
+    # terminated in that moment (a storm of pg_terminate_backend) raised psycopg's error,
+    # which ManagedConnection does not take for a failed attempt: it ended the supervisor.
+    def is_the_check(message: bytes) -> bool:
+        return b"current_setting('search_path')" in message
+
+    with cutting_proxy(db_url) as (proxy, proxied_url):
+        proxy.cut_before(is_the_check)
+        with pytest.raises(DatabaseUnavailable, match="cannot connect"):
+            connect(proxied_url, "jobd")
+        assert proxy.cut.is_set()
+        link = ManagedConnection(proxied_url, "jobd", "jobd test")
+        proxy.cut_before(is_the_check)
+        assert link.ensure() is False and link.conn is None  # a failed attempt, retried later

@@ -22,6 +22,7 @@ import pytest
 import readme_support
 import testing_app
 import yaml
+from psycopg.rows import dict_row
 
 import jobd
 from jobd.config import ScheduleConfig
@@ -55,6 +56,14 @@ def app_url(db_url: str) -> str:
 @pytest.fixture
 def user_conn(app_url: str) -> Iterator[psycopg.Connection]:
     with psycopg.connect(app_url) as conn:
+        yield conn
+        conn.rollback()
+
+
+@pytest.fixture
+def dict_conn(app_url: str) -> Iterator[psycopg.Connection[dict[str, Any]]]:
+    """A suite's connection that reads rows as dicts (``row_factory=dict_row``)."""
+    with psycopg.connect(app_url, row_factory=dict_row) as conn:
         yield conn
         conn.rollback()
 
@@ -133,6 +142,42 @@ def test_run_jobs_runs_a_transactional_handler_inside_the_tests_transaction(
     assert one(observer, "SELECT count(*) FROM all_jobs") == 0
 
 
+@pytest.mark.parametrize(("settings", "after_commit"), [
+    # A local search_path ends with the transaction, as it would without run_jobs.
+    (["SET LOCAL search_path = elsewhere, public"], None),
+    # A session-level one set in the transaction stays, under a local one set after it.
+    (["SET search_path = elsewhere, public"], "elsewhere, public"),
+    (["SET search_path = elsewhere, public", "SET LOCAL search_path = other, public"],
+     "elsewhere, public"),
+])
+def test_run_jobs_leaves_a_local_search_path_local_and_a_session_one_in_the_session(
+    user_conn: psycopg.Connection, settings: list[str], after_commit: str | None
+) -> None:
+    role_default = one(user_conn, "SHOW search_path")
+    for setting in settings:
+        user_conn.execute(setting)
+    path = one(user_conn, "SHOW search_path")
+    order_id = testing_app.place_order(user_conn, "g@example.com", 1)
+    assert run_jobs(user_conn, handlers=HANDLERS).done == 1
+    assert one(user_conn, "SELECT receipt_sent FROM orders WHERE id = %s", (order_id,)) is True
+    assert one(user_conn, "SHOW search_path") == path
+    user_conn.commit()
+    assert one(user_conn, "SHOW search_path") == (after_commit or role_default)
+
+
+def test_run_jobs_in_a_transaction_block_of_an_autocommit_connection_keeps_set_local_local(
+    app_url: str,
+) -> None:
+    with psycopg.connect(app_url, autocommit=True) as app:
+        role_default = one(app, "SHOW search_path")
+        with app.transaction():
+            app.execute("SET LOCAL search_path = elsewhere, public")
+            testing_app.place_order(app, "h@example.com", 1)
+            assert run_jobs(app, handlers=HANDLERS).done == 1
+            assert one(app, "SHOW search_path") == "elsewhere, public"
+        assert one(app, "SHOW search_path") == role_default
+
+
 def test_a_failing_handler_is_retried_after_its_backoff_and_dead_when_spent(
     user_conn: psycopg.Connection,
 ) -> None:
@@ -190,6 +235,21 @@ def test_a_delayed_job_runs_once_the_clock_is_advanced_past_it(
     summary = run_jobs(user_conn, "fraud", handlers=HANDLERS, clock=clock.advance(1))
     assert (summary.ran, summary.done, [r.id for r in summary.runs]) == (1, 1, [review.id])
     assert_enqueued(user_conn, "send_receipt")  # another lane: run_jobs left it alone
+
+
+def test_a_handler_gets_the_jobs_times_in_utc_as_on_a_worker(
+    user_conn: psycopg.Connection,
+) -> None:
+    user_conn.execute("SET TIME ZONE 'Pacific/Kiritimati'")  # UTC+14: even the date differs
+    jobd.enqueue(user_conn, "review_order", {})
+    [enqueued] = assert_enqueued(user_conn, "review_order")
+    got: list[jobd.Job] = []
+    assert run_jobs(user_conn, handlers={"review_order": got.append}).done == 1
+    [job] = got
+    times = (job.run_at, job.created_at, job.lease_until)
+    assert [at.utcoffset() for at in times] == [timedelta(0)] * 3
+    assert (job.run_at, job.created_at) == (enqueued.run_at, enqueued.created_at)
+    assert one(user_conn, "SHOW TimeZone") == "Pacific/Kiritimati"  # the test's, untouched
 
 
 def test_limit_runs_due_jobs_one_at_a_time_in_queue_order(
@@ -287,6 +347,31 @@ def test_run_jobs_on_a_database_url_commits_as_a_worker_does(
     state, claimed_by = one(observer, "SELECT state, claimed_by FROM all_jobs WHERE id = %s",
                             (summary.runs[0].id,))
     assert state == "done" and claimed_by.startswith("jobd.testing:")
+
+
+def test_on_a_database_url_a_handlers_session_settings_end_with_its_job(
+    app_url: str, observer: psycopg.Connection
+) -> None:
+    # As on a worker (whose handler pool resets each connection), one transactional
+    # handler's SET search_path must not reach the next job on the session's connection.
+    observer.execute("CREATE SCHEMA elsewhere")
+    observer.execute("CREATE TABLE elsewhere.seen (path text)")
+    observer.execute("CREATE TABLE public.seen (path text)")
+
+    @jobd.transactional
+    def moves(job: jobd.Job, conn: psycopg.Connection) -> None:
+        conn.execute("SET search_path = elsewhere, public")
+
+    @jobd.transactional
+    def records(job: jobd.Job, conn: psycopg.Connection) -> None:
+        conn.execute("INSERT INTO seen VALUES (current_setting('search_path'))")
+
+    with psycopg.connect(app_url, autocommit=True) as app:
+        jobd.enqueue(app, "moves")
+        jobd.enqueue(app, "records")
+    assert run_jobs(app_url, handlers={"moves": moves, "records": records}).done == 2
+    assert one(observer, "SELECT path FROM public.seen") == '"$user", public'
+    assert one(observer, "SELECT count(*) FROM elsewhere.seen") == 0
 
 
 def test_on_an_autocommit_connection_every_run_commits(
@@ -433,6 +518,59 @@ def test_the_clock_follows_the_database_until_moved_or_frozen(
         Clock(datetime(2030, 1, 1))
     with pytest.raises(ValueError, match="forward"):
         clock.advance(-1)
+
+
+# --- a connection that reads rows as dicts ------------------------------------------------
+
+
+def test_the_assertions_the_clock_and_schedules_work_on_a_connection_reading_dicts(
+    dict_conn: psycopg.Connection[dict[str, Any]],
+) -> None:
+    job_id = jobd.enqueue(dict_conn, "send_receipt", {"order": 1})
+    [job] = assert_enqueued(dict_conn, "send_receipt")
+    assert (job.id, job.handler, job.payload) == (job_id, "send_receipt", {"order": 1})
+    row = dict_conn.execute("SELECT now() AS now").fetchone()
+    assert row is not None
+    assert Clock().advance(1).now(dict_conn) == row["now"] + timedelta(seconds=1)
+    clock = Clock(datetime(2027, 3, 1, 0, 0, tzinfo=UTC))
+    hourly = ScheduleConfig("hourly", "0 * * * *", "nightly_report")
+    assert materialize_schedules(dict_conn, [hourly], clock=clock) == []
+    [fired] = materialize_schedules(dict_conn, [hourly], clock=clock.advance(3600))
+    assert fired.occurrence.startswith("2027-03-01T01:00")
+
+
+def test_run_jobs_works_on_a_connection_reading_dicts_and_hands_it_on_as_it_is(
+    dict_conn: psycopg.Connection[dict[str, Any]], tmp_path: Path
+) -> None:
+    seen: list[Any] = []
+
+    @jobd.transactional
+    def count_orders(job: jobd.Job, conn: psycopg.Connection) -> None:
+        seen.append(conn.execute("SELECT count(*) AS orders FROM orders").fetchone())
+
+    def declines(job: jobd.Job) -> None:
+        raise testing_app.PaymentDeclined("declined")
+
+    jobd.enqueue(dict_conn, "count_orders", {})
+    jobd.enqueue(dict_conn, "declines", {})
+    summary = run_jobs(dict_conn, handlers={"count_orders": count_orders, "declines": declines})
+    assert [run.outcome for run in summary.runs] == ["done", "failed"]
+    assert seen == [{"orders": 0}]  # the handler's connection reads dicts, as the test's does
+
+    # The outbox: an entry added on the connection, delivered through it.
+    config = tmp_path / "jobd.yaml"
+    config.write_text(yaml.safe_dump({
+        "handlers": {"confirm_order": "testing_app:confirm_order"},
+        "lanes": {"default": {}, "mail": {}},
+        "outbox": {"lane": "mail", "senders": {"mail": "testing_app:send_mail"}}}))
+    testing_app.SENT.clear()
+    order = dict_conn.execute("INSERT INTO orders (email, total) VALUES ('f@example.com', 1)"
+                              " RETURNING id").fetchone()
+    assert order is not None
+    jobd.enqueue(dict_conn, "confirm_order", {"order": order["id"]})
+    assert run_jobs(dict_conn, config=config, raise_errors=True).done == 1
+    assert run_jobs(dict_conn, "mail", config=config, raise_errors=True).done == 1
+    assert [payload for _, payload in testing_app.SENT] == [{"order": order["id"]}]
 
 
 # --- the README's example ------------------------------------------------------------------

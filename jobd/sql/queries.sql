@@ -1356,7 +1356,9 @@ SELECT current_setting('search_path'), current_setting('application_name'),
        current_setting('statement_timeout')
 
 -- name: testing_set_search_path
-SELECT set_config('search_path', %(path)s, false)
+-- Local (is_local) inside a transaction block: at its end the setting the caller had in it
+-- (local, or session-level) comes back by itself, whatever jobd set in between.
+SELECT set_config('search_path', %(path)s, %(local)s)
 
 -- name: testing_restore_session_settings
 -- Local (is_local): record_effect_key's settings were local to the open transaction too.

@@ -553,16 +553,27 @@ BEGIN
         RAISE EXCEPTION 'jobd.enqueue: payload must not be SQL NULL (a JSON null is ''null''::jsonb; leave it out for {})'
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    -- Both limits are what the workers' decoder (Python's json) can read back: nesting
-    -- below its recursion limit, integers below its 4300-digit limit.
+    -- The limits are what the workers' decoder (Python's json) can read back as written:
+    -- nesting below its recursion limit, integers below its 4300-digit limit, and a number
+    -- with a fraction within a float's range (from 2**1024 - 2**970 on, Python reads it as
+    -- infinity: migration 0041). One walk finds the numbers out of that range, which are
+    -- rare; only then is each rule asked apart.
     IF jsonb_path_exists(check_job.payload, 'strict $.**{257}') THEN
         RAISE EXCEPTION 'jobd.enqueue: payload is nested more than 256 levels deep'
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
     IF jsonb_path_exists(check_job.payload,
-                         'strict $.** ? (@.type() == "number" && (@ >= 1e4300 || @ <= -1e4300))') THEN
-        RAISE EXCEPTION 'jobd.enqueue: payload holds a number of 4300 digits or more'
-            USING ERRCODE = 'invalid_parameter_value';
+                         'strict $.** ? (@.type() == "number" && (@ >= 179769313486231580793728971405303415079934132710037826936173778980444968292764750946649017977587207096330286416692887910946555547851940402630657488671505820681908902000708383676273854845817711531764475730270069855571366959622842914819860834936475292719074168444365510704342711559699508093042880177904174497792 || @ <= -179769313486231580793728971405303415079934132710037826936173778980444968292764750946649017977587207096330286416692887910946555547851940402630657488671505820681908902000708383676273854845817711531764475730270069855571366959622842914819860834936475292719074168444365510704342711559699508093042880177904174497792))') THEN
+        IF jsonb_path_exists(check_job.payload,
+                             'strict $.** ? (@.type() == "number" && (@ >= 1e4300 || @ <= -1e4300))') THEN
+            RAISE EXCEPTION 'jobd.enqueue: payload holds a number of 4300 digits or more'
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        IF jsonb_path_exists(check_job.payload,
+                             'strict $.** ? (@.type() == "number" && (@ >= 179769313486231580793728971405303415079934132710037826936173778980444968292764750946649017977587207096330286416692887910946555547851940402630657488671505820681908902000708383676273854845817711531764475730270069855571366959622842914819860834936475292719074168444365510704342711559699508093042880177904174497792 || @ <= -179769313486231580793728971405303415079934132710037826936173778980444968292764750946649017977587207096330286416692887910946555547851940402630657488671505820681908902000708383676273854845817711531764475730270069855571366959622842914819860834936475292719074168444365510704342711559699508093042880177904174497792) && @.floor() != @)') THEN
+            RAISE EXCEPTION 'jobd.enqueue: payload holds a number beyond a float''s range that is not a whole number (it would be read as infinity)'
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
     END IF;
 END
 $$;

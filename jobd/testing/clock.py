@@ -11,6 +11,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 
 import psycopg
+from psycopg.rows import tuple_row
 
 from jobd.queries import query
 
@@ -70,8 +71,10 @@ class Clock:
         plus what the clock was advanced by."""
         if self._frozen is not None:
             return self._frozen
-        # database_clock names no table: it runs on any connection, whatever its search_path.
-        row = conn.execute(query("database_clock"), {"now": None}).fetchone()
+        # database_clock names no table: it runs on any connection, whatever its search_path;
+        # read as a tuple, whatever row factory the test's connection has.
+        row = conn.cursor(row_factory=tuple_row).execute(
+            query("database_clock"), {"now": None}).fetchone()
         assert row is not None
         return row[0] + self._offset
 

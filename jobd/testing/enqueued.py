@@ -15,6 +15,7 @@ from datetime import datetime
 from typing import Any
 
 import psycopg
+from psycopg.rows import tuple_row
 from psycopg.types.json import Jsonb
 
 from jobd.db import DEFAULT_SCHEMA, validate_schema
@@ -50,9 +51,11 @@ def enqueued_jobs(conn: psycopg.Connection, handler: str | None = None, *,
     """The live jobs (oldest first) of ``handler`` in ``lane`` whose payload contains
     ``payload`` (JSON containment, PostgreSQL's ``@>``: every key and value given is in the
     job's payload, which may hold more); each filter left out matches every job."""
-    rows = conn.execute(qualified("testing_enqueued_jobs_qualified", validate_schema(schema)), {
-        "handler": handler, "lane": lane,
-        "payload": None if payload is _ANY else Jsonb(payload)}).fetchall()
+    # Tuples, whatever row factory the test's connection has: EnqueuedJob takes them in order.
+    rows = conn.cursor(row_factory=tuple_row).execute(
+        qualified("testing_enqueued_jobs_qualified", validate_schema(schema)), {
+            "handler": handler, "lane": lane,
+            "payload": None if payload is _ANY else Jsonb(payload)}).fetchall()
     return [EnqueuedJob(*row) for row in rows]
 
 

@@ -20,7 +20,7 @@ import dataclasses
 import os
 from collections.abc import Callable, Coroutine, Iterator, Mapping
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -136,7 +136,16 @@ def _claim_one(session: Session, plan: _Plan, now: datetime | None) -> Job | Non
                            order=lane.claim_order(plan.key_cursor) if lane.ordered else None)
     if jobs and lane.fair_by != "none":
         plan.key_cursor = next_key_cursor(plan.key_cursor, jobs)
-    return jobs[0] if jobs else None
+    return _in_utc(jobs[0]) if jobs else None
+
+
+def _in_utc(job: Job) -> Job:
+    """``job`` with its times in UTC, as a worker's session (UTC) reads them: the test's
+    connection, or one to the URL, reads them in its own TimeZone."""
+    return Job(job.id, job.lease_token, job.lane, job.handler, job.payload_json, job.priority,
+               job.run_at.astimezone(UTC), job.attempt, job.max_attempts, job.idempotency_key,
+               job.created_at.astimezone(UTC), job.lease_until.astimezone(UTC),
+               job.fairness_key)
 
 
 def _run(session: Session, plan: _Plan, job: Job, now: datetime | None) -> JobRun:
@@ -171,7 +180,7 @@ def _transactional(session: Session, plan: _Plan, resolved: handlers.ResolvedHan
 
 def _call(resolved: handlers.ResolvedHandler, job: Job, timeout: float | None) -> None:
     if not resolved.is_async:
-        resolved.func(job)
+        handlers.check_ran(resolved.name, resolved.func(job))
         return
     coroutine: Coroutine[Any, Any, Any] = resolved.func(job)
     if timeout:

@@ -6,7 +6,9 @@ code enqueued without committing are there to assert on and to run, and the test
 undoes everything the helpers did. jobd's queue statements are written for connections whose
 search_path is the jobd schema (jobd/queries.py); on a test's connection the helpers switch
 the search_path for those statements alone and put the test's own back before any handler
-runs, so handler code resolves names exactly as the test's code does.
+runs, so handler code resolves names exactly as the test's code does. Inside a transaction
+both switches are local to it, so the test's own setting, local or session-level, is what
+the transaction's end leaves.
 """
 
 from __future__ import annotations
@@ -17,8 +19,16 @@ from dataclasses import dataclass
 
 import psycopg
 from psycopg import pq
+from psycopg.rows import tuple_row
 
-from jobd.db import DEFAULT_SCHEMA, connect, conninfo, validate_schema
+from jobd.db import (
+    DEFAULT_SCHEMA,
+    SERVER_DEFAULTS,
+    connect,
+    conninfo,
+    users_connection_reset,
+    validate_schema,
+)
 from jobd.queries import query
 
 Target = psycopg.Connection | str
@@ -43,29 +53,34 @@ class Session:
 
     @contextlib.contextmanager
     def jobd_statements(self) -> Iterator[psycopg.Connection]:
-        """``conn`` with the jobd schema as its search_path, for jobd's own statements."""
+        """``conn`` with the jobd schema as its search_path, reading rows as tuples, for
+        jobd's own statements."""
         if not self.on_callers_connection:
             yield self.conn
             return
-        if self.callers_path is None:
-            row = self.conn.execute(query("testing_session_settings")).fetchone()
-            assert row is not None
-            self.callers_path = str(row[0])
-        self.conn.execute(query("testing_set_search_path"), {"path": self.schema})
-        try:
-            yield self.conn
-        finally:
-            # An aborted transaction refuses every statement; its rollback restores the
-            # search_path by itself.
-            if self.conn.info.transaction_status != pq.TransactionStatus.INERROR:
-                self.conn.execute(query("testing_set_search_path"),
-                                  {"path": self.callers_path})
+        local = _in_transaction_block(self.conn)
+        with _reading_tuples(self.conn):
+            if self.callers_path is None:
+                row = self.conn.execute(query("testing_session_settings")).fetchone()
+                assert row is not None
+                self.callers_path = str(row[0])
+            self.conn.execute(query("testing_set_search_path"),
+                              {"path": self.schema, "local": local})
+            try:
+                yield self.conn
+            finally:
+                # An aborted transaction refuses every statement; its rollback restores the
+                # search_path by itself.
+                if self.conn.info.transaction_status != pq.TransactionStatus.INERROR:
+                    self.conn.execute(query("testing_set_search_path"),
+                                      {"path": self.callers_path, "local": local})
 
     @contextlib.contextmanager
     def handler_connection(self) -> Iterator[psycopg.Connection]:
         """The connection a transactional handler runs on: the test's own (its transaction
         becomes a savepoint in the test's), else one with the role's search_path, as the
-        worker's handler pool opens them, kept for the session."""
+        worker's handler pool opens them, kept for the session and reset after each job as
+        the pool resets them (db.users_connection_reset)."""
         if self.on_callers_connection:
             with _settings_kept(self.conn):
                 yield self.conn
@@ -74,11 +89,37 @@ class Session:
         if self.handler_conn is None or self.handler_conn.closed or self.handler_conn.broken:
             self.handler_conn = psycopg.connect(
                 conninfo(self.url, None, "jobd.testing handler"), autocommit=True)
-        yield self.handler_conn
+        try:
+            yield self.handler_conn
+        finally:
+            if not self.handler_conn.closed and not self.handler_conn.broken:
+                users_connection_reset(self.url, SERVER_DEFAULTS)(self.handler_conn)
 
     def close(self) -> None:
         if self.handler_conn is not None:
             self.handler_conn.close()
+
+
+def _in_transaction_block(conn: psycopg.Connection) -> bool:
+    """Whether the next statement runs in a transaction that outlasts it: the caller's open
+    one, or the one a connection that is not autocommit begins with it. There jobd sets the
+    search_path locally (SET LOCAL), so the transaction's end brings back the caller's
+    setting as the caller made it, local or session-level; a session-level change would
+    turn a caller's SET LOCAL into a session setting at the commit."""
+    return not conn.autocommit or conn.info.transaction_status == pq.TransactionStatus.INTRANS
+
+
+@contextlib.contextmanager
+def _reading_tuples(conn: psycopg.Connection) -> Iterator[None]:
+    """The test's connection reading rows as tuples, then its own row factory again: jobd's
+    statements read their rows by position, a test's may be dicts (``dict_row``), and its
+    handlers get the connection as the test configured it."""
+    row_factory = conn.row_factory
+    conn.row_factory = tuple_row
+    try:
+        yield
+    finally:
+        conn.row_factory = row_factory
 
 
 @contextlib.contextmanager
@@ -88,7 +129,7 @@ def _settings_kept(conn: psycopg.Connection) -> Iterator[None]:
     if conn.info.transaction_status != pq.TransactionStatus.INTRANS:
         yield  # the run's own transaction ends its local settings
         return
-    row = conn.execute(query("testing_session_settings")).fetchone()
+    row = conn.cursor(row_factory=tuple_row).execute(query("testing_session_settings")).fetchone()
     assert row is not None
     try:
         yield
