@@ -136,7 +136,8 @@ def _dispatch(argv: Sequence[str] | None) -> int:
         print(f"jobd: {exc}", file=sys.stderr)
         return 1
     except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedFunction,
-            psycopg.errors.InvalidSchemaName):
+            psycopg.errors.UndefinedColumn, psycopg.errors.InvalidSchemaName):
+        # UndefinedColumn: a schema of an older jobd, whose tables lack a newer column.
         print(f"jobd: {schema} is missing or incomplete in this database; run "
               "`jobd migrate` first", file=sys.stderr)
         return 1

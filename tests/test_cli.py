@@ -197,6 +197,16 @@ def test_a_schema_that_is_not_there_is_named(db_url: str) -> None:
     assert line.startswith("jobd: schema nosuch is missing or incomplete in this database")
 
 
+def test_a_schema_of_an_older_jobd_asks_for_migrate(db_url: str, conn: psycopg.Connection
+                                                   ) -> None:
+    # An older jobd's tables lack columns this one reads: "database error: column ... does
+    # not exist" said nothing of the cure.
+    conn.execute("ALTER TABLE jobd.nodes DROP COLUMN heartbeat_interval")
+    line = assert_one_line_error(cli("status", "--database-url", db_url), 1)
+    assert line.startswith("jobd: schema jobd is missing or incomplete in this database; run "
+                           "`jobd migrate` first")
+
+
 # --- status --------------------------------------------------------------------------------
 
 
