@@ -230,7 +230,8 @@ def _rate(lane: yamlcheck.Section) -> tuple[int | None, float]:
     return limit, per
 
 
-def _schedule(located: yamlcheck.Located, path: str, handlers: dict[str, str]) -> ScheduleConfig:
+def _schedule(located: yamlcheck.Located, path: str, handlers: dict[str, str],
+              payload_limit: int) -> ScheduleConfig:
     section = yamlcheck.Section(located, path)
 
     def known_handler(value: object) -> str:
@@ -245,7 +246,7 @@ def _schedule(located: yamlcheck.Located, path: str, handlers: dict[str, str]) -
         handler=section.take("handler", known_handler),
         timezone=section.take("timezone", yamlcheck.timezone, "UTC"),
         lane=section.take("lane", yamlcheck.name("lane"), "default"),
-        payload=_schedule_payload(section.raw("payload"), f"{path}.payload"),
+        payload=_schedule_payload(section.raw("payload"), f"{path}.payload", payload_limit),
         priority=section.take("priority", yamlcheck.int_between(-(2**31), 2**31 - 1), 0),
         catchup=section.take("catchup", yamlcheck.choice("latest", "all", "none"), "latest"),
         overlap=section.take("overlap", yamlcheck.choice("allow", "skip"), "allow"),
@@ -257,13 +258,18 @@ def _schedule(located: yamlcheck.Located, path: str, handlers: dict[str, str]) -
     return schedule
 
 
-def _schedule_payload(located: yamlcheck.Located | None, path: str) -> Any:
+def _schedule_payload(located: yamlcheck.Located | None, path: str, limit: int) -> Any:
     """A schedule's payload, held to every job's rules (jobd.validation) now, at load: a
     value YAML reads as no JSON type (a date, binary) or that jsonb cannot hold (NaN, NUL)
-    would otherwise fail each time the schedule is declared or fires."""
+    would otherwise fail each time the schedule is declared or fires. Its size is held to
+    the config's ``limits.max_payload_bytes``, the limit ``jobd migrate -c`` gives the
+    database: a fire does not check it, and would store jobs no other entry point takes."""
     payload = yamlcheck.unwrap(located) or {}
     try:
-        validation.encode_payload(payload)
+        size = validation.utf8_size("payload", validation.encode_payload(payload))
+        if size > limit:
+            raise ValueError(f"payload is {size:,} bytes, over the limit of {limit:,} "
+                             f"(limits.max_payload_bytes)")
     except ValueError as exc:
         hint = (" (YAML reads an unquoted date or time, or !!binary, as no JSON value: "
                 "quote it to keep it as text)" if "not JSON serializable" in str(exc) else "")
@@ -305,13 +311,16 @@ def _build(root: yamlcheck.Located, path: str | None) -> Config:
         lanes[name] = _lane(name, located, f"lanes.{name}")
     lane_section.items.clear()
 
+    max_payload_bytes = limits.take(
+        "max_payload_bytes", yamlcheck.int_between(1, 256 * 1024 * 1024), None)
     schedules = []
     schedules_raw = top.raw("schedules")
     if schedules_raw is not None and schedules_raw.value is not None:
         if not isinstance(schedules_raw.value, list):
             yamlcheck.fail(schedules_raw.line, "schedules", "must be a list")
         for index, item in enumerate(schedules_raw.value):
-            schedule = _schedule(item, f"schedules[{index}]", handlers)
+            schedule = _schedule(item, f"schedules[{index}]", handlers,
+                                 max_payload_bytes or validation.DEFAULT_MAX_PAYLOAD_BYTES)
             if schedule.id in {s.id for s in schedules}:
                 yamlcheck.fail(item.line, f"schedules[{index}].id",
                                f"duplicate schedule id {schedule.id!r}")
@@ -328,8 +337,7 @@ def _build(root: yamlcheck.Located, path: str | None) -> Config:
         handlers=handlers,
         lanes=lanes,
         schedules=tuple(schedules),
-        max_payload_bytes=limits.take(
-            "max_payload_bytes", yamlcheck.int_between(1, 256 * 1024 * 1024), None),
+        max_payload_bytes=max_payload_bytes,
         worker_timeout=supervisor.take("worker_timeout", yamlcheck.positive_duration, 30.0),
         shutdown_timeout=supervisor.take("shutdown_timeout", yamlcheck.positive_duration, 30.0),
         duty_interval=supervisor.take("duty_interval", yamlcheck.positive_duration, 10.0),

@@ -95,6 +95,8 @@ class Conflict:
 
 @dataclass(slots=True)
 class SyncResult:
+    # Occurrences the previous expression or zone still owed, fired before the change.
+    owed: TickResult = field(default_factory=TickResult)
     created: list[str] = field(default_factory=list)
     changed: list[str] = field(default_factory=list)  # stored definition replaced
     withdrawn: list[str] = field(default_factory=list)  # no longer declared by this instance
@@ -127,6 +129,7 @@ def sync(conn: psycopg.Connection, schedules: Sequence[ScheduleConfig], instance
         # In id order, the order tick() locks them in, so a sync and another node's tick
         # cannot deadlock.
         for s in ordered:
+            _fire_what_the_old_definition_owes(conn, s, now, result.owed)
             row = conn.execute(query("declare_schedule"), {
                 "id": s.id, "instance": instance, "definition": Jsonb(definition(s)),
                 "ttl": ttl, "now": now}).fetchone()
@@ -144,6 +147,27 @@ def sync(conn: psycopg.Connection, schedules: Sequence[ScheduleConfig], instance
         conn.execute(query("prune_schedule_declarations"),
                      {"after": DECLARATION_PRUNE_AFTER.total_seconds(), "now": now})
     return result
+
+
+def _fire_what_the_old_definition_owes(conn: psycopg.Connection, schedule: ScheduleConfig,
+                                       now: datetime | None, result: TickResult) -> None:
+    """A new expression or zone starts at the change (migration 0035), so the occurrences
+    the stored one has due since its cursor are fired first, under its catch-up policy: a
+    restart with a changed config after a downtime, or a reload between an occurrence and
+    the tick for it, skipped them."""
+    row = conn.execute(query("schedule_before_its_change"), {
+        "id": schedule.id, "cron": schedule.cron, "timezone": schedule.timezone,
+        "now": now}).fetchone()
+    if row is None:
+        return
+    cron, timezone, catchup, cursor, db_now = row
+    try:
+        stored = CronSchedule.parse(cron, timezone)
+    except CronError:
+        return  # nothing it can owe: the tick says so for every schedule that cannot fire
+    owed = plan(stored, catchup, cursor, db_now)
+    for occurrence in owed.fire:
+        _fire(conn, schedule.id, occurrence, now, result)
 
 
 def refresh(conn: psycopg.Connection, instance: str, schedules: Sequence[ScheduleConfig],

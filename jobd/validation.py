@@ -49,6 +49,8 @@ MAX_KEY_BYTES = 512
 # A fairness key is part of an index entry (jobs_fair_idx): bounded well below its limit.
 MAX_FAIRNESS_KEY_BYTES = 256
 MAX_PAYLOAD_DEPTH = 256
+# The database's payload limit until `jobd migrate -c` sets another (migration 0006).
+DEFAULT_MAX_PAYLOAD_BYTES = 1_048_576
 MAX_DELAY_SECONDS = 10**9
 EARLIEST_RUN_AT = datetime(1970, 1, 1, tzinfo=UTC)
 LATEST_RUN_AT = datetime(9999, 1, 1, tzinfo=UTC)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from jobd import workerpool
+from jobd import validation, workerpool
 from jobd.backoff import Backoff
 from jobd.config import load, parse, parse_duration
 from jobd.errors import ConfigError, UsageError
@@ -494,3 +494,21 @@ def test_a_schedule_payload_that_no_job_could_carry_is_refused_at_load(
     assert message in str(caught.value)
     quoted = parse(text.replace(payload, "{since: '2026-01-01'}"), "s.yaml")
     assert quoted.schedules[1].payload == {"since": "2026-01-01"}
+
+
+def test_a_schedule_payload_over_the_configs_payload_limit_is_refused_at_load() -> None:
+    # A fire stores its job without the size check of the other entry points: a payload
+    # that jobd enqueue refuses was enqueued at every occurrence.
+    text = ("handlers: {echo: 'jobd.examples:echo'}\n"
+            "limits: {max_payload_bytes: 1000}\n"
+            "schedules:\n"
+            f"  - {{id: big, cron: '* * * * *', handler: echo, payload: {{s: {'x' * 993}}}}}\n")
+    with pytest.raises(ConfigError, match=r"s.yaml:4: schedules\[0\]\.payload: payload is "
+                                          r"1,002 bytes, over the limit of 1,000"):
+        parse(text, "s.yaml")
+    assert parse(text.replace("1000}", "1002}"), "s.yaml").schedules[0].payload["s"]
+    # Without limits, the database's own default applies (migration 0006).
+    huge = text.replace("limits: {max_payload_bytes: 1000}\n", "").replace(
+        "x" * 993, "x" * validation.DEFAULT_MAX_PAYLOAD_BYTES)
+    with pytest.raises(ConfigError, match="over the limit of 1,048,576"):
+        parse(huge, "s.yaml")

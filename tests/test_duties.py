@@ -173,6 +173,20 @@ def test_the_materializer_declares_fires_refreshes_and_withdraws(
     assert conn.execute("SELECT count(*) FROM schedule_declarations").fetchone() == (0,)
 
 
+def test_the_materializer_warns_of_a_schedule_into_a_lane_the_node_does_not_serve(
+    conn: psycopg.Connection,
+) -> None:
+    # A typo in a schedule's lane stranded its jobs in a lane nobody serves, without a word.
+    config = Config(duty_interval=10.0, lanes={"default": LaneConfig("default")},
+                    schedules=(ScheduleConfig("typo", "* * * * *", "h", lane="defualt"),
+                               ScheduleConfig("fine", "* * * * *", "h")))
+    materializer = Materializer(INSTANCE, lambda: config, WakeRouter())
+    with structlog.testing.capture_logs() as logged:
+        materializer.run(conn, NOW)
+    warnings = [e for e in logged if e["log_level"] == "warning"]
+    assert [(e["schedule"], e["lane"]) for e in warnings] == [("typo", "defualt")]
+
+
 def test_the_lane_poll_finds_due_work_future_work_and_suspects(
     conn: psycopg.Connection,
 ) -> None:

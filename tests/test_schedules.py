@@ -590,3 +590,23 @@ def test_the_listing_judges_by_the_clock_it_is_given(conn: psycopg.Connection) -
     # The declaration outlives the test's clocks; by the database clock it is listed too.
     [by_database] = jobd.schedules.listing(conn)
     assert by_database["state"] == "enabled"
+
+
+@pytest.mark.parametrize("new_cron", ["0 * * * *", "0,30 * * * *"])
+def test_a_change_after_a_downtime_fires_what_the_old_expression_owed_first(
+    conn: psycopg.Connection, new_cron: str,
+) -> None:
+    # The only node stops at 09:55 and comes back at 10:05. With the same expression, 10:00
+    # fires as missed (catchup: all); with a changed one the cursor moved to the change and
+    # 10:00, due under both, was lost.
+    sync(conn, [schedule("hourly", "0 * * * *", catchup="all")], now=utc(2026, 10, 20, 8, 30))
+    tick(conn, now=utc(2026, 10, 20, 9, 0, 1))
+    conn.execute("DELETE FROM schedule_declarations")  # the node left (withdraw)
+    sync(conn, [schedule("hourly", new_cron, catchup="all")], now=utc(2026, 10, 20, 10, 5))
+    tick(conn, now=utc(2026, 10, 20, 10, 5, 1))
+    assert [row[1] for row in ledger(conn, "hourly")] == ["2026-10-20T09:00Z",
+                                                          "2026-10-20T10:00Z"]
+    # The new expression starts at the change: its 10:30 fires, nothing of it before 10:05.
+    later = tick(conn, now=utc(2026, 10, 20, 10, 30, 1))
+    assert [key for _, key, _ in later.enqueued] == (
+        ["2026-10-20T10:30Z"] if new_cron == "0,30 * * * *" else [])

@@ -9,10 +9,13 @@ import time
 from collections.abc import Callable
 
 import psycopg
+import structlog
 
 from jobd import schedules
 from jobd.config import Config
 from jobd.duties import NEVER, Duty, Router
+
+log = structlog.get_logger("jobd.duties.materializer")
 
 TIMER_FLOOR = 0.05  # seconds: a slightly early timer (clock offset error) must not spin
 RETRY_AFTER = 1.0  # seconds before a failed turn is tried again
@@ -39,7 +42,11 @@ class Materializer(Duty):
         config = self.config()
         ttl = schedules.declaration_ttl(config.duty_interval)
         if not self.synced:
-            schedules.report_sync(schedules.sync(conn, config.schedules, self.instance, ttl))
+            synced = schedules.sync(conn, config.schedules, self.instance, ttl)
+            schedules.report_sync(synced)
+            _warn_of_lanes_not_served(config)
+            if synced.owed.enqueued:
+                self.router.due_everywhere(config.lanes)
             self.synced = True
             self._tick(conn, now)
         if now >= self.next_refresh:
@@ -71,3 +78,13 @@ class Materializer(Duty):
     def stop(self, conn: psycopg.Connection) -> None:
         # Its schedules stop counting as declared by it at once, not after the expiry.
         schedules.withdraw(conn, self.instance)
+
+
+def _warn_of_lanes_not_served(config: Config) -> None:
+    """A schedule may fill a lane only another node serves; a typo in its lane looks the
+    same, and its jobs would wait there unseen: say so when the schedules are declared."""
+    for schedule in config.schedules:
+        if schedule.lane not in config.lanes:
+            log.warning("a schedule enqueues into a lane this node does not serve: its jobs "
+                        "wait for a node that does", schedule=schedule.id, lane=schedule.lane,
+                        lanes=sorted(config.lanes))

@@ -1147,6 +1147,14 @@ SELECT instance, node, pid, started_at, seen_at, workers, counters, prev_counter
   FROM nodes
  ORDER BY node, instance
 
+-- name: schedule_before_its_change
+-- A stored schedule whose expression or zone this instance's config changes, if it is
+-- enabled: what its definition still owes is fired before the change (schedules.sync).
+SELECT s.cron, s.timezone, s.catchup, s.materialized_until, clock.at
+  FROM schedules AS s, (SELECT coalesce(%(now)s::timestamptz, now()) AS at) AS clock
+ WHERE s.id = %(id)s AND s.enabled
+   AND (s.cron, s.timezone) IS DISTINCT FROM (%(cron)s::text, %(timezone)s::text)
+
 -- name: declare_schedule
 -- One instance declares one schedule of its config (see migrations/0007): creates it if new,
 -- refreshes the declaration's expiry, and adopts the definition only if no live declaration
