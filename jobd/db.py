@@ -353,17 +353,27 @@ def users_connection_reset(url: str, session: SessionSettings
                            ) -> Callable[[psycopg.Connection], None]:
     """What makes a connection of the transactional handlers' pool as it was opened, before
     the next job gets it: one handler's ``SET search_path`` or ``conn.row_factory`` must not
-    reach the next job, which may be another handler's. Server side ``DISCARD ALL`` (session
-    settings, temporary tables, session advisory locks, LISTEN); through a transaction-mode
-    pooler the session is not the connection's, so only the client side is reset there."""
+    reach the next job, which may be another handler's. Server side, what ``DISCARD ALL``
+    resets but the prepared statements (:data:`_SESSION_RESET`, one round trip); through a
+    transaction-mode pooler the session is not the connection's, so only the client side is
+    reset there."""
     def reset(conn: psycopg.Connection) -> None:
-        conn.autocommit = True  # as the pool opens them; DISCARD ALL needs it
+        conn.autocommit = True  # as the pool opens them
         conn.read_only = conn.deferrable = None
         conn.row_factory = tuple_row
         conn.cursor_factory = psycopg.Cursor
         if not _pooled_for_users(url, session):
-            conn.execute("DISCARD ALL")
+            with conn.pipeline():
+                for statement in _SESSION_RESET:
+                    conn.execute(statement)
     return reset
+
+
+# DISCARD ALL but for DEALLOCATE ALL and DISCARD PLANS: psycopg keeps its own record of the
+# statements it prepared on a connection and, after the first DISCARD ALL it sees, stops
+# noticing them, so the next job's statements named prepared statements that were gone.
+_SESSION_RESET = ("CLOSE ALL", "SET SESSION AUTHORIZATION DEFAULT", "RESET ALL", "UNLISTEN *",
+                  "SELECT pg_advisory_unlock_all()", "DISCARD TEMP", "DISCARD SEQUENCES")
 
 
 def _pooled_for_users(url: str, session: SessionSettings) -> bool:

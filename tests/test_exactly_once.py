@@ -704,3 +704,17 @@ def test_a_handlers_session_settings_do_not_reach_the_next_job(
     outcomes = run_in_turn(db_url, {"moves": moves, "writes": writes}, ids, conn)
     assert [o.error for o in outcomes] == [None, None]
     assert [row[2] for row in effect_rows(conn)] == ["writes"]  # in public.effects
+
+
+def test_the_reset_between_jobs_keeps_the_connections_prepared_statements(
+    tables: psycopg.Connection, db_url: str
+) -> None:
+    # psycopg prepares a statement run five times on a connection, and keeps its own record
+    # of it. A DISCARD ALL between jobs dropped them on the server: from the sixth job on,
+    # jobd's statements named prepared statements that were gone, and every job failed.
+    conn = tables
+    ids = [jobd.enqueue(conn, "writes") for _ in range(12)]
+    outcomes = run_in_turn(db_url, {"writes": lambda job, c: insert_effect(job, c, "w")}, ids,
+                           conn)
+    assert [o.error for o in outcomes] == [None] * 12
+    assert len(effect_rows(conn)) == 12
