@@ -52,11 +52,12 @@ class CuttingProxy:
                 condition = self._cut_when
                 if from_client and condition is not None and condition(data):
                     self._cut_when = None
+                    # Set before the reset: the client, woken by it, may look at once.
+                    self.cut.set()
                     # Towards the client only: a reset, and nothing towards the server.
                     source.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
                                       struct.pack("ii", 1, 0))
                     source.close()
-                    self.cut.set()
                     return
                 sink.sendall(data)
         except OSError:
