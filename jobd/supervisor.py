@@ -1,15 +1,16 @@
 """The supervisor: a process manager for lane-pinned workers (after gunicorn's arbiter and
 supervisord), and the loop that runs everything else the node does.
 
-One loop sleeps in ``select`` on the signal pipe, the workers' status pipes and the LISTEN
-connection. Each turn it: handles signals; finishes a reload whose import check is done;
+One loop sleeps in ``select`` on the signal pipe, the workers' status pipes and the pipes of
+its threads. Each turn it: handles signals; finishes a reload whose import check is done;
 reaps, kills and respawns workers (:mod:`jobd.workerpool`); turns notifications into wake
 decisions (:mod:`jobd.wake_routing`); hands the duties that are due (:mod:`jobd.duties`:
 crash attribution, lease sweep, node heartbeat, schedules, fallback poll, retention) to the
 thread that runs their statements and takes back what they routed; pokes the workers
 routing chose; and tells systemd how it is (:mod:`jobd.sdnotify`). The loop waits on its
 ``select`` alone: the duties' statements run on their thread (:mod:`jobd.duties.runner`),
-notifications never block, a reload's handler import runs in a child process. With
+the LISTEN connection's attempts and probes on its own (:mod:`jobd.listener`), a reload's
+handler import runs in a child process. With
 ``metrics.listen`` it also publishes what the node's Prometheus metrics export
 (:mod:`jobd.metrics`), served from a thread of its own.
 
@@ -47,18 +48,17 @@ from jobd.duties.runner import DeferredRouter, DutyRunner, LoopCalls
 from jobd.errors import ConfigError
 from jobd.eventloop import SelectLoop
 from jobd.handlers import HandlerCheck, check_in_subprocess
+from jobd.listener import Listener
 from jobd.looplag import LoopLag
 from jobd.metrics import NodeCollector, NodeMetrics, NodeView, Server, handler_labels
 from jobd.sdnotify import Notifier
 from jobd.wake_routing import WakeRouter
-from jobd.wakeup import Listener
 from jobd.workerpool import WorkerPool
 
 EXIT_OK = 0
 EXIT_BOOT_FAILURE_SUPERVISOR = 3
 
 KILL_GRACE = 5.0  # after the drain timeout, how long before stragglers are SIGKILLed
-LISTENER_PROBE_INTERVAL = 60.0
 LOOP_TICK = 1.0  # the longest the loop sleeps with nothing due
 METRICS_PUBLISH_INTERVAL = 0.5  # seconds between views published for the metrics server
 # A batch of duties on their thread this long (each statement is bounded: 10 s, a connection
@@ -83,7 +83,6 @@ class Supervisor:
             session=supervisor_session(config.session))
         self.listener = Listener(database_url, config.schema, listen_url=config.listen_url,
                                  session=config.session, node=config.node_name)
-        self.listener_fd: int | None = None
         self.router = WakeRouter()
         # The duties run on a thread: what they ask of the loop waits for it (runner.py).
         loop_calls = LoopCalls()
@@ -119,7 +118,6 @@ class Supervisor:
             self.sampler = MetricsSampler(self._lanes)
             duties.append(self.sampler)
         self.duties = DutyRunner(duties, self.link, self.loop, loop_calls)
-        self.next_listener_probe = time.monotonic() + LISTENER_PROBE_INTERVAL
         self.next_watchdog = 0.0
         self.stopping = False
         self.stop_deadline: float | None = None
@@ -160,7 +158,7 @@ class Supervisor:
             return EXIT_OK
         self._start_metrics()  # before any worker: an address in use stops the start
         self.link.ensure()
-        self._ensure_listener()
+        self.listener.start(self.loop)
         self.pool.build()
         self.pool.spawn_due()
         log.info("supervisor started", node=self.config.node_name, instance=self.instance,
@@ -182,7 +180,6 @@ class Supervisor:
             else:
                 self.pool.check_liveness()
                 self.pool.spawn_due()
-            self._ensure_listener()
             self._receive_wakeups()
             # What a batch of duties that came back routed (retries, suspects) is due too.
             self._wake_workers()
@@ -231,23 +228,12 @@ class Supervisor:
 
     # --- wake-ups -------------------------------------------------------------------------
 
-    def _ensure_listener(self) -> None:
-        if self.listener.conn is None and self.listener_fd is not None:
-            self.loop.unregister(self.listener_fd)
-            self.listener_fd = None
-        if self.listener.ensure():
-            self.listener_fd = self.listener.fileno()
-            assert self.listener_fd is not None
-            self.loop.register(self.listener_fd, lambda _fd: None)
+    def _receive_wakeups(self) -> None:
+        wakeups, listening = self.listener.take()
+        if listening:
             # Notifications sent while we were not listening are lost: look at every lane.
             self.duties.when_idle(self.lane_poll.poll_now)
-
-    def _receive_wakeups(self) -> None:
-        self.router.notified(self.listener.receive())
-        now = time.monotonic()
-        if now >= self.next_listener_probe:
-            self.next_listener_probe = now + LISTENER_PROBE_INTERVAL
-            self.listener.check()
+        self.router.notified(wakeups)
 
     def _wake_workers(self) -> None:
         workers = self.pool.processes()

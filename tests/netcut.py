@@ -83,3 +83,58 @@ def cutting_proxy(db_url: str) -> Iterator[tuple[CuttingProxy, str]]:
         yield proxy, make_conninfo(db_url, host="127.0.0.1", port=proxy.port)
     finally:
         proxy.close()
+
+
+class SilentServer:
+    """A server that accepts connections and never says a word: a host behind a partition,
+    as a client in its connection attempt meets it (until its connect timeout)."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self._lock = threading.Lock()
+        self.accepted: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return  # closed
+            with self._lock:
+                self.accepted.append(client)
+
+    def open_attempts(self) -> list[socket.socket]:
+        """The accepted connections their clients have not given up on (nor closed)."""
+        with self._lock:
+            return [sock for sock in self.accepted if not _closed_by_peer(sock)]
+
+    def close(self) -> None:
+        self.listener.close()
+        with self._lock:
+            for sock in self.accepted:
+                sock.close()
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """Whether the client has closed ``sock``; what it sent (a startup packet) is read and
+    dropped on the way."""
+    try:
+        while sock.recv(65536, socket.MSG_DONTWAIT):
+            pass
+    except BlockingIOError:
+        return False  # open and quiet
+    except OSError:
+        return True  # reset
+    return True  # the end of the stream
+
+
+@contextlib.contextmanager
+def silent_server(db_url: str) -> Iterator[tuple[SilentServer, str]]:
+    """A silent server and ``db_url`` pointed at it."""
+    server = SilentServer()
+    try:
+        yield server, make_conninfo(db_url, host="127.0.0.1", port=server.port)
+    finally:
+        server.close()

@@ -32,6 +32,7 @@ from daemon_support import (
     make_config,
     wait_until,
 )
+from netcut import silent_server
 
 import jobd
 from jobd.db import connect
@@ -663,6 +664,33 @@ def test_the_loop_relays_wake_ups_and_takes_signals_while_a_duty_statement_runs_
     assert effects_db.execute(sleeping_sql).fetchone() == sleeping
     assert daemon.wait_exit(30) == 0
     effects_db.execute("DROP TRIGGER slow_heartbeat ON jobd.nodes")
+
+
+def test_the_loop_takes_signals_while_the_listen_connection_waits_for_a_silent_host(
+    daemons: Daemons, db_url: str
+) -> None:
+    # The LISTEN connection's attempts (each up to the 5 s connect timeout) and its probes
+    # (up to the 30 s of tcp_user_timeout) run on a thread of their own: with a listen host
+    # behind a partition, each attempt held the supervisor's loop, its signals, reaping and
+    # relays, until it timed out.
+    with silent_server(db_url) as (silent, silent_url):
+        config = make_config({"default": {}}, supervisor={"log_level": "debug"})
+        config["database"] = {"listen_url": silent_url}
+        daemon = daemons(config)
+        daemon.wait_for_log("LISTEN unavailable; waking workers on the fallback poll")
+        daemon.wait_workers_started("default", 1)
+        tried = len(silent.accepted)
+        # A fresh attempt, which waits for the silent host for the next 5 s; the one before
+        # it has said that it failed.
+        wait_until(lambda: len(silent.accepted) > tried, 30,
+                   message=lambda: f"another LISTEN attempt\n{daemon.tail()}")
+        mark = daemon.mark()
+        daemon.signal(signal.SIGTERM)
+        draining = daemon.wait_for_log("draining", since=mark)
+        before_draining = daemon.entries()[mark:daemon.entries().index(draining)]
+        # The signal did not wait for the attempt to fail.
+        assert [e for e in before_draining if e.get("event") == "LISTEN still unavailable"] == []
+        assert daemon.wait_exit(30) == 0
 
 
 # --- 10. command-line errors ---------------------------------------------------------------

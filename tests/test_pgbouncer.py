@@ -24,9 +24,9 @@ import jobd
 from jobd import queue
 from jobd.db import DEFAULT_SESSION, SessionSettings, connect, is_pooled
 from jobd.errors import UsageError
+from jobd.listener import Listener
 from jobd.localpg import free_port
 from jobd.queue import ClaimRequest
-from jobd.wakeup import Listener
 
 daemons = daemon_support.daemons  # the fixture
 
