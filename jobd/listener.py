@@ -1,31 +1,34 @@
-"""The supervisor's LISTEN connection, on a thread of its own: turns enqueue notifications
-(jobd.wakeup) into lane wake-ups for the supervisor's loop.
+"""The supervisor's LISTEN connection: turns enqueue notifications (jobd.wakeup) into lane
+wake-ups for the supervisor's loop.
 
-Everything that can wait on the network happens on this thread: the connection attempt (up
-to the 5 s connect timeout, then backoff), the LISTEN, and the probe that notices a silent
-connection (a statement that waits up to the 30 s of ``tcp_user_timeout`` on a partition).
-The loop only takes what arrived, told by a byte on a pipe its ``select`` watches, so a
-listen host that does not answer cannot hold up its relays, reaping or signals.
+The loop reads what arrived, without blocking, whenever its ``select`` finds the connection
+readable. Everything that can wait on the network happens on a thread of its own: the
+connection attempts (each up to the 5 s connect timeout, then backoff), the LISTEN, and the
+probe that notices a connection gone quiet (a statement, which waits up to the 30 s of
+``tcp_user_timeout`` behind a partition). The connection belongs to one side at a time: the
+loop hands it to the thread to be opened or probed and takes it back when the thread pokes its
+pipe, so a listen host that does not answer cannot hold up the loop's relays, reaping or
+signals, and the path of a notification is the loop's alone.
 
-Notifications are a hint, never the only path: while the connection is down the
-supervisor's fallback poll covers the gap, and each new connection asks it to look at every
-lane (what was sent before the LISTEN was not heard). A pooler in transaction mode cannot
-hold a LISTEN (the server session it was issued on goes to other clients), so the listener
-connects to ``database.listen_url`` when set, and treats a connection that turns out to be
-pooled as unavailable. While it is unavailable the node runs on the fallback poll: one
-warning when that starts, one notice when LISTEN is back, ``jobd_listener_connected`` and
-`jobd status` in between.
+Notifications are a hint, never the only path: while the connection is away the supervisor's
+fallback poll covers the gap, and each new connection asks it to look at every lane (what was
+sent before the LISTEN was not heard). A pooler in transaction mode cannot hold a LISTEN (the
+server session it was issued on goes to other clients), so the listener connects to
+``database.listen_url`` when set, and treats a connection that turns out to be pooled as
+unavailable. While it is unavailable the node runs on the fallback poll: one warning when that
+starts, one notice when LISTEN is back, ``jobd_listener_connected`` and `jobd status` in
+between.
 """
 
 from __future__ import annotations
 
+import math
 import os
-import selectors
+import queue
+import select
 import threading
 import time
-from collections import deque
 from dataclasses import replace
-from typing import Final
 
 import psycopg
 import structlog
@@ -48,12 +51,11 @@ log = structlog.get_logger("jobd.wakeup")
 
 PROBE_INTERVAL = 60.0  # seconds a quiet connection goes unprobed
 CLOSE_WAIT = 2.0  # on exit, how long to wait for the thread (a connection attempt: up to 5 s)
-LISTENING: Final = "listening"  # handed over when a LISTEN starts: what came before was missed
 
 
 class Listener:
-    """The LISTEN connection (``jobd.db.ManagedConnection``: reconnects with backoff), served
-    by a thread; :meth:`take` hands the loop what arrived."""
+    """The LISTEN connection (``jobd.db.ManagedConnection``: reconnects with backoff), read on
+    the loop, opened and probed on a thread."""
 
     def __init__(self, url: str, schema: str, *, listen_url: str | None = None,
                  session: SessionSettings = DEFAULT_SESSION, node: str | None = None,
@@ -69,89 +71,113 @@ class Listener:
                                       on_failed_attempt=self._unavailable,
                                       label="listen connection", session=listen_session)
         self.said_unavailable = False
-        # From the thread to the loop: deque's append and popleft are atomic.
-        self._arrived: deque[Wakeup | str] = deque()
+        self._loop: SelectLoop | None = None
+        self._with_loop = False  # whose the connection is: the loop's or the thread's
+        self._fd: int | None = None  # the connection's, while the loop's select watches it
+        self._next_probe = math.inf
+        # Counted on the thread, compared on the loop: each side writes its own.
+        self._opened = 0
+        self._opened_seen = 0
         self._failure: BaseException | None = None
-        self._news_r, self._news_w = os.pipe()
+        self._errands: queue.SimpleQueue[bool] = queue.SimpleQueue()  # False: end the thread
+        self._back_r, self._back_w = os.pipe()
         self._stop_r, self._stop_w = os.pipe()
-        for fd in (self._news_r, self._news_w, self._stop_r, self._stop_w):
+        for fd in (self._back_r, self._back_w, self._stop_r, self._stop_w):
             os.set_blocking(fd, False)
         self._thread: threading.Thread | None = None
 
     # --- on the loop ----------------------------------------------------------------------
 
     def start(self, loop: SelectLoop) -> None:
-        loop.register(self._news_r, pipes.drain)
+        self._loop = loop
+        loop.register(self._back_r, self._came_back)
         self._thread = threading.Thread(target=self._serve, name="jobd-listener", daemon=True)
         self._thread.start()
+        self._hand_to_thread()
 
     @property
     def connected(self) -> bool:
         return self.link.conn is not None
 
     def take(self) -> tuple[list[Wakeup], bool]:
-        """What arrived since the last call: the wake-ups, and whether a LISTEN started
-        meanwhile (the notifications sent before it were not heard)."""
+        """The wake-ups that have arrived, without blocking, and whether a LISTEN started
+        since the last call (the notifications sent before it were not heard)."""
         if self._failure is not None:
             # A defect, not a database error (the link handles those): end the supervisor.
             raise self._failure
-        wakeups: list[Wakeup] = []
-        listening = False
-        while self._arrived:
-            item = self._arrived.popleft()
-            if isinstance(item, Wakeup):
-                wakeups.append(item)
-            else:
-                listening = True
+        opened = self._opened
+        listening, self._opened_seen = opened != self._opened_seen, opened
+        conn = self.link.conn
+        if not self._with_loop or conn is None:
+            return [], listening
+        wakeups = []
+        try:
+            for notify in conn.notifies(timeout=0, stop_after=None):
+                wakeup = parse_payload(notify.payload)
+                if wakeup is not None:
+                    wakeups.append(wakeup)
+        except psycopg.Error as exc:
+            self.link.lost("listen", exc)
+            self._hand_to_thread()
+            return wakeups, listening
+        if time.monotonic() >= self._next_probe:
+            self._hand_to_thread()
         return wakeups, listening
 
     def close(self) -> None:
-        """End the thread and its connection. A thread inside a connection attempt is not
-        waited for beyond ``CLOSE_WAIT``: it dies with the process."""
-        if self._thread is None:
-            self.link.close()
-            return
-        pipes.poke(self._stop_w)
-        self._thread.join(CLOSE_WAIT)
+        """End the thread and close the connection. A thread inside a connection attempt is
+        not waited for beyond ``CLOSE_WAIT``: it ends with the process."""
+        if self._thread is not None:
+            self._errands.put(False)
+            pipes.poke(self._stop_w)
+            self._thread.join(CLOSE_WAIT)
+            if self._thread.is_alive():
+                return
+        self.link.close()
+
+    def _hand_to_thread(self) -> None:
+        """To be opened (again) or probed."""
+        if self._fd is not None and self._loop is not None:
+            self._loop.unregister(self._fd)
+        self._fd = None
+        self._with_loop = False
+        self._errands.put(True)
+
+    def _came_back(self, fd: int) -> None:
+        pipes.drain(fd)
+        conn = self.link.conn
+        if self._with_loop or conn is None or self._loop is None:
+            return  # the thread's failure (raised by take) or its exit
+        self._with_loop = True
+        self._fd = conn.fileno()
+        self._loop.register(self._fd, lambda _fd: None)  # take() reads, every loop turn
+        self._next_probe = time.monotonic() + self.probe_interval
 
     # --- on the thread --------------------------------------------------------------------
 
     def _serve(self) -> None:
         try:
-            with selectors.DefaultSelector() as selector:
-                selector.register(self._stop_r, selectors.EVENT_READ)
-                self._listen_until_stopped(selector)
+            while self._errands.get():
+                if self._open_or_probe():
+                    pipes.poke(self._back_w)
         except BaseException as exc:  # carried to the loop, raised there
             self._failure = exc
-            pipes.poke(self._news_w)
-        finally:
-            self.link.close()
+            pipes.poke(self._back_w)
 
-    def _listen_until_stopped(self, selector: selectors.BaseSelector) -> None:
-        next_probe = 0.0
-        while True:
-            conn = self.link.conn
-            if conn is None:
-                if self._ensure():
-                    self._hand_over(LISTENING)
-                    next_probe = time.monotonic() + self.probe_interval
-                    continue
-                if selector.select(max(0.0, self.link.ready_at() - time.monotonic())):
-                    return
-                continue
-            fd = conn.fileno()
-            selector.register(fd, selectors.EVENT_READ)
-            try:
-                ready = selector.select(max(0.0, next_probe - time.monotonic()))
-            finally:
-                selector.unregister(fd)
-            if any(key.fd == self._stop_r for key, _ in ready):
-                return
-            if time.monotonic() >= next_probe:
-                next_probe = time.monotonic() + self.probe_interval
-                self._probe()
-            # After a probe too: what arrived during its statement waits in psycopg.
-            self._receive()
+    def _open_or_probe(self) -> bool:
+        """Probe the connection, then open one if there is none, retrying with backoff
+        until one opens (True) or the listener is closed (False)."""
+        if self.link.conn is not None:
+            self.link.run("listen probe", lambda conn: conn.execute("SELECT 1"))
+        while self.link.conn is None:
+            if self._ensure():
+                self._opened += 1
+                return True
+            stop, _, _ = select.select([self._stop_r], [], [],
+                                       max(0.0, self.link.ready_at() - time.monotonic()))
+            if stop:
+                return False
+        return True
 
     def _ensure(self) -> bool:
         """Connect and LISTEN if the backoff allows; True on a new connection."""
@@ -177,28 +203,3 @@ class Listener:
         self.said_unavailable = True
         log.warning("LISTEN unavailable; waking workers on the fallback poll",
                     url=redact(self.url), error=error)
-
-    def _receive(self) -> None:
-        """The notifications that have arrived, without blocking."""
-        conn = self.link.conn
-        if conn is None:
-            return
-        heard = False
-        try:
-            for notify in conn.notifies(timeout=0, stop_after=None):
-                wakeup = parse_payload(notify.payload)
-                if wakeup is not None:
-                    self._arrived.append(wakeup)
-                    heard = True
-        except psycopg.Error as exc:
-            self.link.lost("listen", exc)
-        if heard:
-            pipes.poke(self._news_w)
-
-    def _probe(self) -> None:
-        """Probe a quiet connection, so a dead one is noticed and replaced."""
-        self.link.run("listen probe", lambda conn: conn.execute("SELECT 1"))
-
-    def _hand_over(self, item: Wakeup | str) -> None:
-        self._arrived.append(item)
-        pipes.poke(self._news_w)

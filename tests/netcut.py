@@ -24,15 +24,29 @@ class CuttingProxy:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self._cut_when: Callable[[bytes], bool] | None = None
+        self._hold_when: Callable[[bytes], bool] | None = None
+        self._held: socket.socket | None = None
         self._lock = threading.Lock()
         self._sockets: list[socket.socket] = []  # closed on the way out, the silent ones too
         self.cut = threading.Event()
+        self.held = threading.Event()
         threading.Thread(target=self._accept, daemon=True).start()
 
     def cut_before(self, condition: Callable[[bytes], bool]) -> None:
         """The next client message for which ``condition`` holds is not forwarded: its
         client's connection is lost instead, the server's side left open."""
         self._cut_when = condition
+
+    def hold_before(self, condition: Callable[[bytes], bool]) -> None:
+        """The next client message for which ``condition`` holds is not forwarded, and
+        nothing more is, either way: a partition, until :meth:`reset_held`."""
+        self._hold_when = condition
+
+    def reset_held(self) -> None:
+        """End the held connection towards its client, as a reset (once)."""
+        assert self._held is not None
+        if self._held.fileno() != -1:
+            _reset(self._held)
 
     def _accept(self) -> None:
         while True:
@@ -55,9 +69,14 @@ class CuttingProxy:
                     # Set before the reset: the client, woken by it, may look at once.
                     self.cut.set()
                     # Towards the client only: a reset, and nothing towards the server.
-                    source.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
-                                      struct.pack("ii", 1, 0))
-                    source.close()
+                    _reset(source)
+                    return
+                hold = self._hold_when
+                if from_client and hold is not None and hold(data):
+                    self._hold_when = None
+                    self._held = source
+                    sink.shutdown(socket.SHUT_RD)  # nothing from the server either
+                    self.held.set()
                     return
                 sink.sendall(data)
         except OSError:
@@ -69,6 +88,11 @@ class CuttingProxy:
             for sock in self._sockets:
                 with contextlib.suppress(OSError):
                     sock.close()
+
+
+def _reset(sock: socket.socket) -> None:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
 
 
 @contextlib.contextmanager
