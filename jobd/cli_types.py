@@ -150,12 +150,13 @@ def payload(text: str) -> Any:
 MAX_PAYLOAD_READ = 256 * 1024 * 1024
 
 
-def payload_argument(text: str) -> Any:
+def payload_argument(text: str) -> validation.JsonText:
     """``--payload``: JSON text, ``@FILE`` to read it from a file, or ``-`` to read it from
     standard input (neither ``@`` nor ``-`` can start a JSON text). A payload larger than
-    the command line takes (about 128 KiB on Linux) has to come from one of those."""
+    the command line takes (about 128 KiB on Linux) has to come from one of those. Checked
+    here; sent as written, so that its numbers keep every digit (jobd.validation.JsonText)."""
     if text == "-":
-        return payload(_decoded(_read_stdin(), "standard input"))
+        return _checked_text(_decoded(_read_stdin(), "standard input"))
     if text.startswith("@"):
         path = text[1:]
         if not path:
@@ -166,8 +167,13 @@ def payload_argument(text: str) -> Any:
         except OSError as exc:
             raise argparse.ArgumentTypeError(
                 f"cannot read the payload file {path!r}: {exc.strerror}") from None
-        return payload(_decoded(data, f"the payload file {path!r}"))
-    return payload(text)
+        return _checked_text(_decoded(data, f"the payload file {path!r}"))
+    return _checked_text(text)
+
+
+def _checked_text(text: str) -> validation.JsonText:
+    payload(text)
+    return validation.JsonText(text)
 
 
 def _read_stdin() -> bytes:

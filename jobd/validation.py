@@ -24,7 +24,10 @@ accepted and then undeliverable, through another:
 from __future__ import annotations
 
 import json
+import math
 import re
+import secrets
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
@@ -54,6 +57,11 @@ DEFAULT_MAX_PAYLOAD_BYTES = 1_048_576
 MAX_DELAY_SECONDS = 10**9
 EARLIEST_RUN_AT = datetime(1970, 1, 1, tzinfo=UTC)
 LATEST_RUN_AT = datetime(9999, 1, 1, tzinfo=UTC)
+
+# Python's json decodes integers of at most this many digits (sys.get_int_max_str_digits).
+MAX_INTEGER_DIGITS = 4300
+# numeric's last decimal place: jsonb refuses 1e-16384 ("value overflows numeric format").
+MIN_NUMERIC_EXPONENT = -16383
 
 # A JSON \u0000 escape that is not itself an escaped backslash followed by "u0000".
 _NUL_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
@@ -140,8 +148,22 @@ def delay(value: object) -> float:
     return float(value)
 
 
+@dataclass(frozen=True, slots=True)
+class JsonText:
+    """A payload given as JSON text, its numbers stored as written: every digit kept, as
+    ``jobd.enqueue(handler, '<text>'::jsonb)`` keeps them in SQL. A payload decoded to Python
+    values first holds floats: ``0.1000000000000000000001`` would be stored as ``0.1`` and
+    ``19.90`` as ``19.9``. ``jobd enqueue --payload`` sends its text so. The rules are a
+    payload's (:func:`encode_payload`); a handler still decodes the numbers with Python's
+    json."""
+
+    text: str
+
+
 def encode_payload(payload: Any) -> str:
     """The payload as JSON text, or ValueError saying why it cannot be a payload."""
+    if isinstance(payload, JsonText):
+        return _encode_json_text(payload.text)
     _check_shape(payload)
     try:
         text = json.dumps(payload, allow_nan=False, ensure_ascii=False)
@@ -154,6 +176,56 @@ def encode_payload(payload: Any) -> str:
     if not text.isascii():  # ASCII (the common payload) holds no lone surrogate
         utf8_size("payload", text)
     return _spell_out_exponents(text) if "e+" in text or "e-" in text else text
+
+
+def _encode_json_text(text: str) -> str:
+    """``text`` checked as a payload and written as :func:`encode_payload` writes one, its
+    numbers with a fraction or an exponent as jsonb prints them. They are decoded as marker
+    strings (a nonce, which no string of the payload can hold by chance), then put back."""
+    marker = f"\ue000{secrets.token_hex(8)}:"
+    numbers: list[str] = []
+
+    def number(token: str) -> str:
+        numbers.append(_exact_number(token))
+        return f"{marker}{len(numbers) - 1}"
+
+    try:
+        value = json.loads(text, parse_float=number, parse_constant=_not_json)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"payload is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ValueError("payload is nested too deeply to be decoded") from None
+    except ValueError as exc:
+        if "integer string conversion" in str(exc):
+            raise ValueError(_TOO_MANY_DIGITS) from None
+        raise
+    encoded = encode_payload(value)
+    if not numbers:
+        return encoded
+    return re.sub(f'"{re.escape(marker)}([0-9]+)"', lambda m: numbers[int(m[1])], encoded)
+
+
+_TOO_MANY_DIGITS = (f"an integer has more than {MAX_INTEGER_DIGITS} digits, which a handler "
+                    "could not decode")
+
+
+def _not_json(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON (PostgreSQL refuses it)")
+
+
+def _exact_number(token: str) -> str:
+    """A JSON number with a fraction or an exponent as jsonb prints it (numeric, no
+    exponent), or ValueError for one a handler could not decode or jsonb cannot hold."""
+    exact = Decimal(token)
+    if exact.as_tuple().exponent < MIN_NUMERIC_EXPONENT:  # digits beyond numeric's scale
+        raise ValueError(f"{token[:40]} is too small for PostgreSQL's numeric")
+    if exact.adjusted() >= MAX_INTEGER_DIGITS:
+        raise ValueError(_TOO_MANY_DIGITS)
+    if math.isinf(float(token)) and exact != exact.to_integral_value():
+        # Python reads it as infinity (migration 0041).
+        raise ValueError(f"{token[:40]} is beyond a float's range and not a whole number")
+    spelled = f"{exact:f}"
+    return spelled.removeprefix("-") if exact.is_zero() else spelled  # numeric has no -0
 
 
 # A JSON string, or a number with an exponent (only floats are written so).

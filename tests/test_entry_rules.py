@@ -117,6 +117,19 @@ def via_bulk(conn: psycopg.Connection, case: Case) -> int:
     return job_id
 
 
+def via_python_text(conn: psycopg.Connection, case: Case) -> int:
+    return jobd.enqueue(conn, case.handler, jobd.JsonText(case.sql_payload()), lane=case.lane,
+                        run_at=case.run_at, idempotency_key=case.key,
+                        max_attempts=case.max_attempts)
+
+
+def via_bulk_text(conn: psycopg.Connection, case: Case) -> int:
+    [job_id] = jobd.enqueue_many(conn, [jobd.JobSpec(
+        case.handler, jobd.JsonText(case.sql_payload()), case.lane, case.run_at, 0, case.key,
+        case.max_attempts)])
+    return job_id
+
+
 def with_key(case: Case, tag: str) -> Case:
     """The case with a key of its own for one entry point (same length, last byte differs)."""
     return Case(**{**case.__dict__, "key": case.key[:-1] + tag}) if case.key else case
@@ -129,7 +142,7 @@ def test_every_entry_point_refuses(name: str, conn: psycopg.Connection, db_url: 
     # \u0000 PostgreSQL's own jsonb parser, before jobd.enqueue is reached.
     with pytest.raises(psycopg.DataError):
         via_sql(conn, case)
-    for enqueue in (via_python, via_bulk):
+    for enqueue in (via_python, via_bulk, via_python_text, via_bulk_text):
         with pytest.raises(ValueError):
             enqueue(conn, case)
     assert_one_line_error(cli(*case.cli_args(db_url)), 2)
@@ -140,18 +153,46 @@ def test_every_entry_point_refuses(name: str, conn: psycopg.Connection, db_url: 
 def test_every_entry_point_accepts(name: str, conn: psycopg.Connection, db_url: str) -> None:
     case = ACCEPTED[name]
     ids = [via_sql(conn, with_key(case, "a")), via_python(conn, with_key(case, "b")),
-           via_bulk(conn, with_key(case, "c"))]
+           via_bulk(conn, with_key(case, "c")), via_python_text(conn, with_key(case, "e")),
+           via_bulk_text(conn, with_key(case, "f"))]
     result = cli(*with_key(case, "d").cli_args(db_url))
     assert result.returncode == 0, result.stderr
     ids.append(int(result.stdout))
-    assert len(set(ids)) == 4
+    assert len(set(ids)) == 6
     # Every entry point stored the same value, and a worker decodes exactly it.
     rows = conn.execute("SELECT payload, payload::text FROM jobs WHERE id = ANY(%s)",
                         (ids,)).fetchall()
-    assert len(rows) == 4
+    assert len(rows) == 6
     for stored, text in rows:
         assert stored == case.payload
         assert jobd.jobs.decode_stored_payload(text) == case.payload
+
+
+def test_numbers_given_as_json_text_keep_every_digit_as_sql_keeps_them(
+    conn: psycopg.Connection, db_url: str
+) -> None:
+    # The CLI decoded its --payload to Python values: 19.90 was stored as 19.9, and
+    # 0.1000000000000000000001 as 0.1, where SQL's jobd.enqueue keeps the numeric as written.
+    text = ('{"amount": 19.90, "rate": 0.1000000000000000000001, "whole": 1.5e400,'
+            ' "small": 1.0e-5, "zero": -0.0, "id": 12345678901234567890, "s": "1.10",'
+            ' "list": [1E+2, 2.50]}')
+    case = Case(payload_sql=text)
+    ids = [via_sql(conn, case), via_python_text(conn, case), via_bulk_text(conn, case)]
+    result = cli(*case.cli_args(db_url))
+    assert result.returncode == 0, result.stderr
+    ids.append(int(result.stdout))
+    stored = [row[0] for row in conn.execute(
+        "SELECT payload::text FROM jobs WHERE id = ANY(%s) ORDER BY id", (ids,))]
+    assert len(stored) == 4 and len(set(stored)) == 1, stored
+    assert '"amount": 19.90' in stored[0] and "0.1000000000000000000001" in stored[0]
+    assert '"list": [100, 2.50]' in stored[0] and '"zero": 0.0' in stored[0]
+    # Digits beyond numeric's last decimal place are refused, as the database refuses them.
+    with pytest.raises(psycopg.DataError):
+        via_sql(conn, Case(payload_sql="[1e-16384]"))
+    for enqueue in (via_python_text, via_bulk_text):
+        with pytest.raises(ValueError, match="numeric"):
+            enqueue(conn, Case(payload_sql="[1e-16384]"))
+    enqueue(conn, Case(payload_sql="[1e-16383]"))
 
 
 def test_the_payload_size_limit_is_the_databases_for_every_entry_point(
