@@ -97,8 +97,13 @@ class LaneConfig:
         if self.prefetch is not None:
             return self.prefetch
         # Under max_running, jobs claimed ahead would count against the limit while they
-        # wait in one worker's buffer, and other workers' slots would stay empty.
-        return 0 if self.max_running is not None else 3 * self.concurrency
+        # wait in one worker's buffer, and other workers' slots would stay empty. With one
+        # attempt a job, a whole node's crash would send the jobs it had only claimed ahead
+        # to the dead-letter queue unrun: the run board that tells them from the started
+        # ones dies with the node (docs/design/queue.md, "What an expired lease cannot tell").
+        if self.max_running is not None or self.max_attempts == 1:
+            return 0
+        return 3 * self.concurrency
 
     @property
     def limited(self) -> bool:

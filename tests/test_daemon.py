@@ -164,6 +164,37 @@ def test_a_killed_worker_gives_back_the_jobs_it_had_not_started(
     assert sorted(rows) == sorted((job_id, 1) for job_id in ids)  # nobody spent an attempt
 
 
+def test_a_lane_of_single_attempts_holds_only_the_jobs_it_runs(
+    daemons: Daemons, effects_db: psycopg.Connection
+) -> None:
+    """A whole node's crash spends an attempt on every job the node held: the run board that
+    tells started jobs from jobs claimed ahead dies with it. With ``max_attempts: 1`` the
+    ones only claimed ahead went to the dead-letter queue without having run; such a lane
+    now claims nothing ahead unless it sets ``prefetch``."""
+    config = make_config({"default": {"workers": 1, "concurrency": 2, "max_attempts": 1,
+                                      "visibility_timeout": "3s"}})
+    daemon = daemons(config, name="crashing")
+    daemon.wait_workers_started("default", 1)
+    ids = jobd.enqueue_many(effects_db, [
+        jobd.JobSpec("slow", {"seconds": 2, "n": n}) for n in range(8)])
+    wait_until(lambda: len(effects_db.execute(
+        "SELECT 1 FROM public.test_effects WHERE kind = 'start'").fetchall()) == 2, 10,
+        message="two jobs to start")
+    started = sorted(row[0] for row in effects_db.execute(
+        "SELECT job_id FROM public.test_effects WHERE kind = 'start'").fetchall())
+    assert claimed_count(effects_db) == 2
+    os.killpg(daemon.pid, signal.SIGKILL)  # the whole node
+    daemon.wait_exit(10)
+
+    daemons(config, name="successor").wait_workers_started("default", 1)
+    for job_id in ids:
+        wait_state(effects_db, job_id, "dead" if job_id in started else "done", 30,
+                   daemon)
+    rows = effects_db.execute("SELECT id, attempts FROM all_jobs WHERE id = ANY(%s)",
+                              (ids,)).fetchall()
+    assert sorted(rows) == sorted((job_id, 1) for job_id in ids)
+
+
 # --- 3. a job that kills its worker every time ---------------------------------------------
 
 

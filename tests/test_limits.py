@@ -53,6 +53,13 @@ def test_limits_come_from_the_lane_config() -> None:
     assert parse("lanes:\n  a: {max_running: 2, prefetch: 4}\n").lanes["a"].buffer_size == 4
 
 
+def test_a_lane_of_single_attempts_claims_nothing_ahead_unless_it_says_so() -> None:
+    # A whole node's crash spends an attempt on each job it held, started or not.
+    lanes = parse("lanes:\n  once: {max_attempts: 1}\n  twice: {max_attempts: 2}\n"
+                  "  told: {max_attempts: 1, prefetch: 4}\n").lanes
+    assert [lanes[name].buffer_size for name in ("once", "twice", "told")] == [0, 24, 4]
+
+
 @pytest.mark.parametrize(("text", "message"), [
     ("{max_running: 0}", "lanes.a.max_running: must be an integer from 1 to 1000000"),
     ("{max_running: many}", "lanes.a.max_running: must be an integer"),
