@@ -171,21 +171,33 @@ def _fire_what_the_old_definition_owes(conn: psycopg.Connection, schedule: Sched
 
 
 def refresh(conn: psycopg.Connection, instance: str, schedules: Sequence[ScheduleConfig],
-            ttl: float, now: datetime | None = None) -> list[str]:
+            ttl: float, now: datetime | None = None,
+            owed: TickResult | None = None) -> list[str]:
     """Keep ``instance``'s declarations live; adopt its definitions that no longer conflict.
 
     Runs in the duty transaction after the tick: it takes no schedule lock that it would
     have to wait for, so it cannot close a lock cycle with another node's tick or sync.
-    Returns the schedules whose stored definition it replaced.
+    Returns the schedules whose stored definition it replaced; what the replaced
+    expressions still owed is fired first and recorded in ``owed``.
     """
     if not schedules:
         return []
     conn.execute(query("refresh_schedule_declarations"), {
         "instance": instance, "ids": [s.id for s in schedules],
         "definitions": [Jsonb(definition(s)) for s in schedules], "ttl": ttl, "now": now})
+    configured = {s.id: s for s in schedules}
     changed = []
     for (schedule_id,) in conn.execute(query("undecided_schedule_declarations"),
                                        {"instance": instance}).fetchall():
+        # Locked here, without waiting (a busy schedule waits for the next pass), so that
+        # what the stored expression owes is fired before the reconcile can replace it: the
+        # tick before this fired nothing of a schedule no live node declared (this node's
+        # own declarations had expired while it was away).
+        if conn.execute(query("lock_schedule_without_waiting"),
+                        {"schedule_id": schedule_id}).fetchone() is None:
+            continue
+        _fire_what_the_old_definition_owes(conn, configured[schedule_id], now,
+                                           owed if owed is not None else TickResult())
         row = conn.execute(query("reconcile_schedule"),
                            {"schedule_id": schedule_id, "now": now, "wait": False}).fetchone()
         if row is not None and row[0] == "changed":

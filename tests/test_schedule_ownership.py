@@ -139,6 +139,28 @@ def test_the_schedule_stops_firing_when_its_only_declaring_node_leaves(
     assert stored(conn) == ("* * * * *", True)
 
 
+def test_a_definition_adopted_after_its_node_was_away_fires_what_the_old_one_owed(
+    conn: psycopg.Connection,
+) -> None:
+    # b declares a changed expression; it is away (frozen) past its declarations' expiry
+    # while a, the last node of the stored one, leaves. Back at 13:05, b's refresh adopts its
+    # expression, which starts at the change: 13:00, due under the stored expression while
+    # b was away, was skipped, where the same expression would have caught it up.
+    a = Node(conn, "a:1:aa", [schedule("0 * * * *", catchup="all")])
+    b = Node(conn, "b:2:bb", [schedule("0,30 * * * *", catchup="all")])
+    a.start(T0)
+    b.start(T0)
+    run([a, b], T0, T0 + timedelta(minutes=1))  # b's last pass at 12:01:30
+    a.leave()
+    b.duty(utc(2026, 10, 20, 13, 5))
+    assert stored(conn) == ("0,30 * * * *", True)
+    assert fired(conn) == [utc(2026, 10, 20, 13, 0)]
+    # The adopted expression, from the change on.
+    run([b], utc(2026, 10, 20, 13, 5, 20), utc(2026, 10, 20, 13, 30, 20),
+        step=timedelta(seconds=20))
+    assert fired(conn) == [utc(2026, 10, 20, 13, 0), utc(2026, 10, 20, 13, 30)]
+
+
 def test_declarations_that_expire_stop_counting(conn: psycopg.Connection) -> None:
     a = Node(conn, "a:1:aa", [schedule()])
     a.start(T0)

@@ -54,7 +54,11 @@ class Materializer(Duty):
             self._tick(conn, now)
             # After the tick: the refresh never waits for a schedule lock, so it cannot
             # close a lock cycle with the locks the tick took.
-            schedules.refresh(conn, self.instance, config.schedules, ttl)
+            owed = schedules.TickResult()
+            if schedules.refresh(conn, self.instance, config.schedules, ttl, owed=owed):
+                self._tick(conn, now)  # the adopted expressions' next fire
+            if owed.enqueued:
+                self.router.due_everywhere(config.lanes)
         elif now >= self.next_tick:
             self._tick(conn, now)
         self.next_at = min(self.next_refresh, self.next_tick)

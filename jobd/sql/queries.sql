@@ -1201,6 +1201,10 @@ SELECT d.schedule_id
  WHERE d.instance = %(instance)s AND d.definition <> schedule_definition(s)
  ORDER BY d.schedule_id
 
+-- name: lock_schedule_without_waiting
+-- The refresh's hold on a schedule it may reconcile; no row: busy (or gone), next pass.
+SELECT 1 FROM schedules WHERE id = %(schedule_id)s FOR UPDATE SKIP LOCKED
+
 -- name: reconcile_schedule
 SELECT reconcile_schedule(%(schedule_id)s, %(now)s::timestamptz, %(wait)s)
 
