@@ -52,18 +52,21 @@ class Retention:
 
 def apply_retention(conn: psycopg.Connection, retention: timedelta,
                     budget: float | None = None, batch: int | None = None) -> Retention:
-    """Create the coming days' partitions, then forget what is older than ``retention``
-    (database clock): archive partitions, idempotency keys of jobs no longer in the queue
-    or the dead-letter queue, effect keys of transactional handlers, and delivered outbox
-    entries. Effect keys and outbox entries are the deduplication records of jobs that can
-    be replayed, so they live as long as those jobs' history; pending and dead outbox
-    entries are kept (they still need delivering or an operator's decision). Needs an
-    autocommit connection: each drop and each batch of ``batch`` rows (PRUNE_BATCH) commits
-    on its own, for ``budget`` seconds (PRUNE_BUDGET) at most."""
+    """Create the coming days' partitions, then forget what is older than ``retention``,
+    or than a longer retention another node states in its heartbeat (a node configured to
+    keep less must not forget what another keeps; database clock): archive partitions,
+    idempotency keys of jobs no longer in the queue or the dead-letter queue, effect keys
+    of transactional handlers, and delivered outbox entries. Effect keys and outbox entries
+    are the deduplication records of jobs that can be replayed, so they live as long as
+    those jobs' history; pending and dead outbox entries are kept (they still need
+    delivering or an operator's decision). Needs an autocommit connection: each drop and
+    each batch of ``batch`` rows (PRUNE_BATCH) commits on its own, for ``budget`` seconds
+    (PRUNE_BUDGET) at most."""
     created = ensure_partitions(conn)
-    row = conn.execute("SELECT now()").fetchone()
+    row = conn.execute(query("archive_cutoff"),
+                       {"retention": retention.total_seconds()}).fetchone()
     assert row is not None
-    cutoff = row[0] - retention
+    cutoff = row[0]
     dropped = drop_before(conn, cutoff)
     pruned, more = prune_before(conn, cutoff, budget, batch)
     return Retention(created, dropped, **pruned, more=more)

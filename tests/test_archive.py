@@ -161,6 +161,29 @@ def test_retention_forgets_old_keys_of_finished_jobs_only(conn: psycopg.Connecti
     assert jobd.enqueue(conn, "h", idempotency_key="old-done") != old_done
 
 
+def test_retention_keeps_what_another_node_is_configured_to_keep(
+    conn: psycopg.Connection,
+) -> None:
+    # A second node with a shorter archive.retention (its own config) dropped the history
+    # the first node's config keeps: each pass now forgets only what every node with a row
+    # would forget.
+    today = utc_today(conn)
+    for days in (20, 10):
+        create_partition(conn, today - timedelta(days=days))
+    conn.execute("INSERT INTO nodes (instance, node, pid, archive_retention)"
+                 " VALUES ('keeper:1:aa', 'keeper', 1, %s)", (15 * 86400.0,))
+    conn.execute("INSERT INTO nodes (instance, node, pid) VALUES ('older:2:bb', 'older', 2)")
+
+    short = archive.apply_retention(conn, timedelta(days=7))
+    assert short.partitions_dropped == 1
+    assert partition_name(today - timedelta(days=20)) not in partitions(conn)
+    assert partition_name(today - timedelta(days=10)) in partitions(conn)
+
+    conn.execute("DELETE FROM nodes WHERE instance = 'keeper:1:aa'")  # gone (pruned)
+    assert archive.apply_retention(conn, timedelta(days=7)).partitions_dropped == 1
+    assert partition_name(today - timedelta(days=10)) not in partitions(conn)
+
+
 def test_a_backlog_to_forget_goes_in_batches_that_each_commit(conn: psycopg.Connection) -> None:
     # One unbounded DELETE of every old key, in the statement that dropped the partitions:
     # a backlog past the statement timeout rolled the drops back with it every hour, for

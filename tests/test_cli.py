@@ -253,7 +253,8 @@ def report_node(conn: psycopg.Connection, instance: str, workers: dict[str, int]
     """A live node's heartbeat, as a running supervisor writes it."""
     conn.execute(query("node_heartbeat"), {"instance": instance, "node": "web-1", "pid": 4242,
                                            "workers": Jsonb(workers), "counters": Jsonb({}),
-                                           "interval": 10.0, "listening": True})
+                                           "interval": 10.0, "listening": True,
+                                           "archive_retention": None})
 
 
 def test_status_marks_lanes_no_live_worker_serves(db_url: str, conn: psycopg.Connection

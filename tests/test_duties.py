@@ -108,14 +108,15 @@ def test_the_node_heartbeat_reports_the_node_and_measures_the_clock(
     router = WakeRouter()
     router.db_clock_offset = 1e6
     heartbeat = NodeHeartbeat(lambda: 5.0, INSTANCE, lambda: "node-1",
-                              lambda: ({"default": 2}, {"default": {"claimed": 7}}), router)
+                              lambda: ({"default": 2}, {"default": {"claimed": 7}}), router,
+                              retention=lambda: 86400.0)
     heartbeat.prepare()  # on the loop: the pool's snapshot
     heartbeat.run(conn, NOW)
     assert heartbeat.next_at == NOW + 5.0
     assert abs(router.db_clock_offset) < 5  # the same machine: about zero
-    row = conn.execute("SELECT node, workers, counters FROM nodes WHERE instance = %s",
-                       (INSTANCE,)).fetchone()
-    assert row == ("node-1", {"default": 2}, {"default": {"claimed": 7}})
+    row = conn.execute("SELECT node, workers, counters, archive_retention FROM nodes"
+                       " WHERE instance = %s", (INSTANCE,)).fetchone()
+    assert row == ("node-1", {"default": 2}, {"default": {"claimed": 7}}, 86400.0)
     heartbeat.stop(conn)
     assert conn.execute("SELECT count(*) FROM nodes").fetchone() == (0,)
 

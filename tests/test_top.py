@@ -236,7 +236,8 @@ def report_node(conn: psycopg.Connection, instance: str, workers: dict[str, int]
                 counters: dict[str, dict[str, int]]) -> None:
     conn.execute(query("node_heartbeat"), {"instance": instance, "node": "web-1", "pid": 4242,
                                            "workers": Jsonb(workers), "counters": Jsonb(counters),
-                                           "interval": 10.0, "listening": True})
+                                           "interval": 10.0, "listening": True,
+                                           "archive_retention": None})
 
 
 def test_collect_reads_depth_by_state_rates_and_nodes(conn: psycopg.Connection) -> None:

@@ -26,9 +26,11 @@ class NodeHeartbeat(Periodic):
     def __init__(self, interval: Callable[[], float], instance: str,
                  node_name: Callable[[], str], snapshot: Callable[[], Snapshot],
                  router: Router, lanes: Callable[[], Iterable[str]] = tuple,
-                 listening: Callable[[], bool] = lambda: True) -> None:
+                 listening: Callable[[], bool] = lambda: True,
+                 retention: Callable[[], float | None] = lambda: None) -> None:
         super().__init__(interval)
         self.listening = listening  # whether notifications reach this node (LISTEN)
+        self.retention = retention  # archive.retention: other nodes' passes keep as much
         self.instance = instance
         self.lanes = lanes
         self.node_name = node_name
@@ -49,7 +51,8 @@ class NodeHeartbeat(Periodic):
             "instance": self.instance, "node": self.node_name(), "pid": os.getpid(),
             "workers": Jsonb(workers), "counters": Jsonb(counters),
             "interval": self.interval(),
-            "listening": self.listening()}).fetchone()
+            "listening": self.listening(),
+            "archive_retention": self.retention()}).fetchone()
         if row is not None:
             self.router.measured_db_clock(float(row[0]))
 

@@ -1074,18 +1074,27 @@ SELECT count(set_config(s.name, s.value, true))
 -- Keyed by the instance (node name, pid, random suffix), never by the node name: two daemons
 -- configured with one node.name keep a row each.
 INSERT INTO nodes AS n (instance, node, pid, workers, counters, heartbeat_interval,
-                        listening)
+                        listening, archive_retention)
 VALUES (%(instance)s, %(node)s, %(pid)s, %(workers)s, %(counters)s, %(interval)s,
-        %(listening)s)
+        %(listening)s, %(archive_retention)s)
 ON CONFLICT (instance) DO UPDATE
    SET seen_at = now(),
        workers = excluded.workers,
        listening = excluded.listening,
+       archive_retention = excluded.archive_retention,
        prev_counters = n.counters,
        prev_seen_at = n.seen_at,
        counters = excluded.counters,
        heartbeat_interval = excluded.heartbeat_interval
 RETURNING extract(epoch FROM now())::float8
+
+-- name: archive_cutoff
+-- What a retention pass may forget: older than the longest retention of this node and of
+-- every node with a row (a node gone for an hour has none; see prune_nodes), on the
+-- database clock.
+SELECT now() - make_interval(secs => greatest(
+           %(retention)s::float8,
+           (SELECT max(archive_retention) FROM nodes)))
 
 -- name: node_leave
 DELETE FROM nodes WHERE instance = %(instance)s

@@ -1311,7 +1311,10 @@ CREATE TABLE nodes (
     heartbeat_interval float8,
     -- whether its supervisor holds its LISTEN connection (else its workers wake on the
     -- fallback poll only); NULL: a node that does not report it
-    listening       boolean
+    listening       boolean,
+    -- seconds of archive its config keeps (archive.retention): no node's retention pass
+    -- forgets what another node with a row keeps (migration 0043); NULL: not reported
+    archive_retention float8
 );
 
 -- The earliest run_at of a lane's claimable jobs: one index probe per listed priority.
