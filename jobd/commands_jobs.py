@@ -144,7 +144,7 @@ def _print_schedule_conflicts(found: list[schedules.Conflict]) -> None:
 
 
 def _oldest(status: views.LaneStatus, slo_pickup: float | None) -> str:
-    text = seconds(status.oldest_unclaimed_age) if status.due else "-"
+    text = seconds(status.oldest_unclaimed_age) if views.waits(status) else "-"
     return text + " OVER SLO" if views.over_slo(status, slo_pickup) else text
 
 

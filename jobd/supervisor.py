@@ -166,6 +166,7 @@ class Supervisor:
                  lanes={name: lane.workers for name, lane in self.config.lanes.items()},
                  metrics=self.config.metrics_listen)
         self.notifier.ready(self._status_text())
+        self.lag.begin()
         while True:
             due_at = self._next_moment()
             self.loop.wait(due_at - time.monotonic())

@@ -161,7 +161,7 @@ def _lane_cells(row: LaneRow) -> list[str]:
              + ([f"paused: {', '.join(row.paused_handlers)}"] if row.paused_handlers else [])
              + (["no worker"] if row.unserved else []))
     return [s.lane, str(s.depth), str(s.due), str(s.scheduled), str(s.claimed), str(s.retrying),
-            seconds(s.oldest_unclaimed_age) if s.due else "-", seconds(row.slo_pickup),
+            seconds(s.oldest_unclaimed_age) if views.waits(s) else "-", seconds(row.slo_pickup),
             str(s.dead), rate(row.rate("claimed")), rate(row.rate("completed")),
             rate(row.rate("failed", "dead")),
             seconds(latency.run_p50 if latency else None),

@@ -66,6 +66,12 @@ def with_lanes(statuses: list[LaneStatus], names: set[str]) -> list[LaneStatus]:
                   key=lambda s: s.lane)
 
 
+def waits(status: LaneStatus) -> bool:
+    """Whether a due job of the lane waits to be claimed: due jobs that are all paused wait
+    by the operator's choice, and have no oldest unclaimed age to show."""
+    return status.due > 0 and status.oldest_unclaimed_age > 0
+
+
 def over_slo(status: LaneStatus, slo_pickup: float | None) -> bool | None:
     """Whether the lane's oldest due job has waited longer than its pickup SLO; None when
     the lane has no SLO (in the config given)."""

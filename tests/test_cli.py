@@ -22,6 +22,7 @@ from psycopg.types.json import Jsonb
 import jobd
 from jobd import queue
 from jobd.cli import build_parser
+from jobd.duties.metrics_sampler import take_sample
 from jobd.queries import query
 from jobd.queue import Failure
 
@@ -323,6 +324,49 @@ def test_status_shows_each_lanes_pickup_slo_and_whether_it_is_met(
     assert "OVER SLO" in rows["slow"]
     assert [lane for lane, line in rows.items() if "OVER SLO" in line] == ["slow"]
     assert " 1m " not in rows["fast"] and " 60s " in rows["fast"]
+
+
+def test_paused_jobs_leave_the_oldest_age_and_the_slo_of_status_as_of_the_gauge(
+    db_url: str, conn: psycopg.Connection, tmp_path: Path
+) -> None:
+    # The incident runbook pauses the poison handler: its jobs wait by the operator's choice.
+    # The gauge and JobdPickupSLOBreached leave them out (migration 0039); status and top
+    # flagged the lane OVER SLO for as long as the pause lasted.
+    config = tmp_path / "jobd.yaml"
+    config.write_text("lanes:\n  a: {slo: {pickup: 5s}}\n", "utf-8")
+    row = conn.execute("SELECT now()").fetchone()
+    assert row is not None
+    jobd.enqueue(conn, "poison", lane="a", run_at=row[0] - timedelta(seconds=300))
+    jobd.enqueue(conn, "h", lane="a", run_at=row[0] - timedelta(seconds=30))
+    enqueued_when_due(conn)
+
+    def status_of_a() -> tuple[float, bool, int]:
+        [lane] = ok_json("status", "-c", str(config), "--database-url", db_url)["lanes"]
+        return lane["oldest_unclaimed_age"], lane["over_slo"], lane["due"]
+
+    def gauge_of_a() -> float:
+        return take_sample(conn, ["a"]).lanes["a"].oldest_unclaimed_age
+
+    age, over, due = status_of_a()
+    assert (age >= 300, over, due) == (True, True, 2)
+    jobd.pause(conn, "a", "poison")
+    age, over, due = status_of_a()
+    assert (30 <= age < 300, over, due) == (True, True, 2)  # h still waits
+    assert gauge_of_a() == pytest.approx(age, abs=5.0)
+    queue.claim(conn, "a", "node-1:1", 1, 30)  # h is taken: only the paused job waits
+    age, over, due = status_of_a()
+    assert (age, over, due) == (0.0, False, 1)
+    assert gauge_of_a() == 0.0
+    top = json.loads(ok("top", "--json", "-c", str(config), "--database-url", db_url))
+    assert [(lane["lane"], lane["over_slo"]) for lane in top["lanes"]] == [("a", False)]
+    [row] = ok("status", "-c", str(config), "--database-url", db_url).splitlines()[1:2]
+    assert row.split()[:6] == ["a", "1", "1", "0", "0", "-"] and "OVER SLO" not in row
+    top_rows = ok("top", "-c", str(config), "--database-url", db_url).splitlines()
+    [top_row] = [line for line in top_rows if line.startswith("a ")]
+    assert top_row.split()[:7] == ["a", "2", "1", "0", "1", "0", "-"], top_row
+    jobd.resume(conn, "a", "poison")
+    jobd.pause(conn, "a")
+    assert status_of_a()[:2] == (0.0, False)
 
 
 # --- jobs ----------------------------------------------------------------------------------

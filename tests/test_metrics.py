@@ -322,6 +322,15 @@ def test_loop_lag_is_the_worst_lateness_of_the_last_window_or_two() -> None:
     assert lag.worst(now=2 * WINDOW + 1.0) == 0.0
 
 
+def test_a_moment_overdue_before_the_loop_woke_counts_from_its_last_wake() -> None:
+    lag = LoopLag(now=1000.0)
+    lag.begin(now=1000.0)
+    lag.woke(due_at=0.0, now=1000.2)  # a duty due from the start: not 1000 s late
+    assert lag.worst(now=1000.2) == pytest.approx(0.2)
+    lag.woke(due_at=999.0, now=1003.0)  # a turn of 2.8 s kept it waiting
+    assert lag.worst(now=1003.0) == pytest.approx(2.8)
+
+
 # --- the pool: final reports, restarts, states ----------------------------------------------
 
 
@@ -706,6 +715,25 @@ def test_a_starting_daemon_exports_every_family_at_zero(daemons: Daemons, tmp_pa
     daemon.wait_for_log("metrics.listen changes take effect on restart", since=mark)
     daemon.wait_for_log("config reloaded", since=mark)
     assert value(scrape(target), "jobd_listener_connected") == 1
+
+
+def test_a_starting_daemon_reports_no_loop_lag_older_than_itself(
+        daemons: Daemons, tmp_path: Path) -> None:
+    # The duties start due at once (moment 0 of the monotonic clock): counted as lateness,
+    # the first turns reported the machine's uptime as the loop's lag for 5 to 10 s.
+    daemon, target = start_daemon(daemons, tmp_path, {"default": {}})
+
+    def lag_within_life() -> bool:
+        text = scrape(target)
+        lag = samples(text, "jobd_supervisor_loop_lag_seconds").get(())
+        if lag is None:
+            return False  # nothing published before the loop's first turn
+        # No lateness is older than the loop itself.
+        assert lag <= time.monotonic() - daemon.started_at, lag
+        return value(text, "jobd_workers", lane="default", state="running") == 1
+
+    wait_until(lag_within_life, timeout=15,
+               message=lambda: f"a running worker\n{daemon.tail()}")
 
 
 def test_an_address_in_use_stops_the_start_with_one_line(daemons: Daemons, tmp_path: Path

@@ -744,25 +744,40 @@ SELECT lane, handler, count(*)
 -- run_at, or its enqueue if that was later), DLQ depth,
 -- and the live jobs split by what they wait for: due (claimable now), scheduled (pending,
 -- run_at ahead), retrying (failed, waiting out the backoff); with claimed, the four add up
--- to the lane's depth.
+-- to the lane's depth. Jobs an operator paused (the lane, or their handler) count in due
+-- but not in the longest wait: they wait by choice, and the wait is what the pickup SLO
+-- judges, as jobd_oldest_unclaimed_age_seconds does (lane_waiting_since, migration 0039).
 WITH clock AS (
     SELECT coalesce(%(now)s::timestamptz, now()) AS now
 ),
+paused AS (
+    SELECT lp.lane, bool_or(lp.handler IS NULL) AS whole_lane,
+           coalesce(array_agg(lp.handler) FILTER (WHERE lp.handler IS NOT NULL), '{}')
+               AS handlers
+      FROM lane_pauses AS lp
+     GROUP BY lp.lane
+),
 live AS (
-    SELECT lane,
-           count(*) FILTER (WHERE state = 'pending') AS pending,
-           count(*) FILTER (WHERE state = 'claimed') AS claimed,
-           count(*) FILTER (WHERE state = 'failed') AS failed,
+    SELECT j.lane,
+           count(*) FILTER (WHERE j.state = 'pending') AS pending,
+           count(*) FILTER (WHERE j.state = 'claimed') AS claimed,
+           count(*) FILTER (WHERE j.state = 'failed') AS failed,
            extract(epoch FROM clock.now
-                   - min(greatest(run_at, created_at))
-                         FILTER (WHERE state IN ('pending', 'failed') AND run_at <= clock.now))
+                   - min(greatest(j.run_at, j.created_at))
+                         FILTER (WHERE j.state IN ('pending', 'failed')
+                                   AND j.run_at <= clock.now
+                                   AND (p.lane IS NULL
+                                        OR (NOT p.whole_lane
+                                            AND j.handler <> ALL (p.handlers)))))
                AS oldest_unclaimed_age,
-           count(*) FILTER (WHERE state IN ('pending', 'failed') AND run_at <= clock.now)
+           count(*) FILTER (WHERE j.state IN ('pending', 'failed') AND j.run_at <= clock.now)
                AS due,
-           count(*) FILTER (WHERE state = 'pending' AND run_at > clock.now) AS scheduled,
-           count(*) FILTER (WHERE state = 'failed' AND run_at > clock.now) AS retrying
-      FROM jobs, clock
-     GROUP BY lane, clock.now
+           count(*) FILTER (WHERE j.state = 'pending' AND j.run_at > clock.now) AS scheduled,
+           count(*) FILTER (WHERE j.state = 'failed' AND j.run_at > clock.now) AS retrying
+      FROM jobs AS j
+     CROSS JOIN clock
+      LEFT JOIN paused AS p ON p.lane = j.lane
+     GROUP BY j.lane, clock.now
 ),
 dead AS (
     SELECT lane, count(*) AS dead FROM dead_letter GROUP BY lane
