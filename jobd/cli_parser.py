@@ -268,7 +268,10 @@ def build_parser() -> argparse.ArgumentParser:
         dlq_sub, "purge",
         "delete dead jobs that died before a time")
     purge.add_argument("--before", type=timestamp_or_age, required=True,
-                       metavar="ISO8601|AGE", help="an instant, or an age such as 30d")
+                       metavar="ISO8601|AGE",
+                       help="an instant with its UTC offset (2024-01-01T00:00:00Z), or an "
+                            "age with its unit such as 30d or 12h (a number without a unit "
+                            "is refused: it could be either)")
     purge.set_defaults(func=cmd_dlq_purge)
     lanes_cmd = add("lanes", "Pause and resume a lane, or one handler of a lane, on every "
                              "node at once (kept in the database: restarts keep it).")

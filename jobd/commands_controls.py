@@ -1,6 +1,7 @@
 """The ``jobd`` subcommands an operator reaches for during an incident: ``lanes pause`` and
 ``lanes resume``, ``jobs cancel`` and ``dlq quarantine``. With a config (``-c``), lanes and
-handlers it does not name are refused (exit code 2), as ``enqueue`` refuses them."""
+handlers it does not name are refused (exit code 2), as ``enqueue`` refuses them; by resume,
+quarantine and ``dlq replay --handler`` only when there was nothing to act on."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from jobd.errors import UsageError
 
 def checked_names(config: Config, lane: str | None, handler: str | None) -> None:
     """UsageError for a name that breaks the name rule, or that the config does not know."""
-    _name_rule(lane, handler)
+    name_rule(lane, handler)
     if lane is not None and config.lanes and lane not in config.lanes:
         raise UsageError(f"unknown lane {lane!r}; the config has: "
                          + ", ".join(sorted(config.lanes)))
@@ -26,7 +27,8 @@ def checked_names(config: Config, lane: str | None, handler: str | None) -> None
                          + ", ".join(sorted(known)))
 
 
-def _name_rule(lane: str | None, handler: str | None) -> None:
+def name_rule(lane: str | None, handler: str | None) -> None:
+    """UsageError for a name no lane or handler can have, whatever the config says."""
     try:
         if lane is not None:
             validation.name("lane", lane)
@@ -67,7 +69,7 @@ def cmd_lanes_pause(ctx: Context, args: argparse.Namespace) -> int:
 def cmd_lanes_resume(ctx: Context, args: argparse.Namespace) -> int:
     # A pause is lifted whatever the config says: the lane may have left it since (or been
     # paused without one). The config's names only tell a typo from a lane not paused.
-    _name_rule(args.lane, args.handler)
+    name_rule(args.lane, args.handler)
     with ctx.connect() as conn:
         changed = pauses.resume(conn, args.lane, args.handler, schema=ctx.schema)
         if not changed:
@@ -126,7 +128,7 @@ def cmd_dlq_quarantine(ctx: Context, args: argparse.Namespace) -> int:
     # Jobs of a handler no config has (a typo in a producer, a removed handler) are what an
     # operator quarantines too (docs/operations.md): as resume, the config's names only tell
     # a typo from a handler with no jobs to move.
-    _name_rule(args.lane, args.handler)
+    name_rule(args.lane, args.handler)
     match = _payload_match(args.where)
     with ctx.connect() as conn:
         moved = dlq.quarantine(conn, args.handler, args.lane, match)

@@ -23,7 +23,7 @@ from jobd.cli_output import (
     seconds,
     text_lines,
 )
-from jobd.commands_controls import checked_names
+from jobd.commands_controls import checked_names, name_rule
 from jobd.config import Config
 from jobd.errors import UsageError
 
@@ -304,12 +304,17 @@ def cmd_dlq_replay(ctx: Context, args: argparse.Namespace) -> int:
                          + (", not both" if args.ids else ""))
     if args.lane is not None and args.handler is None:
         raise UsageError("--lane goes with --handler")
-    checked_names(ctx.config, args.lane, args.handler)
+    # As quarantine, whose undo this is: the dead jobs of a handler or lane the config does
+    # not name (a producer's typo, a lane of another node's config) come back with it; the
+    # config's names only tell a typo from a handler with no dead jobs.
+    name_rule(args.lane, args.handler)
     with ctx.connect() as conn:
         if args.handler is None:
             replayed = dlq.replay(conn, args.ids)
         else:
             replayed = dlq.replay_handler(conn, args.handler, args.lane)
+    if args.handler is not None and not replayed:
+        checked_names(ctx.config, args.lane, args.handler)
     if ctx.as_json:
         print_json({"replayed": replayed})
     elif args.handler is not None and not replayed:

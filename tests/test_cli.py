@@ -614,6 +614,28 @@ def test_dlq_purge_removes_dead_jobs_and_frees_their_keys(
     assert jobd.enqueue(conn, "send_email", idempotency_key="once") != dead
 
 
+def test_dlq_purge_refuses_an_age_without_a_unit_and_names_the_cap(
+    db_url: str, conn: psycopg.Connection
+) -> None:
+    """A bare number was taken for seconds: `--before 20240101` (ISO 8601's basic form of a
+    date, without its offset) purged what died in the last 234 days but one, 2025 included,
+    instead of being refused; an age beyond the cap was called "not an ISO 8601 timestamp"."""
+    dead = make_dead(conn)
+    conn.execute("UPDATE dead_letter SET died_at = '2025-06-01T00:00:00Z' WHERE id = %s",
+                 (dead,))
+    for before in ("20240101", "2024", "86400"):
+        line = assert_one_line_error(
+            cli("dlq", "purge", "--before", before, "--database-url", db_url), 2)
+        assert f"'{before}' has no unit" in line
+    line = assert_one_line_error(
+        cli("dlq", "purge", "--before", "4000d", "--database-url", db_url), 2)
+    assert "cannot exceed 3650d" in line
+    assert conn.execute("SELECT id FROM dead_letter").fetchall() == [(dead,)]
+    assert ok_json("dlq", "purge", "--before", "2024-01-01T00:00:00Z",
+                   "--database-url", db_url)["purged"] == 0
+    assert ok_json("dlq", "purge", "--before", "1d", "--database-url", db_url)["purged"] == 1
+
+
 # --- options and help ----------------------------------------------------------------------
 
 

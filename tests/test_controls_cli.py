@@ -73,6 +73,29 @@ def test_jobs_of_a_handler_no_config_has_can_be_quarantined_with_one(
     assert "unknown handler 'resize_imgae'" in line
 
 
+def test_what_quarantine_moved_with_a_config_replay_brings_back_with_it(
+        db_url: str, conn: psycopg.Connection) -> None:
+    # Quarantine with -c takes a handler the config lacks and prints the replay command to
+    # undo it; that command, with the same config, refused the handler as unknown.
+    typo = jobd.enqueue(conn, "resize_imgae")
+    ok("dlq", "quarantine", "--handler", "resize_imgae", "-c", EXAMPLE, "--database-url", db_url)
+    replayed = ok_json("dlq", "replay", "--handler", "resize_imgae", "--lane", "default",
+                       "-c", EXAMPLE, "--database-url", db_url)
+    assert replayed == {"replayed": [typo]}
+    row = conn.execute("SELECT state, attempts FROM jobs WHERE id = %s", (typo,)).fetchone()
+    assert row == ("pending", 0)
+    # Nothing to replay: the config's names tell the typo, of a handler or of a lane.
+    line = assert_one_line_error(cli("dlq", "replay", "--handler", "resize_imgae", "-c",
+                                     EXAMPLE, "--database-url", db_url), 2)
+    assert "unknown handler 'resize_imgae'" in line
+    line = assert_one_line_error(cli("dlq", "replay", "--handler", "echo", "--lane", "defualt",
+                                     "-c", EXAMPLE, "--database-url", db_url), 2)
+    assert "unknown lane 'defualt'" in line
+    line = assert_one_line_error(cli("dlq", "replay", "--handler", "a/b", "-c", EXAMPLE,
+                                     "--database-url", db_url), 2)
+    assert "invalid handler name 'a/b'" in line
+
+
 def test_status_lists_the_pauses(db_url: str, conn: psycopg.Connection) -> None:
     pauses.pause(conn, "reports")
     pauses.pause(conn, "default", "fail")
