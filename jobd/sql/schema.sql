@@ -1313,7 +1313,7 @@ CREATE TABLE nodes (
     -- fallback poll only); NULL: a node that does not report it
     listening       boolean,
     -- seconds of archive its config keeps (archive.retention): no node's retention pass
-    -- forgets what another node with a row keeps (migration 0043); NULL: not reported
+    -- forgets what another node with a row keeps (migration 0042); NULL: not reported
     archive_retention float8
 );
 
