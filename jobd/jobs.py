@@ -16,7 +16,8 @@ class JobSpec:
     """One job to enqueue; the arguments of :func:`enqueue` as a value.
 
     ``payload`` is any JSON value and reaches the handler exactly as given (``None`` is a
-    JSON null); leaving it out gives ``{}``.
+    JSON null); leaving it out gives ``{}``. ``priority`` None is the default, 0, as SQL's
+    ``jobd.enqueue(..., priority => NULL)`` takes it.
     """
 
     handler: str
@@ -27,6 +28,10 @@ class JobSpec:
     idempotency_key: str | None = None
     max_attempts: int | None = None
     fairness_key: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.priority is None:
+            object.__setattr__(self, "priority", 0)
 
     def validated(self) -> JobSpec:
         """This spec, or ValueError naming the first rule it breaks (jobd.validation)."""

@@ -40,7 +40,7 @@ def enqueue(
     lane: str = "default",
     run_at: datetime | None = None,
     delay: float | None = None,
-    priority: int = 0,
+    priority: int | None = 0,
     idempotency_key: str | None = None,
     max_attempts: int | None = None,
     fairness_key: str | None = None,

@@ -195,6 +195,16 @@ def test_numbers_given_as_json_text_keep_every_digit_as_sql_keeps_them(
     enqueue(conn, Case(payload_sql="[1e-16383]"))
 
 
+def test_no_priority_is_the_default_at_every_entry_point(conn: psycopg.Connection) -> None:
+    # SQL took priority => NULL as 0 where Python raised ValueError for priority=None.
+    row = conn.execute("SELECT jobd.enqueue('h', priority => NULL)").fetchone()
+    assert row is not None
+    ids = [row[0], jobd.enqueue(conn, "h", priority=None),
+           *jobd.enqueue_many(conn, [jobd.JobSpec("h", priority=None)])]  # type: ignore[arg-type]
+    assert conn.execute("SELECT array_agg(DISTINCT priority), count(*) FROM jobs"
+                        " WHERE id = ANY(%s)", (ids,)).fetchone() == ([0], 3)
+
+
 def test_the_payload_size_limit_is_the_databases_for_every_entry_point(
     conn: psycopg.Connection, db_url: str
 ) -> None:
