@@ -18,6 +18,7 @@ from jobd import validation, yamlcheck
 from jobd.backoff import Backoff, RetryPolicy
 from jobd.db import DEFAULT_SCHEMA, DEFAULT_SESSION, POOLER_MODES, SessionSettings
 from jobd.errors import ConfigError, printable
+from jobd.handlers import HANDLER, SENDER, ImportPath
 from jobd.yamlcheck import parse_duration
 
 __all__ = ["Config", "LaneConfig", "ScheduleConfig", "load", "parse", "parse_duration"]
@@ -173,6 +174,12 @@ class Config:
         if not self.outbox_senders:
             return dict(self.handlers)
         return {**self.handlers, validation.OUTBOX_HANDLER: OUTBOX_HANDLER_PATH}
+
+    def import_paths(self) -> list[ImportPath]:
+        """Everything the workers import: each handler and each outbox sender, apart (a
+        sender may have a handler's name, and a map by name would check only one of them)."""
+        return ([ImportPath(HANDLER, name, path) for name, path in self.worker_handlers().items()]
+                + [ImportPath(SENDER, name, path) for name, path in self.outbox_senders.items()])
 
     def retry_policy(self, lane: str) -> RetryPolicy:
         """The lane's retry policy; defaults for a lane this node does not configure."""

@@ -137,8 +137,7 @@ class Supervisor:
 
     def check_boot(self) -> list[str]:
         """Problems that must stop the daemon before anything starts."""
-        return check_in_subprocess({**self.config.worker_handlers(),
-                                    **self.config.outbox_senders})
+        return check_in_subprocess(self.config.import_paths())
 
     def run(self) -> int:
         # First: a signal during the boot check (its import of every handler can take a
@@ -268,8 +267,7 @@ class Supervisor:
             self._refuse_reload(error)
             return
         self._cancel_reload()
-        self.pending_reload = (new, HandlerCheck({**new.worker_handlers(),
-                                                  **new.outbox_senders}))
+        self.pending_reload = (new, HandlerCheck(new.import_paths()))
 
     def _finish_reload(self) -> None:
         if self.pending_reload is None:

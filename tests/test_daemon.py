@@ -567,6 +567,41 @@ def test_reload_refuses_a_handler_that_cannot_be_imported(
     assert not daemon.events("worker exited", since=mark)
 
 
+def with_sender_named_like_a_handler(config: dict[str, Any]) -> dict[str, Any]:
+    """The config with an outbox sender that shares its name, "broken", with a handler:
+    the sender imports, the handler does not."""
+    return {**config, "outbox": {"lane": "default", "senders": {"broken": "testhandlers:ok"}}}
+
+
+def test_a_handler_named_like_an_outbox_sender_is_import_checked_at_boot(
+    daemons: Daemons,
+) -> None:
+    daemon = daemons(with_sender_named_like_a_handler(
+        make_config({"default": {}}, handlers=BROKEN_HANDLERS)))
+    assert daemon.wait_exit(20) == 3
+    [failure] = daemon.events("boot failure")
+    assert "handler 'broken'" in failure["error"]
+    assert "no_such_module_for_jobd_tests" in failure["error"]
+    assert not daemon.events("worker spawned")
+
+
+def test_reload_refuses_a_broken_handler_named_like_an_outbox_sender(
+    daemons: Daemons, effects_db: psycopg.Connection
+) -> None:
+    daemon = daemons(make_config({"default": {"workers": 1}}))
+    before = daemon.wait_workers_started("default", 1)
+
+    mark = daemon.reload(with_sender_named_like_a_handler(
+        make_config({"default": {"workers": 1}}, handlers=BROKEN_HANDLERS)))
+    refused = daemon.wait_for_log("reload refused; still running the previous config",
+                                  since=mark)
+    assert "handler 'broken'" in refused["error"]
+    job_id = jobd.enqueue(effects_db, "ok")
+    wait_state(effects_db, job_id, "done", 15, daemon)
+    assert daemon.worker_pids("default") == before
+    assert not daemon.events("worker exited", since=mark)
+
+
 # --- 8. the LISTEN connection --------------------------------------------------------------
 
 
