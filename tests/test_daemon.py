@@ -775,6 +775,19 @@ def test_run_without_a_config_file_is_a_usage_error(db_url: str, tmp_path) -> No
     assert "-c FILE" in line
 
 
+def test_run_refuses_a_worker_timeout_shorter_than_two_liveness_reports(
+    db_url: str, tmp_path
+) -> None:
+    # Workers report once a second: with 500ms every healthy worker was aborted as hung
+    # and replaced, over and over, while the daemon ran as if configured fine.
+    daemon = Daemon(tmp_path, db_url)
+    daemon.write_config(make_config({"default": {}}, supervisor={"worker_timeout": "500ms"}))
+    result = run_cli(*daemon.command()[3:], cwd=str(tmp_path))
+    assert result.returncode == 2
+    [line] = result.stderr.strip().splitlines()
+    assert "supervisor.worker_timeout: must be at least 2s" in line
+
+
 def test_run_against_a_database_without_jobd_schema_says_to_migrate(
     databases, tmp_path
 ) -> None:
