@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import signal
 import subprocess
 import sys
 import tempfile
@@ -23,6 +24,7 @@ from typing import Any
 Handler = Callable[..., Any]
 
 TRANSACTIONAL_ATTRIBUTE = "__jobd_transactional__"
+_SIGNALS = frozenset(s.value for s in signal.Signals)
 
 
 class HandlerImportError(Exception):
@@ -105,6 +107,12 @@ def resolve_all(paths: Mapping[str, str], kind: str = HANDLER) -> dict[str, Reso
     return {name: resolve(name, path, kind) for name, path in paths.items()}
 
 
+# Written to stderr by the check before each import, so that a check that dies in an import
+# (a crash in an extension module, os._exit, the OOM killer) or hangs there is reported
+# with the entry it was importing, not with whatever stderr happened to end with.
+_IMPORTING = "jobd handler check: importing "
+
+
 class HandlerCheck:
     """``python -m jobd.handlers`` importing ``paths`` in a fresh interpreter, in the
     background: the supervisor's loop polls it instead of waiting, so a slow import never
@@ -133,8 +141,12 @@ class HandlerCheck:
         if self.process.poll() is None:
             if time.monotonic() < self.deadline:
                 return None
-            self.cancel()
-            self.problems = [f"importing the handlers took longer than {self.timeout:g}s"]
+            self.process.kill()
+            self.process.wait()
+            entry, _after = self._last_import()
+            self.problems = [f"importing the handlers took longer than {self.timeout:g}s"
+                             + (f" (still importing {entry})" if entry else "")]
+            self._close()
             return self.problems
         self.problems = self._verdict()
         self._close()
@@ -164,9 +176,32 @@ class HandlerCheck:
             if not isinstance(problems, list):
                 raise ValueError
         except ValueError:
-            tail = (self._stderr.read().strip().splitlines() or ["no output"])[-1]
-            return [f"the handler check failed (exit code {self.process.returncode}): {tail}"]
+            return [self._died()]
         return [str(problem) for problem in problems]
+
+    def _died(self) -> str:
+        """The check ended without its verdict: what it was importing, how it ended, and
+        the last line that import wrote to stderr, if any."""
+        code = self.process.returncode
+        how = (f"killed by {signal.Signals(-code).name}" if code < 0 and -code in _SIGNALS
+               else f"exit code {code}")
+        entry, after = self._last_import()
+        if entry is None:
+            return f"the handler check failed ({how}) before importing anything"
+        return (f"{entry} ended the handler check at import ({how})"
+                + (f": {after[-1]}" if after else ""))
+
+    def _last_import(self) -> tuple[str | None, list[str]]:
+        """The entry the check announced last ("handler 'x' (module:function)"), and the
+        non-empty stderr lines written after that announcement."""
+        self._stderr.seek(0)
+        entry, after = None, []
+        for line in self._stderr.read().splitlines():
+            if line.startswith(_IMPORTING):
+                entry, after = line.removeprefix(_IMPORTING), []
+            elif line.strip():
+                after.append(line.strip())
+        return entry, after
 
     def _close(self) -> None:
         self._stdout.close()
@@ -184,6 +219,8 @@ def _check_main() -> int:
     paths = json.load(sys.stdin)
     problems = []
     for kind, name, path in paths:
+        sys.stderr.write(f"\n{_IMPORTING}{kind} {name!r} ({path})\n")
+        sys.stderr.flush()
         try:
             resolve(name, path, kind)
         except HandlerImportError as exc:

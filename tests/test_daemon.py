@@ -36,6 +36,7 @@ from netcut import silent_server
 
 import jobd
 from jobd.db import connect
+from jobd.handlers import HandlerCheck, ImportPath
 
 # The fixtures the tests use, from the support module.
 daemons = daemon_support.daemons
@@ -565,6 +566,37 @@ def test_reload_refuses_a_handler_that_cannot_be_imported(
     wait_state(effects_db, job_id, "done", 15, daemon)
     assert daemon.worker_pids("default") == before
     assert not daemon.events("worker exited", since=mark)
+
+
+def test_a_handler_whose_import_kills_the_check_is_named_in_the_boot_failure(
+    daemons: Daemons,
+) -> None:
+    # As an extension module's segfault or the OOM killer would: the check leaves no
+    # verdict. Before, the error was "the handler check failed (exit code -9)" followed by
+    # the last line of the check's stderr (a RuntimeWarning of runpy), naming no handler.
+    daemon = daemons()
+    (daemon.dir / "killedatimport.py").write_text(
+        "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    daemon.start(make_config({"default": {}},
+                             handlers={"ok": "testhandlers:ok", "heavy": "killedatimport:run"}))
+    assert daemon.wait_exit(20) == 3
+    [failure] = daemon.events("boot failure")
+    assert failure["error"] == ("handler 'heavy' (killedatimport:run) ended the handler "
+                                "check at import (killed by SIGKILL)")
+    assert not daemon.events("worker spawned")
+
+
+def test_an_import_check_that_times_out_names_the_import_it_waited_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "hangsatimport.py").write_text("import time\ntime.sleep(60)\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        p for p in (str(tmp_path), os.environ.get("PYTHONPATH", "")) if p))
+    check = HandlerCheck([ImportPath("handler", "ok", "jobd.examples:echo"),
+                          ImportPath("outbox sender", "mail", "hangsatimport:send")],
+                         timeout=1.0)
+    assert check.wait() == ["importing the handlers took longer than 1s (still importing "
+                            "outbox sender 'mail' (hangsatimport:send))"]
 
 
 def with_sender_named_like_a_handler(config: dict[str, Any]) -> dict[str, Any]:
