@@ -18,6 +18,7 @@ from jobd import validation, yamlcheck
 from jobd.backoff import Backoff, RetryPolicy
 from jobd.db import DEFAULT_SCHEMA, DEFAULT_SESSION, POOLER_MODES, SessionSettings
 from jobd.errors import ConfigError, printable
+from jobd.handlers import HANDLER, SENDER, ImportPath
 from jobd.yamlcheck import parse_duration
 
 __all__ = ["Config", "LaneConfig", "ScheduleConfig", "load", "parse", "parse_duration"]
@@ -32,6 +33,10 @@ EMPTY_URL = "is empty: give a URL, or leave the key out ($JOBD_DATABASE_URL, els
 # fairness_key when it has one, else by its handler): a lane whose producers set no keys
 # shares by handler. "none": no shares.
 FAIR_BY = ("handler", "fairness_key", "none")
+# A worker reports to the supervisor once a second (jobd.worker_status.REPORT_INTERVAL), and
+# that report is its liveness: a worker_timeout shorter than two of them takes healthy
+# workers for hung, and aborts and replaces them over and over, charging their jobs.
+MIN_WORKER_TIMEOUT = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +178,12 @@ class Config:
         if not self.outbox_senders:
             return dict(self.handlers)
         return {**self.handlers, validation.OUTBOX_HANDLER: OUTBOX_HANDLER_PATH}
+
+    def import_paths(self) -> list[ImportPath]:
+        """Everything the workers import: each handler and each outbox sender, apart (a
+        sender may have a handler's name, and a map by name would check only one of them)."""
+        return ([ImportPath(HANDLER, name, path) for name, path in self.worker_handlers().items()]
+                + [ImportPath(SENDER, name, path) for name, path in self.outbox_senders.items()])
 
     def retry_policy(self, lane: str) -> RetryPolicy:
         """The lane's retry policy; defaults for a lane this node does not configure."""
@@ -343,7 +354,7 @@ def _build(root: yamlcheck.Located, path: str | None) -> Config:
         lanes=lanes,
         schedules=tuple(schedules),
         max_payload_bytes=max_payload_bytes,
-        worker_timeout=supervisor.take("worker_timeout", yamlcheck.positive_duration, 30.0),
+        worker_timeout=supervisor.take("worker_timeout", _worker_timeout, 30.0),
         shutdown_timeout=supervisor.take("shutdown_timeout", yamlcheck.positive_duration, 30.0),
         duty_interval=supervisor.take("duty_interval", yamlcheck.positive_duration, 10.0),
         horizon_warning=supervisor.take("horizon_warning", yamlcheck.positive_duration, 300.0),
@@ -361,6 +372,14 @@ def _build(root: yamlcheck.Located, path: str | None) -> Config:
         yamlcheck.fail(outbox.line, "outbox.lane", "outbox senders are configured but lane "
                        f"{config.outbox_lane!r} is not in lanes")
     return config
+
+
+def _worker_timeout(value: object) -> float:
+    seconds = yamlcheck.parse_duration(value)
+    if seconds < MIN_WORKER_TIMEOUT:
+        raise ValueError(f"must be at least {MIN_WORKER_TIMEOUT:g}s, not {value!r}: workers "
+                         "report once a second, and one silent this long is killed as hung")
+    return seconds
 
 
 def _session(database: yamlcheck.Section) -> SessionSettings:

@@ -11,18 +11,20 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 Handler = Callable[..., Any]
 
 TRANSACTIONAL_ATTRIBUTE = "__jobd_transactional__"
+_SIGNALS = frozenset(s.value for s in signal.Signals)
 
 
 class HandlerImportError(Exception):
@@ -43,7 +45,22 @@ class ResolvedHandler:
     is_transactional: bool
 
 
-def resolve(name: str, path: str) -> ResolvedHandler:
+# What an import path names: a job handler (config ``handlers``) or an outbox sender
+# (``outbox.senders``). The two maps may use the same name; the kind tells them apart.
+HANDLER = "handler"
+SENDER = "outbox sender"
+
+
+@dataclass(frozen=True, slots=True)
+class ImportPath:
+    """One entry of the config to import-check: its kind, name and ``module:function``."""
+
+    kind: str
+    name: str
+    path: str
+
+
+def resolve(name: str, path: str, kind: str = HANDLER) -> ResolvedHandler:
     module_name, _, attribute_path = path.partition(":")
     try:
         target: Any = importlib.import_module(module_name)
@@ -51,10 +68,10 @@ def resolve(name: str, path: str) -> ResolvedHandler:
             target = getattr(target, attribute)
     except Exception as exc:
         raise HandlerImportError(
-            f"handler {name!r} ({path}) cannot be imported: {type(exc).__name__}: {exc}"
+            f"{kind} {name!r} ({path}) cannot be imported: {type(exc).__name__}: {exc}"
         ) from exc
     if not callable(target):
-        raise HandlerImportError(f"handler {name!r} ({path}) is not callable")
+        raise HandlerImportError(f"{kind} {name!r} ({path}) is not callable")
     return resolved(name, target)
 
 
@@ -86,24 +103,31 @@ def check_ran(name: str, result: object) -> None:
         f"apply functools.wraps so jobd sees the async function")
 
 
-def resolve_all(paths: Mapping[str, str]) -> dict[str, ResolvedHandler]:
-    return {name: resolve(name, path) for name, path in paths.items()}
+def resolve_all(paths: Mapping[str, str], kind: str = HANDLER) -> dict[str, ResolvedHandler]:
+    return {name: resolve(name, path, kind) for name, path in paths.items()}
+
+
+# Written to stderr by the check before each import, so that a check that dies in an import
+# (a crash in an extension module, os._exit, the OOM killer) or hangs there is reported
+# with the entry it was importing, not with whatever stderr happened to end with.
+_IMPORTING = "jobd handler check: importing "
 
 
 class HandlerCheck:
     """``python -m jobd.handlers`` importing ``paths`` in a fresh interpreter, in the
     background: the supervisor's loop polls it instead of waiting, so a slow import never
     holds up the running lanes. Output goes to temporary files, not pipes, so user code that
-    prints a lot at import cannot block on a full pipe."""
+    prints a lot at import cannot block on a full pipe. ``paths`` is a list, not a map by
+    name: a handler and an outbox sender may share a name, and each must be checked."""
 
-    def __init__(self, paths: Mapping[str, str], timeout: float = 60.0) -> None:
+    def __init__(self, paths: Sequence[ImportPath], timeout: float = 60.0) -> None:
         self.timeout = timeout
         self.deadline = time.monotonic() + timeout
         # Closed by _close() once the verdict is read; the check outlives this call.
         self._stdout = tempfile.TemporaryFile("w+")  # noqa: SIM115
         self._stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115
         with tempfile.TemporaryFile("w+") as stdin:
-            stdin.write(json.dumps(dict(paths)))
+            stdin.write(json.dumps([[p.kind, p.name, p.path] for p in paths]))
             stdin.seek(0)
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "jobd.handlers"], stdin=stdin, stdout=self._stdout,
@@ -117,8 +141,12 @@ class HandlerCheck:
         if self.process.poll() is None:
             if time.monotonic() < self.deadline:
                 return None
-            self.cancel()
-            self.problems = [f"importing the handlers took longer than {self.timeout:g}s"]
+            self.process.kill()
+            self.process.wait()
+            entry, _after = self._last_import()
+            self.problems = [f"importing the handlers took longer than {self.timeout:g}s"
+                             + (f" (still importing {entry})" if entry else "")]
+            self._close()
             return self.problems
         self.problems = self._verdict()
         self._close()
@@ -148,16 +176,39 @@ class HandlerCheck:
             if not isinstance(problems, list):
                 raise ValueError
         except ValueError:
-            tail = (self._stderr.read().strip().splitlines() or ["no output"])[-1]
-            return [f"the handler check failed (exit code {self.process.returncode}): {tail}"]
+            return [self._died()]
         return [str(problem) for problem in problems]
+
+    def _died(self) -> str:
+        """The check ended without its verdict: what it was importing, how it ended, and
+        the last line that import wrote to stderr, if any."""
+        code = self.process.returncode
+        how = (f"killed by {signal.Signals(-code).name}" if code < 0 and -code in _SIGNALS
+               else f"exit code {code}")
+        entry, after = self._last_import()
+        if entry is None:
+            return f"the handler check failed ({how}) before importing anything"
+        return (f"{entry} ended the handler check at import ({how})"
+                + (f": {after[-1]}" if after else ""))
+
+    def _last_import(self) -> tuple[str | None, list[str]]:
+        """The entry the check announced last ("handler 'x' (module:function)"), and the
+        non-empty stderr lines written after that announcement."""
+        self._stderr.seek(0)
+        entry, after = None, []
+        for line in self._stderr.read().splitlines():
+            if line.startswith(_IMPORTING):
+                entry, after = line.removeprefix(_IMPORTING), []
+            elif line.strip():
+                after.append(line.strip())
+        return entry, after
 
     def _close(self) -> None:
         self._stdout.close()
         self._stderr.close()
 
 
-def check_in_subprocess(paths: Mapping[str, str], timeout: float = 60.0) -> list[str]:
+def check_in_subprocess(paths: Sequence[ImportPath], timeout: float = 60.0) -> list[str]:
     """Import every handler in a fresh interpreter and wait; one message per failure."""
     if not paths:
         return []
@@ -167,13 +218,15 @@ def check_in_subprocess(paths: Mapping[str, str], timeout: float = 60.0) -> list
 def _check_main() -> int:
     paths = json.load(sys.stdin)
     problems = []
-    for name, path in paths.items():
+    for kind, name, path in paths:
+        sys.stderr.write(f"\n{_IMPORTING}{kind} {name!r} ({path})\n")
+        sys.stderr.flush()
         try:
-            resolve(name, path)
+            resolve(name, path, kind)
         except HandlerImportError as exc:
             problems.append(str(exc))
         except BaseException as exc:  # a module that calls sys.exit() at import, say
-            problems.append(f"handler {name!r} ({path}) failed at import: "
+            problems.append(f"{kind} {name!r} ({path}) failed at import: "
                             + traceback.format_exception_only(exc)[-1].strip())
     # Imported user code may have printed to stdout; the verdict is the last line.
     sys.stdout.write("\n" + json.dumps(problems) + "\n")

@@ -138,8 +138,7 @@ class Supervisor:
 
     def check_boot(self) -> list[str]:
         """Problems that must stop the daemon before anything starts."""
-        return check_in_subprocess({**self.config.worker_handlers(),
-                                    **self.config.outbox_senders})
+        return check_in_subprocess(self.config.import_paths())
 
     def run(self) -> int:
         # First: a signal during the boot check (its import of every handler can take a
@@ -148,15 +147,18 @@ class Supervisor:
         self.loop.install_signals(
             (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD))
         problems = self.check_boot()
-        if problems:
-            for problem in problems:
-                log.error("boot failure", error=problem)
-            return EXIT_BOOT_FAILURE_SUPERVISOR
+        # A stop asked for during the check comes first: Ctrl-C in a terminal reaches the
+        # check's process too, whose import then fails with KeyboardInterrupt. That is the
+        # operator's stop, not a handler that cannot be imported (exit code 3).
         stop = [signum for signum in self.loop.pending_signals()
                 if signum in (signal.SIGTERM, signal.SIGINT)]
         if stop:
             log.info("stopped before starting", signal=signal.Signals(stop[0]).name)
             return EXIT_OK
+        if problems:
+            for problem in problems:
+                log.error("boot failure", error=problem)
+            return EXIT_BOOT_FAILURE_SUPERVISOR
         self._start_metrics()  # before any worker: an address in use stops the start
         self.link.ensure()
         self.listener.start(self.loop)
@@ -270,8 +272,7 @@ class Supervisor:
             self._refuse_reload(error)
             return
         self._cancel_reload()
-        self.pending_reload = (new, HandlerCheck({**new.worker_handlers(),
-                                                  **new.outbox_senders}))
+        self.pending_reload = (new, HandlerCheck(new.import_paths()))
 
     def _finish_reload(self) -> None:
         if self.pending_reload is None:

@@ -259,7 +259,8 @@ def main() -> int:
     try:
         resolved = handler_registry.resolve_all(spec.handlers)
         outbox.install(
-            {name: r.func for name, r in handler_registry.resolve_all(spec.senders).items()},
+            {name: r.func for name, r in handler_registry.resolve_all(
+                spec.senders, handler_registry.SENDER).items()},
             spec.outbox_lane, spec.schema)
     except handler_registry.HandlerImportError as exc:
         log.error("boot failure", error=str(exc))

@@ -9,8 +9,9 @@ import pytest
 
 from jobd import validation, workerpool
 from jobd.backoff import Backoff
-from jobd.config import load, parse, parse_duration
+from jobd.config import MIN_WORKER_TIMEOUT, load, parse, parse_duration
 from jobd.errors import ConfigError, UsageError
+from jobd.worker_status import REPORT_INTERVAL
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "config" / "jobd.example.yaml"
 
@@ -161,6 +162,21 @@ def test_wrong_values_name_their_key(tmp_path: Path, text: str, line: int, key: 
     _, reported, message = config_error(tmp_path, text)
     assert reported == line
     assert f"{key}:" in message
+
+
+@pytest.mark.parametrize("timeout", ["500ms", "1s", "1.5"])
+def test_a_worker_timeout_shorter_than_two_liveness_reports_is_refused(
+    tmp_path: Path, timeout: str
+) -> None:
+    _, line, message = config_error(tmp_path, f"supervisor:\n  worker_timeout: {timeout}\n")
+    assert line == 2
+    assert "supervisor.worker_timeout: must be at least 2s" in message
+
+
+def test_the_shortest_worker_timeout_outlasts_two_liveness_reports() -> None:
+    assert MIN_WORKER_TIMEOUT >= 2 * REPORT_INTERVAL
+    assert parse("supervisor:\n  worker_timeout: 2s\nlanes: {default: {}}\n"
+                 ).worker_timeout == 2.0
 
 
 def test_heartbeat_must_be_shorter_than_the_visibility_timeout(tmp_path: Path) -> None:

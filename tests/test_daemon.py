@@ -36,6 +36,7 @@ from netcut import silent_server
 
 import jobd
 from jobd.db import connect
+from jobd.handlers import HandlerCheck, ImportPath
 
 # The fixtures the tests use, from the support module.
 daemons = daemon_support.daemons
@@ -567,6 +568,72 @@ def test_reload_refuses_a_handler_that_cannot_be_imported(
     assert not daemon.events("worker exited", since=mark)
 
 
+def test_a_handler_whose_import_kills_the_check_is_named_in_the_boot_failure(
+    daemons: Daemons,
+) -> None:
+    # As an extension module's segfault or the OOM killer would: the check leaves no
+    # verdict. Before, the error was "the handler check failed (exit code -9)" followed by
+    # the last line of the check's stderr (a RuntimeWarning of runpy), naming no handler.
+    daemon = daemons()
+    (daemon.dir / "killedatimport.py").write_text(
+        "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    daemon.start(make_config({"default": {}},
+                             handlers={"ok": "testhandlers:ok", "heavy": "killedatimport:run"}))
+    assert daemon.wait_exit(20) == 3
+    [failure] = daemon.events("boot failure")
+    assert failure["error"] == ("handler 'heavy' (killedatimport:run) ended the handler "
+                                "check at import (killed by SIGKILL)")
+    assert not daemon.events("worker spawned")
+
+
+def test_an_import_check_that_times_out_names_the_import_it_waited_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "hangsatimport.py").write_text("import time\ntime.sleep(60)\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        p for p in (str(tmp_path), os.environ.get("PYTHONPATH", "")) if p))
+    check = HandlerCheck([ImportPath("handler", "ok", "jobd.examples:echo"),
+                          ImportPath("outbox sender", "mail", "hangsatimport:send")],
+                         timeout=1.0)
+    assert check.wait() == ["importing the handlers took longer than 1s (still importing "
+                            "outbox sender 'mail' (hangsatimport:send))"]
+
+
+def with_sender_named_like_a_handler(config: dict[str, Any]) -> dict[str, Any]:
+    """The config with an outbox sender that shares its name, "broken", with a handler:
+    the sender imports, the handler does not."""
+    return {**config, "outbox": {"lane": "default", "senders": {"broken": "testhandlers:ok"}}}
+
+
+def test_a_handler_named_like_an_outbox_sender_is_import_checked_at_boot(
+    daemons: Daemons,
+) -> None:
+    daemon = daemons(with_sender_named_like_a_handler(
+        make_config({"default": {}}, handlers=BROKEN_HANDLERS)))
+    assert daemon.wait_exit(20) == 3
+    [failure] = daemon.events("boot failure")
+    assert "handler 'broken'" in failure["error"]
+    assert "no_such_module_for_jobd_tests" in failure["error"]
+    assert not daemon.events("worker spawned")
+
+
+def test_reload_refuses_a_broken_handler_named_like_an_outbox_sender(
+    daemons: Daemons, effects_db: psycopg.Connection
+) -> None:
+    daemon = daemons(make_config({"default": {"workers": 1}}))
+    before = daemon.wait_workers_started("default", 1)
+
+    mark = daemon.reload(with_sender_named_like_a_handler(
+        make_config({"default": {"workers": 1}}, handlers=BROKEN_HANDLERS)))
+    refused = daemon.wait_for_log("reload refused; still running the previous config",
+                                  since=mark)
+    assert "handler 'broken'" in refused["error"]
+    job_id = jobd.enqueue(effects_db, "ok")
+    wait_state(effects_db, job_id, "done", 15, daemon)
+    assert daemon.worker_pids("default") == before
+    assert not daemon.events("worker exited", since=mark)
+
+
 # --- 8. the LISTEN connection --------------------------------------------------------------
 
 
@@ -738,6 +805,19 @@ def test_run_without_a_config_file_is_a_usage_error(db_url: str, tmp_path) -> No
     assert result.returncode == 2
     [line] = result.stderr.strip().splitlines()
     assert "-c FILE" in line
+
+
+def test_run_refuses_a_worker_timeout_shorter_than_two_liveness_reports(
+    db_url: str, tmp_path
+) -> None:
+    # Workers report once a second: with 500ms every healthy worker was aborted as hung
+    # and replaced, over and over, while the daemon ran as if configured fine.
+    daemon = Daemon(tmp_path, db_url)
+    daemon.write_config(make_config({"default": {}}, supervisor={"worker_timeout": "500ms"}))
+    result = run_cli(*daemon.command()[3:], cwd=str(tmp_path))
+    assert result.returncode == 2
+    [line] = result.stderr.strip().splitlines()
+    assert "supervisor.worker_timeout: must be at least 2s" in line
 
 
 def test_run_against_a_database_without_jobd_schema_says_to_migrate(

@@ -505,6 +505,21 @@ def test_a_sigterm_while_the_handlers_import_at_start_stops_the_daemon_cleanly(
     assert not daemon.events("worker spawned")
 
 
+def test_ctrl_c_while_the_handlers_import_at_start_stops_the_daemon_cleanly(
+    daemons: Daemons,
+) -> None:
+    # Ctrl-C in a terminal (`make run`) sends SIGINT to the whole foreground process group,
+    # the import check included, whose import then ends in KeyboardInterrupt. Before, that
+    # was reported as a boot failure: exit code 3, "failed at import: KeyboardInterrupt".
+    daemon, _gate = started_with_a_slow_import(daemons)
+    wait_until((daemon.dir / "importing").exists, 15, message="the boot's import check")
+    os.killpg(daemon.pid, signal.SIGINT)  # the daemon leads its own process group
+    assert daemon.wait_exit(15) == 0
+    assert daemon.events("stopped before starting", signal="SIGINT")
+    assert not daemon.events("boot failure")
+    assert not daemon.events("worker spawned")
+
+
 def test_a_sighup_while_the_handlers_import_at_start_is_a_reload_once_running(
     daemons: Daemons, effects_db: psycopg.Connection
 ) -> None:
