@@ -437,7 +437,7 @@ class WorkerPool:
                 process.kill_reason = (f"hung: no liveness report for {silent:.0f}s "
                                        f"(worker_timeout {timeout:g}s)")
                 log.error("worker hung; aborting it", lane=process.lane, pid=process.pid,
-                          silent=round(silent, 1))
+                          worker=process.spec.worker_id, silent=round(silent, 1))
                 process.signal(signal.SIGABRT)
                 process.kill_at = now + ABORT_GRACE
 
@@ -457,7 +457,8 @@ class WorkerPool:
         """The drain deadline passed: SIGKILL what is left, and give its jobs back."""
         for process in self.processes():
             if process.popen.poll() is None:
-                log.warning("worker did not stop in time; killing it", pid=process.pid)
+                log.warning("worker did not stop in time; killing it", lane=process.lane,
+                            pid=process.pid, worker=process.spec.worker_id)
                 process.release_on_exit = True
                 process.signal(signal.SIGKILL)
 
