@@ -96,7 +96,8 @@ def upgrade(conn: psycopg.Connection, schema: str, *, max_payload_bytes: int | N
             grant_runtime: Sequence[str] = (), grant_producer: Sequence[str] = ()) -> Upgrade:
     """:func:`migrate`, then grant the roles named here and every role granted before
     (:func:`jobd.grants.apply`), all in one transaction. A role that does not exist raises
-    :class:`jobd.grants.MissingRole` and nothing changes.
+    :class:`jobd.grants.MissingRole`, a runtime grant to the schema's owner
+    :class:`jobd.grants.OwnerGrant`, and nothing changes.
 
     A role that does not own the schema (the runtime role, running ``jobd migrate`` before
     the daemon as the systemd unit does) may run it while there is nothing to change: it

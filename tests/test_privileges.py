@@ -341,3 +341,37 @@ def test_a_missing_role_whose_name_needs_quotes_is_named_quoted(db_url: str) -> 
     line = assert_one_line_error(result)
     assert "role 'Jobd Nobody' does not exist" in line
     assert 'CREATE ROLE "Jobd Nobody" LOGIN' in line
+
+
+def test_a_runtime_grant_to_the_schemas_own_owner_is_refused(db_url: str) -> None:
+    # The runtime grant revokes writes to schema_migrations and settings and everything on
+    # role_grants. Granted to the owner itself, it took from the owner what its own `jobd
+    # migrate` writes: every later run failed, saying to run it as the owner.
+    owner = f"jobd_owner_{uuid.uuid4().hex[:8]}"
+    schema = f"jobd_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(db_url, autocommit=True) as admin:
+        admin.execute(sql.SQL("CREATE ROLE {r} LOGIN; GRANT CREATE ON DATABASE {d} TO {r}")
+                      .format(r=sql.Identifier(owner),
+                              d=sql.Identifier(admin.info.dbname)))
+    url = psycopg.conninfo.make_conninfo(db_url, user=owner)
+    try:
+        created = cli("migrate", "--database-url", url, "--schema", schema)
+        assert created.returncode == 0, created.stderr
+        line = assert_one_line_error(cli("migrate", "--database-url", url, "--schema", schema,
+                                         "--grant-runtime", owner))
+        assert f"role {owner!r} owns schema {schema}" in line
+        # Nothing changed: the owner migrates, grants and sets the payload limit as before.
+        again = cli("migrate", "--database-url", url, "--schema", schema,
+                    "--grant-producer", owner)
+        assert again.returncode == 0, again.stderr
+        with psycopg.connect(db_url, autocommit=True) as admin:
+            kept = admin.execute(sql.SQL("SELECT role::text, kind FROM {}.role_grants").format(
+                sql.Identifier(schema))).fetchall()
+            assert kept == [(owner, "producer")]
+            assert admin.execute(
+                "SELECT has_table_privilege(%s, %s, 'INSERT')",
+                (owner, f"{schema}.schema_migrations")).fetchone() == (True,)
+    finally:
+        with psycopg.connect(db_url, autocommit=True) as admin:
+            admin.execute(sql.SQL("DROP OWNED BY {r}; DROP ROLE {r}").format(
+                r=sql.Identifier(owner)))

@@ -1410,6 +1410,11 @@ SELECT to_regclass('role_grants') IS NOT NULL
 -- alice and refuse 'etl jobs' as bad syntax.
 SELECT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = %(role)s)
 
+-- name: role_owns_schema
+-- Whether %(role)s (by its name as it is, as role_exists) owns the schema %(schema)s.
+SELECT EXISTS (SELECT 1 FROM pg_namespace AS n JOIN pg_roles AS r ON r.oid = n.nspowner
+                WHERE n.nspname = %(schema)s AND r.rolname = %(role)s)
+
 -- name: record_role_grant
 INSERT INTO role_grants (role, kind) VALUES (%(role)s, %(kind)s) ON CONFLICT DO NOTHING
 
