@@ -28,7 +28,7 @@ def cmd_run(ctx: Context, _args: argparse.Namespace) -> int:
     config = replace(ctx.config, schema=ctx.schema)
     logs.configure(config.log_level, reconfigurable=True, process="supervisor")
     with ctx.connect() as conn:
-        problem = schema_problem(conn)
+        problem = schema_problem(conn, ctx.schema)
     if problem:
         # A runtime failure, as for every other command: the same `jobd run` starts once
         # `jobd migrate` has run.

@@ -55,6 +55,18 @@ def check_roles(conn: psycopg.Connection, roles: Iterable[str]) -> None:
                 f"{quoted} LOGIN PASSWORD '...'), then run jobd migrate again")
 
 
+def usage_problem(conn: psycopg.Connection, schema: str) -> str | None:
+    """Why the current role cannot see jobd's tables although the schema exists (it was not
+    granted on this database), or None. Without it the tables look missing, and the message
+    said to run ``jobd migrate`` first."""
+    row = conn.execute(query("schema_usage"), {"schema": schema}).fetchone()
+    if row is None or row[0]:
+        return None
+    return (f"role {row[1]!r} may not use schema {schema} (no USAGE privilege on it): as "
+            f"the schema's owner, grant it with jobd migrate --grant-runtime {row[1]} (the "
+            "daemon and the CLI) or --grant-producer (enqueue only)")
+
+
 def check_not_owner(conn: psycopg.Connection, schema: str, runtime: Iterable[str]) -> None:
     """The runtime grant revokes writes to the ledger that ``jobd migrate`` keeps
     (schema_migrations, settings, role_grants): granted to the owner it took those from the

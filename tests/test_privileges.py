@@ -13,6 +13,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
+import yaml
 from cli_support import assert_one_line_error, cli
 from daemon_support import (
     HANDLERS,
@@ -375,3 +376,22 @@ def test_a_runtime_grant_to_the_schemas_own_owner_is_refused(db_url: str) -> Non
         with psycopg.connect(db_url, autocommit=True) as admin:
             admin.execute(sql.SQL("DROP OWNED BY {r}; DROP ROLE {r}").format(
                 r=sql.Identifier(owner)))
+
+
+def test_a_role_without_usage_on_the_schema_is_told_to_get_a_grant(roles: Roles,
+                                                                     tmp_path: Path) -> None:
+    # Not granted (or granted on another database): the schema's names are invisible to it,
+    # which read as a schema not migrated yet, and `jobd migrate` itself said to run
+    # `jobd migrate` first.
+    url = roles.url(roles.runtime)
+    config = tmp_path / "jobd.yaml"
+    config.write_text(yaml.safe_dump(make_config({"default": {}})))
+    for args, code in ((["status"], 1), (["jobs", "list"], 1), (["run", "-c", str(config)], 1),
+                       (["migrate"], 2)):
+        line = assert_one_line_error(cli(*args, "--database-url", url), code)
+        assert f"role {roles.runtime!r} may not use schema jobd" in line, (args, line)
+        assert "--grant-runtime" in line and "first" not in line, (args, line)
+    # A schema that is really missing still says so.
+    missing = assert_one_line_error(cli("status", "--database-url", roles.db_url,
+                                        "--schema", "jobd_nowhere"), 1)
+    assert "missing or incomplete" in missing
