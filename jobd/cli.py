@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 
 import psycopg
 
+from jobd import grants
 from jobd.cli_context import Context
 from jobd.cli_parser import build_parser, version
 from jobd.config import Config, load
@@ -117,8 +118,22 @@ def _join_signed_values(argv: Sequence[str]) -> list[str]:
     return joined
 
 
+def _missing_schema(ctx: Context | None, schema: str) -> str:
+    """What a statement that found none of jobd's tables means: the schema is missing (or
+    older), or it is there and the role may not use it (then its names look missing too)."""
+    missing = f"{schema} is missing or incomplete in this database; run `jobd migrate` first"
+    if ctx is None:
+        return missing
+    try:
+        with ctx.connect() as conn:
+            return grants.usage_problem(conn, ctx.schema) or missing
+    except (psycopg.Error, JobdError):
+        return missing
+
+
 def _dispatch(argv: Sequence[str] | None) -> int:
     schema = "jobd's schema"  # named once the context is known
+    ctx: Context | None = None
     try:
         # Parsed in here: parsing reads `--payload -` from standard input, which Ctrl-C
         # may interrupt.
@@ -138,8 +153,7 @@ def _dispatch(argv: Sequence[str] | None) -> int:
     except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedFunction,
             psycopg.errors.UndefinedColumn, psycopg.errors.InvalidSchemaName):
         # UndefinedColumn: a schema of an older jobd, whose tables lack a newer column.
-        print(f"jobd: {schema} is missing or incomplete in this database; run "
-              "`jobd migrate` first", file=sys.stderr)
+        print(f"jobd: {_missing_schema(ctx, schema)}", file=sys.stderr)
         return 1
     except psycopg.Error as exc:
         if _is_input_error(exc):

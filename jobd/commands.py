@@ -17,7 +17,7 @@ from jobd import jobs, logs, producer, top, top_screen
 from jobd.cli_context import Context
 from jobd.cli_output import print_json
 from jobd.errors import JobdError, UsageError
-from jobd.grants import MissingRole
+from jobd.grants import RefusedGrant
 from jobd.migrate import NotOwner, schema_problem, upgrade
 from jobd.supervisor import Supervisor
 
@@ -28,7 +28,7 @@ def cmd_run(ctx: Context, _args: argparse.Namespace) -> int:
     config = replace(ctx.config, schema=ctx.schema)
     logs.configure(config.log_level, reconfigurable=True, process="supervisor")
     with ctx.connect() as conn:
-        problem = schema_problem(conn)
+        problem = schema_problem(conn, ctx.schema)
     if problem:
         # A runtime failure, as for every other command: the same `jobd run` starts once
         # `jobd migrate` has run.
@@ -42,7 +42,7 @@ def cmd_migrate(ctx: Context, args: argparse.Namespace) -> int:
         try:
             done = upgrade(conn, ctx.schema, max_payload_bytes=ctx.config.max_payload_bytes,
                            grant_runtime=runtime, grant_producer=producer)
-        except (MissingRole, NotOwner) as exc:
+        except (RefusedGrant, NotOwner) as exc:
             raise UsageError(str(exc)) from None
         except psycopg.errors.InsufficientPrivilege as exc:
             raise UsageError(

@@ -25,8 +25,16 @@ from jobd.queries import query, with_identifiers
 KINDS = ("runtime", "producer")
 
 
-class MissingRole(ValueError):
+class RefusedGrant(ValueError):
+    """A grant ``jobd migrate`` will not make; nothing changes (exit code 2)."""
+
+
+class MissingRole(RefusedGrant):
     """A role named for a grant does not exist (roles are the cluster's; jobd creates none)."""
+
+
+class OwnerGrant(RefusedGrant):
+    """A runtime grant to the role that owns the schema."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +55,32 @@ def check_roles(conn: psycopg.Connection, roles: Iterable[str]) -> None:
                 f"{quoted} LOGIN PASSWORD '...'), then run jobd migrate again")
 
 
+def usage_problem(conn: psycopg.Connection, schema: str) -> str | None:
+    """Why the current role cannot see jobd's tables although the schema exists (it was not
+    granted on this database), or None. Without it the tables look missing, and the message
+    said to run ``jobd migrate`` first."""
+    row = conn.execute(query("schema_usage"), {"schema": schema}).fetchone()
+    if row is None or row[0]:
+        return None
+    return (f"role {row[1]!r} may not use schema {schema} (no USAGE privilege on it): as "
+            f"the schema's owner, grant it with jobd migrate --grant-runtime {row[1]} (the "
+            "daemon and the CLI) or --grant-producer (enqueue only)")
+
+
+def check_not_owner(conn: psycopg.Connection, schema: str, runtime: Iterable[str]) -> None:
+    """The runtime grant revokes writes to the ledger that ``jobd migrate`` keeps
+    (schema_migrations, settings, role_grants): granted to the owner it took those from the
+    owner itself, and every later ``jobd migrate`` failed."""
+    for role in runtime:
+        row = conn.execute(query("role_owns_schema"), {"role": role, "schema": schema}
+                           ).fetchone()
+        if row is not None and row[0]:
+            raise OwnerGrant(
+                f"role {role!r} owns schema {schema}: it needs no runtime grant (its "
+                "revocations would stop the owner's own jobd migrate); grant the runtime "
+                "privileges to the role the daemons run as")
+
+
 def apply(conn: psycopg.Connection, schema: str, *, runtime: Iterable[str] = (),
           producer: Iterable[str] = ()) -> Granted:
     """Record the roles named now, then grant every recorded role that still exists its
@@ -62,6 +96,7 @@ def apply(conn: psycopg.Connection, schema: str, *, runtime: Iterable[str] = (),
                              "current set of migrations before granting roles")
         return Granted()
     check_roles(conn, [role for role, _kind in wanted])
+    check_not_owner(conn, schema, runtime)
     for role, kind in wanted:
         conn.execute(query("record_role_grant"), {"role": role, "kind": kind})
     result = Granted()

@@ -96,7 +96,8 @@ def upgrade(conn: psycopg.Connection, schema: str, *, max_payload_bytes: int | N
             grant_runtime: Sequence[str] = (), grant_producer: Sequence[str] = ()) -> Upgrade:
     """:func:`migrate`, then grant the roles named here and every role granted before
     (:func:`jobd.grants.apply`), all in one transaction. A role that does not exist raises
-    :class:`jobd.grants.MissingRole` and nothing changes.
+    :class:`jobd.grants.MissingRole`, a runtime grant to the schema's owner
+    :class:`jobd.grants.OwnerGrant`, and nothing changes.
 
     A role that does not own the schema (the runtime role, running ``jobd migrate`` before
     the daemon as the systemd unit does) may run it while there is nothing to change: it
@@ -109,6 +110,9 @@ def upgrade(conn: psycopg.Connection, schema: str, *, max_payload_bytes: int | N
         conn.execute(_LOCK, (schema,))
         row = conn.execute(query("schema_ownership"), {"schema": schema}).fetchone()
         owner = row is None or bool(row[0])  # a schema about to be created is its creator's
+        problem = None if owner else grants.usage_problem(conn, schema)
+        if problem:
+            raise NotOwner(problem)
         if row is None:
             conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
         conn.execute(sql.SQL("SET LOCAL search_path TO {}").format(sql.Identifier(schema)))
@@ -164,14 +168,15 @@ def _what_changes(pending: list[Migration]) -> str:
     return "grants or the payload limit"
 
 
-def schema_problem(conn: psycopg.Connection) -> str | None:
-    """Why the database is not ready for the daemon (its schema missing or older than this
-    jobd), or None."""
+def schema_problem(conn: psycopg.Connection, schema: str) -> str | None:
+    """Why the database is not ready for the daemon (its schema missing, older than this
+    jobd, or out of the role's reach), or None. ``conn`` is in autocommit."""
     latest = max(m.version for m in available())
     try:
-        row = conn.execute("SELECT max(version) FROM schema_migrations").fetchone()
+        row = conn.execute(query("latest_migration")).fetchone()
     except psycopg.errors.UndefinedTable:
-        return "jobd's tables are missing in this database; run `jobd migrate` first"
+        return (grants.usage_problem(conn, schema)
+                or "jobd's tables are missing in this database; run `jobd migrate` first")
     version = row[0] if row else None
     if version is None or version < latest:
         return f"the schema is at version {version}, this jobd needs {latest}; run `jobd migrate`"

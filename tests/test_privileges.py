@@ -13,6 +13,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
+import yaml
 from cli_support import assert_one_line_error, cli
 from daemon_support import (
     HANDLERS,
@@ -341,3 +342,56 @@ def test_a_missing_role_whose_name_needs_quotes_is_named_quoted(db_url: str) -> 
     line = assert_one_line_error(result)
     assert "role 'Jobd Nobody' does not exist" in line
     assert 'CREATE ROLE "Jobd Nobody" LOGIN' in line
+
+
+def test_a_runtime_grant_to_the_schemas_own_owner_is_refused(db_url: str) -> None:
+    # The runtime grant revokes writes to schema_migrations and settings and everything on
+    # role_grants. Granted to the owner itself, it took from the owner what its own `jobd
+    # migrate` writes: every later run failed, saying to run it as the owner.
+    owner = f"jobd_owner_{uuid.uuid4().hex[:8]}"
+    schema = f"jobd_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(db_url, autocommit=True) as admin:
+        admin.execute(sql.SQL("CREATE ROLE {r} LOGIN; GRANT CREATE ON DATABASE {d} TO {r}")
+                      .format(r=sql.Identifier(owner),
+                              d=sql.Identifier(admin.info.dbname)))
+    url = psycopg.conninfo.make_conninfo(db_url, user=owner)
+    try:
+        created = cli("migrate", "--database-url", url, "--schema", schema)
+        assert created.returncode == 0, created.stderr
+        line = assert_one_line_error(cli("migrate", "--database-url", url, "--schema", schema,
+                                         "--grant-runtime", owner))
+        assert f"role {owner!r} owns schema {schema}" in line
+        # Nothing changed: the owner migrates, grants and sets the payload limit as before.
+        again = cli("migrate", "--database-url", url, "--schema", schema,
+                    "--grant-producer", owner)
+        assert again.returncode == 0, again.stderr
+        with psycopg.connect(db_url, autocommit=True) as admin:
+            kept = admin.execute(sql.SQL("SELECT role::text, kind FROM {}.role_grants").format(
+                sql.Identifier(schema))).fetchall()
+            assert kept == [(owner, "producer")]
+            assert admin.execute(
+                "SELECT has_table_privilege(%s, %s, 'INSERT')",
+                (owner, f"{schema}.schema_migrations")).fetchone() == (True,)
+    finally:
+        with psycopg.connect(db_url, autocommit=True) as admin:
+            admin.execute(sql.SQL("DROP OWNED BY {r}; DROP ROLE {r}").format(
+                r=sql.Identifier(owner)))
+
+
+def test_a_role_without_usage_on_the_schema_is_told_to_get_a_grant(roles: Roles,
+                                                                     tmp_path: Path) -> None:
+    # Not granted (or granted on another database): the schema's names are invisible to it,
+    # which read as a schema not migrated yet, and `jobd migrate` itself said to run
+    # `jobd migrate` first.
+    url = roles.url(roles.runtime)
+    config = tmp_path / "jobd.yaml"
+    config.write_text(yaml.safe_dump(make_config({"default": {}})))
+    for args, code in ((["status"], 1), (["jobs", "list"], 1), (["run", "-c", str(config)], 1),
+                       (["migrate"], 2)):
+        line = assert_one_line_error(cli(*args, "--database-url", url), code)
+        assert f"role {roles.runtime!r} may not use schema jobd" in line, (args, line)
+        assert "--grant-runtime" in line and "first" not in line, (args, line)
+    # A schema that is really missing still says so.
+    missing = assert_one_line_error(cli("status", "--database-url", roles.db_url,
+                                        "--schema", "jobd_nowhere"), 1)
+    assert "missing or incomplete" in missing

@@ -1410,6 +1410,18 @@ SELECT to_regclass('role_grants') IS NOT NULL
 -- alice and refuse 'etl jobs' as bad syntax.
 SELECT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = %(role)s)
 
+-- name: schema_usage
+-- Whether the current role may use the schema (no row: there is none), and the role's name.
+-- Without USAGE the schema's names are left out of its search_path: its tables look missing.
+SELECT has_schema_privilege(n.oid, 'USAGE'), current_user::text
+  FROM pg_namespace AS n
+ WHERE n.nspname = %(schema)s
+
+-- name: role_owns_schema
+-- Whether %(role)s (by its name as it is, as role_exists) owns the schema %(schema)s.
+SELECT EXISTS (SELECT 1 FROM pg_namespace AS n JOIN pg_roles AS r ON r.oid = n.nspowner
+                WHERE n.nspname = %(schema)s AND r.rolname = %(role)s)
+
 -- name: record_role_grant
 INSERT INTO role_grants (role, kind) VALUES (%(role)s, %(kind)s) ON CONFLICT DO NOTHING
 
@@ -1447,6 +1459,9 @@ SELECT pg_has_role(n.nspowner, 'USAGE') FROM pg_namespace AS n WHERE n.nspname =
 
 -- name: migration_ledger_exists
 SELECT to_regclass('schema_migrations') IS NOT NULL
+
+-- name: latest_migration
+SELECT max(version) FROM schema_migrations
 
 -- name: payload_limit
 SELECT value::bigint FROM settings WHERE name = 'max_payload_bytes'
