@@ -14,9 +14,11 @@ asked to stop, a lease lost, shutdown) the deck goes back to the buffer first
 A job leaves its slot when its handler's outcome arrives, or when it overruns the
 lane's timeout: it is failed then (its attempt is spent like any hung job's), but the thread
 that runs it stays taken until the handler returns, which is why an abandoned run still sits
-here and counts toward :meth:`Slots.wedged`. An async run is cancelled at its timeout by its
-own deadline on the event loop; the worker fails it itself :data:`ASYNC_GRACE` later, if it
-has not ended by then (it blocks the loop, or swallowed the cancel).
+here and counts toward :meth:`Slots.wedged` (in :attr:`Slots.held` once the worker claimed
+its job again: a retry of a handler that hangs on every attempt takes a thread of its own).
+An async run is cancelled at its timeout by its own deadline on the event loop; the worker
+fails it itself :data:`ASYNC_GRACE` later, if it has not ended by then (it blocks the loop,
+or swallowed the cancel).
 """
 
 from __future__ import annotations
@@ -72,11 +74,18 @@ class Slots:
         self.claimer = claimer
         self.completer = completer
         self.inflight: dict[int, Running] = {}
+        # Abandoned runs whose job this worker claimed again since: the new run has the job's
+        # place in ``inflight``, but the old thread is still taken until its handler returns.
+        self.held: list[Running] = []
 
     def __len__(self) -> int:
-        return len(self.inflight)
+        """The slots taken: every run, abandoned ones included (their threads are busy)."""
+        return len(self.inflight) + len(self.held)
 
     def start(self, job: jobs.Job, claimed_at: float | None = None) -> None:
+        earlier = self.inflight.get(job.id)
+        if earlier is not None and earlier.abandoned:
+            self.held.append(earlier)
         timeout = self.lane.timeout or None
         if timeout and self.runner.is_async(job.handler):
             timeout += ASYNC_GRACE
@@ -161,12 +170,18 @@ class Slots:
             if running is None or running.job.lease_token != outcome.job.lease_token:
                 # A run abandoned for its timeout whose job was claimed again since (here or
                 # elsewhere): the late result changes nothing, and the new run stays held.
+                self._release_held(outcome.job)
                 continue
             del self.inflight[outcome.job.id]
             self.claimer.finished(outcome.job.id)
             if running.abandoned:
                 continue  # already failed for its timeout; the late result changes nothing
             self.completer.add(outcome)
+
+    def _release_held(self, job: jobs.Job) -> None:
+        """The thread of an abandoned run superseded by a new claim of its job is free."""
+        self.held = [r for r in self.held
+                     if (r.job.id, r.job.lease_token) != (job.id, job.lease_token)]
 
     def expire_timeouts(self, now: float) -> None:
         for running in self._working():
@@ -233,12 +248,12 @@ class Slots:
     def wedged(self) -> bool:
         """Every thread is held by a handler that ignored its timeout: nothing can run.
         (Counted, not compared with the whole: jobs waiting behind them never start.)"""
-        held = sum(1 for r in self.inflight.values() if r.abandoned)
+        held = sum(1 for r in self.inflight.values() if r.abandoned) + len(self.held)
         return held >= self.lane.concurrency
 
     def running(self) -> int:
         """Jobs a thread or the event loop has started and not finished."""
-        return sum(1 for r in self.inflight.values() if r.started is not None)
+        return sum(1 for r in self.inflight.values() if r.started is not None) + len(self.held)
 
     def _working(self) -> Iterator[Running]:
         return (r for r in self.inflight.values() if not r.abandoned)
