@@ -30,7 +30,7 @@ class CuttingProxy:
         self._sockets: list[socket.socket] = []  # closed on the way out, the silent ones too
         self.cut = threading.Event()
         self.held = threading.Event()
-        threading.Thread(target=self._accept, daemon=True).start()
+        threading.Thread(target=_accept, args=(self.listener, self._connect), daemon=True).start()
 
     def cut_before(self, condition: Callable[[bytes], bool]) -> None:
         """The next client message for which ``condition`` holds is not forwarded: its
@@ -48,17 +48,12 @@ class CuttingProxy:
         if self._held.fileno() != -1:
             _reset(self._held)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return  # closed
-            server = socket.create_connection(self.upstream)
-            with self._lock:
-                self._sockets += [client, server]
-            threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
-            threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
+    def _connect(self, client: socket.socket) -> None:
+        server = socket.create_connection(self.upstream)
+        with self._lock:
+            self._sockets += [client, server]
+        threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
+        threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
 
     def _pump(self, source: socket.socket, sink: socket.socket, from_client: bool) -> None:
         try:
@@ -90,6 +85,16 @@ class CuttingProxy:
                     sock.close()
 
 
+def _accept(listener: socket.socket, on_client: Callable[[socket.socket], None]) -> None:
+    """Hand each client to ``on_client`` until the listener is closed."""
+    while True:
+        try:
+            client, _ = listener.accept()
+        except OSError:
+            return  # closed
+        on_client(client)
+
+
 def _reset(sock: socket.socket) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     sock.close()
@@ -118,16 +123,11 @@ class SilentServer:
         self.port = self.listener.getsockname()[1]
         self._lock = threading.Lock()
         self.accepted: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
+        threading.Thread(target=_accept, args=(self.listener, self._keep), daemon=True).start()
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return  # closed
-            with self._lock:
-                self.accepted.append(client)
+    def _keep(self, client: socket.socket) -> None:
+        with self._lock:
+            self.accepted.append(client)
 
     def open_attempts(self) -> list[socket.socket]:
         """The accepted connections their clients have not given up on (nor closed)."""
