@@ -251,6 +251,14 @@ class Slots:
         held = sum(1 for r in self.inflight.values() if r.abandoned) + len(self.held)
         return held >= self.lane.concurrency
 
+    def holding_handlers(self) -> dict[str, int]:
+        """The handlers whose abandoned runs hold threads, with how many each holds: what the
+        operator pauses when the worker exits wedged."""
+        held: dict[str, int] = {}
+        for run in [*(r for r in self.inflight.values() if r.abandoned), *self.held]:
+            held[run.job.handler] = held.get(run.job.handler, 0) + 1
+        return held
+
     def running(self) -> int:
         """Jobs a thread or the event loop has started and not finished."""
         return sum(1 for r in self.inflight.values() if r.started is not None) + len(self.held)

@@ -139,7 +139,8 @@ class Worker:
             if self._finished():
                 break
             if self.slots.wedged():
-                log.error("every slot is held by a handler that ignored its timeout; exiting")
+                log.error("every slot is held by a handler that ignored its timeout; exiting",
+                          handlers=self.slots.holding_handlers())
                 self._shutdown()
                 return EXIT_WEDGED
         self._shutdown()

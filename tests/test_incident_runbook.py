@@ -39,3 +39,7 @@ def test_a_handler_that_hangs_on_every_retry_cannot_wedge_its_worker_for_good(
                                f"{job_state(effects_db, healthy)})\n{daemon.tail()}")
     daemon.wait_for_log("worker exited", lambda e: "wedged" in e.get("cause", ""),
                         timeout=10)
+    # Its last words name what to pause: the handler holding its threads.
+    wedged = daemon.wait_for_log("every slot is held by a handler that ignored its timeout; "
+                                 "exiting", process=None)
+    assert wedged["handlers"] == {"slow": 2}

@@ -167,7 +167,7 @@ def test_a_run_past_its_timeout_fails_and_frees_its_claim_but_holds_its_slot(
     subject.slots.expire_timeouts(started + 5.0)
     assert subject.inflight[job.id].abandoned and subject.slots.deadlines() == []
     # Its thread is still taken: the one slot is wedged, and nothing is renewed or released.
-    assert subject.slots.wedged()
+    assert subject.slots.wedged() and subject.slots.holding_handlers() == {"h": 1}
     assert subject.slots.renewable_leases() == [] and subject.slots.unfinished_leases() == []
     subject._settle_and_claim(claim=False)
     state, attempts, error = state_of(conn, job.id)
