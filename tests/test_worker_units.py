@@ -21,6 +21,7 @@ from worker_support import connected_worker
 
 import jobd
 from jobd import outcomes, protocol, queue, slots, worker
+from jobd.backoff import Backoff
 from jobd.claim_buffer import BUFFER_MAX_AGE
 from jobd.claim_floors import (
     FULL_SCAN_INTERVAL,
@@ -545,7 +546,9 @@ def test_outcomes_whose_answer_was_lost_after_their_commit_count_as_written(
     # The connection is lost between the outcomes' COMMIT and its answer: the worker sends
     # them again and the fence refuses them. Reported as leases lost, a network blip would
     # log "result discarded" for jobs that were not, and raise the lease_lost counter.
-    lane = LaneConfig(LANE, settle_connection=apart)
+    # A retry's delay is drawn from [0, base): with the default base of 1 s it was now and
+    # then short enough for the resend's claim to take the job again (claimed, not failed).
+    lane = LaneConfig(LANE, settle_connection=apart, backoff=Backoff(base=3600.0, cap=3600.0))
     with connected_worker(db_url, lane, WORKER_ID) as (subject, _wake):
         assert (subject.settler is not None) == apart
         job_id = jobd.enqueue(conn, "h", max_attempts=max_attempts)

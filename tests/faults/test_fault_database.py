@@ -10,6 +10,7 @@ second, so the reconnect paths are taken while the others are still reconnecting
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import daemon_support
@@ -267,6 +268,7 @@ def test_repeated_crash_restarts_under_a_larger_load_lose_and_double_nothing(
 
 IDLE_CLIENTS = 300
 SPARE_SLOTS = 30  # what jobd's one node (2 workers x 4 handlers, supervisor, listener) needs
+SQUEEZE_GRAB = 0.5  # seconds of taking freed slots after each termination of jobd's
 
 
 def open_connections(url: str, count: int | None) -> list[psycopg.Connection]:
@@ -300,6 +302,12 @@ def squeeze_out_jobd(conn: psycopg.Connection, url: str,
         if jobd_backends(conn) == 0:
             return True
         conn.execute(TERMINATE_ALL)
+        # The slots free as the terminated backends exit, and jobd's connections try again
+        # at once (the listener's from a thread of its own): keep taking them meanwhile, so
+        # that jobd's attempts meet a full server and back off.
+        deadline = time.monotonic() + SQUEEZE_GRAB
+        while time.monotonic() < deadline:
+            filler.extend(open_connections(url, None))
         return False
 
     wait_until(squeezed, 30, interval=0.02, message="jobd to be left without a slot")
