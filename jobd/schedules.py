@@ -196,8 +196,10 @@ def refresh(conn: psycopg.Connection, instance: str, schedules: Sequence[Schedul
         if conn.execute(query("lock_schedule_without_waiting"),
                         {"schedule_id": schedule_id}).fetchone() is None:
             continue
-        _fire_what_the_old_definition_owes(conn, configured[schedule_id], now,
-                                           owed if owed is not None else TickResult())
+        config = configured.get(schedule_id)  # None: a declaration a sync has yet to withdraw
+        if config is not None:
+            _fire_what_the_old_definition_owes(conn, config, now,
+                                               owed if owed is not None else TickResult())
         row = conn.execute(query("reconcile_schedule"),
                            {"schedule_id": schedule_id, "now": now, "wait": False}).fetchone()
         if row is not None and row[0] == "changed":

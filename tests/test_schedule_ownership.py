@@ -161,6 +161,23 @@ def test_a_definition_adopted_after_its_node_was_away_fires_what_the_old_one_owe
     assert fired(conn) == [utc(2026, 10, 20, 13, 0), utc(2026, 10, 20, 13, 30)]
 
 
+def test_a_refresh_given_a_config_without_a_declared_schedule_still_adopts_it(
+    conn: psycopg.Connection,
+) -> None:
+    # Between a reload and the sync that withdraws what the new config lacks, the refresh may
+    # meet a declaration of a schedule its configs do not hold: nothing of its config to
+    # compare, so nothing owed is fired, and the adoption goes on (it raised KeyError, which
+    # ends the supervisor).
+    a = Node(conn, "a:1:aa", [schedule("0 * * * *")])
+    b = Node(conn, "b:2:bb", [schedule("0,30 * * * *")])
+    a.start(T0)
+    b.start(T0)
+    a.leave()
+    assert schedules.refresh(conn, b.instance, [schedule(id="other")], TTL,
+                             now=T0 + timedelta(seconds=10)) == ["s"]
+    assert stored(conn) == ("0,30 * * * *", True)
+
+
 def test_declarations_that_expire_stop_counting(conn: psycopg.Connection) -> None:
     a = Node(conn, "a:1:aa", [schedule()])
     a.start(T0)
