@@ -1,6 +1,7 @@
 # Two commands do all the set-up on a fresh machine:
 #   make run    the daemon with config/jobd.example.yaml, on $JOBD_DATABASE_URL or a local
-#               cluster under .jobd/ created from the installed PostgreSQL binaries
+#               cluster under .jobd/ created from the installed PostgreSQL binaries, on port
+#               54329 (make run JOBD_PG_PORT=N where that port is taken)
 #   make test   the whole test suite (database rules in tests/conftest.py)
 
 PYTHON ?= python3
@@ -11,6 +12,7 @@ BIN    := $(VENV)/bin
 RUN_STAMP  := $(VENV)/.installed-run
 TEST_STAMP := $(VENV)/.installed-test
 CONFIG ?= config/jobd.example.yaml
+JOBD_PG_PORT ?= 54329
 
 # Debian packages that some tests use, as package:command. Tests skip, naming the package,
 # where one is missing.
@@ -31,7 +33,7 @@ $(TEST_STAMP): pyproject.toml | $(BIN)/python
 	touch $(TEST_STAMP) $(RUN_STAMP)
 
 run: $(RUN_STAMP)
-	@url="$${JOBD_DATABASE_URL:-$$($(BIN)/python -m jobd.localpg start .jobd/pg)}" || exit 1; \
+	@url="$${JOBD_DATABASE_URL:-$$($(BIN)/python -m jobd.localpg start .jobd/pg --port $(JOBD_PG_PORT))}" || exit 1; \
 	echo "jobd: database $$url"; \
 	JOBD_DATABASE_URL="$$url" $(BIN)/jobd migrate -c $(CONFIG) && \
 	JOBD_DATABASE_URL="$$url" exec $(BIN)/jobd run -c $(CONFIG)

@@ -103,11 +103,26 @@ class LocalCluster:
         return (self.datadir / "PG_VERSION").exists()
 
     def running(self) -> bool:
+        """This cluster's server is up on ``port``: its postmaster.pid names a live process
+        and that port, and the port answers. A pid file left by a killed server, or another
+        server answering on the port, is not this cluster running."""
+        lock = self._postmaster_lock()
+        return lock is not None and lock[1] == self.port and _answers(self.port)
+
+    def _postmaster_lock(self) -> tuple[int, int] | None:
+        """(pid, port) from postmaster.pid when its process is alive, else None."""
         try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
-                return (self.datadir / "postmaster.pid").exists()
-        except OSError:
-            return False
+            lines = (self.datadir / "postmaster.pid").read_text().splitlines()
+            pid, port = int(lines[0]), int(lines[3])
+        except (OSError, ValueError, IndexError):
+            return None
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:  # alive, another user's (the postgres user's, when not root)
+            pass
+        return pid, port
 
     def start(self) -> str:
         """Create the cluster if needed, start it if stopped, and return its URL."""
@@ -116,10 +131,12 @@ class LocalCluster:
             self.datadir.mkdir(parents=True, exist_ok=True)
             self.datadir.chmod(0o700)
             self._give_to_owner(self.datadir)
+            self._check_owner_reaches_datadir()
             self._run([str(bindir / "initdb"), "-D", str(self.datadir), "-U", "postgres",
                        "--auth=trust", "--encoding=UTF8", "--locale=C.UTF-8"])
         if self.running():
             return self.url
+        self._check_startable()
         self.socket_dir.mkdir(exist_ok=True)
         self._give_to_owner(self.socket_dir)
         log_file = self.datadir / "server.log"
@@ -132,6 +149,38 @@ class LocalCluster:
             # directory once a throwaway cluster is removed.
             raise LocalPgError(f"{exc} {_fatal_lines(log_file)}".rstrip()) from None
         return self.url
+
+    def _check_owner_reaches_datadir(self) -> None:
+        """As root, the postgres user runs the server: every directory above the data
+        directory must let it pass (a checkout under /root, mode 0700, does not), else
+        initdb fails with a bare "Permission denied"."""
+        if os.geteuid() != 0 or self._owner_can_enter(self.datadir):
+            return
+        blocking = next((path for path in reversed(self.datadir.parents)
+                         if not self._owner_can_enter(path)), self.datadir)
+        raise LocalPgError(
+            f"running as root, the cluster belongs to the postgres user, which cannot enter "
+            f"{blocking} (mode {blocking.stat().st_mode & 0o777:04o}); put the checkout where "
+            "it can, run as a normal user, or set JOBD_DATABASE_URL")
+
+    def _owner_can_enter(self, path: Path) -> bool:
+        return subprocess.run(self._as_owner(["test", "-x", str(path)])).returncode == 0
+
+    def _check_startable(self) -> None:
+        """Name the two usual reasons a start fails before pg_ctl hides them behind
+        "Examine the log output": the cluster already runs on another port, or another
+        process (another checkout's cluster) holds this one."""
+        lock = self._postmaster_lock()
+        if lock is not None and lock[1] != self.port:
+            raise LocalPgError(
+                f"the cluster in {self.datadir} already runs on port {lock[1]} (pid {lock[0]}),"
+                f" not {self.port}: use that port, or stop it first "
+                f"(python -m jobd.localpg stop {self.datadir})")
+        if _answers(self.port):
+            raise LocalPgError(
+                f"port {self.port} on 127.0.0.1 is taken by another process (another "
+                "checkout's cluster?); choose a free port: make run JOBD_PG_PORT=N, or "
+                "python -m jobd.localpg start DATADIR --port N")
 
     def _options(self) -> str:
         options = (f"-p {self.port} -c listen_addresses=127.0.0.1 "
@@ -159,6 +208,15 @@ class LocalCluster:
             return
         bindir = find_bindir()
         self._run([str(bindir / "pg_ctl"), "-D", str(self.datadir), "-m", "fast", "-w", "stop"])
+
+
+def _answers(port: int) -> bool:
+    """Something accepts connections on 127.0.0.1:port."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
 
 
 def _stderr(message: str) -> None:

@@ -3,10 +3,14 @@ database `make run` keeps under .jobd/."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -104,3 +108,75 @@ def test_a_throwaway_cluster_leaves_nothing_behind() -> None:
             assert conn.execute("SELECT 1").fetchone() == (1,)
     assert not local.running()
     assert not root.exists() and not socket_dir.exists()
+
+
+@pytest.fixture
+def listener() -> Iterator[socket.socket]:
+    """Another process's server on a free port (a listening socket is enough to answer)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", free_port()))
+        sock.listen()
+        yield sock
+
+
+def test_a_port_another_process_holds_is_named(cluster: LocalCluster,
+                                               listener: socket.socket) -> None:
+    """pg_ctl says only "could not create any TCP/IP sockets"; the user needs the port and
+    how to choose another (a second checkout's `make run`)."""
+    taken = LocalCluster(cluster.datadir, listener.getsockname()[1])
+    with pytest.raises(LocalPgError, match=f"port {taken.port} on 127.0.0.1 is taken.*"
+                                           "JOBD_PG_PORT"):
+        taken.start()
+
+
+def dead_pid() -> int:
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+def test_a_pid_file_a_killed_server_left_is_not_this_cluster_running(
+        cluster: LocalCluster, listener: socket.socket) -> None:
+    """After a kill -9 (or a reboot) postmaster.pid stays; with another server on the port
+    the cluster was taken for running, and `make run` used that other server."""
+    cluster.start()
+    cluster.stop()
+    port = listener.getsockname()[1]
+    pid_file = cluster.datadir / "postmaster.pid"
+    pid_file.write_text(f"{dead_pid()}\n{cluster.datadir}\n0\n{port}\n/tmp\n127.0.0.1\n")
+    stale = LocalCluster(cluster.datadir, port)
+    try:
+        assert not stale.running()
+        with pytest.raises(LocalPgError, match=f"port {port} on 127.0.0.1 is taken"):
+            stale.start()
+    finally:
+        pid_file.unlink()
+
+
+def test_a_cluster_running_on_another_port_is_named(cluster: LocalCluster) -> None:
+    cluster.start()
+    elsewhere = LocalCluster(cluster.datadir, free_port())
+    assert not elsewhere.running()
+    with pytest.raises(LocalPgError, match=f"already runs on port {cluster.port}"):
+        elsewhere.start()
+    assert cluster.running()
+
+
+def test_as_root_a_datadir_the_postgres_user_cannot_enter_is_named() -> None:
+    """A root user's checkout under /root (0700): initdb, run as postgres, said only
+    "Permission denied"."""
+    need_server_binaries()
+    if os.geteuid() != 0:
+        pytest.skip("as a normal user the cluster is the user's own")
+    # Not pytest's tmp_path: its own root is 0700 already.
+    root = Path(tempfile.mkdtemp(prefix="jobd-localpg-private-"))
+    try:
+        root.chmod(0o755)
+        private = root / "private"
+        private.mkdir(mode=0o700)
+        cluster = LocalCluster(private / "checkout" / ".jobd" / "pg", free_port())
+        with pytest.raises(LocalPgError, match=f"postgres user, which cannot enter {private} "
+                                               r"\(mode 0700\)"):
+            cluster.start()
+    finally:
+        shutil.rmtree(root)
