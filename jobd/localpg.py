@@ -203,8 +203,9 @@ class LocalCluster:
                    "-w", "-t", "60", "restart"])
 
     def stop(self) -> None:
-        # No postmaster.pid: never started, or its start failed (pg_ctl stop would fail too).
-        if not self.initialized() or not (self.datadir / "postmaster.pid").exists():
+        # No postmaster.pid, or one whose process is gone: never started, its start failed,
+        # or the server was killed (pg_ctl stop would fail: "could not send stop signal").
+        if not self.initialized() or self._postmaster_lock() is None:
             return
         bindir = find_bindir()
         self._run([str(bindir / "pg_ctl"), "-D", str(self.datadir), "-m", "fast", "-w", "stop"])

@@ -149,6 +149,7 @@ def test_a_pid_file_a_killed_server_left_is_not_this_cluster_running(
         assert not stale.running()
         with pytest.raises(LocalPgError, match=f"port {port} on 127.0.0.1 is taken"):
             stale.start()
+        stale.stop()  # nothing to stop: pg_ctl's "could not send stop signal" was an error
     finally:
         pid_file.unlink()
 
