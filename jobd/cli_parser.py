@@ -55,7 +55,8 @@ MAX_PREVIEW = 10_000
 EPILOG = """\
 connection: --database-url, else $JOBD_DATABASE_URL, else database.url in the config file
 (-c FILE or $JOBD_CONFIG), else postgresql://postgres@127.0.0.1:5432/postgres.
-exit codes: 0 ok, 1 runtime failure, 2 usage or input error."""
+exit codes: 0 ok, 1 runtime failure, 2 usage or input error, 3 (jobd run) a handler
+cannot be imported."""
 
 
 

@@ -48,7 +48,7 @@ from jobd.protocol import EXIT_BOOT_FAILURE, EXIT_OK, EXIT_WEDGED, WorkerSpec
 from jobd.settler import Settler, settles_apart
 from jobd.slots import Running, Slots
 from jobd.worker_controls import Controls
-from jobd.worker_mode import HANDLED_SIGNALS, Lifecycle
+from jobd.worker_mode import HANDLED_SIGNALS, HELD_AT_START, Lifecycle
 from jobd.worker_status import StatusReporter
 from jobd.worker_timers import Timers, select_timeout
 
@@ -252,11 +252,10 @@ def main() -> int:
     setproctitle.setproctitle(f"jobd: worker {spec.lane.name}#{spec.slot} starting")
     faulthandler.enable()  # SIGABRT from the supervisor dumps every thread's stack
     logs.capture_handler_output(spec.log_level)
-    # Held back while the handlers import (seconds, for a heavy application): a SIGTERM of a
-    # drain, or a Ctrl-C in the terminal, would otherwise end the worker with the default
-    # action, which the supervisor takes for a crash. Delivered once the loop handles them.
-    held = {*HANDLED_SIGNALS, signal.SIGINT}
-    signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    # Held back while the handlers import (seconds, for a heavy application): the supervisor
+    # spawned us with them held (HELD_AT_START); holding them again covers a worker started
+    # by hand. Delivered once the loop handles them.
+    signal.pthread_sigmask(signal.SIG_BLOCK, HELD_AT_START)
     try:
         resolved = handler_registry.resolve_all(spec.handlers)
         outbox.install(
@@ -268,7 +267,7 @@ def main() -> int:
         return EXIT_BOOT_FAILURE
     worker = Worker(spec, resolved)
     worker.install_signal_handlers()
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_AT_START)
     log.info("worker started", lane=spec.lane.name, generation=spec.generation,
              concurrency=spec.lane.concurrency)
     return worker.run()

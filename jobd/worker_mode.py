@@ -17,6 +17,12 @@ import structlog
 from jobd.protocol import WorkerMode
 
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGUSR2, signal.SIGQUIT)
+# Held from the worker's birth until its loop handles them: the supervisor spawns it with
+# these blocked (a blocked signal stays blocked across exec), so a drain's SIGTERM or a
+# terminal's Ctrl-C that arrives while the interpreter starts, or while the handlers import,
+# waits for the loop instead of taking its default action, which the supervisor would count
+# as a crash (and, for SIGINT, print a KeyboardInterrupt traceback).
+HELD_AT_START = frozenset({*HANDLED_SIGNALS, signal.SIGINT})
 
 log = structlog.get_logger("jobd.worker")
 

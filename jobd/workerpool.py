@@ -39,6 +39,7 @@ from jobd.protocol import (
 )
 from jobd.restarts import SlotBackoff, restart_reason
 from jobd.run_board import RunBoard, Running
+from jobd.worker_mode import HELD_AT_START
 
 ABORT_GRACE = 5.0  # after SIGABRT, how long a hung worker gets before SIGKILL
 # The supervisor's loop looks at its workers at least once a second. A longer gap between two
@@ -263,10 +264,7 @@ class WorkerPool:
             board, board_fd = RunBoard.create(slot.lane.concurrency)
             opened.append(board_fd)
             spec = self._spec(slot, status_w, wake_r, board_fd)
-            popen = subprocess.Popen(
-                [sys.executable, "-m", "jobd.worker"], stdin=subprocess.PIPE,
-                pass_fds=(wake_r, status_w, board_fd), close_fds=True,
-            )
+            popen = _start_worker_process((wake_r, status_w, board_fd))
         except OSError:
             _close_all(opened)
             if board is not None:
@@ -510,6 +508,16 @@ def _carry_restart_state(old: Slot, new: Slot) -> None:
     new.spawn_at = old.spawn_at
     new.boot_failures = old.boot_failures
     new.last_worker, new.exited_at = old.last_worker, old.exited_at
+
+
+def _start_worker_process(pass_fds: tuple[int, ...]) -> subprocess.Popen[bytes]:
+    """``python -m jobd.worker``, born with the signals its loop will handle held."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, HELD_AT_START)
+    try:
+        return subprocess.Popen([sys.executable, "-m", "jobd.worker"], stdin=subprocess.PIPE,
+                                pass_fds=pass_fds, close_fds=True)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _hand_over_spec(popen: subprocess.Popen[bytes], spec: WorkerSpec) -> None:

@@ -520,6 +520,33 @@ def test_ctrl_c_while_the_handlers_import_at_start_stops_the_daemon_cleanly(
     assert not daemon.events("worker spawned")
 
 
+def test_ctrl_c_while_a_worker_interpreter_starts_stops_the_daemon_cleanly(
+    daemons: Daemons,
+) -> None:
+    # The window before `jobd.worker` holds its signals itself: the interpreter's start and
+    # its imports. A sitecustomize (read by every interpreter on the daemon's PYTHONPATH)
+    # waits there in the workers only. Before, the group's SIGINT ended the worker with a
+    # KeyboardInterrupt traceback, and the supervisor logged a crash.
+    daemon = new_daemon(daemons)
+    gate = daemon.dir / "gate"
+    (daemon.dir / "sitecustomize.py").write_text(
+        "import os, time\n"
+        "with open('/proc/self/cmdline', 'rb') as f:\n"
+        "    worker = b'jobd.worker' in f.read()\n"
+        "if worker:\n"
+        f"    open({str(daemon.dir / 'starting')!r}, 'w').close()\n"
+        f"while worker and not os.path.exists({str(gate)!r}):\n"
+        "    time.sleep(0.05)\n")
+    daemon.start(config({"default": {}}))
+    wait_until((daemon.dir / "starting").exists, 15, message="a worker's interpreter")
+    os.killpg(daemon.pid, signal.SIGINT)  # the daemon leads its own process group
+    daemon.wait_for_log("draining", signal="SIGINT")
+    gate.touch()
+    assert daemon.wait_exit(20) == 0
+    assert "KeyboardInterrupt" not in daemon.log_path.read_text(errors="replace")
+    assert daemon.events("worker exited")
+    assert not daemon.events("worker exited", level="error")
+
 def test_a_sighup_while_the_handlers_import_at_start_is_a_reload_once_running(
     daemons: Daemons, effects_db: psycopg.Connection
 ) -> None:
