@@ -398,6 +398,18 @@ def test_unknown_zones_are_rejected(zone: str) -> None:
         CronSchedule.parse("0 * * * *", zone)
 
 
+@pytest.mark.parametrize(("zone", "reason"), [
+    ("localtime", "this host's own zone"), ("posixrules", "not a zone"),
+    ("right/Europe/Berlin", "counts leap seconds"), ("right/UTC", "counts leap seconds")])
+def test_zone_files_that_are_not_a_shared_zone_are_rejected(zone: str, reason: str) -> None:
+    # Each loads as a zone where the zone database has it: localtime would put one
+    # occurrence key at another instant on each node, and right/ zones change their offset
+    # 27 s late (a */30 schedule in right/Europe/Berlin fired at 02:00 on 2026-03-29, a wall
+    # time Berlin skips).
+    with pytest.raises(CronError, match=reason):
+        CronSchedule.parse("*/30 * * * *", zone)
+
+
 @pytest.mark.parametrize("expression", ["0 0 30 2 *", "0 0 31 4 *"])
 def test_an_expression_that_never_fires_is_a_cron_error(expression: str) -> None:
     with pytest.raises(CronError):
