@@ -50,9 +50,26 @@ class CronError(ValueError):
     """An invalid expression or time zone; the message says which and why."""
 
 
+# Files of the zone database that load as zones but are not one every node reads alike.
+# "localtime" is the host's own zone (a link to /etc/localtime): each node would put the same
+# occurrence key at its own instant. "posixrules" is the rules file for POSIX TZ strings.
+# The right/ tree counts leap seconds in its transition times, which zoneinfo reads as UTC
+# seconds: every change lands 27 s late, so a fixed 02:30 fired at 03:01 on a spring-forward
+# night, and a wildcard schedule fired at 02:00, a wall time that does not exist.
+_HOST_ZONES = {"localtime": "this host's own zone, which another node may not share",
+               "posixrules": "the rules file for POSIX TZ strings, not a zone"}
+_LEAP_SECOND_TREE = "right/"
+
+
 def time_zone(name: str) -> zoneinfo.ZoneInfo:
     """The IANA time zone ``name``; CronError for anything else. A folder of the zone
     database (``Europe``) is not a zone: ZoneInfo raises IsADirectoryError for it."""
+    if name in _HOST_ZONES:
+        raise CronError(f"time zone {name!r} is {_HOST_ZONES[name]}; use an IANA name like "
+                        "Europe/Berlin")
+    if name.startswith(_LEAP_SECOND_TREE):
+        raise CronError(f"time zone {name!r} counts leap seconds, which put its offset "
+                        f"changes off by seconds; use {name.removeprefix(_LEAP_SECOND_TREE)!r}")
     try:
         return zoneinfo.ZoneInfo(name)
     except (zoneinfo.ZoneInfoNotFoundError, ValueError, OSError):

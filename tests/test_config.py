@@ -208,6 +208,17 @@ def test_unknown_timezone(tmp_path: Path, zone: str) -> None:
     assert f"unknown time zone {zone!r}" in message
 
 
+def test_the_hosts_own_zone_is_refused(tmp_path: Path) -> None:
+    # /usr/share/zoneinfo/localtime loads as a zone: each node's own, so nodes in different
+    # zones would each fire one occurrence at another instant.
+    _, line, message = config_error(
+        tmp_path,
+        HANDLERS + "schedules:\n  - id: nightly\n    cron: '30 2 * * *'\n"
+        "    timezone: localtime\n    handler: echo\n")
+    assert line == 6
+    assert "schedules[0].timezone: time zone 'localtime' is this host's own zone" in message
+
+
 @pytest.mark.parametrize(
     ("text", "line"),
     [

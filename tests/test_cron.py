@@ -29,7 +29,7 @@ DST_NIGHTS = {
     "America/New_York": [(date(2026, 3, 8), date(2026, 11, 1)),
                          (date(2027, 3, 14), date(2027, 11, 7))],
 }
-DST_EXPRESSIONS = ["30 2 * * *", "30 1 * * *", "0 * * * *", "*/15 * * * *"]
+DST_EXPRESSIONS = ["30 2 * * *", "30 1 * * *", "0 * * * *", "*/15 * * * *", "0 */2 * * *"]
 
 
 def local(zone: str | zoneinfo.ZoneInfo, *fields: int, fold: int = 0) -> datetime:
@@ -218,6 +218,17 @@ def test_a_daily_schedule_fires_once_per_local_day_for_a_whole_year(
         f"{d:%Y-%m-%d}T{int(hour):02d}:{int(minute):02d} {zone}" for d in dates]
 
 
+def test_a_wildcard_hour_step_does_not_keep_its_interval_through_dst_nights() -> None:
+    # As docs/design/schedules.md's table says (and cronsim agrees): only schedules that fire
+    # at least hourly keep their interval; an hour step follows the wall clock.
+    schedule = CronSchedule.parse("0 */2 * * *", "Europe/Berlin")
+    fall = schedule.next_after(datetime(2026, 10, 24, 21, 30, tzinfo=UTC), 4)
+    assert [o.fire_at.strftime("%d %H:%M") for o in fall] == [
+        "24 22:00", "25 00:00", "25 01:00", "25 03:00"]
+    spring = schedule.next_after(datetime(2026, 3, 28, 22, 30, tzinfo=UTC), 2)
+    assert [o.fire_at.strftime("%d %H:%M") for o in spring] == ["28 23:00", "29 02:00"]
+
+
 def test_wildcard_keys_are_utc_instants_and_unique_through_a_repeated_hour() -> None:
     schedule = CronSchedule.parse("0 * * * *", "Europe/Berlin")
     fires = schedule.between(*local_day(BERLIN, date(2026, 10, 25)))
@@ -396,6 +407,18 @@ def test_names_with_an_r_are_still_names(expression: str) -> None:
 def test_unknown_zones_are_rejected(zone: str) -> None:
     with pytest.raises(CronError, match="unknown time zone"):
         CronSchedule.parse("0 * * * *", zone)
+
+
+@pytest.mark.parametrize(("zone", "reason"), [
+    ("localtime", "this host's own zone"), ("posixrules", "not a zone"),
+    ("right/Europe/Berlin", "counts leap seconds"), ("right/UTC", "counts leap seconds")])
+def test_zone_files_that_are_not_a_shared_zone_are_rejected(zone: str, reason: str) -> None:
+    # Each loads as a zone where the zone database has it: localtime would put one
+    # occurrence key at another instant on each node, and right/ zones change their offset
+    # 27 s late (a */30 schedule in right/Europe/Berlin fired at 02:00 on 2026-03-29, a wall
+    # time Berlin skips).
+    with pytest.raises(CronError, match=reason):
+        CronSchedule.parse("*/30 * * * *", zone)
 
 
 @pytest.mark.parametrize("expression", ["0 0 30 2 *", "0 0 31 4 *"])

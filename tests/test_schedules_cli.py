@@ -88,6 +88,8 @@ def test_next_table_shows_local_utc_and_the_occurrence_key() -> None:
     (("--cron", "0 * * * *", "--tz", "Mars/Olympus"), "unknown time zone 'Mars/Olympus'"),
     (("--cron", "0 * * * *", "--tz", "Europe/Berlinn"), "unknown time zone 'Europe/Berlinn'"),
     (("--cron", "0 * * * *", "--tz", "Europe"), "unknown time zone 'Europe'"),
+    (("--cron", "0 * * * *", "--tz", "localtime"), "time zone 'localtime' is this host's"),
+    (("--cron", "0 * * * *", "--tz", "right/Europe/Berlin"), "use 'Europe/Berlin'"),
     (("--cron", "0 * * * *", "--from", "2026-01-01T00:00:00"), "has no UTC offset"),
     (("--cron", "0 * * * *", "--from", "tomorrow"), "--from"),
     (("--cron", "0 * * * *", "--count", "0"), "--count"),
