@@ -175,34 +175,93 @@ def encode_payload(payload: Any) -> str:
         raise ValueError("payload strings must not contain NUL characters (\\u0000)")
     if not text.isascii():  # ASCII (the common payload) holds no lone surrogate
         utf8_size("payload", text)
-    return _spell_out_exponents(text) if "e+" in text or "e-" in text else text
+    if "e+" in text or "e-" in text or "-0.0" in text:
+        return _spell_out_exponents(text)
+    return text
 
 
 def _encode_json_text(text: str) -> str:
     """``text`` checked as a payload and written as :func:`encode_payload` writes one, its
     numbers with a fraction or an exponent as jsonb prints them. They are decoded as marker
-    strings (a nonce, which no string of the payload can hold by chance), then put back."""
+    strings (a nonce, which no string of the payload can hold by chance), then put back.
+
+    The rules apply as jsonb applies them. What its parser refuses (NUL, a lone surrogate, a
+    number numeric cannot hold) is refused anywhere in the text, also in a member that a
+    later one of the same name replaces; the rules on what is stored (nesting, digits, a
+    float's range) apply to the value kept, as ``check_job`` sees only that."""
+    if not text.isascii():  # a lone surrogate anywhere, even in a member not kept
+        utf8_size("payload", text)
     marker = f"\ue000{secrets.token_hex(8)}:"
     numbers: list[str] = []
+    # Numbers a handler could not read, by their place in numbers: refused if they are kept.
+    unreadable: dict[int, str] = {}
 
-    def number(token: str) -> str:
-        numbers.append(_exact_number(token))
+    def placed(spelled: str, problem: str | None = None) -> str:
+        numbers.append(spelled)
+        if problem is not None:
+            unreadable[len(numbers) - 1] = problem
         return f"{marker}{len(numbers) - 1}"
 
+    def number(token: str) -> str:
+        try:
+            return placed(_exact_number(token))
+        except _Unreadable as exc:
+            return placed(token, str(exc))
+
+    def integer(token: str) -> int | str:
+        if len(token.removeprefix("-")) > MAX_INTEGER_DIGITS:
+            return placed(token, _TOO_MANY_DIGITS)
+        return int(token)
+
     try:
-        value = json.loads(text, parse_float=number, parse_constant=_not_json)
+        value = json.loads(text, parse_float=number, parse_int=integer,
+                           parse_constant=_not_json, object_pairs_hook=_members)
     except json.JSONDecodeError as exc:
         raise ValueError(f"payload is not valid JSON: {exc}") from None
     except RecursionError:
         raise ValueError("payload is nested too deeply to be decoded") from None
-    except ValueError as exc:
-        if "integer string conversion" in str(exc):
-            raise ValueError(_TOO_MANY_DIGITS) from None
-        raise
     encoded = encode_payload(value)
     if not numbers:
         return encoded
-    return re.sub(f'"{re.escape(marker)}([0-9]+)"', lambda m: numbers[int(m[1])], encoded)
+
+    def put_back(match: re.Match[str]) -> str:
+        index = int(match[1])
+        if index in unreadable:
+            raise ValueError(unreadable[index])
+        return numbers[index]
+
+    return re.sub(f'"{re.escape(marker)}([0-9]+)"', put_back, encoded)
+
+
+def _members(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object as json builds one (a repeated name keeps its last value); the values a
+    repeated name drops are checked for what jsonb's parser refuses, as it parses them."""
+    value = dict(pairs)
+    if len(value) < len(pairs):
+        _check_parsable([member for _, member in pairs])
+    return value
+
+
+def _check_parsable(values: list[Any]) -> None:
+    """ValueError if a string in ``values`` holds NUL (jsonb refuses ``\\u0000``) or a lone
+    surrogate (a ``\\ud800`` escape). Iterative: a dropped member may be nested deeply."""
+    stack = list(values)
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if "\x00" in item:
+                raise ValueError("payload strings must not contain NUL characters (\\u0000)")
+            if not item.isascii():
+                utf8_size("payload", item)
+        elif isinstance(item, dict):
+            stack.extend(item)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
+class _Unreadable(ValueError):
+    """A number jsonb holds but a handler could not read as written (Python's json)."""
 
 
 _TOO_MANY_DIGITS = (f"an integer has more than {MAX_INTEGER_DIGITS} digits, which a handler "
@@ -215,21 +274,23 @@ def _not_json(name: str) -> Any:
 
 def _exact_number(token: str) -> str:
     """A JSON number with a fraction or an exponent as jsonb prints it (numeric, no
-    exponent), or ValueError for one a handler could not decode or jsonb cannot hold."""
+    exponent); ValueError for one jsonb cannot hold, _Unreadable for one a handler could not
+    decode. A zero is 0 whatever its exponent (0e5000 is stored as 0)."""
     exact = Decimal(token)
     if exact.as_tuple().exponent < MIN_NUMERIC_EXPONENT:  # digits beyond numeric's scale
         raise ValueError(f"{token[:40]} is too small for PostgreSQL's numeric")
-    if exact.adjusted() >= MAX_INTEGER_DIGITS:
-        raise ValueError(_TOO_MANY_DIGITS)
+    if not exact.is_zero() and exact.adjusted() >= MAX_INTEGER_DIGITS:
+        raise _Unreadable(_TOO_MANY_DIGITS)
     if math.isinf(float(token)) and exact != exact.to_integral_value():
         # Python reads it as infinity (migration 0041).
-        raise ValueError(f"{token[:40]} is beyond a float's range and not a whole number")
+        raise _Unreadable(f"{token[:40]} is beyond a float's range and not a whole number")
     spelled = f"{exact:f}"
     return spelled.removeprefix("-") if exact.is_zero() else spelled  # numeric has no -0
 
 
-# A JSON string, or a number with an exponent (only floats are written so).
-_STRING_OR_EXPONENT = re.compile(r'"(?:[^"\\]|\\.)*"|-?\d+(?:\.\d+)?e[+-]\d+')
+# A JSON string, a number with an exponent (only floats are written so), or a negative zero
+# (repr(-0.0)), which numeric, having no sign for zero, stores as 0.0.
+_STRING_OR_EXPONENT = re.compile(r'"(?:[^"\\]|\\.)*"|-?\d+(?:\.\d+)?e[+-]\d+|-0\.0(?![0-9])')
 
 
 def _spell_out_exponents(text: str) -> str:
@@ -238,13 +299,17 @@ def _spell_out_exponents(text: str) -> str:
     numeric and prints them without an exponent, 1e-300 as 302 characters. A float with a
     positive exponent (7.061036108043807e+16) is also given a fractional digit: printed as
     the integer its repr spells, it would come back as another type and, past 2**53, another
-    value (70610361080438070, not the float's 70610361080438064)."""
+    value (70610361080438070, not the float's 70610361080438064). A negative zero loses its
+    sign, as numeric stores it: measured with it, the bulk path refused a payload at the
+    limit that jobd.enqueue took."""
     return _STRING_OR_EXPONENT.sub(lambda m: _spelled_out(m[0]), text)
 
 
 def _spelled_out(token: str) -> str:
     if token.startswith('"'):
         return token
+    if token == "-0.0":
+        return "0.0"
     digits = f"{Decimal(token):f}"
     return digits if "." in digits else f"{digits}.0"
 

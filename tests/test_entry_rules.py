@@ -13,6 +13,8 @@ from typing import Any
 import psycopg
 import pytest
 from cli_support import assert_one_line_error, cli
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import jobd
 from jobd import validation
@@ -325,3 +327,131 @@ def test_the_python_rules_are_pure() -> None:
             validation.encode_payload(bad)
     # A backslash followed by "u0000" is text, not a NUL.
     assert validation.encode_payload("\\u0000") == '"\\\\u0000"'
+
+
+def test_a_negative_zero_is_measured_as_the_database_stores_it(conn: psycopg.Connection) -> None:
+    """numeric has no negative zero: -0.0 is stored as 0.0. The bulk path measured Python's
+    "-0.0", so at the limit it refused a payload that jobd.enqueue took."""
+    conn.execute("UPDATE settings SET value = '64' WHERE name = 'max_payload_bytes'")
+    payload = {"s": "", "z": [-0.0] * 9}
+    assert len(json.dumps(payload)) == 70  # 61 bytes as stored
+    ids = [jobd.enqueue(conn, "h", payload), *jobd.enqueue_many(conn, [jobd.JobSpec("h", payload)])]
+    assert conn.execute("SELECT DISTINCT octet_length(payload::text) FROM jobs"
+                        " WHERE id = ANY(%s)", (ids,)).fetchall() == [(61,)]
+
+
+LONG = "1" + "0" * 4300  # 4301 digits
+BEYOND_FLOAT_FRACTION = BEYOND_FLOAT + ".5"
+
+# jsonb parses every member, then keeps the last of a repeated name: what its parser refuses
+# is refused wherever it stands, and check_job's rules apply to the value kept.
+REPEATED_NAMES_REFUSED = {
+    "NUL in a replaced member": '{"a": "\\u0000", "a": 1}',
+    "NUL in a key inside a replaced member": '{"a": [{"\\u0000": 1}], "a": 1}',
+    "a lone surrogate in a replaced member": '{"a": "\\ud800", "a": 1}',
+    "a number numeric cannot hold in a replaced member": '{"a": 1e-16384, "a": 1}',
+    "a long integer kept": '{"a": 1, "a": ' + LONG + "}",
+}
+REPEATED_NAMES_ACCEPTED = {
+    "a long integer replaced": '{"a": ' + LONG + ', "a": 1}',
+    "a long exponent replaced": '{"a": 1e4300, "a": 1}',
+    "a fraction beyond a float's range replaced": '{"a": ' + BEYOND_FLOAT_FRACTION
+                                                 + ', "a": 1}',
+    # A zero is 0 whatever its exponent.
+    "a zero with a long exponent": '{"a": 0e5000, "b": -0E99999}',
+}
+
+
+@pytest.mark.parametrize("name", sorted(REPEATED_NAMES_REFUSED))
+def test_json_text_is_refused_as_jsonb_refuses_it(
+    name: str, conn: psycopg.Connection, db_url: str
+) -> None:
+    """Python's json keeps the last member of a repeated name and never looked at the
+    others: the Python API and the CLI took a NUL or a lone surrogate there, which SQL's
+    jobd.enqueue refuses with the text."""
+    case = Case(payload_sql=REPEATED_NAMES_REFUSED[name])
+    with pytest.raises(psycopg.DataError):
+        via_sql(conn, case)
+    for enqueue in (via_python_text, via_bulk_text):
+        with pytest.raises(ValueError):
+            enqueue(conn, case)
+    assert_one_line_error(cli(*case.cli_args(db_url)), 2)
+    assert conn.execute("SELECT count(*) FROM jobs").fetchone() == (0,)
+
+
+@pytest.mark.parametrize("name", sorted(REPEATED_NAMES_ACCEPTED))
+def test_json_text_is_accepted_as_jsonb_accepts_it(
+    name: str, conn: psycopg.Connection, db_url: str
+) -> None:
+    """The rules on what is stored apply to the value kept: a number a handler could not
+    read, in a member that a later one replaces, is not stored (jobd.enqueue takes it), and
+    0e5000 is 0. The Python API and the CLI refused both."""
+    case = Case(payload_sql=REPEATED_NAMES_ACCEPTED[name])
+    ids = [via_sql(conn, case), via_python_text(conn, case), via_bulk_text(conn, case)]
+    result = cli(*case.cli_args(db_url))
+    assert result.returncode == 0, result.stderr
+    ids.append(int(result.stdout))
+    stored = conn.execute("SELECT DISTINCT payload::text FROM jobs WHERE id = ANY(%s)",
+                          (ids,)).fetchall()
+    assert len(stored) == 1, stored
+
+
+# JSON texts with what tells parsers apart: repeated names, escapes, exponents, zeros.
+_NUMBERS = st.from_regex(r"-?(0|[1-9][0-9]{0,24})(\.[0-9]{1,24})?([eE][-+]?[0-9]{1,5})?",
+                         fullmatch=True)
+_STRINGS = st.sampled_from(['"a"', '"\\u0000"', '"\\\\u0000"', '"\\ud800"', '"\\udc00"',
+                            '"\\ud83d\\ude00"', '"\\u00e9"', '"é"', '"\\/"', '"\\u001f"', '""'])
+_SCALARS = _NUMBERS | _STRINGS | st.sampled_from(["true", "false", "null", "NaN", "-0"])
+_TEXTS = st.recursive(
+    _SCALARS,
+    lambda children: (
+        st.lists(children, max_size=4).map(lambda items: "[" + ", ".join(items) + "]")
+        | st.lists(st.tuples(_STRINGS, children), max_size=4).map(
+            lambda members: "{" + ",".join(f"{k}: {v}" for k, v in members) + "}")),
+    max_leaves=12)
+_FUZZ = settings(max_examples=300, deadline=None, derandomize=True, database=None,
+                 suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@given(text=_TEXTS)
+@_FUZZ
+def test_json_text_and_sql_agree_on_every_text(conn: psycopg.Connection, text: str) -> None:
+    """A JSON text is refused by jobd.JsonText exactly when SQL's jobd.enqueue refuses it,
+    and accepted as the value jsonb stores, of its size (what the bulk path measures)."""
+    try:
+        encoded: str | None = validation.encode_payload(validation.JsonText(text))
+    except ValueError:
+        encoded = None
+    try:
+        with conn.transaction():
+            row = conn.execute("SELECT jobd.enqueue('h', %s::jsonb)", (text,)).fetchone()
+            assert row is not None
+            stored = conn.execute("SELECT payload::text FROM jobs WHERE id = %s",
+                                  row).fetchone()
+    except psycopg.DataError:
+        stored = None
+    assert (encoded is None) == (stored is None), (text, encoded, stored)
+    if encoded is not None and stored is not None:
+        # The same value (jsonb orders an object's keys its own way) and the same size.
+        assert conn.execute("SELECT %s::jsonb::text", (encoded,)).fetchone() == stored, text
+        assert len(encoded.encode("utf-8")) == len(stored[0].encode("utf-8")), text
+
+
+@given(payload=st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=6)
+    | st.floats(allow_nan=False, allow_infinity=False),
+    lambda children: st.lists(children, max_size=4)
+    | st.dictionaries(st.text(max_size=4), children, max_size=4),
+    max_leaves=16))
+@_FUZZ
+def test_a_python_payload_is_measured_as_the_database_stores_it(
+    conn: psycopg.Connection, payload: Any
+) -> None:
+    """The bulk path checks the size of the text it sends against max_payload_bytes: that
+    size must be what jsonb stores, as jobd.enqueue measures it."""
+    try:
+        encoded = validation.encode_payload(payload)
+    except ValueError:  # a NUL or a lone surrogate: refused, as the SQL side refuses them
+        return
+    row = conn.execute("SELECT octet_length(%s::jsonb::text)", (encoded,)).fetchone()
+    assert row == (len(encoded.encode("utf-8")),), encoded
