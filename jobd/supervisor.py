@@ -122,7 +122,8 @@ class Supervisor:
         self.next_watchdog = 0.0
         self.stopping = False
         self.stop_deadline: float | None = None
-        self.pending_reload: tuple[Config, HandlerCheck] | None = None
+        # A reload's config, its handlers' import check, and when the file was read.
+        self.pending_reload: tuple[Config, HandlerCheck, float] | None = None
         self.last_status = ""
 
     def _retry_policy(self, lane: str) -> RetryPolicy:
@@ -272,12 +273,12 @@ class Supervisor:
             self._refuse_reload(error)
             return
         self._cancel_reload()
-        self.pending_reload = (new, HandlerCheck(new.import_paths()))
+        self.pending_reload = (new, HandlerCheck(new.import_paths()), time.monotonic())
 
     def _finish_reload(self) -> None:
         if self.pending_reload is None:
             return
-        new, check = self.pending_reload
+        new, check, read_at = self.pending_reload
         problems = check.poll()
         if problems is None:
             return  # still importing; SIGCHLD wakes the loop when it is done
@@ -305,7 +306,8 @@ class Supervisor:
                         "until one does")
         self.pool.apply(new)
         self.config = new
-        self.duties.when_idle(self.materializer.resync)  # declared on the next turn
+        # Declared on the next turn; a changed schedule starts when the file was read.
+        self.duties.when_idle(partial(self.materializer.resync, read_at))
         self.duties.when_idle(self.lane_poll.poll_now)  # every lane, new ones included
         log.info("config reloaded", lanes={n: lane.workers for n, lane in new.lanes.items()},
                  generation=self.pool.generation)

@@ -4,6 +4,7 @@ processes (jobd.duties)."""
 from __future__ import annotations
 
 import math
+import time
 from datetime import datetime, timedelta
 from types import SimpleNamespace
 
@@ -172,6 +173,33 @@ def test_the_materializer_declares_fires_refreshes_and_withdraws(
     assert materializer.due(NOW)
     materializer.stop(conn)
     assert conn.execute("SELECT count(*) FROM schedule_declarations").fetchone() == (0,)
+
+
+def test_a_reloaded_expression_starts_when_the_config_was_read_not_at_the_sync(
+    conn: psycopg.Connection,
+) -> None:
+    # The sync follows the reload's import check, about a second later. A change saved and
+    # signalled just before a minute's boundary missed that minute when the new expression
+    # started at the sync.
+    lanes = {"default": LaneConfig("default")}
+    config = Config(duty_interval=60.0, lanes=lanes,
+                    schedules=(ScheduleConfig("report", "0 0 1 1 *", "h"),))
+    router = WakeRouter()
+    materializer = Materializer(INSTANCE, lambda: config, router)
+    materializer.run(conn, time.monotonic())
+    # As if declared (and last fired) two minutes before.
+    conn.execute("UPDATE schedules SET materialized_until = now() - interval '2 minutes'")
+    # Read just before the last minute's boundary, by the database's clock.
+    db_epoch = db_now(conn).timestamp()
+    router.measured_db_clock(db_epoch)
+    boundary = math.floor(db_epoch / 60) * 60
+    read_at = time.monotonic() - (db_epoch - boundary) - 0.3
+    config = Config(duty_interval=60.0, lanes=lanes,
+                    schedules=(ScheduleConfig("report", "* * * * *", "h"),))
+    materializer.resync(read_at)
+    materializer.run(conn, time.monotonic())
+    fired = conn.execute("SELECT run_at FROM jobs WHERE handler = 'h'").fetchall()
+    assert [row[0].timestamp() for row in fired] == [boundary]
 
 
 def test_the_materializer_warns_of_a_schedule_into_a_lane_the_node_does_not_serve(

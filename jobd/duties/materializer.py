@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 
 import psycopg
 import structlog
@@ -30,24 +31,29 @@ class Materializer(Duty):
         self.config = config
         self.router = router
         self.synced = False
+        self.changed_at: float | None = None  # monotonic: when a reload read its config
         self.next_refresh = 0.0
         self.next_tick = NEVER
 
-    def resync(self) -> None:
-        """The config changed: declare its schedules on the next turn."""
+    def resync(self, changed_at: float | None = None) -> None:
+        """The config changed (read at ``changed_at``, on the monotonic clock): declare its
+        schedules on the next turn."""
         self.synced = False
+        self.changed_at = changed_at
         self.next_at = 0.0
 
     def run(self, conn: psycopg.Connection, now: float) -> None:
         config = self.config()
         ttl = schedules.declaration_ttl(config.duty_interval)
         if not self.synced:
-            synced = schedules.sync(conn, config.schedules, self.instance, ttl)
+            synced = schedules.sync(conn, config.schedules, self.instance, ttl,
+                                    self._change_instant(ttl))
             schedules.report_sync(synced)
             _warn_of_lanes_not_served(config)
             if synced.owed.enqueued:
                 self.router.due_everywhere(config.lanes)
             self.synced = True
+            self.changed_at = None
             self._tick(conn, now)
         if now >= self.next_refresh:
             self.next_refresh = now + config.duty_interval
@@ -62,6 +68,17 @@ class Materializer(Duty):
         elif now >= self.next_tick:
             self._tick(conn, now)
         self.next_at = min(self.next_refresh, self.next_tick)
+
+    def _change_instant(self, ttl: float) -> datetime | None:
+        """The database's time when the reloaded config was read. A changed expression (or a
+        new schedule) starts there rather than at this sync, which waits for the reload's
+        import check (about a second): an occurrence falling due in between belongs to the
+        config the operator had already saved. None (the sync's own ``now()``) at start, and
+        for a change read so long ago (a sync that failed and is tried again) that
+        declarations made at it would be close to expiry."""
+        if self.changed_at is None or time.monotonic() - self.changed_at > ttl / 2:
+            return None
+        return datetime.fromtimestamp(self.router.db_epoch(self.changed_at), UTC)
 
     def _tick(self, conn: psycopg.Connection, now: float) -> None:
         result = schedules.tick(conn)
