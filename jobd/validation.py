@@ -6,8 +6,8 @@ those two, by the CLI, so a job that one entry point accepts is never refused, o
 accepted and then undeliverable, through another:
 
 - handler and lane names: 1-128 of letters, digits and ``_ . : -``, starting with a letter or
-  digit; the handler :data:`OUTBOX_HANDLER` is jobd's own (the outbox's deliveries, which
-  only ``outbox_add`` may create);
+  digit; the handlers :data:`OUTBOX_HANDLER` and ``jobd.outbox:<sender>`` are jobd's own
+  (the outbox's deliveries, which only ``outbox_add`` may create);
 - text anywhere (keys, payload strings) must be valid Unicode: a lone surrogate has no UTF-8;
 - idempotency keys: non-empty, at most :data:`MAX_KEY_BYTES` bytes of UTF-8, no NUL, not in
   jobd's reserved ``jobd:`` namespace (they are indexed, and a btree entry has a size limit);
