@@ -174,10 +174,14 @@ class Config:
         return sum(lane.workers for lane in self.lanes.values())
 
     def worker_handlers(self) -> dict[str, str]:
-        """The handler map workers load: the allow-list plus the outbox delivery handler."""
+        """The handler map workers load: the allow-list plus the outbox delivery handler of
+        each sender (a node without a sender leaves its deliveries to the nodes that have
+        it), and the one of deliveries queued by daemons of before migration 0043."""
         if not self.outbox_senders:
             return dict(self.handlers)
-        return {**self.handlers, validation.OUTBOX_HANDLER: OUTBOX_HANDLER_PATH}
+        deliveries = {validation.outbox_handler(name): OUTBOX_HANDLER_PATH
+                      for name in self.outbox_senders}
+        return {**self.handlers, validation.OUTBOX_HANDLER: OUTBOX_HANDLER_PATH, **deliveries}
 
     def import_paths(self) -> list[ImportPath]:
         """Everything the workers import: each handler and each outbox sender, apart (a
@@ -311,7 +315,7 @@ def _build(root: yamlcheck.Located, path: str | None) -> Config:
         line = handler_section.items[name].line
         if not validation.is_name(name):
             yamlcheck.fail(line, f"handlers.{name}", "invalid handler name")
-        if name == validation.OUTBOX_HANDLER:
+        if validation.is_outbox_handler(name):
             yamlcheck.fail(line, f"handlers.{name}", "this name is reserved for outbox delivery")
         target = handler_section.take(name, yamlcheck.string)
         if target is None or not _IMPORT_PATH.fullmatch(target):  # None: `name: null`
@@ -414,6 +418,10 @@ def _senders(section: yamlcheck.Section) -> dict[str, str]:
                 or not _IMPORT_PATH.fullmatch(target)):
             yamlcheck.fail(line, f"outbox.senders.{name}",
                            f"must be name: module:function, not {name}: {target!r}")
+        try:
+            validation.sender(name)
+        except ValueError as error:
+            yamlcheck.fail(line, f"outbox.senders.{name}", str(error))
         senders[name] = target
     return senders
 

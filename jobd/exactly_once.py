@@ -16,7 +16,7 @@ See docs/design/exactly-once.md for the crash analysis.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import psycopg
@@ -86,7 +86,15 @@ def end_abandoned(conn: psycopg.Connection, job: Job) -> int:
     """End the server side of ``job``'s transaction whose connection was lost (the client
     gone, the backend perhaps still idle in it, holding the job's row and effect key):
     otherwise the worker's write of the failure waits on those locks until the lease sweep
-    ends it. Its backend is known by its name (record_effect_key). Returns how many ended."""
-    row = conn.execute(query("terminate_stale_handlers"),
-                       {"names": [handler_application_name(job.lease)]}).fetchone()
+    ends it. Returns how many ended."""
+    return end_transactions(conn, [job])
+
+
+def end_transactions(conn: psycopg.Connection, abandoned: Sequence[Job]) -> int:
+    """End the transactions still open for these jobs' runs, whose outcomes the worker has
+    given up on (a lost connection, a timeout). Their backends are known by their names
+    (record_effect_key), which carry the leases: a later run's is never touched. Returns
+    how many ended."""
+    names = [handler_application_name(job.lease) for job in abandoned]
+    row = conn.execute(query("terminate_stale_handlers"), {"names": names}).fetchone()
     return int(row[0]) if row else 0

@@ -2,9 +2,10 @@
 afterwards with a stable key.
 
 A transactional handler calls :func:`add`; the entry and a delivery job (handler
-``jobd.outbox``, :data:`jobd.validation.OUTBOX_HANDLER`, on the configured outbox lane) commit
-with the handler's own writes. The config maps that handler to :func:`deliver`, which calls
-the registered sender (config ``outbox.senders``) with the entry, whose ``key`` the sender
+``jobd.outbox:<sender>``, :func:`jobd.validation.outbox_handler`, on the configured outbox
+lane) commit with the handler's own writes. The config maps that handler to :func:`deliver`
+on the nodes that have the sender (others leave the job to them), which calls the registered
+sender (config ``outbox.senders``) with the entry, whose ``key`` the sender
 passes to the receiving API. Delivery is at-least-once with the lane's retries and backoff; a
 receiver that deduplicates by key sees each entry exactly once. An entry whose delivery job
 runs out of attempts is marked ``dead`` (the job is in the dead-letter queue, and replaying
@@ -22,6 +23,7 @@ import psycopg
 from psycopg.rows import tuple_row
 from psycopg.types.json import Jsonb
 
+from jobd import validation
 from jobd.db import DEFAULT_SCHEMA
 from jobd.handlers import transactional
 from jobd.jobs import Job
@@ -78,6 +80,8 @@ def add(conn: psycopg.Connection, job: Job, sender: str, payload: Any, *,
     messages through one sender gives each its own key. Adding a key twice keeps the first.
     The delivery job goes to the configured ``outbox.lane``.
     """
+    # Checked here, where the handler can be told: its deliveries' handler names it.
+    validation.sender(sender)
     entry_key = key if key is not None else f"{job.effect_key}:{sender}"
     # A tuple whatever row factory the handler gave its connection (or a test's, under
     # jobd.testing).

@@ -183,7 +183,12 @@ class Slots:
         self.held = [r for r in self.held
                      if (r.job.id, r.job.lease_token) != (job.id, job.lease_token)]
 
-    def expire_timeouts(self, now: float) -> None:
+    def expire_timeouts(self, now: float) -> list[jobs.Job]:
+        """Fail the runs past their deadline. Returns the transactional ones among them:
+        their transactions are to be ended before the failures are written (the worker does
+        it, exactly_once.end_abandoned), or they would go on holding the job's effect key,
+        and every retry would wait on it past its own timeout."""
+        ended = []
         for running in self._working():
             deadline = running.deadline
             if deadline is None or now < deadline:
@@ -196,6 +201,9 @@ class Slots:
             self.completer.add(Outcome(job, f"timed out after {self.lane.timeout:g}s"))
             log.warning("job timed out", job_id=job.id, handler=job.handler,
                         timeout=self.lane.timeout)
+            if self.runner.is_transactional(job.handler):
+                ended.append(job)
+        return ended
 
     def deadlines(self) -> list[float]:
         """When runs still in their time overrun it (the loop wakes then to fail them)."""

@@ -6,8 +6,8 @@ those two, by the CLI, so a job that one entry point accepts is never refused, o
 accepted and then undeliverable, through another:
 
 - handler and lane names: 1-128 of letters, digits and ``_ . : -``, starting with a letter or
-  digit; the handler :data:`OUTBOX_HANDLER` is jobd's own (the outbox's deliveries, which
-  only ``outbox_add`` may create);
+  digit; the handlers :data:`OUTBOX_HANDLER` and ``jobd.outbox:<sender>`` are jobd's own
+  (the outbox's deliveries, which only ``outbox_add`` may create);
 - text anywhere (keys, payload strings) must be valid Unicode: a lone surrogate has no UTF-8;
 - idempotency keys: non-empty, at most :data:`MAX_KEY_BYTES` bytes of UTF-8, no NUL, not in
   jobd's reserved ``jobd:`` namespace (they are indexed, and a btree entry has a size limit);
@@ -46,8 +46,13 @@ MAX_NAME_BYTES = 128
 # Keys of jobd's own making (schedule occurrences, outbox deliveries, keys derived from job
 # ids) start with this; callers' keys may not, so the two can never collide.
 RESERVED_KEY_PREFIX = "jobd:"
-# The handler of outbox delivery jobs; a config may not name a handler of its own so.
+# The handler of outbox delivery jobs: OUTBOX_HANDLER + ":" + the sender's name (migration
+# 0043: a node runs the deliveries of the senders it has), or OUTBOX_HANDLER alone from
+# daemons of before it. A config may not name a handler of its own either way.
 OUTBOX_HANDLER = "jobd.outbox"
+_OUTBOX_PREFIX = OUTBOX_HANDLER + ":"
+# A sender's name leaves room for the prefix within a handler name's MAX_NAME_BYTES.
+MAX_SENDER_BYTES = MAX_NAME_BYTES - len(_OUTBOX_PREFIX)
 MAX_KEY_BYTES = 512
 # A fairness key is part of an index entry (jobs_fair_idx): bounded well below its limit.
 MAX_FAIRNESS_KEY_BYTES = 256
@@ -82,10 +87,30 @@ def name(kind: str, value: object) -> str:
     return value
 
 
+def is_outbox_handler(value: str) -> bool:
+    """Whether ``value`` names the outbox's delivery jobs (of any sender)."""
+    return value == OUTBOX_HANDLER or value.startswith(_OUTBOX_PREFIX)
+
+
+def outbox_handler(sender: str) -> str:
+    """The handler of the delivery jobs of ``sender``."""
+    return _OUTBOX_PREFIX + sender
+
+
+def sender(value: object) -> str:
+    """An outbox sender's name: a name short enough for its deliveries' handler name."""
+    if not isinstance(value, str) or not is_name(value) or len(value.encode()) > MAX_SENDER_BYTES:
+        raise ValueError(
+            f"invalid outbox sender name {value!r}: use 1-{MAX_SENDER_BYTES} letters, digits and "
+            f"_ . : - (starting with a letter or digit; its deliveries' handler is "
+            f"{_OUTBOX_PREFIX}<sender>)")
+    return value
+
+
 def handler(value: object) -> str:
     """The handler of a job to enqueue: a name, and not the outbox's own."""
-    if value == OUTBOX_HANDLER:
-        raise ValueError(f"handler {OUTBOX_HANDLER!r} is reserved for jobd's outbox deliveries "
+    if isinstance(value, str) and is_outbox_handler(value):
+        raise ValueError(f"handler {value!r} is reserved for jobd's outbox deliveries "
                          "(a transactional handler's outbox_add creates them)")
     return name("handler", value)
 

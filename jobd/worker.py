@@ -34,8 +34,8 @@ import psycopg
 import setproctitle
 import structlog
 
+from jobd import exactly_once, jobs, logs, outbox, pipes, protocol, queue, worker_wakes
 from jobd import handlers as handler_registry
-from jobd import logs, outbox, pipes, protocol, queue, worker_wakes
 from jobd.claim_buffer import BUFFER_MAX_AGE
 from jobd.claimer import Claimer
 from jobd.completer import Completer, Counters
@@ -129,7 +129,7 @@ class Worker:
             self.slots.recall_deck(self.lifecycle.mode, time.monotonic())
             self._collect_outcomes()
             self.slots.fill(self.lifecycle.mode)
-            self.slots.expire_timeouts(time.monotonic())
+            self._end_timed_out(self.slots.expire_timeouts(time.monotonic()))
             self.runner.watch_event_loop(time.monotonic())
             self._renew_leases()
             self._release_buffer()
@@ -202,6 +202,21 @@ class Worker:
 
     def _collect_outcomes(self) -> None:
         self.slots.collect()
+
+    def _end_timed_out(self, timed_out: list[jobs.Job]) -> None:
+        """End the transactions of transactional runs failed for their timeout, before their
+        failures are written (later in this turn). A handler that keeps running statements,
+        each within the server's per-statement and idle bounds, would otherwise hold its
+        transaction, and the job's effect key with it, for as long as it runs: every retry
+        waits on that key until its own timeout, and the job goes dead. Ended, the late run
+        fails at its next statement, and its thread is free again. Without a connection the
+        lease sweep is the backstop (the job's failure waits for the connection too)."""
+        if not timed_out:
+            return
+        ended = self.link.run("queue", lambda conn: exactly_once.end_transactions(conn, timed_out))
+        if ended:
+            log.info("ended the transactions of timed-out jobs",
+                     job_ids=[job.id for job in timed_out], ended=ended)
 
     def _renew_leases(self) -> None:
         self.leases.renew(time.monotonic())

@@ -156,6 +156,11 @@ def test_wrong_type(tmp_path: Path) -> None:
         ("supervisor:\n  worker_timeout: 0s\n", 2, "supervisor.worker_timeout"),
         (HANDLERS + "schedules:\n  - id: a\n    cron: '* * * * *'\n    handler: echo\n"
          "    catchup: maybe\n", 7, "schedules[0].catchup"),
+        # The outbox's delivery handlers: 'jobd.outbox' and 'jobd.outbox:<sender>'.
+        ("handlers:\n  jobd.outbox:mail: myapp.tasks:mail\n", 2, "handlers.jobd.outbox:mail"),
+        # A sender's deliveries are of handler jobd.outbox:<sender>, at most 128 bytes.
+        ("outbox:\n  senders:\n    " + "s" * 117 + ": myapp.mail:send\nlanes: {outbox: {}}\n",
+         3, "outbox.senders." + "s" * 117),
     ],
 )
 def test_wrong_values_name_their_key(tmp_path: Path, text: str, line: int, key: str) -> None:

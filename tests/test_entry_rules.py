@@ -78,6 +78,8 @@ REFUSED = {
     # Only outbox_add creates the outbox's deliveries: a producer must not send one.
     "the outbox's own handler": Case(handler=validation.OUTBOX_HANDLER,
                                      payload={"outbox_id": 1}),
+    "the outbox's handler of a sender": Case(handler=validation.outbox_handler("mail"),
+                                             payload={"outbox_id": 1}),
     "payload with a lone surrogate": Case(payload={"s": "\ud800"},
                                           payload_sql='{"s": "\\ud800"}'),
     # Python's json reads it as infinity: the handler would not get the value enqueued.

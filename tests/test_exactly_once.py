@@ -20,10 +20,12 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from pathlib import Path
 
+import daemon_support
 import psycopg
 import pytest
-from daemon_support import wait_until
+from daemon_support import Daemon, job_row, make_config, wait_until
 from netcut import cutting_proxy
 from psycopg.rows import dict_row
 
@@ -38,6 +40,8 @@ from jobd.handler_runner import HandlerRunner
 from jobd.jobs import Job
 from jobd.outcomes import Outcome
 from jobd.queue import Failure
+
+daemons = daemon_support.daemons
 
 VISIBILITY = 30.0  # seconds of lease per claim in these tests
 LANE = "default"
@@ -718,3 +722,44 @@ def test_the_reset_between_jobs_keeps_the_connections_prepared_statements(
                            conn)
     assert [o.error for o in outcomes] == [None] * 12
     assert len(effect_rows(conn)) == 12
+
+
+SLOW_FIRST_ATTEMPT = """\
+import time
+
+import jobd
+
+
+@jobd.transactional
+def batch(job, conn):
+    # The first attempt meets a slow dependency: many short statements, each well within the
+    # lane timeout (and the server's bounds on a statement and an idle spell), together far
+    # past it. The retry is quick.
+    for _ in range(40 if job.attempt == 1 else 1):
+        conn.execute("INSERT INTO effects (key, job_id, worker) VALUES (%s, %s, %s)",
+                     (job.effect_key, job.id, f"attempt {job.attempt}"))
+        time.sleep(0.1)
+"""
+
+
+@pytest.mark.slow
+def test_a_timed_out_transactional_run_ends_its_transaction_so_the_retry_is_not_blocked(
+    tables: psycopg.Connection, tmp_path: Path, daemons: Callable[..., Daemon],
+) -> None:
+    # The timed-out run kept its transaction, and the job's effect key, for as long as its
+    # handler went on issuing statements: each retry's record_effect_key waited on the key
+    # until its own timeout, the job went dead after its attempts, and the worker exited
+    # "wedged" by the waiting retries.
+    (tmp_path / "slowfirst.py").write_text(SLOW_FIRST_ATTEMPT)
+    config = make_config({LANE: {"workers": 1, "concurrency": 4, "timeout": "1s",
+                                 "max_attempts": 3, "backoff": {"base": "50ms", "cap": "100ms"}}},
+                         handlers={"batch": "slowfirst:batch"})
+    daemon = daemons(config)
+    job_id = jobd.enqueue(tables, "batch")
+    wait_until(lambda: job_row(tables, job_id)["state"] in ("done", "dead"), 30, interval=0.1,
+               message=lambda: f"job {job_id} to finish\n{daemon.tail()}")
+    row = job_row(tables, job_id)
+    assert (row["state"], row["attempts"]) == ("done", 2), row
+    rows = tables.execute("SELECT worker, count(*) FROM public.effects GROUP BY worker").fetchall()
+    assert rows == [("attempt 2", 1)]  # the timed-out run's writes rolled back
+    daemon.wait_for_log("ended the transactions of timed-out jobs", process=f"worker {LANE}#0")

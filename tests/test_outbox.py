@@ -177,9 +177,9 @@ def test_an_outbox_entry_commits_with_the_handler_and_gets_a_delivery_job(
     delivery = conn.execute(
         "SELECT id, lane, handler, payload, idempotency_key FROM jobs ORDER BY id").fetchall()
     assert delivery == [
-        (rows[0]["delivery_job_id"], "outbox", "jobd.outbox", {"outbox_id": rows[0]["id"]},
+        (rows[0]["delivery_job_id"], "outbox", "jobd.outbox:mailer", {"outbox_id": rows[0]["id"]},
          "jobd:outbox:order-17:mailer"),
-        (rows[1]["delivery_job_id"], "outbox", "jobd.outbox", {"outbox_id": rows[1]["id"]},
+        (rows[1]["delivery_job_id"], "outbox", "jobd.outbox:mailer", {"outbox_id": rows[1]["id"]},
          f"jobd:outbox:jobd:job:{keyless}:mailer"),
     ]
 
@@ -245,7 +245,7 @@ def test_adding_a_key_twice_keeps_the_first_entry(conn: psycopg.Connection, db_u
     run_adding(conn, db_url, second, key="welcome-mail:user-5")
     rows = outbox_rows(conn)
     assert [(r["key"], r["source_job_id"]) for r in rows] == [("welcome-mail:user-5", first.id)]
-    assert scalar(conn, "SELECT count(*) FROM jobs WHERE handler = 'jobd.outbox'") == 1
+    assert scalar(conn, "SELECT count(*) FROM jobs WHERE starts_with(handler, 'jobd.outbox:')") == 1
 
 
 # --- the daemon: delivery --------------------------------------------------------------------
@@ -322,7 +322,7 @@ def test_a_sender_that_keeps_failing_dead_letters_the_entry_and_a_replay_deliver
     assert row["state"] == "dead"
     assert "the receiver is down" in row["last_error"]
     dead = conn.execute("SELECT id, handler, attempts FROM dead_letter").fetchone()
-    assert dead == (row["delivery_job_id"], "jobd.outbox", 3)
+    assert dead == (row["delivery_job_id"], "jobd.outbox:broken", 3)
     calls = read_json_lines(tmp_path / "calls.log")
     assert [(c["key"], c["attempt"]) for c in calls] == [
         ("order-broken:broken", 1), ("order-broken:broken", 2), ("order-broken:broken", 3)]
@@ -362,3 +362,53 @@ def test_delivery_jobs_go_to_the_configured_outbox_lane(
     [row] = outbox_rows(conn)
     lane = scalar(conn, "SELECT lane FROM all_jobs WHERE id = %s", (row["delivery_job_id"],))
     assert lane == "mail"
+
+
+@pytest.mark.slow
+def test_a_node_without_a_sender_leaves_its_deliveries_to_the_node_that_has_it(
+    tmp_path: Path, conn: psycopg.Connection, daemons: Daemons
+) -> None:
+    # A rolling deploy that adds the sender "sms": the old node runs the outbox lane with the
+    # senders it has. It used to claim the sms deliveries too, fail each ("no outbox sender
+    # named 'sms'") and spend its attempts, so the entries went dead before the new node,
+    # which has the sender, could deliver them.
+    create_tables(conn)
+    old_config = outbox_config(max_attempts=2)
+    old_config["node"]["name"] = "old"
+    old_config["outbox"]["senders"] = {"receive": "outboxhandlers:receive"}
+    (tmp_path / "outboxhandlers.py").write_text(HANDLERS_MODULE.format(directory=str(tmp_path)))
+    old = daemons(old_config, name="old")
+    sms = [jobd.enqueue(conn, "order", {"n": n, "sender": "sms"}) for n in range(5)]
+    plain = [jobd.enqueue(conn, "order", {"n": n, "sender": "receive"}) for n in range(5, 8)]
+
+    def entries(sender: str) -> list[tuple[str, int | None, str | None]]:
+        return conn.execute(
+            "SELECT o.state, j.attempts, j.state FROM outbox AS o"
+            "  LEFT JOIN jobs AS j ON j.id = o.delivery_job_id"
+            " WHERE o.sender = %s ORDER BY o.id", (sender,)).fetchall()
+
+    wait_until(lambda: [state for state, _, _ in entries("receive")] == ["delivered"] * 3, 30,
+               interval=0.1, message=lambda: f"the old node's own deliveries\n{old.tail()}")
+    wait_until(lambda: len(entries("sms")) == len(sms) and (
+                   scalar(conn, "SELECT count(*) FROM dead_letter") > 0
+                   or old.events("this node has no such handler: its jobs are given back for "
+                                 "the nodes that have it, and this worker no longer claims "
+                                 "them", process="worker outbox#0")),
+               30, interval=0.1, message=lambda: f"the old node to meet an sms delivery\n"
+                                                 f"{old.tail()}")
+    assert scalar(conn, "SELECT count(*) FROM dead_letter") == 0
+    # Given back with their attempt each: the sender's entries wait for a node that has it.
+    assert entries("sms") == [("pending", 0, "pending")] * len(sms)
+
+    new_config = outbox_config(max_attempts=2)
+    new_config["node"]["name"] = "new"
+    new_config["outbox"]["senders"] = {"receive": "outboxhandlers:receive",
+                                       "sms": "outboxhandlers:receive"}
+    new = daemons(new_config, name="new")
+    wait_until(lambda: [state for state, _, _ in entries("sms")] == ["delivered"] * len(sms),
+               30, interval=0.1,
+               message=lambda: f"the new node to deliver the sms entries\n{new.tail()}")
+    received = [r["key"] for r in read_json_lines(tmp_path / "received.log")]
+    assert sorted(received) == sorted(
+        [f"jobd:job:{i}:sms" for i in sms] + [f"jobd:job:{i}:receive" for i in plain])
+    assert scalar(conn, "SELECT count(*) FROM dead_letter") == 0

@@ -250,9 +250,14 @@ def test_sql_reserves_the_key_prefix_python_reserves(conn: psycopg.Connection) -
 def test_sql_outbox_deliveries_run_the_handler_python_registers(
     conn: psycopg.Connection,
 ) -> None:
-    conn.execute("SELECT outbox_add('k', 'mail', '{}', 'outbox')")
-    row = conn.execute("SELECT handler, idempotency_key FROM jobs").fetchone()
-    assert row == (validation.OUTBOX_HANDLER, f"{validation.RESERVED_KEY_PREFIX}outbox:k")
-    # The handler name workers map to the outbox's delivery function.
-    delivery = resolve(validation.OUTBOX_HANDLER, OUTBOX_HANDLER_PATH)
-    assert (delivery.func, delivery.is_transactional) == (outbox.deliver, True)
+    conn.execute("SELECT outbox_add_for_sender('k', 'mail', '{}', 'outbox')")
+    # Deliveries queued by daemons of before migration 0043, which workers still run.
+    conn.execute("SELECT outbox_add('k2', 'mail', '{}', 'outbox')")
+    rows = conn.execute("SELECT handler, idempotency_key FROM jobs ORDER BY id").fetchall()
+    reserved = validation.RESERVED_KEY_PREFIX
+    assert rows == [(validation.outbox_handler("mail"), f"{reserved}outbox:k"),
+                    (validation.OUTBOX_HANDLER, f"{reserved}outbox:k2")]
+    # The handler names workers map to the outbox's delivery function.
+    for name in (validation.outbox_handler("mail"), validation.OUTBOX_HANDLER):
+        delivery = resolve(name, OUTBOX_HANDLER_PATH)
+        assert (delivery.func, delivery.is_transactional) == (outbox.deliver, True)

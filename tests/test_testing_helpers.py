@@ -453,7 +453,7 @@ def test_an_outbox_entry_goes_to_the_schema_the_run_uses_without_a_config(
         assert summary.done == 1
         assert one(user_conn, "SELECT count(*) FROM shop_jobs.outbox") == 1
         assert one(user_conn, "SELECT count(*) FROM jobd.outbox") == 0
-        assert one(user_conn, "SELECT lane FROM shop_jobs.jobs WHERE handler = 'jobd.outbox'"
+        assert one(user_conn, "SELECT lane FROM shop_jobs.jobs WHERE handler = 'jobd.outbox:mail'"
                    ) == "outbox"
         user_conn.rollback()
 

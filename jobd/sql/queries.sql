@@ -510,7 +510,8 @@ stopped AS (
 undelivered AS (
     UPDATE outbox AS o SET state = 'dead', last_error = 'cancelled before delivery'
       FROM stopped AS s
-     WHERE s.handler = 'jobd.outbox' AND o.delivery_job_id = s.id AND o.state = 'pending'
+     WHERE (s.handler = 'jobd.outbox' OR starts_with(s.handler, 'jobd.outbox:'))
+       AND o.delivery_job_id = s.id AND o.state = 'pending'
 ),
 cancelled AS (
     INSERT INTO jobs_archive (id, lane, handler, payload, state, priority, run_at, attempts,
@@ -1362,7 +1363,9 @@ DELETE FROM outbox
 
 -- name: outbox_add
 -- The outbox statements run in transactional handlers' transactions: {schema}. qualified.
-SELECT {schema}.outbox_add(%(key)s, %(sender)s, %(payload)s, %(lane)s, %(source_job_id)s)
+-- The delivery job's handler names the sender: only nodes that have it run it (0043).
+SELECT {schema}.outbox_add_for_sender(%(key)s, %(sender)s, %(payload)s, %(lane)s,
+                                      %(source_job_id)s)
 
 -- name: outbox_entry_for_delivery
 SELECT id, key, sender, payload, state FROM {schema}.outbox WHERE id = %(id)s FOR UPDATE
@@ -1374,11 +1377,13 @@ UPDATE {schema}.outbox SET state = 'delivered', delivered_at = now(), last_error
 -- name: testing_enqueued_jobs_qualified
 -- jobd.testing: the live jobs a test asserts on, on the test's own connection (so it sees
 -- jobs its open transaction inserted), hence {schema}. Payload matching is JSON containment:
--- the job's payload holds every key and value of %(payload)s.
+-- the job's payload holds every key and value of %(payload)s. 'jobd.outbox' matches the
+-- deliveries of every sender ('jobd.outbox:<sender>', migration 0043) as it did before.
 SELECT id, handler, lane, payload, state, priority, run_at, attempts, max_attempts,
        idempotency_key, created_at
   FROM {schema}.jobs
- WHERE (%(handler)s::text IS NULL OR handler = %(handler)s)
+ WHERE (%(handler)s::text IS NULL OR handler = %(handler)s
+        OR (%(handler)s = 'jobd.outbox' AND starts_with(handler, 'jobd.outbox:')))
    AND (%(lane)s::text IS NULL OR lane = %(lane)s)
    AND (%(payload)s::jsonb IS NULL OR payload @> %(payload)s::jsonb)
  ORDER BY id

@@ -499,10 +499,12 @@ BEGIN
             coalesce(quote_literal(check_job.handler), 'NULL')
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    -- The outbox's deliveries (validation.OUTBOX_HANDLER) come from outbox_add alone: a
-    -- producer that could enqueue one would re-send an effect that died, or send one early.
-    IF check_job.handler = 'jobd.outbox' THEN
-        RAISE EXCEPTION 'jobd.enqueue: handler ''jobd.outbox'' is reserved for jobd''s outbox deliveries (a transactional handler''s outbox_add creates them)'
+    -- The outbox's deliveries (validation.OUTBOX_HANDLER, and since migration 0043
+    -- 'jobd.outbox:<sender>') come from outbox_add alone: a producer that could enqueue one
+    -- would re-send an effect that died, or send one early.
+    IF check_job.handler = 'jobd.outbox' OR starts_with(check_job.handler, 'jobd.outbox:') THEN
+        RAISE EXCEPTION 'jobd.enqueue: handler % is reserved for jobd''s outbox deliveries (a transactional handler''s outbox_add creates them)',
+            quote_literal(check_job.handler)
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
     IF check_job.lane IS NULL OR check_job.lane !~ name_chars
@@ -1603,9 +1605,9 @@ CREATE TABLE processed_keys (
 CREATE INDEX processed_keys_processed_at_idx ON processed_keys (processed_at);
 
 -- Intent to cause an effect outside PostgreSQL (an email, an API call), recorded in the
--- handler's transaction and delivered afterwards by a delivery job (handler 'jobd.outbox',
--- validation.OUTBOX_HANDLER in Python) that passes the entry's key to the sender, at least
--- once.
+-- handler's transaction and delivered afterwards by a delivery job (handler
+-- 'jobd.outbox:<sender>', or 'jobd.outbox' from daemons of before migration 0043) that
+-- passes the entry's key to the sender, at least once.
 CREATE TABLE outbox (
     id              bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     key             text        NOT NULL UNIQUE,
@@ -1622,8 +1624,9 @@ CREATE TABLE outbox (
 CREATE INDEX outbox_delivery_job_idx ON outbox (delivery_job_id);
 CREATE INDEX outbox_created_at_idx ON outbox (created_at);
 
--- Records an outbox entry and its delivery job in the caller's transaction. A key already
--- recorded returns the existing entry's id and adds nothing.
+-- Records an outbox entry and its delivery job (handler 'jobd.outbox') in the caller's
+-- transaction. A key already recorded returns the existing entry's id and adds nothing. Kept
+-- for daemons of before migration 0043; later ones call outbox_add_for_sender.
 CREATE FUNCTION outbox_add(
     key text, sender text, payload jsonb, lane text, source_job_id bigint DEFAULT NULL
 ) RETURNS bigint
@@ -1652,13 +1655,47 @@ BEGIN
 END
 $$;
 
+-- Records an outbox entry and its delivery job, of handler 'jobd.outbox:<sender>', in the
+-- caller's transaction. A key already recorded returns the existing entry's id and adds
+-- nothing.
+CREATE FUNCTION outbox_add_for_sender(
+    key text, sender text, payload jsonb, lane text, source_job_id bigint DEFAULT NULL
+) RETURNS bigint
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    entry_id bigint;
+    job_id   bigint := nextval('job_id_seq');
+BEGIN
+    INSERT INTO outbox AS o (key, sender, payload, source_job_id, delivery_job_id)
+    VALUES (outbox_add_for_sender.key, outbox_add_for_sender.sender,
+            coalesce(outbox_add_for_sender.payload, '{}'),
+            outbox_add_for_sender.source_job_id, job_id)
+    ON CONFLICT DO NOTHING
+    RETURNING o.id INTO entry_id;
+    IF entry_id IS NULL THEN
+        SELECT o.id INTO entry_id FROM outbox AS o WHERE o.key = outbox_add_for_sender.key;
+        RETURN entry_id;
+    END IF;
+    INSERT INTO jobs (id, lane, handler, payload, idempotency_key)
+    VALUES (job_id, outbox_add_for_sender.lane, 'jobd.outbox:' || outbox_add_for_sender.sender,
+            jsonb_build_object('outbox_id', entry_id), 'jobd:outbox:' || outbox_add_for_sender.key);
+    INSERT INTO job_keys (idempotency_key, job_id)
+    VALUES ('jobd:outbox:' || outbox_add_for_sender.key, job_id)
+    ON CONFLICT DO NOTHING;
+    RETURN entry_id;
+END
+$$;
+
 -- A delivery job that exhausted its attempts marks its entry dead (the job itself is in the
 -- dead-letter queue with its error history; replaying it retries the delivery).
 CREATE FUNCTION outbox_mark_dead() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
     UPDATE outbox AS o SET state = 'dead', last_error = d.last_error
       FROM new_dead AS d
-     WHERE d.handler = 'jobd.outbox' AND o.delivery_job_id = d.id AND o.state = 'pending';
+     WHERE (d.handler = 'jobd.outbox' OR starts_with(d.handler, 'jobd.outbox:'))
+       AND o.delivery_job_id = d.id AND o.state = 'pending';
     RETURN NULL;
 END
 $$;
