@@ -255,6 +255,8 @@ def main() -> int:
     # Held back while the handlers import (seconds, for a heavy application): a SIGTERM of a
     # drain, or a Ctrl-C in the terminal, would otherwise end the worker with the default
     # action, which the supervisor takes for a crash. Delivered once the loop handles them.
+    # The supervisor forks with them blocked already (the interpreter's own start is as long
+    # a window); blocking them here again covers a worker started some other way.
     held = {*HANDLED_SIGNALS, signal.SIGINT}
     signal.pthread_sigmask(signal.SIG_BLOCK, held)
     try:

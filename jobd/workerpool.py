@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import structlog
@@ -39,6 +40,7 @@ from jobd.protocol import (
 )
 from jobd.restarts import SlotBackoff, restart_reason
 from jobd.run_board import RunBoard, Running
+from jobd.worker_mode import HANDLED_SIGNALS
 
 ABORT_GRACE = 5.0  # after SIGABRT, how long a hung worker gets before SIGKILL
 # The supervisor's loop looks at its workers at least once a second. A longer gap between two
@@ -263,10 +265,11 @@ class WorkerPool:
             board, board_fd = RunBoard.create(slot.lane.concurrency)
             opened.append(board_fd)
             spec = self._spec(slot, status_w, wake_r, board_fd)
-            popen = subprocess.Popen(
-                [sys.executable, "-m", "jobd.worker"], stdin=subprocess.PIPE,
-                pass_fds=(wake_r, status_w, board_fd), close_fds=True,
-            )
+            with _worker_signals_held():
+                popen = subprocess.Popen(
+                    [sys.executable, "-m", "jobd.worker"], stdin=subprocess.PIPE,
+                    pass_fds=(wake_r, status_w, board_fd), close_fds=True,
+                )
         except OSError:
             _close_all(opened)
             if board is not None:
@@ -528,6 +531,25 @@ def _hand_over_spec(popen: subprocess.Popen[bytes], spec: WorkerSpec) -> None:
     except OSError as exc:  # the flush failed again; the descriptor is closed all the same
         log.warning("could not flush a new worker's spec", lane=spec.lane.name,
                     pid=popen.pid, error=str(exc))
+
+
+# The signals a worker handles, and SIGINT (a Ctrl-C reaches the whole process group), which
+# it ignores once running.
+_WORKER_SIGNALS = frozenset({*HANDLED_SIGNALS, signal.SIGINT})
+
+
+@contextmanager
+def _worker_signals_held() -> Iterator[None]:
+    """Block the worker's signals in this thread while it forks a worker: the child
+    inherits the mask across exec, so a retire (SIGUSR2 of a reload) or a drain (SIGTERM)
+    sent while the new interpreter still starts (half a second or more) waits until the
+    worker handles it, instead of ending it by the default action, which reads as a crash.
+    The worker unblocks them once its handlers are installed (jobd.worker.main)."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _WORKER_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _close_all(fds: list[int]) -> None:
