@@ -479,6 +479,44 @@ def test_reload_replaces_a_changed_lane_while_its_in_flight_job_finishes_once(
     assert effects(effects_db, after, "end")[0]["pid"] == new["pid"]
 
 
+# Makes every worker's interpreter start take long (sitecustomize runs before any of jobd's
+# code), so a test can signal a worker that is still starting, as a reload or a stop right
+# after a crash-restart does in production.
+SLOW_WORKER_START = """\
+import sys
+import time
+
+if sys.orig_argv[-2:] == ["-m", "jobd.worker"]:
+    time.sleep(2)
+"""
+
+
+@pytest.mark.parametrize("how", ["reload", "stop"])
+def test_a_worker_signalled_while_its_interpreter_starts_retires_or_drains_cleanly(
+    daemons: Daemons, effects_db: psycopg.Connection, how: str
+) -> None:
+    daemon = daemons()
+    (daemon.dir / "sitecustomize.py").write_text(SLOW_WORKER_START)
+    daemon.start(make_config({"default": {"workers": 1, "concurrency": 2}}))
+    spawned = daemon.wait_for_log("worker spawned", lane="default")
+    if how == "reload":
+        mark = daemon.reload(make_config({"default": {"workers": 1, "concurrency": 3}}))
+        daemon.wait_for_log("worker retiring", since=mark, pid=spawned["pid"])
+    else:
+        daemon.signal(signal.SIGTERM)
+    # The signal reached the worker before it could handle one: it must wait for the
+    # worker's handlers, not end the process (a crash, logged as an error).
+    exited = daemon.wait_for_log("worker exited", pid=spawned["pid"], timeout=20)
+    assert (exited["cause"], exited["level"]) == ("exit code 0", "info"), daemon.tail()
+    if how == "stop":
+        assert daemon.wait_exit(20) == 0
+    else:
+        job_id = jobd.enqueue(effects_db, "ok")
+        wait_state(effects_db, job_id, "done", 20, daemon)
+    assert not [e for e in daemon.events("worker exited") if e["level"] != "info"], \
+        daemon.tail()
+
+
 # --- 6. drain on SIGTERM -------------------------------------------------------------------
 
 
