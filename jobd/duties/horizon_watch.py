@@ -3,6 +3,11 @@ slow" incidents. While a transaction (or a replication slot, or a prepared trans
 keeps the xmin horizon back, none of the dead rows that every claimed and finished job
 leaves can be removed; claims stay cheap (``jobd.claim_floors``), but the table and its
 indexes grow until it ends. The warning names the holder, so the operator can end it.
+
+It also warns while autovacuum is switched off for ``jobs`` (the server's ``autovacuum`` or
+``track_counts``, or the table's ``autovacuum_enabled``): then nothing removes those rows at
+all, unless the operator runs VACUUM by hand, and the table grows by tens of thousands of
+dead rows a minute under load.
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ log = structlog.get_logger("jobd.duties.horizon_watch")
 SLOT_WARNING_XIDS = 10_000_000
 # While the same holder stays, the warning repeats this often (seconds), not every turn.
 REPEAT_EVERY = 300.0
+# While autovacuum stays off, its warning repeats this often (seconds): a setting the
+# operator may have chosen (vacuuming by hand), worth a reminder, not a stream.
+AUTOVACUUM_REPEAT_EVERY = 3600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +54,8 @@ class HorizonWatch(Periodic):
         super().__init__(interval)
         self.threshold = threshold
         self.warned: dict[tuple[str, int | None, str | None], float] = {}
+        self.autovacuum_off: tuple[str, ...] = ()  # the reasons last warned of
+        self.autovacuum_warned = 0.0
         self.clock = 0.0
 
     def run(self, conn: psycopg.Connection, now: float) -> None:
@@ -53,6 +63,25 @@ class HorizonWatch(Periodic):
         super().run(conn, now)
 
     def work(self, conn: psycopg.Connection, now: float) -> None:
+        self._watch_holders(conn)
+        self._watch_autovacuum(conn)
+
+    def _watch_autovacuum(self, conn: psycopg.Connection) -> None:
+        reasons = tuple(row[0] for row in conn.execute(query("autovacuum_switched_off")))
+        if not reasons:
+            if self.autovacuum_off:
+                log.info("autovacuum is on again for jobd.jobs")
+            self.autovacuum_off = ()
+            return
+        if (reasons == self.autovacuum_off
+                and self.clock - self.autovacuum_warned < AUTOVACUUM_REPEAT_EVERY):
+            return
+        self.autovacuum_off, self.autovacuum_warned = reasons, self.clock
+        log.warning("autovacuum is off for jobd.jobs: nothing removes the dead rows every "
+                    "job leaves unless VACUUM is run by hand; the table and its indexes grow "
+                    "and claims slow down", reasons=list(reasons))
+
+    def _watch_holders(self, conn: psycopg.Connection) -> None:
         holders = [Holder(*row) for row in conn.execute(query("horizon_holders")).fetchall()]
         over = [h for h in holders if h.over(self.threshold())]
         current = {(h.kind, h.pid, h.name) for h in over}

@@ -1153,6 +1153,20 @@ UNION ALL
   WHERE s.xmin IS NOT NULL
   ORDER BY age(s.xmin) DESC LIMIT 1)
 
+-- name: autovacuum_switched_off
+-- Why autovacuum would never vacuum jobs, one row a reason: the server's switch, the
+-- statistics it decides by, or the table's own option. No row when it would.
+SELECT v.reason
+  FROM (VALUES
+          ('the server setting autovacuum is off', NOT current_setting('autovacuum')::boolean),
+          ('the server setting track_counts is off',
+           NOT current_setting('track_counts')::boolean),
+          ('the table option autovacuum_enabled of jobs is false',
+           EXISTS (SELECT 1 FROM pg_class AS c, pg_options_to_table(c.reloptions) AS o
+                    WHERE c.oid = 'jobs'::regclass AND o.option_name = 'autovacuum_enabled'
+                      AND NOT o.option_value::boolean))) AS v(reason, holds)
+ WHERE v.holds
+
 -- name: prune_nodes
 DELETE FROM nodes WHERE seen_at < now() - make_interval(secs => %(older_than)s)
 
