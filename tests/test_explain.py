@@ -428,3 +428,44 @@ def test_fenced_batch_writes_probe_the_primary_key_in_the_generic_plan(
     assert scans and all(n["Actual Rows"] * n["Actual Loops"] <= len(leases) for n in scans)
     # Every lease matched its row: the rows written are the batch, no more, no fewer.
     assert plan["Actual Rows"] == len(leases)
+
+
+# --- the dead-letter queue's purge -----------------------------------------------------------
+
+KEYED_JOBS = 20_000
+
+
+def test_a_purge_finds_the_purged_jobs_keys_by_key_not_by_reading_every_key(
+    conn: psycopg.Connection,
+) -> None:
+    """`jobd dlq purge` frees the keys of the jobs it purges. It looked them up by job id,
+    which job_keys has no index for: every purge read the whole table, every keyed job of the
+    retention period (hundreds of millions of rows at 500 jobs/s for a week), to purge even
+    one job. Each key is now one probe of the primary key; the other keys are not read."""
+    conn.execute(
+        """INSERT INTO job_keys (idempotency_key, job_id)
+           SELECT 'kept-' || i, i FROM generate_series(1, %s) AS i""", (KEYED_JOBS,))
+    conn.execute(
+        """INSERT INTO dead_letter (id, lane, handler, payload, priority, run_at, attempts,
+                                    idempotency_key, created_at, errors, died_at)
+           SELECT 100000 + i, 'default', 'send_email', '{}', 0, now(), 8,
+                  CASE WHEN i <= 3 THEN 'dead-' || i END, now(), '[]',
+                  now() - interval '2 days'
+             FROM generate_series(1, 5) AS i""")
+    conn.execute("""INSERT INTO job_keys (idempotency_key, job_id)
+                    SELECT 'dead-' || i, 100000 + i FROM generate_series(1, 3) AS i""")
+    conn.execute("ANALYZE job_keys")
+    conn.execute("ANALYZE dead_letter")
+    plan = explain(conn, "purge_dead", {"before": datetime.now().astimezone()
+                                         - timedelta(days=1)}, analyze=True)
+    key_scans = [n for n in nodes(plan) if n.get("Relation Name") == "job_keys"
+                 and n["Node Type"] != "ModifyTable"]
+    assert key_scans
+    assert all(n["Node Type"] != "Seq Scan" for n in key_scans)
+    assert all(n["Actual Rows"] * n["Actual Loops"] <= 3 for n in key_scans)
+    # EXPLAIN ANALYZE rolled back: purged for real, the dead jobs' keys go, the others stay.
+    assert conn.execute(query("purge_dead"), {"before": datetime.now().astimezone()}
+                        ).fetchone() == (5,)
+    assert conn.execute("SELECT count(*) FROM job_keys WHERE idempotency_key LIKE 'dead-%'"
+                        ).fetchone() == (0,)
+    assert conn.execute("SELECT count(*) FROM job_keys").fetchone() == (KEYED_JOBS,)

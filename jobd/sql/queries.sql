@@ -1019,11 +1019,20 @@ SELECT coalesce(bool_or(handler IS NULL), false),
  WHERE lane = %(lane)s
 
 -- name: purge_dead
+-- A purged job's key is found by the key it carries, one probe of job_keys' primary key
+-- each, not by its id: job_keys has no index on job_id, and a lookup by id (or a join the
+-- planner may hash) read the whole table, every keyed job of the retention period, for each
+-- purge however few jobs it purged. Every path that records a key stores the same text in
+-- the job's idempotency_key; the job_id match keeps a key that another job holds.
 WITH purged AS (
-    DELETE FROM dead_letter WHERE died_at < %(before)s::timestamptz RETURNING id
+    DELETE FROM dead_letter WHERE died_at < %(before)s::timestamptz
+    RETURNING id, idempotency_key
 ),
 forgotten AS (
-    DELETE FROM job_keys WHERE job_id IN (SELECT id FROM purged)
+    DELETE FROM job_keys AS k
+     WHERE k.idempotency_key = ANY(ARRAY(SELECT p.idempotency_key FROM purged AS p
+                                          WHERE p.idempotency_key IS NOT NULL))
+       AND k.job_id IN (SELECT p.id FROM purged AS p)
 )
 SELECT count(*) FROM purged
 
