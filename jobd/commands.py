@@ -18,7 +18,7 @@ from jobd.cli_context import Context
 from jobd.cli_output import print_json
 from jobd.errors import JobdError, UsageError
 from jobd.grants import RefusedGrant
-from jobd.migrate import NotOwner, schema_problem, upgrade
+from jobd.migrate import ForeignSchema, NotOwner, schema_problem, upgrade
 from jobd.supervisor import Supervisor
 
 
@@ -42,7 +42,7 @@ def cmd_migrate(ctx: Context, args: argparse.Namespace) -> int:
         try:
             done = upgrade(conn, ctx.schema, max_payload_bytes=ctx.config.max_payload_bytes,
                            grant_runtime=runtime, grant_producer=producer)
-        except (RefusedGrant, NotOwner) as exc:
+        except (RefusedGrant, NotOwner, ForeignSchema) as exc:
             raise UsageError(str(exc)) from None
         except psycopg.errors.InsufficientPrivilege as exc:
             raise UsageError(

@@ -37,6 +37,9 @@ FAIR_BY = ("handler", "fairness_key", "none")
 # that report is its liveness: a worker_timeout shorter than two of them takes healthy
 # workers for hung, and aborts and replaces them over and over, charging their jobs.
 MIN_WORKER_TIMEOUT = 2.0
+# A configuration is a few kilobytes; a schedule's payload in it is held to the payload
+# limit besides. A larger file is a wrong path (a data file, a device), refused unparsed.
+MAX_CONFIG_BYTES = 8 * 2**20
 
 
 @dataclass(frozen=True, slots=True)
@@ -453,6 +456,14 @@ def _invalid_yaml(exc: yaml.YAMLError, source: str) -> str:
     return f"{where}: invalid YAML: {' '.join(str(problem).split())}"
 
 
+def _read_capped(path: Path) -> bytes:
+    """The file's bytes, at most one more than MAX_CONFIG_BYTES: a device that never ends
+    (``-c /dev/zero``, ``/dev/urandom``) would otherwise be read until memory runs out. A
+    pipe is read like a file (``-c <(render-config)``)."""
+    with path.open("rb") as file:
+        return file.read(MAX_CONFIG_BYTES + 1)
+
+
 def load(path: str | Path) -> Config:
     """Read and validate the configuration file at ``path``.
 
@@ -461,12 +472,15 @@ def load(path: str | Path) -> Config:
     daemon's reload refuses the file and keeps its running config.
     """
     try:
-        data = Path(path).read_bytes()
+        data = _read_capped(Path(path))
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read the configuration: "
                           f"{exc.strerror or exc}") from None
     except ValueError as exc:  # a path with a NUL character
         raise ConfigError(f"{path!r}: cannot read the configuration: {exc}") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: the configuration is larger than "
+                          f"{MAX_CONFIG_BYTES // 2**20} MiB: not a jobd configuration")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -129,6 +129,12 @@ def validate_schema(schema: str) -> str:
             f"invalid schema name {schema!r}: use lower-case letters, digits and _ "
             "(at most 63, not starting with a digit)"
         )
+    if schema.startswith("pg_") or schema == "information_schema":
+        # PostgreSQL's own: pg_* names are reserved (pg_catalog, pg_toast, pg_temp) and
+        # pg_dump leaves information_schema out, so jobd's tables there would be lost on a
+        # restore from a dump.
+        raise UsageError(f"invalid schema name {schema!r}: it is PostgreSQL's own; give "
+                         "jobd a schema of its own (the default is jobd)")
     return schema
 
 

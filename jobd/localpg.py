@@ -17,6 +17,7 @@ import os
 import pwd
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -92,6 +93,27 @@ class LocalCluster:
         if os.geteuid() == 0:
             shutil.chown(path, "postgres", "postgres")
 
+    def _make_socket_dir(self) -> None:
+        """The socket directory, under the shared temp directory at a name anyone can
+        foresee: one that is already there must be a real directory of the cluster's owner
+        that nobody else may write. Another local user could otherwise make it first, as a
+        symbolic link to /etc say, and root's ``make run`` gave the link's target to the
+        postgres user."""
+        path = self.socket_dir
+        with contextlib.suppress(FileExistsError):
+            path.mkdir(mode=0o755)
+            if os.geteuid() == 0:
+                owner = pwd.getpwnam("postgres")
+                os.lchown(path, owner.pw_uid, owner.pw_gid)
+        info = path.lstat()
+        expected = pwd.getpwnam("postgres").pw_uid if os.geteuid() == 0 else os.geteuid()
+        if (not stat.S_ISDIR(info.st_mode) or info.st_uid != expected
+                or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)):
+            raise LocalPgError(
+                f"{path} is not a directory of the cluster's owner that only it may write "
+                f"(mode {info.st_mode & 0o7777:04o}, uid {info.st_uid}): another user may have "
+                "made it; remove it, or set JOBD_DATABASE_URL")
+
     def _run(self, command: list[str]) -> None:
         result = subprocess.run(self._as_owner(command), capture_output=True, text=True)
         if result.returncode != 0:
@@ -137,8 +159,7 @@ class LocalCluster:
         if self.running():
             return self.url
         self._check_startable()
-        self.socket_dir.mkdir(exist_ok=True)
-        self._give_to_owner(self.socket_dir)
+        self._make_socket_dir()
         log_file = self.datadir / "server.log"
         try:
             self._run([*self._env(), str(bindir / "pg_ctl"), "-D", str(self.datadir), "-l",

@@ -73,6 +73,10 @@ class NotOwner(RuntimeError):
     """The schema needs a change that only its owner may make."""
 
 
+class ForeignSchema(ValueError):
+    """A first ``jobd migrate`` into a schema that holds other objects, or into public."""
+
+
 @dataclass(frozen=True, slots=True)
 class Upgrade:
     """What one ``jobd migrate`` did."""
@@ -121,6 +125,7 @@ def upgrade(conn: psycopg.Connection, schema: str, *, max_payload_bytes: int | N
         conn.execute("SET LOCAL statement_timeout = 0")
         exists = conn.execute(query("migration_ledger_exists")).fetchone()
         if not (exists and exists[0]):
+            _check_first_install(conn, schema)
             conn.execute(_LEDGER)
         done = {version: (name, checksum) for version, name, checksum in conn.execute(_APPLIED)}
         pending = _pending(available(), done)
@@ -144,6 +149,26 @@ def upgrade(conn: psycopg.Connection, schema: str, *, max_payload_bytes: int | N
             granted = grants.apply(conn, schema, runtime=grant_runtime,
                                    producer=grant_producer)
     return Upgrade(applied_now, granted, max_payload_bytes if limit_set else None)
+
+
+def _check_first_install(conn: psycopg.Connection, schema: str) -> None:
+    """Refuse to install jobd into a schema that holds something else. Its grants cover
+    every table and function in the schema (GRANT ... ON ALL TABLES IN SCHEMA, jobd.grants)
+    and migration 0014 pins the search_path of every function there that sets one: in an
+    application's schema the runtime role would get to write the application's tables, and
+    its functions would be changed. ``public`` is refused even while empty, as tables come
+    to it by default."""
+    if schema == "public":
+        raise ForeignSchema(
+            "schema public is shared by default with whatever is created without a schema: "
+            "jobd's grants there would reach those tables too; give jobd a schema of its "
+            "own (the default is jobd)")
+    row = conn.execute(query("schema_other_objects"), {"schema": schema}).fetchone()
+    if row is not None and row[0]:
+        raise ForeignSchema(
+            f"schema {schema} already holds {row[0]} object(s) that are not jobd's: jobd's "
+            "grants would reach them and its migrations change them; give jobd a schema of "
+            "its own (a new or empty one)")
 
 
 def _pending(shipped: list[Migration], done: dict[int, tuple[str, str]]) -> list[Migration]:

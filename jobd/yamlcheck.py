@@ -25,6 +25,9 @@ _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
 _INT_TAG = "tag:yaml.org,2002:int"
 _DECIMAL = re.compile(r"[-+]?(0|[1-9][0-9]*)")
+# Values that YAML aliases may repeat in one document (an anchored schedule payload used by
+# several schedules is a few hundred); beyond it the document is refused (_Expansion).
+MAX_ALIAS_VALUES = 100_000
 _LISTEN = re.compile(r"^(?P<host>[^\s:]+|\[[0-9a-fA-F:]+\]):(?P<port>\d{1,5})$")
 
 
@@ -65,12 +68,35 @@ class Located:
     not_decimal: str | None = None
 
 
-def plain(node: yaml.Node, path: str = "", within: frozenset[int] = frozenset()) -> Located:
+class _Expansion:
+    """The values a document's aliases have repeated so far. An alias costs nothing to
+    write and is expanded where it is used: nine lines of aliases of aliases ("billion
+    laughs") expand to hundreds of millions of values, which would hold a command, or a
+    daemon's reload, for minutes and take the machine's memory before any key is checked."""
+
+    def __init__(self) -> None:
+        self.converted: set[int] = set()
+        self.repeated = 0
+
+    def count(self, node: yaml.Node, line: int, path: str) -> None:
+        if id(node) not in self.converted:
+            self.converted.add(id(node))
+            return
+        self.repeated += 1
+        if self.repeated > MAX_ALIAS_VALUES:
+            raise Invalid(line, path, f"YAML aliases here expand to more than "
+                                      f"{MAX_ALIAS_VALUES:,} repeated values")
+
+
+def plain(node: yaml.Node, path: str = "", within: frozenset[int] = frozenset(),
+          expansion: _Expansion | None = None) -> Located:
     """Convert a YAML node; a mapping's values carry the line of their key. ``within``: the
     collections the node is inside, so that an alias of one of them (a cycle, which no
     config means) is refused where it is, rather than followed until Python's recursion
-    limit."""
+    limit. ``expansion``: what aliases have repeated so far in the document (bounded)."""
     line = node.start_mark.line + 1
+    expansion = expansion if expansion is not None else _Expansion()
+    expansion.count(node, line, path)
     if isinstance(node, yaml.CollectionNode):
         if id(node) in within:
             raise Invalid(line, path, "a YAML alias here refers to a collection that "
@@ -86,11 +112,11 @@ def plain(node: yaml.Node, path: str = "", within: frozenset[int] = frozenset())
             key_path = f"{path}.{key}" if path else key
             if key in mapping:
                 raise Invalid(key_line, key_path, "duplicate key")
-            value = plain(value_node, key_path, within)
+            value = plain(value_node, key_path, within, expansion)
             mapping[key] = Located(value.value, key_line, value.not_decimal)
         return Located(mapping, line)
     if isinstance(node, yaml.SequenceNode):
-        return Located([plain(item, f"{path}[{i}]", within)
+        return Located([plain(item, f"{path}[{i}]", within, expansion)
                         for i, item in enumerate(node.value)], line)
     value = _scalar(node, line, path)
     written = node.value.replace("_", "")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import pytest
 
 from jobd import validation, workerpool
 from jobd.backoff import Backoff
-from jobd.config import MIN_WORKER_TIMEOUT, load, parse, parse_duration
+from jobd.config import MAX_CONFIG_BYTES, MIN_WORKER_TIMEOUT, load, parse, parse_duration
 from jobd.errors import ConfigError, UsageError
 from jobd.worker_status import REPORT_INTERVAL
 
@@ -385,6 +386,67 @@ def test_a_yaml_alias_cycle_is_one_short_line(text: str, where: str) -> None:
         parse(text, "c.yaml")
     assert str(caught.value) == (f"{where}a YAML alias here refers to a collection that "
                                  "contains it (a cycle)")
+
+
+def laughs(levels: int) -> str:
+    """A schedule whose payload is aliases of aliases: nine of each per level, 9**levels
+    strings from a few hundred bytes ("billion laughs")."""
+    lines = ['x-anchors:\n  l0: &l0 "lol"\n']
+    for level in range(1, levels + 1):
+        lines.append(f"  l{level}: &l{level} [{', '.join([f'*l{level - 1}'] * 9)}]\n")
+    return ("".join(lines) + HANDLERS + "schedules:\n  - {id: laugh, cron: '* * * * *', "
+            f"handler: echo, payload: *l{levels}}}\n")
+
+
+def test_yaml_aliases_that_expand_without_bound_are_refused() -> None:
+    # Six levels are 531,441 strings: parsed in seconds, they are still refused by their
+    # expansion, before any key is looked at. Nine levels held a command (or a daemon's
+    # reload) for minutes while it took the machine's memory.
+    with pytest.raises(ConfigError) as caught:
+        parse(laughs(6), "c.yaml")
+    message = str(caught.value)
+    assert message.startswith("c.yaml:")
+    assert "YAML aliases here expand to more than 100,000 repeated values" in message
+
+
+def test_an_alias_used_a_few_times_is_fine() -> None:
+    text = (HANDLERS + "schedules:\n"
+            "  - {id: a, cron: '* * * * *', handler: echo, payload: &p {to: ops, n: [1, 2]}}\n"
+            "  - {id: b, cron: '0 * * * *', handler: echo, payload: *p}\n")
+    config = parse(text, "c.yaml")
+    assert [s.payload for s in config.schedules] == [{"to": "ops", "n": [1, 2]}] * 2
+
+
+def test_a_file_larger_than_any_configuration_is_refused_unparsed(tmp_path: Path) -> None:
+    # -c naming a data file or a device (/dev/zero, /dev/urandom: read without end until
+    # memory ran out) is refused after 8 MiB, without parsing it.
+    path = tmp_path / "huge.yaml"
+    path.write_bytes(b"lanes: {default: {}}\n" + b"#" * (MAX_CONFIG_BYTES + 1) + b"\n")
+    with pytest.raises(ConfigError) as caught:
+        load(path)
+    assert str(caught.value) == (f"{path}: the configuration is larger than 8 MiB: not a "
+                                 "jobd configuration")
+
+
+def test_a_configuration_read_from_a_pipe_loads(tmp_path: Path) -> None:
+    # -c <(render-config): process substitution gives a pipe, read like a file.
+    read, write = os.pipe()
+    with os.fdopen(write, "wb") as writer:
+        writer.write(b"lanes: {default: {workers: 1}}\n")
+    try:
+        assert load(f"/dev/fd/{read}").lanes["default"].workers == 1
+    finally:
+        os.close(read)
+
+
+@pytest.mark.parametrize("schema", ["pg_catalog", "pg_toast", "pg_temp", "pg_jobd",
+                                    "information_schema"])
+def test_postgresqls_own_schemas_are_refused(tmp_path: Path, schema: str) -> None:
+    # jobd migrate went on into information_schema, which pg_dump leaves out; pg_catalog
+    # failed with advice to run it as the schema's owner.
+    _, line, message = config_error(tmp_path, f"database:\n  schema: {schema}\n")
+    assert line == 2
+    assert f"database.schema: invalid schema name {schema!r}: it is PostgreSQL's own" in message
 
 
 def test_config_errors_are_usage_errors() -> None:

@@ -181,3 +181,35 @@ def test_as_root_a_datadir_the_postgres_user_cannot_enter_is_named() -> None:
             cluster.start()
     finally:
         shutil.rmtree(root)
+
+
+def test_a_socket_directory_made_beforehand_as_a_link_is_refused(cluster: LocalCluster) -> None:
+    """The socket directory's name in the shared temp directory is foreseeable: another local
+    user could make it a link, to /etc say, and root's start handed the target to postgres."""
+    target = Path(tempfile.mkdtemp(prefix="jobd-localpg-target-"))
+    before = target.stat()
+    cluster.socket_dir.symlink_to(target)
+    try:
+        with pytest.raises(LocalPgError, match="is not a directory of the cluster's owner"):
+            cluster.start()
+        after = target.stat()
+        assert (after.st_uid, after.st_gid) == (before.st_uid, before.st_gid)
+        assert not cluster.running()
+    finally:
+        cluster.socket_dir.unlink()
+        shutil.rmtree(target)
+
+
+def test_a_socket_directory_others_may_write_is_refused(cluster: LocalCluster) -> None:
+    cluster.socket_dir.mkdir(mode=0o700)
+    try:
+        if os.geteuid() == 0:
+            shutil.chown(cluster.socket_dir, "postgres", "postgres")
+        cluster.socket_dir.chmod(0o777)
+        with pytest.raises(LocalPgError, match=r"\(mode 0777, uid \d+\): another user may"):
+            cluster.start()
+        cluster.socket_dir.chmod(0o755)  # the cluster's own, as it makes it: started in it
+        cluster.start()
+        assert cluster.running()
+    finally:
+        cluster.stop()

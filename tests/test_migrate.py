@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -127,6 +128,60 @@ def test_invalid_schema_name_is_a_usage_error(databases: Databases) -> None:
     result = run_cli("migrate", "--schema", "Bad-Name", "--database-url", url)
     assert result.returncode == 2
     assert result.stderr.startswith("jobd: ") and "Traceback" not in result.stderr
+
+
+def test_jobd_is_not_installed_into_public(databases: Databases) -> None:
+    # Installed there, its runtime grant (ON ALL TABLES IN SCHEMA) reached every table
+    # created later without a schema, and migration 0014 re-pinned the search_path of any
+    # function there that set one.
+    url = databases.empty()
+    result = run_cli("migrate", "--schema", "public", "--database-url", url)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("jobd: schema public is shared by default")
+    assert len(result.stderr.strip().splitlines()) == 1
+    with psycopg.connect(url) as conn:
+        assert conn.execute("SELECT to_regclass('public.schema_migrations')").fetchone() == (
+            None,)
+
+
+def test_jobd_is_not_installed_into_a_schema_holding_other_objects(
+    databases: Databases
+) -> None:
+    url = databases.empty()
+    runtime = f"jobd_rt_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(url, autocommit=True) as admin:
+        admin.execute(sql.SQL("CREATE ROLE {} NOLOGIN").format(sql.Identifier(runtime)))
+        admin.execute("CREATE SCHEMA app; CREATE TABLE app.accounts (id int, balance int);"
+                      " CREATE FUNCTION app.total() RETURNS bigint LANGUAGE sql"
+                      " SET search_path = app AS 'SELECT sum(balance) FROM accounts'")
+    try:
+        result = run_cli("migrate", "--schema", "app", "--database-url", url,
+                         "--grant-runtime", runtime)
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.startswith(
+            "jobd: schema app already holds 2 object(s) that are not jobd's")
+        with psycopg.connect(url) as conn:
+            assert conn.execute(
+                "SELECT has_table_privilege(%s, 'app.accounts', 'UPDATE'),"
+                " (SELECT proconfig FROM pg_proc WHERE proname = 'total'),"
+                " to_regclass('app.schema_migrations')", (runtime,)
+            ).fetchone() == (False, ["search_path=app"], None)
+    finally:
+        with psycopg.connect(url, autocommit=True) as admin:
+            admin.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(runtime)))
+
+
+def test_a_schema_created_empty_beforehand_takes_jobd(databases: Databases) -> None:
+    # A DBA's CREATE SCHEMA jobd AUTHORIZATION owner, before the first jobd migrate.
+    url = databases.empty()
+    with psycopg.connect(url, autocommit=True) as admin:
+        admin.execute("CREATE SCHEMA jobd")
+    result = run_cli("migrate", "--database-url", url)
+    assert result.returncode == 0, result.stderr
+    assert applied_versions(url) == shipped()
+    again = run_cli("migrate", "--database-url", url)  # jobd's own objects are no obstacle
+    assert again.returncode == 0, again.stderr
+    assert "up to date" in again.stdout
 
 
 # --- the fresh schema equals what the code expects -----------------------------------------

@@ -1485,6 +1485,15 @@ GRANT EXECUTE ON FUNCTION {schema}.enqueue TO {role};
 -- member of it, or is a superuser): only then may `jobd migrate` change it.
 SELECT pg_has_role(n.nspowner, 'USAGE') FROM pg_namespace AS n WHERE n.nspname = %(schema)s
 
+-- name: schema_other_objects
+-- What a schema without jobd's migration ledger holds already: tables, views, sequences,
+-- functions and types of their own (a table's row type and array types come with another).
+SELECT (SELECT count(*) FROM pg_class AS c WHERE c.relnamespace = n.oid)
+     + (SELECT count(*) FROM pg_proc AS p WHERE p.pronamespace = n.oid)
+     + (SELECT count(*) FROM pg_type AS t
+         WHERE t.typnamespace = n.oid AND t.typrelid = 0 AND t.typelem = 0)
+  FROM pg_namespace AS n WHERE n.nspname = %(schema)s
+
 -- name: migration_ledger_exists
 SELECT to_regclass('schema_migrations') IS NOT NULL
 
