@@ -218,6 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     listing.add_argument("--lane", type=lane_name, help="only jobs of this lane (default: any)")
     listing.add_argument("--limit", type=positive_int, default=50,
                          help="at most this many (default: 50)")
+    listing.add_argument("--before", type=positive_int, metavar="ID",
+                         help="only jobs with a lower id: the next page starts below the "
+                              "last id shown")
     listing.set_defaults(func=cmd_jobs_list)
     cancel = leaf(
         jobs_sub, "cancel",

@@ -273,7 +273,7 @@ def _when(value: object) -> str:
 
 def cmd_jobs_list(ctx: Context, args: argparse.Namespace) -> int:
     with ctx.connect() as conn:
-        rows = views.list_jobs(conn, args.state, args.lane, args.limit)
+        rows = views.list_jobs(conn, args.state, args.lane, args.limit, args.before)
     if ctx.as_json:
         print_json(rows)
         return 0

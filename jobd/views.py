@@ -225,12 +225,14 @@ def get_job(conn: psycopg.Connection, job_id: int) -> dict[str, Any] | None:
 
 
 def list_jobs(
-    conn: psycopg.Connection, state: str | None = None, lane: str | None = None, limit: int = 50
+    conn: psycopg.Connection, state: str | None = None, lane: str | None = None, limit: int = 50,
+    before: int | None = None,
 ) -> list[dict[str, Any]]:
+    """Jobs newest first, live and finished; ``before``: only ids below it (the next page
+    starts below the last id of this one)."""
     with conn.cursor(row_factory=dict_row) as cur:
-        return cur.execute(
-            query("list_jobs"), {"state": state, "lane": lane, "limit": limit}
-        ).fetchall()
+        return cur.execute(query("list_jobs"), {
+            "state": state, "lane": lane, "limit": limit, "before": before}).fetchall()
 
 
 def list_dead(

@@ -519,6 +519,17 @@ def test_jobs_list_filters_by_state_and_lane(db_url: str, conn: psycopg.Connecti
     assert_one_line_error(cli("jobs", "list", "--state", "finished", "--database-url", db_url), 2)
 
 
+def test_jobs_list_pages_with_before(db_url: str, conn: psycopg.Connection) -> None:
+    # Without a cursor, a page beyond --limit could not be reached at all.
+    ids = [jobd.enqueue(conn, "h") for _ in range(5)] + [make_done(conn)]
+    first = ok_json("jobs", "list", "--limit", "4", "--database-url", db_url)
+    assert [row["id"] for row in first] == sorted(ids, reverse=True)[:4]
+    rest = ok_json("jobs", "list", "--limit", "4", "--before", str(first[-1]["id"]),
+                   "--database-url", db_url)
+    assert [row["id"] for row in rest] == sorted(ids, reverse=True)[4:]
+    assert_one_line_error(cli("jobs", "list", "--before", "x", "--database-url", db_url), 2)
+
+
 def test_listings_keep_one_row_per_line(db_url: str, conn: psycopg.Connection) -> None:
     dead = jobd.enqueue(conn, "send_email", priority=TOP, max_attempts=1)
     fail_attempts(conn, dead, [TRACEBACK])

@@ -721,11 +721,15 @@ SELECT id, lane, handler, payload, state, priority, run_at, attempts, max_attemp
  WHERE id = %(id)s
 
 -- name: list_jobs
+-- Newest first, from below an id when paging (jobd jobs list --before). It walks the ids
+-- down and filters as it goes: a lane or state that few jobs have is read past every other
+-- job's row (docs/operations.md, "Reading the queue at size").
 SELECT id, lane, handler, state, priority, run_at, attempts, max_attempts, claimed_by,
        created_at, last_error, finished_at
   FROM all_jobs
  WHERE (%(state)s::text IS NULL OR state = %(state)s)
    AND (%(lane)s::text IS NULL OR lane = %(lane)s)
+   AND (%(before)s::bigint IS NULL OR id < %(before)s)
  ORDER BY id DESC
  LIMIT %(limit)s
 
