@@ -12,32 +12,28 @@ their own counters.
 
 The supervisor's loop builds a :class:`NodeView` (copies of its state, never shared with it)
 and :meth:`NodeMetrics.publish` swaps it in; :class:`NodeCollector` turns the latest view
-into families when prometheus-client's HTTP server thread asks, so a scrape never touches
-the loop's state and never blocks it. :data:`FAMILY_NAMES` is the list of every exported
-family; each is exported from the start, zero-valued for every configured lane and handler.
+into families when the metrics endpoint's thread asks (``jobd.metrics_http``), so a scrape
+never touches the loop's state and never blocks it. :data:`FAMILY_NAMES` is the list of
+every exported family; each is exported from the start, zero-valued for every configured
+lane and handler.
 """
 
 from __future__ import annotations
 
-import re
-import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import start_http_server
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
     HistogramMetricFamily,
     Metric,
 )
-from prometheus_client.registry import Collector, CollectorRegistry
+from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from jobd.duties.metrics_sampler import DEPTH_STATES, Sample
-from jobd.errors import UsageError
 from jobd.restarts import RESTART_REASONS
 from jobd.worker_metrics import (
     OUTCOMES,
@@ -294,42 +290,6 @@ def _sampler(view: NodeView, now: float) -> list[Metric]:
                           "How long the last sample of those gauges took.",
                           value=sample.duration if sample else 0.0),
     ]
-
-
-# --- serving -------------------------------------------------------------------------------
-
-
-_LISTEN = re.compile(r"^\[?(?P<host>[^\[\]]+?)\]?:(?P<port>\d+)$")
-
-
-@dataclass
-class Server:
-    """prometheus-client's HTTP server on its own thread, serving one collector."""
-
-    listen: str
-    collector: NodeCollector
-    handle: tuple[WSGIServer, threading.Thread] | None = field(default=None, repr=False)
-
-    def start(self) -> None:
-        """Bind and serve; UsageError (one line) when the address cannot be had."""
-        match = _LISTEN.match(self.listen)
-        assert match is not None  # checked when the config was read
-        registry = CollectorRegistry(auto_describe=False)
-        registry.register(self.collector)
-        try:
-            self.handle = start_http_server(int(match["port"]), match["host"],
-                                            registry=registry)
-        except OSError as exc:
-            raise UsageError(f"metrics.listen {self.listen}: cannot listen: "
-                             f"{exc.strerror or exc}") from None
-
-    def stop(self) -> None:
-        if self.handle is not None:
-            server, thread = self.handle
-            server.shutdown()
-            server.server_close()
-            thread.join(timeout=5.0)
-            self.handle = None
 
 
 def handler_labels(handlers: Iterable[str]) -> tuple[str, ...]:

@@ -50,7 +50,8 @@ from jobd.eventloop import SelectLoop
 from jobd.handlers import HandlerCheck, check_in_subprocess
 from jobd.listener import Listener
 from jobd.looplag import LoopLag
-from jobd.metrics import NodeCollector, NodeMetrics, NodeView, Server, handler_labels
+from jobd.metrics import NodeCollector, NodeMetrics, NodeView, handler_labels
+from jobd.metrics_http import Server
 from jobd.sdnotify import Notifier
 from jobd.wake_routing import WakeRouter
 from jobd.workerpool import WorkerPool

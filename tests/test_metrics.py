@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -53,6 +54,7 @@ from jobd.metrics import (
     families,
     handler_labels,
 )
+from jobd.metrics_http import Server
 from jobd.outcomes import Outcome
 from jobd.queries import query
 from jobd.restarts import RESTART_REASONS, restart_reason
@@ -102,6 +104,39 @@ def value(exposition: str, name: str, **labels: str) -> float:
 
 
 # --- histograms and the report's wire format -----------------------------------------------
+
+
+def closed_by_server(client: socket.socket) -> bool:
+    try:
+        return client.recv(1, socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_the_endpoint_serves_a_bounded_number_of_connections_and_times_idle_ones_out() -> None:
+    # prometheus-client's own server gave every connection a thread of the supervisor's
+    # process, with no timeout: connections that send nothing piled up threads until the
+    # unit's task limit stopped the node from spawning workers.
+    server = Server(f"127.0.0.1:{free_port()}", NodeCollector(NodeMetrics()), timeout=1.0,
+                    max_connections=4)
+    server.start()
+    try:
+        baseline = threading.active_count()
+        address = server.handle[0].server_address if server.handle else None
+        idle = [socket.create_connection(address) for _ in range(40)]
+        wait_until(lambda: sum(closed_by_server(c) for c in idle) >= 36, 10,
+                   message="connections beyond the bound closed")
+        assert threading.active_count() <= baseline + 4
+        wait_until(lambda: all(closed_by_server(c) for c in idle), 10,
+                   message="idle connections timed out")
+        for client in idle:
+            client.close()
+        with urllib.request.urlopen(f"http://127.0.0.1:{address[1]}/metrics", timeout=5) as got:
+            assert got.status == 200
+    finally:
+        server.stop()
 
 
 def test_a_value_on_a_bucket_bound_counts_in_that_bucket() -> None:
