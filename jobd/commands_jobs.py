@@ -41,6 +41,7 @@ def cmd_status(ctx: Context, _args: argparse.Namespace) -> int:
         listed = sorted(ctx.config.worker_handlers())
         unlisted = views.unlisted_handlers(conn, listed) if listed else None
     nodes = [n for n in every_node if not n.gone]
+    differing = views.lane_disagreements(nodes)
     # Lanes with no jobs still show when the config, a live node or a pause names them.
     workers = views.live_workers(nodes)
     lanes = views.with_lanes(lanes, set(ctx.config.lanes) | set(workers)
@@ -69,7 +70,8 @@ def cmd_status(ctx: Context, _args: argparse.Namespace) -> int:
                        "paused": s.lane in paused_lanes,
                        "paused_handlers": paused_handlers(s.lane),
                        "handlers_not_in_config": (None if unlisted is None
-                                                  else unlisted.get(s.lane, {}))}
+                                                  else unlisted.get(s.lane, {})),
+                       "settings_differ": differing.get(s.lane, {})}
                       for s in lanes],
             "nodes": [n.as_dict() for n in every_node],
             "pauses": [p.as_dict() for p in paused],
@@ -91,6 +93,7 @@ def cmd_status(ctx: Context, _args: argparse.Namespace) -> int:
     )
     _print_pauses(paused)
     _print_unlisted(unlisted or {})
+    _print_disagreements(differing, nodes)
     print()
     print_table(
         ["node", "pid", "lanes (live workers)", "last heartbeat", "state", "wake-ups"],
@@ -120,6 +123,36 @@ def _print_unlisted(unlisted: dict[str, dict[str, int]]) -> None:
         waiting = ", ".join(f"{handler} ({count} waiting)"
                             for handler, count in sorted(handlers.items()))
         print(f"  {lane}: {waiting}")
+
+
+# lanes.<l>.* settings that are durations, printed as such.
+_DURATIONS = {"timeout", "visibility_timeout", "backoff_base", "backoff_cap", "rate_per",
+              "max_wait", "slo_pickup"}
+
+
+def _print_disagreements(found: views.Disagreements, nodes: list[views.NodeStatus]) -> None:
+    if not found:
+        return
+    # A node by its name, or with its pid where two live nodes share the name.
+    names = [n.node for n in nodes]
+    label = {n.instance: n.node if names.count(n.node) == 1 else f"{n.node} (pid {n.pid})"
+             for n in nodes}
+    print()
+    print("lanes the live nodes configure differently (each node applies its own settings to "
+          "the jobs it claims; give every node the same):")
+    for lane, settings in sorted(found.items()):
+        for name, values in settings.items():
+            told = ", ".join(f"{field(label.get(instance, instance))} {_setting(name, value)}"
+                             for instance, value in values.items())
+            print(f"  {lane}: {name}: {told}")
+
+
+def _setting(name: str, value: Any) -> str:
+    if value is None:
+        return "none"
+    if name in _DURATIONS and isinstance(value, int | float):
+        return f"{value:g}s"
+    return field(value) if isinstance(value, str) else str(value)
 
 
 def _print_pauses(found: list[pauses.Pause]) -> None:

@@ -122,6 +122,20 @@ class LaneConfig:
         return {"max_running": self.max_running, "rate_limit": self.rate_limit,
                 "rate_per": self.rate_per}
 
+    def fleet_settings(self) -> dict[str, Any]:
+        """The settings that every node of the lane should share: each node applies its own
+        to the jobs it claims (attempts, timeout, lease, backoff) or to the limits the
+        database enforces across nodes, so nodes that differ decide a job's fate by which of
+        them claimed it. Stated in the node's heartbeat (migration 0046), compared by `jobd
+        status` and every node. Durations in seconds; None: not set. Workers, concurrency,
+        prefetch and the poll are each node's own and left out."""
+        return {"max_attempts": self.max_attempts, "timeout": self.timeout,
+                "visibility_timeout": self.visibility_timeout,
+                "backoff_base": self.backoff.base, "backoff_cap": self.backoff.cap,
+                "max_running": self.max_running, "rate_limit": self.rate_limit,
+                "rate_per": self.rate_per, "max_wait": self.max_wait,
+                "fair_by": self.fair_by, "slo_pickup": self.slo_pickup}
+
     @property
     def retry_policy(self) -> RetryPolicy:
         return RetryPolicy(self.backoff, self.max_attempts)

@@ -28,6 +28,7 @@ import signal
 import time
 from dataclasses import replace
 from functools import partial
+from typing import Any
 
 import setproctitle
 import structlog
@@ -101,7 +102,7 @@ class Supervisor:
             NodeHeartbeat(self._duty_interval, self.instance, lambda: self.config.node_name,
                           self.pool.snapshot, routes, self._lanes,
                           lambda: self.listener.connected,
-                          lambda: self.config.archive_retention),
+                          lambda: self.config.archive_retention, self._lane_settings),
             self.materializer,
             self.crashes,
             self.lane_poll,
@@ -132,6 +133,9 @@ class Supervisor:
 
     def _lanes(self) -> list[str]:
         return list(self.config.lanes)
+
+    def _lane_settings(self) -> dict[str, dict[str, Any]]:
+        return {name: lane.fleet_settings() for name, lane in self.config.lanes.items()}
 
     def _duty_interval(self) -> float:
         return self.config.duty_interval

@@ -138,6 +138,9 @@ class NodeStatus:
     # Whether its supervisor holds its LISTEN connection (False: its workers wake on the
     # fallback poll only); None for a node that does not report it.
     listening: bool | None = None
+    # Per configured lane, the settings every node of it should share
+    # (LaneConfig.fleet_settings); None for a node that does not report them.
+    lane_settings: dict[str, dict[str, Any]] | None = None
 
     @property
     def lanes(self) -> list[str]:
@@ -157,11 +160,39 @@ def node_status(conn: psycopg.Connection, include_gone: bool = False) -> list[No
     nodes = [
         NodeStatus(instance, node, pid, seen_at, workers,
                    _rates(counters, previous, sample_seconds) if not gone else {},
-                   started, age, interval, gone, listening)
+                   started, age, interval, gone, listening, lane_settings)
         for (instance, node, pid, started, seen_at, workers, counters, previous,
-             sample_seconds, age, interval, gone, listening) in rows
+             sample_seconds, age, interval, gone, listening, lane_settings) in rows
     ]
     return [n for n in nodes if include_gone or not n.gone]
+
+
+# {lane: {setting: {instance: value}}}
+Disagreements = dict[str, dict[str, dict[str, Any]]]
+
+
+def lane_disagreements(nodes: list[NodeStatus]) -> Disagreements:
+    """The lanes whose live nodes configure them differently: per lane, each setting that
+    differs with every such node's value, by instance. Nodes that do not state their
+    settings (older daemons) and gone nodes are left out."""
+    by_lane: dict[str, dict[str, dict[str, Any]]] = {}
+    for node in nodes:
+        if node.gone or not node.lane_settings:
+            continue
+        for lane, settings in node.lane_settings.items():
+            by_lane.setdefault(lane, {})[node.instance] = settings
+    found: Disagreements = {}
+    for lane, per_node in by_lane.items():
+        # Only what every node states: a setting a newer release adds is no disagreement
+        # with the nodes of the older one during a rolling upgrade.
+        names = sorted(set.intersection(*(set(settings) for settings in per_node.values())))
+        differing = {
+            name: {instance: settings[name] for instance, settings in sorted(per_node.items())}
+            for name in names
+            if len({json.dumps(settings[name]) for settings in per_node.values()}) > 1}
+        if differing:
+            found[lane] = differing
+    return found
 
 
 def _rates(counters: dict[str, dict[str, int]], previous: dict[str, dict[str, int]],

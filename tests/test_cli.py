@@ -255,7 +255,7 @@ def report_node(conn: psycopg.Connection, instance: str, workers: dict[str, int]
     conn.execute(query("node_heartbeat"), {"instance": instance, "node": "web-1", "pid": 4242,
                                            "workers": Jsonb(workers), "counters": Jsonb({}),
                                            "interval": 10.0, "listening": True,
-                                           "archive_retention": None})
+                                           "archive_retention": None, "lane_settings": None})
 
 
 def test_status_marks_lanes_no_live_worker_serves(db_url: str, conn: psycopg.Connection

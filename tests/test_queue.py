@@ -286,7 +286,8 @@ def test_a_node_leaves_the_expired_leases_of_a_lane_it_lacks_to_a_live_node_that
     conn.execute("UPDATE jobs SET attempts = 9 WHERE id = %s", (job_id,))
     conn.execute(query("node_heartbeat"), {
         "instance": "a:1:x", "node": "a", "pid": 1, "workers": Jsonb({"render": 1}),
-        "counters": Jsonb({}), "interval": 1.0, "listening": True, "archive_retention": None})
+        "counters": Jsonb({}), "interval": 1.0, "listening": True, "archive_retention": None,
+        "lane_settings": None})
     after = db_now(conn) + timedelta(seconds=1)
     conn.execute("UPDATE jobs SET lease_until = %s WHERE id = %s",
                  (after - timedelta(seconds=1), job_id))

@@ -237,7 +237,7 @@ def report_node(conn: psycopg.Connection, instance: str, workers: dict[str, int]
     conn.execute(query("node_heartbeat"), {"instance": instance, "node": "web-1", "pid": 4242,
                                            "workers": Jsonb(workers), "counters": Jsonb(counters),
                                            "interval": 10.0, "listening": True,
-                                           "archive_retention": None})
+                                           "archive_retention": None, "lane_settings": None})
 
 
 def test_collect_reads_depth_by_state_rates_and_nodes(conn: psycopg.Connection) -> None:

@@ -1103,14 +1103,15 @@ SELECT count(set_config(s.name, s.value, true))
 -- Keyed by the instance (node name, pid, random suffix), never by the node name: two daemons
 -- configured with one node.name keep a row each.
 INSERT INTO nodes AS n (instance, node, pid, workers, counters, heartbeat_interval,
-                        listening, archive_retention)
+                        listening, archive_retention, lane_settings)
 VALUES (%(instance)s, %(node)s, %(pid)s, %(workers)s, %(counters)s, %(interval)s,
-        %(listening)s, %(archive_retention)s)
+        %(listening)s, %(archive_retention)s, %(lane_settings)s)
 ON CONFLICT (instance) DO UPDATE
    SET seen_at = now(),
        workers = excluded.workers,
        listening = excluded.listening,
        archive_retention = excluded.archive_retention,
+       lane_settings = excluded.lane_settings,
        prev_counters = n.counters,
        prev_seen_at = n.seen_at,
        counters = excluded.counters,
@@ -1195,7 +1196,7 @@ SELECT instance, node, pid, started_at, seen_at, workers, counters, prev_counter
        now() - seen_at > make_interval(secs => coalesce(
            greatest(%(misses)s * heartbeat_interval, heartbeat_interval + %(grace)s),
            %(unknown)s)) AS gone,
-       listening
+       listening, lane_settings
   FROM nodes
  ORDER BY node, instance
 

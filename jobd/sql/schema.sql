@@ -1316,7 +1316,11 @@ CREATE TABLE nodes (
     listening       boolean,
     -- seconds of archive its config keeps (archive.retention): no node's retention pass
     -- forgets what another node with a row keeps (migration 0042); NULL: not reported
-    archive_retention float8
+    archive_retention float8,
+    -- {"lane": {"max_attempts": 8, "timeout": null, ...}}: the settings of its lanes that
+    -- decide a job's fate or the fleet's limits (LaneConfig.fleet_settings), so a lane the
+    -- live nodes configure differently is named (migration 0046); NULL: not reported
+    lane_settings     jsonb
 );
 
 -- The earliest run_at of a lane's claimable jobs: one index probe per listed priority.
