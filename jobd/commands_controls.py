@@ -18,13 +18,17 @@ from jobd.errors import UsageError
 def checked_names(config: Config, lane: str | None, handler: str | None) -> None:
     """UsageError for a name that breaks the name rule, or that the config does not know."""
     name_rule(lane, handler)
+    # The config is the check against typos; a lane or handler only other nodes have is
+    # reached with their config, or with none.
+    other_node = (" (another node's? give its config, or none: leave out -c and unset "
+                  "$JOBD_CONFIG)")
     if lane is not None and config.lanes and lane not in config.lanes:
         raise UsageError(f"unknown lane {lane!r}; the config has: "
-                         + ", ".join(sorted(config.lanes)))
+                         + ", ".join(sorted(config.lanes)) + other_node)
     known = config.worker_handlers()
     if handler is not None and config.handlers and handler not in known:
         raise UsageError(f"unknown handler {handler!r}; the config allows: "
-                         + ", ".join(sorted(known)))
+                         + ", ".join(sorted(known)) + other_node)
 
 
 def name_rule(lane: str | None, handler: str | None) -> None:
