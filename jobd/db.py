@@ -38,7 +38,13 @@ from jobd.queries import query
 T = TypeVar("T")
 log = structlog.get_logger("jobd.db")
 RECONNECT_DELAY = 0.5  # seconds before the second attempt after a loss; doubles per failure
-RECONNECT_DELAY_CAP = 30.0
+# The longest wait between attempts. It is also how long a connection may stay down after
+# the database is back (a restart, a failover): attempts cost the server next to nothing
+# (one refused startup), a stall of the node's pickup does not.
+RECONNECT_DELAY_CAP = 5.0
+# While attempts keep failing, the log says so this often, not at every attempt: one line
+# when the connection is lost, one when it is restored, one a minute between.
+UNAVAILABLE_REMINDER = 60.0
 _OPEN_TRANSACTION = (psycopg.pq.TransactionStatus.INTRANS, psycopg.pq.TransactionStatus.INERROR)
 
 DEFAULT_SCHEMA = "jobd"
@@ -501,10 +507,11 @@ class ManagedConnection:
     failed from a connection that was lost.
 
     After a loss the next attempt is immediate; each failed attempt doubles the wait, from
-    ``RECONNECT_DELAY`` up to ``RECONNECT_DELAY_CAP``, until one succeeds. ``on_connect`` runs
-    on each new connection (session settings, LISTEN); if it fails the connection counts as
-    failed. ``pause_after_failure`` keeps a caller that would retry a failed statement at
-    once (a worker's loop) from spinning on it.
+    ``RECONNECT_DELAY`` up to ``RECONNECT_DELAY_CAP``, until one succeeds. The first failed
+    attempt is logged, then every ``UNAVAILABLE_REMINDER`` seconds that they still fail.
+    ``on_connect`` runs on each new connection (session settings, LISTEN); if it fails the
+    connection counts as failed. ``pause_after_failure`` keeps a caller that would retry a
+    failed statement at once (a worker's loop) from spinning on it.
     """
 
     def __init__(self, url: str, schema: str, application_name: str, *,
@@ -528,6 +535,9 @@ class ManagedConnection:
         self.usable_at = 0.0  # monotonic: no statement before (after a failed one)
         self.delay = RECONNECT_DELAY
         self.connected_once = False
+        # The failed attempts since the last connection, and the last one logged.
+        self._failures = 0
+        self._logged_at: float | None = None
 
     def ensure(self) -> bool:
         """Connect if there is no connection and the backoff allows; True when this call
@@ -558,18 +568,30 @@ class ManagedConnection:
                      "per transaction", connection=self.application_name,
                      pooler=self.session.pooler)
         if self.connected_once:
-            log.info(f"{self.label} restored", connection=self.application_name)
+            log.info(f"{self.label} restored", connection=self.application_name,
+                     failed_attempts=self._failures)
         self.connected_once = True
+        self._failures = 0
+        self._logged_at = None
         return True
 
     def _failed_attempt(self, error: str) -> None:
+        self._failures += 1
         if self.on_failed_attempt is not None:
             self.on_failed_attempt(error)
-        else:
+        elif self._worth_logging():
             log.warning("database unavailable", connection=self.application_name,
-                        error=error, retry_in=round(self.delay, 1))
+                        error=error, attempts=self._failures, retry_in=round(self.delay, 1))
         self.retry_at = time.monotonic() + self.delay
         self.delay = min(self.delay * 2, RECONNECT_DELAY_CAP)
+
+    def _worth_logging(self) -> bool:
+        """The first failure since the connection was up, or a reminder."""
+        now = time.monotonic()
+        if self._logged_at is not None and now - self._logged_at < UNAVAILABLE_REMINDER:
+            return False
+        self._logged_at = now
+        return True
 
     def ready_at(self) -> float:
         """When the connection may next be used (monotonic): a connection attempt or, after

@@ -34,6 +34,12 @@ class LeaseLost(Exception):
     """The job's lease is no longer this worker's; the transaction was rolled back."""
 
 
+class ConnectionGone(Exception):
+    """The connection was dead before the transaction began (the server closed it while it
+    sat idle in the pool: a restart, a failover, an idle timeout): nothing of the run
+    happened, and it may run on another connection."""
+
+
 def run_transactional(
     conn: psycopg.Connection, job: Job, handler: Callable[[Job, psycopg.Connection], Any],
     schema: str = DEFAULT_SCHEMA, timeout: float | None = None,
@@ -60,8 +66,10 @@ def run_transactional(
     # jobd's statements read tuples; the handler gets the connection's own row factory, and
     # whatever it sets (dict_row, say) ends with its run.
     callers_rows = conn.row_factory
+    begun = False
     try:
         with conn.transaction():
+            begun = True
             conn.row_factory = tuple_row
             first = conn.execute(qualified("record_effect_key", schema), {
                 "key": job.effect_key, "job_id": job.id,
@@ -75,6 +83,10 @@ def run_transactional(
             completed = complete(conn, [job.lease], schema=schema)
             if not completed.applied:
                 raise LeaseLost(f"job {job.id}: lease lost before commit; effect rolled back")
+    except psycopg.OperationalError as exc:
+        if not begun and conn.broken:
+            raise ConnectionGone(str(exc).strip()) from exc
+        raise
     finally:
         conn.row_factory = callers_rows
     if completed.cancelled:

@@ -11,10 +11,12 @@ and a thread that reaches a job taken back skips it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue as stdlib_queue
 import threading
 import time
+from collections.abc import Iterator
 from typing import Protocol
 
 import psycopg
@@ -31,6 +33,17 @@ from jobd.protocol import WorkerSpec, worker_connection_name
 from jobd.run_board import RunBoard
 
 log = structlog.get_logger("jobd.worker")
+
+# How long a transactional run waits for a handler connection before its job fails (the
+# pool's default), in slices: each slice that finds the pool empty has it start a connection
+# attempt. The pool's own attempts give up after POOL_RECONNECT_TIMEOUT: left to themselves
+# they retry for five minutes, their waits doubling, and a pool whose connections were all
+# lost in an outage stayed empty, its jobs failing for want of a connection, for up to as
+# long again as the outage had lasted. Now it connects within a slice of the database's
+# return.
+HANDLER_CONNECTION_WAIT = 30.0
+HANDLER_CONNECTION_SLICE = 1.0
+POOL_RECONNECT_TIMEOUT = 1.0
 
 
 class Start(Protocol):
@@ -68,6 +81,7 @@ class HandlerRunner:
                 conninfo(spec.database_url, None,
                          worker_connection_name(spec, "handler")),
                 min_size=0, max_size=spec.lane.concurrency, open=True,
+                reconnect_timeout=POOL_RECONNECT_TIMEOUT,
                 kwargs={"autocommit": True}, name=f"jobd-{spec.lane.name}-handlers",
                 configure=users_connection_setup(spec.database_url, spec.session),
                 reset=users_connection_reset(spec.database_url, spec.session))
@@ -172,13 +186,26 @@ class HandlerRunner:
 
     def _run_transactional(self, resolved: handler_registry.ResolvedHandler,
                            job: jobs.Job) -> str:
-        assert self.tx_pool is not None
+        # After a restart of the server every idle connection of the pool is dead, and each
+        # fails at its BEGIN: the run takes another rather than failing its job for it. The
+        # pool drops each dead one, so at most its size are met.
+        for _ in range(self.lane.concurrency):
+            try:
+                return self._run_transactional_once(resolved, job)
+            except exactly_once.ConnectionGone:
+                continue
+        return self._run_transactional_once(resolved, job)
+
+    def _run_transactional_once(self, resolved: handler_registry.ResolvedHandler,
+                                job: jobs.Job) -> str:
         lost = False
         try:
-            with self.tx_pool.connection() as conn:
+            with self._handler_connection() as conn:
                 try:
                     return exactly_once.run_transactional(conn, job, resolved.func,
                                                           self.spec.schema, self.lane.timeout)
+                except exactly_once.ConnectionGone:
+                    raise  # no transaction began: nothing to end
                 except BaseException:
                     lost = conn.broken
                     raise
@@ -187,6 +214,28 @@ class HandlerRunner:
             # hold no other.
             if lost:
                 self._end_abandoned(job)
+
+    @contextlib.contextmanager
+    def _handler_connection(self) -> Iterator[psycopg.Connection]:
+        """A connection of the pool, as ``ConnectionPool.connection()`` gives it, waited for
+        in slices (HANDLER_CONNECTION_SLICE) up to HANDLER_CONNECTION_WAIT."""
+        assert self.tx_pool is not None
+        deadline = time.monotonic() + HANDLER_CONNECTION_WAIT
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                conn = self.tx_pool.getconn(timeout=max(min(HANDLER_CONNECTION_SLICE, left),
+                                                        0.001))
+                break
+            except PoolTimeout:
+                if left <= HANDLER_CONNECTION_SLICE:
+                    raise PoolTimeout(f"no database connection for the handler within "
+                                      f"{HANDLER_CONNECTION_WAIT:.0f} s") from None
+        try:
+            with conn:  # commits or rolls back what the block left open, as connection() does
+                yield conn
+        finally:
+            self.tx_pool.putconn(conn)
 
     def _end_abandoned(self, job: jobs.Job) -> None:
         """The handler's connection was lost mid-transaction: end what the server may

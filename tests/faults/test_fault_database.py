@@ -12,12 +12,14 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import daemon_support
 import psycopg
 import pytest
 from daemon_support import Daemon, wait_until
 from fault_support import (
+    HANDLER,
     LANE,
     create_effects_table,
     done_count,
@@ -25,6 +27,7 @@ from fault_support import (
     fault_config,
     prepare,
     private_cluster_factory,
+    scalar,
     wait_all_done,
 )
 from invariants import assert_invariants
@@ -32,6 +35,7 @@ from invariants import assert_invariants
 import jobd
 from jobd import queue
 from jobd.db import connect
+from jobd.jobs import JobSpec
 from jobd.localpg import LocalCluster
 
 daemons = daemon_support.daemons
@@ -192,7 +196,9 @@ def test_a_crash_restart_of_the_server_loses_and_doubles_nothing(
         wait_until(lambda: done_count(watcher, ids) >= 20, 30, message="the load to start")
     mark = daemon.mark()
     cluster.restart("immediate")  # every backend killed, no checkpoint: crash recovery
-    daemon.wait_for_log("database unavailable", process=None, since=mark, timeout=30)
+    # jobd notices the loss (a worker's connection, at its next statement); the server may be
+    # back by then, so no attempt to reconnect need fail.
+    daemon.wait_for_log("database connection lost", process=None, since=mark, timeout=30)
     with connect(cluster.url, autocommit=True) as conn:
         wait_all_done(conn, ids, 120, daemon)
         assert daemon.running(), daemon.tail()
@@ -371,3 +377,79 @@ def test_idle_clients_and_then_exhausted_slots_degrade_jobd_with_clear_errors_an
     assert daemon.running(), daemon.tail()
     assert sum(1 for client in idle if not client.closed) == IDLE_CLIENTS
     assert_invariants(conn, first + second, context=daemon.tail())
+
+
+# --- the database away and back --------------------------------------------------------
+
+OUTAGE_SECONDS = 18.0
+# Back to work this soon after the server is: the longest wait between connection attempts
+# (db.RECONNECT_DELAY_CAP, 5 s) and a claim.
+PICKUP_AFTER_RETURN = 8.0
+
+
+def running_transactions(conn: psycopg.Connection) -> int:
+    """Transactional runs under way: their backends carry the job's lease in their name."""
+    return int(scalar(conn, "SELECT count(*) FROM pg_stat_activity"
+                            " WHERE application_name LIKE 'jobd job %%'"))
+
+
+def errors_of(conn: psycopg.Connection, ids: list[int]) -> list[Any]:
+    return [row[0] for row in conn.execute(
+        "SELECT errors FROM jobd.all_jobs WHERE id = ANY(%s) AND errors <> '[]'::jsonb",
+        (ids,)).fetchall()]
+
+
+def test_a_restart_and_an_outage_of_the_server_leave_no_stall_no_failed_job_no_log_flood(
+    daemons: Daemons, cluster: LocalCluster
+) -> None:
+    with connect(cluster.url, autocommit=True) as setup:
+        create_effects_table(setup)
+    daemon = prepare(daemons(name="outage"))
+    daemon.db_url = cluster.url
+    daemon.start(fault_config(lane={"workers": 1, "concurrency": 2}))
+    daemon.wait_workers_started(LANE, 1, timeout=30)
+    with connect(cluster.url, autocommit=True) as conn:
+        # Both of the lane's handler connections open, then idle in the pool.
+        warm = enqueue_load(conn, 2, hold=1.0, prefix="warm")
+        wait_until(lambda: running_transactions(conn) == 2, 30, message="two runs at once")
+        wait_all_done(conn, warm, 30, daemon)
+
+    # A clean restart closes them while they sit idle: the next runs must not fail for it.
+    cluster.restart("fast")
+    with connect(cluster.url, autocommit=True) as conn:
+        after_restart = enqueue_load(conn, 4, prefix="restart")
+        wait_all_done(conn, after_restart, 30, daemon)
+        assert errors_of(conn, after_restart) == [], daemon.tail()
+        # Both connections in a run when the server stops, the pool's attempts to replace
+        # them fail meanwhile, their waits doubling. One attempt each: no rerun takes the
+        # slots after the outage.
+        held = jobd.enqueue_many(conn, [JobSpec(HANDLER, {"hold": 2.0}, lane=LANE,
+                                                max_attempts=1) for _ in range(2)])
+        wait_until(lambda: running_transactions(conn) == 2, 30, message="two runs at once")
+    mark = daemon.mark()
+    cluster.stop()
+    stopped = time.monotonic()
+    wait_until(lambda: time.monotonic() - stopped >= OUTAGE_SECONDS, OUTAGE_SECONDS + 5,
+               interval=0.5, message="the outage to last")  # the fault's duration
+    cluster.start()
+    back = time.monotonic()
+    with connect(cluster.url, autocommit=True) as conn:
+        [fresh] = enqueue_load(conn, 1, prefix="fresh")
+        wait_until(lambda: done_count(conn, [fresh]) == 1, 30, interval=0.1,
+                   message=lambda: f"the job enqueued after the outage\n{daemon.tail()}")
+        waited = time.monotonic() - back
+        assert waited < PICKUP_AFTER_RETURN, f"{waited:.1f} s after the server was back"
+        assert errors_of(conn, [fresh]) == [], daemon.tail()
+        wait_until(lambda: scalar(conn, "SELECT count(*) FROM jobd.jobs WHERE id = ANY(%s)",
+                                  (held,)) == 0, 30, message="the held runs' outcomes")
+        assert daemon.running(), daemon.tail()
+        assert_invariants(conn, warm + after_restart + held + [fresh], settled=True,
+                          context=daemon.tail())
+
+    # The log: each connection says once that the database is unavailable, and once that it
+    # is back.
+    unavailable: dict[str, int] = {}
+    for entry in daemon.events("database unavailable", process=None, since=mark):
+        name = str(entry["connection"])
+        unavailable[name] = unavailable.get(name, 0) + 1
+    assert unavailable and max(unavailable.values()) == 1, unavailable
