@@ -126,7 +126,7 @@ class LaneConfig:
         """The settings that every node of the lane should share: each node applies its own
         to the jobs it claims (attempts, timeout, lease, backoff) or to the limits the
         database enforces across nodes, so nodes that differ decide a job's fate by which of
-        them claimed it. Stated in the node's heartbeat (migration 0046), compared by `jobd
+        them claimed it. Stated in the node's heartbeat (migration 0044), compared by `jobd
         status` and every node. Durations in seconds; None: not set. Workers, concurrency,
         prefetch and the poll are each node's own and left out."""
         return {"max_attempts": self.max_attempts, "timeout": self.timeout,

@@ -1319,7 +1319,7 @@ CREATE TABLE nodes (
     archive_retention float8,
     -- {"lane": {"max_attempts": 8, "timeout": null, ...}}: the settings of its lanes that
     -- decide a job's fate or the fleet's limits (LaneConfig.fleet_settings), so a lane the
-    -- live nodes configure differently is named (migration 0046); NULL: not reported
+    -- live nodes configure differently is named (migration 0044); NULL: not reported
     lane_settings     jsonb
 );
 
