@@ -220,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="at most this many (default: 50)")
     listing.add_argument("--before", type=positive_int, metavar="ID",
                          help="only jobs with a lower id: the next page starts below the "
-                              "last id shown")
+                              "last id shown (default: from the newest job)")
     listing.set_defaults(func=cmd_jobs_list)
     cancel = leaf(
         jobs_sub, "cancel",
