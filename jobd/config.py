@@ -53,8 +53,9 @@ class LaneConfig:
     max_attempts: int = 8
     backoff: Backoff = field(default_factory=Backoff)
     poll_interval: float = 5.0
-    # Jobs a worker process claims ahead of its free slots (None: 3 x concurrency), so the
-    # database sees larger claims while handlers see ``concurrency`` jobs at a time.
+    # Jobs a worker process claims ahead of its free slots (None: adapted to the start rate
+    # from a floor of 3 x concurrency, jobd.prefetch), so the database sees larger claims
+    # while handlers see ``concurrency`` jobs at a time.
     prefetch: int | None = None
     # Outcomes written on a second connection per worker process while claims go on the
     # first (jobd/settler.py); false: one connection, outcomes ride with the claims; None
