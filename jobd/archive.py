@@ -81,10 +81,23 @@ def prune_before(conn: psycopg.Connection, cutoff: datetime, budget: float | Non
     pruned = dict.fromkeys((field for field, _query in _PRUNES), 0)
     for field, name in _PRUNES:
         while True:
-            deleted = conn.execute(query(name), {"cutoff": cutoff, "batch": batch}).rowcount
+            deleted, finished = _prune_batch(conn, name, cutoff, batch)
             pruned[field] += deleted
-            if deleted < batch:
+            if finished:
                 break
             if time.monotonic() >= deadline:
                 return pruned, True
     return pruned, False
+
+
+def _prune_batch(conn: psycopg.Connection, name: str, cutoff: datetime,
+                 batch: int) -> tuple[int, bool]:
+    """One batch of the prune ``name``: the rows it deleted, and whether none are left.
+    The idempotency keys' sweep says itself when it has reached the cutoff: a batch of keys
+    that must all be kept deletes nothing, yet the sweep goes on past them."""
+    cursor = conn.execute(query(name), {"cutoff": cutoff, "batch": batch})
+    if name == "prune_job_keys":
+        row = cursor.fetchone()
+        assert row is not None
+        return int(row[0]), bool(row[1])
+    return cursor.rowcount, cursor.rowcount < batch

@@ -1363,13 +1363,45 @@ RETURNING job_id
 -- long outage) never meets the statement timeout, and each batch keeps what it did.
 -- The idempotency keys of jobs created before the retention cutoff that are neither live nor
 -- dead-lettered (a key lives as long as its job's history).
-DELETE FROM job_keys
- WHERE idempotency_key = ANY(ARRAY(
-       SELECT k.idempotency_key FROM job_keys AS k
-        WHERE k.created_at < %(cutoff)s::timestamptz
-          AND NOT EXISTS (SELECT 1 FROM jobs AS j WHERE j.id = k.job_id)
-          AND NOT EXISTS (SELECT 1 FROM dead_letter AS d WHERE d.id = k.job_id)
-        LIMIT %(batch)s))
+-- A sweep walks the expired keys in (created_at, idempotency_key) order, a batch of keys a
+-- statement from where key_sweep says the previous one stopped, so a batch reads what it
+-- examines and no more (migration 0048). Looking for the keys free to forget among all the
+-- expired ones read and sorted the whole backlog for every batch, and the keys that must be
+-- kept (dead-lettered and still-live jobs', the oldest) were walked past again each time.
+-- Each key's job is probed by primary key: scalar subqueries, which the planner cannot turn
+-- into an anti-join that hashes all of jobs or dead_letter. Once a statement examines fewer
+-- keys than its batch the sweep has reached the cutoff and starts again from the head, so a
+-- key kept because its job was live is looked at again by the next sweep. Returns the keys
+-- forgotten and whether the sweep reached the cutoff.
+WITH examined AS (
+    SELECT k.idempotency_key, k.job_id, k.created_at
+      FROM job_keys AS k
+     WHERE k.created_at < %(cutoff)s::timestamptz
+       AND (k.created_at, k.idempotency_key)
+           > ((SELECT coalesce(s.created_at, '-infinity') FROM key_sweep AS s),
+              (SELECT coalesce(s.idempotency_key, '') FROM key_sweep AS s))
+     ORDER BY k.created_at, k.idempotency_key
+     LIMIT %(batch)s
+),
+forgotten AS (
+    DELETE FROM job_keys AS k
+     WHERE k.idempotency_key = ANY(ARRAY(
+           SELECT e.idempotency_key FROM examined AS e
+            WHERE (SELECT j.id FROM jobs AS j WHERE j.id = e.job_id) IS NULL
+              AND (SELECT d.id FROM dead_letter AS d WHERE d.id = e.job_id) IS NULL))
+    RETURNING 1
+),
+moved AS (
+    -- No row (a short batch) sets NULL: the next sweep starts at the head.
+    UPDATE key_sweep AS s
+       SET (created_at, idempotency_key) = (
+           SELECT e.created_at, e.idempotency_key FROM examined AS e
+            WHERE (SELECT count(*) FROM examined) = %(batch)s
+            ORDER BY e.created_at DESC, e.idempotency_key DESC
+            LIMIT 1)
+    RETURNING s.created_at IS NULL AS swept
+)
+SELECT (SELECT count(*) FROM forgotten), coalesce((SELECT m.swept FROM moved AS m), true)
 
 -- name: prune_processed_keys
 DELETE FROM processed_keys

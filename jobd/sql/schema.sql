@@ -217,7 +217,18 @@ CREATE TABLE job_keys (
     job_id          bigint      NOT NULL,
     created_at      timestamptz NOT NULL DEFAULT now()
 );
-CREATE INDEX job_keys_created_at_idx ON job_keys (created_at);
+-- The retention pass's sweep of expired keys walks them in this order (prune_job_keys).
+CREATE INDEX job_keys_created_at_idx ON job_keys (created_at, idempotency_key);
+
+-- Where the retention pass's sweep of expired keys stands: the last key it examined, NULL at
+-- the head. Kept here so that a sweep goes on where the previous batch, pass, node or
+-- process stopped instead of walking again past the keys it must keep (migration 0048).
+CREATE TABLE key_sweep (
+    only_row        boolean     PRIMARY KEY DEFAULT true CHECK (only_row),
+    created_at      timestamptz,
+    idempotency_key text
+);
+INSERT INTO key_sweep DEFAULT VALUES;
 
 -- Every job, live or finished, with its state.
 CREATE VIEW all_jobs AS
