@@ -212,7 +212,7 @@ def _what_changes(pending: list[Migration], stale: list[tuple[str, str]]) -> str
     if pending:
         return "migrations " + ", ".join(f"{m.version:04d}_{m.name}" for m in pending)
     if stale:
-        return f"{len(stale)} functions to pin to it again ({_stale_paths(stale)})"
+        return f"{len(stale)} functions to pin to it again: {_stale_paths(stale)}"
     return "grants or the payload limit"
 
 
