@@ -53,12 +53,17 @@ def cmd_migrate(ctx: Context, args: argparse.Namespace) -> int:
         print_json({"schema": ctx.schema, "applied": names,
                     "max_payload_bytes_set": done.payload_limit,
                     "granted": [{"role": r, "kind": k} for r, k in done.roles.granted],
-                    "forgotten": [{"role": r, "kind": k} for r, k in done.roles.forgotten]})
+                    "forgotten": [{"role": r, "kind": k} for r, k in done.roles.forgotten],
+                    "repinned": [{"function": f, "search_path": p} for f, p in done.repinned]})
         return 0
     if names:
         print(f"applied to schema {ctx.schema}: {', '.join(names)}")
     else:
         print(f"schema {ctx.schema} is up to date")
+    if done.repinned:
+        old = sorted({path for _function, path in done.repinned})
+        print(f"pinned the search_path of {len(done.repinned)} functions to schema "
+              f"{ctx.schema} (they named {', '.join(old)})")
     if done.payload_limit is not None:
         print(f"max_payload_bytes set to {done.payload_limit:,} (limits.max_payload_bytes)")
     for role, kind in done.roles.granted:

@@ -84,8 +84,9 @@ def check_not_owner(conn: psycopg.Connection, schema: str, runtime: Iterable[str
 def apply(conn: psycopg.Connection, schema: str, *, runtime: Iterable[str] = (),
           producer: Iterable[str] = ()) -> Granted:
     """Record the roles named now, then grant every recorded role that still exists its
-    privileges on ``schema``. Runs inside the caller's (migrate's) transaction, with
-    search_path set to ``schema``."""
+    privileges on ``schema``, after taking the archive maintenance from PUBLIC again (a
+    restore without privileges gave it back). Runs inside the caller's (migrate's)
+    transaction, with search_path set to ``schema``."""
     wanted = [(role, "runtime") for role in runtime] + [(role, "producer") for role in producer]
     row = conn.execute(query("role_grants_exist")).fetchone()
     if not (row and row[0]):
@@ -97,6 +98,7 @@ def apply(conn: psycopg.Connection, schema: str, *, runtime: Iterable[str] = (),
         return Granted()
     check_roles(conn, [role for role, _kind in wanted])
     check_not_owner(conn, schema, runtime)
+    conn.execute(with_identifiers("revoke_maintenance_qualified", schema=schema))
     for role, kind in wanted:
         conn.execute(query("record_role_grant"), {"role": role, "kind": kind})
     result = Granted()

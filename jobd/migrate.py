@@ -20,7 +20,7 @@ from psycopg import sql
 
 from jobd import grants
 from jobd.db import validate_schema
-from jobd.queries import query
+from jobd.queries import query, text
 
 _FILE_NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
 
@@ -84,6 +84,9 @@ class Upgrade:
     applied: list[Migration] = field(default_factory=list)
     roles: grants.Granted = field(default_factory=grants.Granted)
     payload_limit: int | None = None  # limits.max_payload_bytes, when this run set it
+    # Functions whose search_path this run pinned to the schema again, with the path they had
+    # (a schema restored or renamed under another name).
+    repinned: list[tuple[str, str]] = field(default_factory=list)
 
 
 def migrate(conn: psycopg.Connection, schema: str, *,
@@ -129,12 +132,15 @@ def upgrade(conn: psycopg.Connection, schema: str, *, max_payload_bytes: int | N
             conn.execute(_LEDGER)
         done = {version: (name, checksum) for version, name, checksum in conn.execute(_APPLIED)}
         pending = _pending(available(), done)
-        if not owner and (pending or grant_runtime or grant_producer
+        stale = pinned_elsewhere(conn, schema)
+        if not owner and (pending or stale or grant_runtime or grant_producer
                           or _limit_differs(conn, max_payload_bytes)):
             raise NotOwner(
-                f"schema {schema} needs changes ({_what_changes(pending)}) that only its "
-                "owner may make: run jobd migrate as the role that owns it (the runtime "
+                f"schema {schema} needs changes ({_what_changes(pending, stale)}) that only "
+                "its owner may make: run jobd migrate as the role that owns it (the runtime "
                 "and producer roles cannot change it)")
+        # Before the migrations: they may call the functions (the partitions' upkeep does).
+        _pin_search_paths(conn, schema, stale)
         for migration in pending:
             conn.execute(migration.text)
             conn.execute(_RECORD, (migration.version, migration.name, migration.checksum))
@@ -148,7 +154,22 @@ def upgrade(conn: psycopg.Connection, schema: str, *, max_payload_bytes: int | N
         if owner:
             granted = grants.apply(conn, schema, runtime=grant_runtime,
                                    producer=grant_producer)
-    return Upgrade(applied_now, granted, max_payload_bytes if limit_set else None)
+    return Upgrade(applied_now, granted, max_payload_bytes if limit_set else None, stale)
+
+
+def pinned_elsewhere(conn: psycopg.Connection, schema: str) -> list[tuple[str, str]]:
+    """The functions of ``schema`` whose pinned search_path names another schema, with that
+    path: what a schema restored or renamed under another name has (the pins hold names, not
+    the schema itself). Until they are pinned again they use the old schema's tables."""
+    rows = conn.execute(query("functions_pinned_elsewhere"), {"schema": schema}).fetchall()
+    return [(signature, path) for signature, path in rows]
+
+
+def _pin_search_paths(conn: psycopg.Connection, schema: str,
+                      functions: list[tuple[str, str]]) -> None:
+    for signature, _path in functions:
+        conn.execute(sql.SQL(text("pin_search_path_qualified")).format(
+            function=sql.SQL(signature), schema=sql.Identifier(schema)))
 
 
 def _check_first_install(conn: psycopg.Connection, schema: str) -> None:
@@ -187,10 +208,17 @@ def _limit_differs(conn: psycopg.Connection, max_payload_bytes: int | None) -> b
     return row is None or row[0] != max_payload_bytes
 
 
-def _what_changes(pending: list[Migration]) -> str:
+def _what_changes(pending: list[Migration], stale: list[tuple[str, str]]) -> str:
     if pending:
         return "migrations " + ", ".join(f"{m.version:04d}_{m.name}" for m in pending)
+    if stale:
+        return f"{len(stale)} functions to pin to it again: {_stale_paths(stale)}"
     return "grants or the payload limit"
+
+
+def _stale_paths(stale: list[tuple[str, str]]) -> str:
+    paths = sorted({path for _signature, path in stale})
+    return "their search_path names " + " and ".join(repr(path) for path in paths)
 
 
 def schema_problem(conn: psycopg.Connection, schema: str) -> str | None:
@@ -205,4 +233,11 @@ def schema_problem(conn: psycopg.Connection, schema: str) -> str | None:
     version = row[0] if row else None
     if version is None or version < latest:
         return f"the schema is at version {version}, this jobd needs {latest}; run `jobd migrate`"
+    stale = pinned_elsewhere(conn, schema)
+    if stale:
+        # Restored or renamed under another name: its functions would claim, archive and drop
+        # partitions in the schema they name, if there is one.
+        return (f"{len(stale)} functions of schema {schema} work on another schema "
+                f"({_stale_paths(stale)}; restored or renamed under another name?): run "
+                f"`jobd migrate --schema {schema}` as its owner to pin them to it")
     return None

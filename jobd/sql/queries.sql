@@ -1510,6 +1510,14 @@ GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA {schema} TO {role};
 REVOKE INSERT, UPDATE, DELETE ON {schema}.schema_migrations, {schema}.settings FROM {role};
 REVOKE ALL ON {schema}.role_grants FROM {role};
 
+-- name: revoke_maintenance_qualified
+-- Migration 0014's revocation, made again by every `jobd migrate`: the archive maintenance
+-- runs as the owner, so a role that may call it can drop the whole archive. A restore that
+-- leaves out the privileges (pg_restore --no-acl, --no-privileges; the way into a server
+-- whose roles differ) gives every function back to PUBLIC, and with it to the producers.
+REVOKE EXECUTE ON FUNCTION {schema}.ensure_archive_partitions(integer),
+                           {schema}.drop_archive_partitions(timestamptz) FROM PUBLIC
+
 -- name: grant_producer_qualified
 -- Only enqueue, which runs as the owner (migration 0014): no privilege on any table, so a
 -- producer cannot read the queue's payloads or write a row but through enqueue's checks.
@@ -1533,6 +1541,25 @@ SELECT (SELECT count(*) FROM pg_class AS c WHERE c.relnamespace = n.oid)
 
 -- name: migration_ledger_exists
 SELECT to_regclass('schema_migrations') IS NOT NULL
+
+-- name: functions_pinned_elsewhere
+-- The functions of the schema whose pinned search_path is not the schema's own, `<schema>,
+-- pg_temp` (migration 0014): a schema restored or renamed under another name keeps the old
+-- name in them, so they would read and write the tables of a schema that is gone, or of
+-- another copy still there under the old name. Their signatures and the path they pin.
+SELECT p.oid::regprocedure::text, substr(c, length('search_path=') + 1)
+  FROM pg_proc AS p
+  JOIN pg_namespace AS n ON n.oid = p.pronamespace
+ CROSS JOIN LATERAL unnest(p.proconfig) AS c
+ WHERE n.nspname = %(schema)s
+   AND c LIKE 'search_path=%%'
+   AND c <> 'search_path=' || quote_ident(%(schema)s) || ', pg_temp'
+ ORDER BY 1
+
+-- name: pin_search_path_qualified
+-- {function} is a signature from functions_pinned_elsewhere (regprocedure's text, quoted by
+-- the server): the pin every function of the schema has, as migration 0014 set it.
+ALTER FUNCTION {function} SET search_path = {schema}, pg_temp
 
 -- name: latest_migration
 SELECT max(version) FROM schema_migrations
