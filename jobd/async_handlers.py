@@ -11,11 +11,15 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+import structlog
+
 from jobd import jobs, logs
 from jobd.handlers import ResolvedHandler
 from jobd.loop_watch import LoopWatch
 from jobd.outcomes import CANCELLED_ERROR, Outcome, failed, within_timeout
 from jobd.run_board import RunBoard
+
+log = structlog.get_logger("jobd.worker")
 
 
 class AsyncHandlers:
@@ -37,7 +41,47 @@ class AsyncHandlers:
         self.loop = asyncio.new_event_loop()
         self.loop.set_task_factory(self._new_task)
         self.watch = LoopWatch(self.loop, self._job_of)
-        threading.Thread(target=self.loop.run_forever, name="jobd-async", daemon=True).start()
+        self._closing = False
+        self._thread = threading.Thread(target=self._run_loop, name="jobd-async", daemon=True)
+        self._thread.start()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the event loop for good and close it (its unfinished runs are dropped)."""
+        self._closing = True
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+    def _run_loop(self) -> None:
+        """The event loop's thread, for the worker's life. A handler can end ``run_forever``
+        under every other async job of the worker: asyncio lets SystemExit and
+        KeyboardInterrupt out of the loop when a task raises them (one a handler started
+        with ``create_task``, whose exception no ``_run`` catches), and ``loop.stop()``
+        returns from it. The thread gone, those jobs would wait forever, their leases still
+        renewed and the worker still reporting as healthy; so the loop runs again, where
+        its tasks and callbacks wait as they were."""
+        while not self._closing:
+            try:
+                self.loop.run_forever()
+            except BaseException as exc:  # the loop must go on, whatever ended it
+                job = self._job_that_raised(exc)
+                log.error("a task of an async handler raised out of the event loop; it runs on",
+                          error=f"{type(exc).__name__}: {exc}",
+                          job_id=None if job is None else job.id,
+                          handler=None if job is None else job.handler)
+            else:
+                if not self._closing:
+                    log.error("an async handler stopped the event loop (loop.stop()); it "
+                              "runs on")
+
+    def _job_that_raised(self, exc: BaseException) -> jobs.Job | None:
+        """The job whose task (or a task it started) ended with ``exc``; its done callbacks
+        have not run yet, so it is still mapped (on the loop's thread, the loop stopped)."""
+        for task, job in list(self._jobs.items()):
+            if task.done() and not task.cancelled() and task.exception() is exc:
+                return job
+        return None
 
     def _new_task(self, loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any],
                   **kwargs: Any) -> asyncio.Task[Any]:
@@ -105,8 +149,10 @@ class AsyncHandlers:
             outcome = Outcome(job, None)
         except asyncio.CancelledError as exc:
             outcome = Outcome(job, CANCELLED_ERROR) if job.cancelled else failed(job, exc)
-        except GeneratorExit:  # the event loop is being closed with the task unfinished
-            raise
+        except GeneratorExit as exc:
+            if not _in_a_step():  # the coroutine is closed unfinished (its loop closed)
+                raise
+            outcome = failed(job, exc)  # the handler raised it: its job fails, as any other
         except BaseException as exc:  # a handler's sys.exit() fails its job, no more
             outcome = failed(job, exc)
         finally:
@@ -117,3 +163,13 @@ class AsyncHandlers:
                 self.board.async_ended(board_slot)
         outcome.seconds = time.monotonic() - started
         self._deliver(outcome)
+
+
+def _in_a_step() -> bool:
+    """Whether a task is being stepped by a running loop on this thread (not a coroutine
+    closed from outside, as when its loop is closed with it unfinished)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True

@@ -34,6 +34,11 @@ class LeaseLost(Exception):
     """The job's lease is no longer this worker's; the transaction was rolled back."""
 
 
+class TransactionEnded(RuntimeError):
+    """The handler ended the job's transaction itself (a ``COMMIT`` or ``ROLLBACK``
+    statement): what it wrote no longer commits with the job's completion."""
+
+
 class ConnectionGone(Exception):
     """The connection was dead before the transaction began (the server closed it while it
     sat idle in the pool: a restart, a failover, an idle timeout): nothing of the run
@@ -79,6 +84,7 @@ def run_transactional(
             if first is not None:
                 conn.row_factory = callers_rows
                 check_ran(job.handler, handler(job, conn))
+                _check_transaction_open(conn, job)
                 conn.row_factory = tuple_row
             completed = complete(conn, [job.lease], schema=schema)
             if not completed.applied:
@@ -92,6 +98,17 @@ def run_transactional(
     if completed.cancelled:
         return "cancelled"
     return "done" if first is not None else "replayed"
+
+
+def _check_transaction_open(conn: psycopg.Connection, job: Job) -> None:
+    """A handler that sent ``ROLLBACK`` undid its writes and the effect key, and the
+    completion that follows would then commit alone: the job done, its effect never made.
+    One that sent ``COMMIT`` made its effect without the completion. Either fails the job
+    (after a COMMIT, its retry finds the key and completes it without running again)."""
+    if conn.info.transaction_status != psycopg.pq.TransactionStatus.INTRANS:
+        raise TransactionEnded(
+            f"handler {job.handler!r} ended the job's transaction itself (a COMMIT or "
+            f"ROLLBACK statement); raise an exception to roll its work back instead")
 
 
 def end_abandoned(conn: psycopg.Connection, job: Job) -> int:

@@ -82,6 +82,11 @@ def resolved(name: str, target: Handler) -> ResolvedHandler:
     is_async = any(inspect.iscoroutinefunction(candidate) for candidate in (
         target, type(target).__call__, inspect.unwrap(target)))
     is_transactional = bool(getattr(target, TRANSACTIONAL_ATTRIBUTE, False))
+    if any(inspect.isgeneratorfunction(candidate) or inspect.isasyncgenfunction(candidate)
+           for candidate in (target, inspect.unwrap(target))):
+        raise HandlerImportError(
+            f"handler {name!r} is a generator function (its body holds a yield): calling it "
+            f"runs none of its body, so no job of it would ever do anything")
     if is_async and is_transactional:
         # Its transaction is a psycopg (sync) connection's, committed on a handler thread.
         raise HandlerImportError(
@@ -92,8 +97,19 @@ def resolved(name: str, target: Handler) -> ResolvedHandler:
 
 def check_ran(name: str, result: object) -> None:
     """A sync handler returned ``result``. An awaitable means its body never ran (an async
-    function behind a wrapper that hid it): that fails the job rather than count it done."""
-    if result is None or not inspect.isawaitable(result):  # None first: it is 5 x cheaper
+    function behind a wrapper that hid it): that fails the job rather than count it done.
+    So does a generator (a ``yield`` in the body, behind a wrapper that hid it): its body
+    runs only as it is iterated, and nothing iterates it."""
+    if result is None:  # first: it is 5 x cheaper than the checks below
+        return
+    if inspect.isgenerator(result) or inspect.isasyncgen(result):
+        kind = "a generator" if inspect.isgenerator(result) else "an async generator"
+        if inspect.isgenerator(result):
+            result.close()
+        raise TypeError(
+            f"handler {name!r} returned {kind} instead of running: a function with a "
+            f"yield in its body runs none of it when called; do the work and return")
+    if not inspect.isawaitable(result):
         return
     if inspect.iscoroutine(result):
         result.close()  # no "never awaited" warning: the job's error says it

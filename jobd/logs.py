@@ -3,6 +3,13 @@
 In a worker, what handlers print and what they log through the standard ``logging`` module
 becomes records of the same stream (:func:`capture_handler_output`), so an operator reading
 the JSON lines never meets raw text between them, and each record names its job.
+
+structlog's configuration is global, and a worker imports the application: a module that
+calls ``structlog.configure`` at import (as structlog's documentation shows) would replace
+jobd's. The worker puts jobd's back after the import (:func:`keep_configuration`), and the
+records made of handler output are written by a logger bound to jobd's configuration alone,
+whatever the global one says later: one that prints to ``sys.stdout``, which is itself turned
+into records, had every worker of the node wait forever on structlog's print lock.
 """
 
 from __future__ import annotations
@@ -20,6 +27,9 @@ import structlog
 _job = threading.local()
 # Async handlers share the event loop's thread: each task names its job in its own context.
 _task_job: ContextVar[dict[str, Any] | None] = ContextVar("jobd_task_job", default=None)
+
+# What configure() set last (structlog.configure's keyword arguments), or None before.
+_configured: dict[str, Any] | None = None
 
 
 def bind_job(job_id: int, handler: str) -> None:
@@ -69,8 +79,9 @@ def configure(level: str = "info", *, reconfigurable: bool = False, **static: ob
         renderer = structlog.dev.ConsoleRenderer()
     else:
         renderer = structlog.processors.JSONRenderer()
-    structlog.configure(
-        processors=[
+    global _configured
+    _configured = {
+        "processors": [
             structlog.contextvars.merge_contextvars,
             _add_job,
             add_static,
@@ -79,12 +90,35 @@ def configure(level: str = "info", *, reconfigurable: bool = False, **static: ob
             structlog.processors.format_exc_info,
             renderer,
         ],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
+        "wrapper_class": structlog.make_filtering_bound_logger(
+            logging.getLevelName(level.upper())),
         # One write per line: the supervisor and its workers share stderr, and two lines
         # written piecemeal by two processes would interleave.
-        logger_factory=structlog.WriteLoggerFactory(sys.stderr),
-        cache_logger_on_first_use=not reconfigurable,
-    )
+        "logger_factory": structlog.WriteLoggerFactory(sys.stderr),
+        "cache_logger_on_first_use": not reconfigurable,
+    }
+    structlog.configure(**_configured)
+
+
+def keep_configuration() -> bool:
+    """Put back what :func:`configure` set if code run since replaced structlog's
+    configuration (an application module's ``structlog.configure`` at import); True if it
+    had been replaced. Loggers the replacement bound meanwhile keep it."""
+    if _configured is None:
+        return False
+    current = structlog.get_config()
+    if all(current[key] is value for key, value in _configured.items()):
+        return False
+    structlog.configure(**_configured)
+    return True
+
+
+def _own_logger() -> Any:
+    """A logger bound to :func:`configure`'s settings, never to structlog's global
+    configuration, which user code may change at any time."""
+    assert _configured is not None, "logs.configure() first"
+    return _configured["wrapper_class"](_configured["logger_factory"](),
+                                        processors=_configured["processors"], context={})
 
 
 _STDLIB_LEVELS = {logging.DEBUG: "debug", logging.INFO: "info", logging.WARNING: "warning",
@@ -94,6 +128,10 @@ _STDLIB_LEVELS = {logging.DEBUG: "debug", logging.INFO: "info", logging.WARNING:
 class _ToStructlog(logging.Handler):
     """Standard-library log records, re-emitted as structlog events."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._log = _own_logger()
+
     def emit(self, record: logging.LogRecord) -> None:
         try:
             message = record.getMessage()
@@ -102,7 +140,7 @@ class _ToStructlog(logging.Handler):
                 fields["exception"] = "".join(
                     logging.Formatter().formatException(record.exc_info))
             level = _STDLIB_LEVELS.get(record.levelno, "info")
-            getattr(structlog.get_logger(record.name), level)(message, **fields)
+            getattr(self._log, level)(message, **fields)
         except Exception:
             self.handleError(record)
 
@@ -116,7 +154,7 @@ class _LineWriter(io.TextIOBase):
     def __init__(self, stream: str) -> None:
         self.stream = stream
         self._partial = threading.local()
-        self._log = structlog.get_logger("jobd.handler_output")
+        self._log = _own_logger()
 
     def writable(self) -> bool:
         return True

@@ -280,6 +280,10 @@ def main() -> int:
     except handler_registry.HandlerImportError as exc:
         log.error("boot failure", error=str(exc))
         return EXIT_BOOT_FAILURE
+    if logs.keep_configuration():
+        log.info("the handlers' modules configured structlog at import; this worker "
+                 "keeps jobd's configuration, so their structlog records are written as "
+                 "jobd's, naming their jobs")
     worker = Worker(spec, resolved)
     worker.install_signal_handlers()
     signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_AT_START)

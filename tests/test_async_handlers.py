@@ -34,12 +34,10 @@ def job(job_id: int, lease_token: int = 1) -> jobs.Job:
     return jobs.Job(job_id, lease_token, "default", "h", "{}", 0, NOW, 1, None, None, NOW, NOW)
 
 
-def stop(loop: asyncio.AbstractEventLoop) -> None:
-    loop.call_soon_threadsafe(loop.stop)
-    deadline = time.monotonic() + 10
-    while loop.is_running() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    loop.close()
+def stop(runner: AsyncHandlers | None) -> None:
+    assert runner is not None
+    runner.close()
+    assert runner.loop.is_closed()
 
 
 def run(func: Any, *, timeout: float | None = None, cancel: bool = False,
@@ -58,7 +56,7 @@ def run(func: Any, *, timeout: float | None = None, cancel: bool = False,
             runner.cancel(the_job.id)
         return delivered.get(timeout=10)
     finally:
-        stop(runner.loop)
+        stop(runner)
 
 
 
@@ -90,7 +88,7 @@ def test_a_burst_of_starts_runs_every_job_once_on_few_wake_ups_of_the_loop() -> 
         assert delivered.empty()
         assert wake_ups < 20_000
     finally:
-        stop(runner.loop)
+        stop(runner)
 
 def test_a_run_that_returns_succeeds() -> None:
     async def handler(job: jobs.Job) -> None:
@@ -191,7 +189,7 @@ def test_a_job_claimed_again_while_its_lost_run_goes_on_gets_both_outcomes() -> 
         first = delivered.get(timeout=10)
         assert [(o.job.lease_token, o.error) for o in (second, first)] == [(2, None), (1, None)]
     finally:
-        stop(runner.loop)
+        stop(runner)
 
 
 def test_what_an_async_handler_logs_names_its_job() -> None:
@@ -236,7 +234,7 @@ def test_the_worker_fails_an_async_run_that_has_not_ended_a_grace_after_its_time
         # abandoned); awaited so that no task is left pending when the loop stops.
         runner.outcomes.get(timeout=10)
         assert runner.async_handlers is not None
-        stop(runner.async_handlers.loop)
+        stop(runner.async_handlers)
 
 
 def async_runner(handler: Any) -> HandlerRunner:
@@ -300,7 +298,7 @@ def test_a_handler_that_blocks_the_event_loop_is_named_and_so_is_the_end_of_it(
             ("the event loop runs again", BLOCKED_AFTER + 1)]
     finally:
         release.set()
-        stop(runner.async_handlers.loop)
+        stop(runner.async_handlers)
 
 
 def test_a_loop_that_answers_is_never_called_blocked() -> None:
@@ -322,7 +320,7 @@ def test_a_loop_that_answers_is_never_called_blocked() -> None:
         assert logged == []
         runner.outcomes.get(timeout=10)
     finally:
-        stop(runner.async_handlers.loop)
+        stop(runner.async_handlers)
 
 
 # --- an async function behind a plain decorator ----------------------------------------------
@@ -367,4 +365,85 @@ def test_a_handler_that_returns_a_coroutine_without_running_it_fails_its_job() -
     finally:
         runner.close()
     assert outcome.error is not None and "returned coroutine instead of running" in outcome.error
+    assert ran == []
+
+
+def test_a_handler_that_raises_generator_exit_fails_its_job() -> None:
+    # Let through as if the loop were closing under it: the run delivered nothing, and its
+    # job stayed claimed, its lease renewed, for as long as the worker ran.
+    async def handler(job: jobs.Job) -> None:
+        raise GeneratorExit
+
+    outcome = run(handler)
+    assert outcome.error is not None and outcome.error.startswith("GeneratorExit")
+
+
+def _ends_run_forever(how: str) -> Any:
+    async def bad() -> None:
+        if how == "stop":
+            asyncio.get_running_loop().stop()
+        else:
+            raise SystemExit(3) if how == "SystemExit" else KeyboardInterrupt
+
+    async def handler(job: jobs.Job) -> None:
+        asyncio.get_running_loop().create_task(bad())  # its exception reaches no _run
+
+    return handler
+
+
+@pytest.mark.parametrize("how", ["SystemExit", "KeyboardInterrupt", "stop"])
+def test_a_task_that_ends_the_event_loop_leaves_it_running_for_the_next_jobs(how: str) -> None:
+    # asyncio lets SystemExit and KeyboardInterrupt of a task out of run_forever, and
+    # loop.stop() returns from it: the event loop's thread ended, and every later async job
+    # of the worker waited forever while the worker reported itself healthy.
+    delivered: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
+    runner = AsyncHandlers(None, delivered.put)
+
+    async def fine(job: jobs.Job) -> None:
+        await asyncio.sleep(0.01)
+
+    try:
+        with capture_logs() as logged:
+            runner.start(handlers.resolved("bad", _ends_run_forever(how)), job(1))
+            assert delivered.get(timeout=10).error is None  # it returned before its task
+            for job_id in (2, 3):
+                runner.start(handlers.resolved("fine", fine), job(job_id))
+                outcome = delivered.get(timeout=10)
+                assert (outcome.job.id, outcome.error) == (job_id, None)
+        errors = [entry for entry in logged if entry["log_level"] == "error"]
+        assert len(errors) == 1
+        if how != "stop":
+            assert errors[0]["job_id"] == 1 and errors[0]["error"].startswith(how)
+    finally:
+        stop(runner)
+
+
+def test_a_generator_handler_is_refused_and_one_behind_a_wrapper_fails_its_job() -> None:
+    # Its body runs only as it is iterated: the job was counted done, nothing having run.
+    ran: list[int] = []
+
+    def body(job: jobs.Job) -> Any:
+        ran.append(job.id)
+        yield
+
+    async def async_body(job: jobs.Job) -> Any:
+        ran.append(job.id)
+        yield
+
+    for function in (body, async_body):
+        with pytest.raises(handlers.HandlerImportError, match="is a generator function"):
+            handlers.resolved("h", function)
+        with pytest.raises(handlers.HandlerImportError, match="is a generator function"):
+            handlers.resolved("h", functools.wraps(function)(lambda job, f=function: f(job)))
+
+        def hidden(job: jobs.Job, function: Any = function) -> Any:
+            return function(job)
+
+        runner = async_runner(hidden)
+        try:
+            runner.start(SimpleNamespace(job=job(7), started=None, taken_back=False))
+            outcome = runner.outcomes.get(timeout=10)
+        finally:
+            runner.close()
+        assert outcome.error is not None and "generator instead of running" in outcome.error
     assert ran == []

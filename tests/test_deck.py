@@ -269,10 +269,7 @@ def test_the_deck_is_open_only_to_short_sync_jobs() -> None:
                                      if short_sync else 0)
         claimer.prefetch.short = False
         if runner.async_handlers is not None:
-            event_loop = runner.async_handlers.loop
-            event_loop.call_soon_threadsafe(event_loop.stop)
-            until(lambda loop=event_loop: not loop.is_running(), "the event loop stops")
-            event_loop.close()
+            runner.async_handlers.close()
 
 
 def test_a_heartbeat_that_could_not_be_sent_is_sent_again_soon_and_at_the_reconnect(

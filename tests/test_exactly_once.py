@@ -215,6 +215,38 @@ def test_a_committed_job_cannot_be_claimed_or_committed_again(
     assert state_of(conn, job_id) == "done"
 
 
+@pytest.mark.parametrize("statement", ["ROLLBACK", "COMMIT"])
+def test_a_handler_that_ends_the_transaction_itself_fails_its_job_and_the_effect_stays_once(
+    tables: psycopg.Connection, db_url: str, statement: str
+) -> None:
+    # A ROLLBACK in the handler undid its write and the effect key, and the completion then
+    # committed alone: the job done, its effect never made. A COMMIT made the effect apart
+    # from the completion. Both now fail the attempt; after a COMMIT the retry finds the key.
+    conn = tables
+    job_id = jobd.enqueue(conn, "tx")
+
+    @jobd.transactional
+    def handler(job: Job, tx: psycopg.Connection) -> None:
+        insert_effect(job, tx, "worker-a")
+        tx.execute(statement)
+
+    first = claim_one(conn, "worker-a", db_now(conn))
+    with connect(db_url) as a_conn:
+        with pytest.raises(exactly_once.TransactionEnded, match="ended the job's transaction"):
+            run_transactional(a_conn, first, handler)
+        assert a_conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    assert state_of(conn, job_id) == "claimed"
+    expected = [] if statement == "ROLLBACK" else [(f"jobd:job:{job_id}", job_id, "worker-a")]
+    assert effect_rows(conn) == expected
+    if statement == "COMMIT":
+        queue.release(conn, [first.lease])
+        with connect(db_url) as b_conn:
+            retry = claim_one(conn, "worker-b", db_now(conn))
+            assert run_transactional(b_conn, retry, handler) == "replayed"
+        assert effect_rows(conn) == expected
+        assert state_of(conn, job_id) == "done"
+
+
 # --- (b) two threads at once ---------------------------------------------------------------
 
 

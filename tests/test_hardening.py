@@ -438,6 +438,47 @@ def test_handler_output_and_logging_become_structured_records(
     assert daemon.events("waking workers")
 
 
+STRUCTLOG_APP = '''\
+"""An application that sets structlog up at import, as structlog's documentation shows."""
+
+import structlog
+
+structlog.configure(
+    processors=[structlog.processors.add_log_level, structlog.processors.JSONRenderer()],
+    logger_factory=structlog.PrintLoggerFactory(),
+)
+log = structlog.get_logger("structapp")
+
+
+def handler(job):
+    log.info("hello from structlog", n=job.payload["n"])
+    print("hello from print", job.payload["n"])
+'''
+
+
+def test_an_application_that_configures_structlog_at_import_keeps_the_workers_running(
+    daemons: Daemons, effects_db: psycopg.Connection
+) -> None:
+    # Every worker imports every handler. The application's configuration printed to
+    # sys.stdout, which the worker turns into log records, and the worker's first record
+    # waited forever on structlog's print lock: every worker of the node hung at start,
+    # was killed as hung and restarted, and no job ran.
+    daemon = new_daemon(daemons)
+    (daemon.dir / "structapp.py").write_text(STRUCTLOG_APP)
+    daemon.start(make_config({"default": {}},
+                             handlers={**HANDLERS, "structapp": "structapp:handler"}))
+    job_id = jobd.enqueue(effects_db, "structapp", {"n": 5})
+    wait_state(effects_db, job_id, "done", 20, daemon)
+    logged = daemon.wait_for_log("hello from structlog", process=None)
+    assert (logged["n"], logged["job_id"], logged["handler"]) == (5, job_id, "structapp")
+    printed = daemon.wait_for_log("hello from print 5", process=None)
+    assert (printed["stream"], printed["job_id"]) == ("stdout", job_id)
+    assert daemon.events("worker exited") == []
+    raw = [line for line in daemon.log_path.read_text().splitlines()
+           if "hello from" in line and not line.startswith("{")]
+    assert raw == []
+
+
 def test_a_reload_whose_handlers_import_slowly_does_not_hold_up_the_lanes(
     daemons: Daemons, effects_db: psycopg.Connection
 ) -> None:
