@@ -1365,7 +1365,7 @@ RETURNING job_id
 -- dead-lettered (a key lives as long as its job's history).
 -- A sweep walks the expired keys in (created_at, idempotency_key) order, a batch of keys a
 -- statement from where key_sweep says the previous one stopped, so a batch reads what it
--- examines and no more (migration 0048). Looking for the keys free to forget among all the
+-- examines and no more (migration 0045). Looking for the keys free to forget among all the
 -- expired ones read and sorted the whole backlog for every batch, and the keys that must be
 -- kept (dead-lettered and still-live jobs', the oldest) were walked past again each time.
 -- Each key's job is probed by primary key: scalar subqueries, which the planner cannot turn

@@ -222,7 +222,7 @@ CREATE INDEX job_keys_created_at_idx ON job_keys (created_at, idempotency_key);
 
 -- Where the retention pass's sweep of expired keys stands: the last key it examined, NULL at
 -- the head. Kept here so that a sweep goes on where the previous batch, pass, node or
--- process stopped instead of walking again past the keys it must keep (migration 0048).
+-- process stopped instead of walking again past the keys it must keep (migration 0045).
 CREATE TABLE key_sweep (
     only_row        boolean     PRIMARY KEY DEFAULT true CHECK (only_row),
     created_at      timestamptz,

@@ -19,6 +19,6 @@ INSERT INTO key_sweep DEFAULT VALUES;
 -- The sweep's order, so a batch starts at its position in the index. Built anew and swapped
 -- in under the old name (a copy built by hand CONCURRENTLY beforehand, as docs/upgrades.md
 -- suggests, is taken); the old index served only this prune.
-CREATE INDEX IF NOT EXISTS job_keys_created_at_idx_0048 ON job_keys (created_at, idempotency_key);
+CREATE INDEX IF NOT EXISTS job_keys_created_at_idx_0045 ON job_keys (created_at, idempotency_key);
 DROP INDEX job_keys_created_at_idx;
-ALTER INDEX job_keys_created_at_idx_0048 RENAME TO job_keys_created_at_idx;
+ALTER INDEX job_keys_created_at_idx_0045 RENAME TO job_keys_created_at_idx;
