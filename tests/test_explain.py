@@ -373,7 +373,10 @@ def test_the_sampler_reads_index_pages_not_the_heap(
     assert row is not None
     index_pages, table_pages = row
     assert pages(plan) < index_pages + 600
-    assert pages(plan) < table_pages / 2
+    # The counted index is nearly half the table's size (6,745 against 14,371 pages), so half
+    # the table was a bound a few hundred pages of other reads could reach (7,190 was seen);
+    # a read of the heap would add all of its pages.
+    assert pages(plan) < index_pages + table_pages / 4
 
 
 @pytest.fixture(scope="module")
