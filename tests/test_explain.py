@@ -372,11 +372,10 @@ def test_the_sampler_reads_index_pages_not_the_heap(
         "  FROM pg_class WHERE relnamespace = 'jobd'::regnamespace").fetchone()
     assert row is not None
     index_pages, table_pages = row
+    # A read of the heap would add its 14,000 pages. (A bound of half the table's pages was
+    # met under load, at 7,190 against 7,186: the counted index alone is nearly half.)
+    assert table_pages > 2 * 600
     assert pages(plan) < index_pages + 600
-    # The counted index is nearly half the table's size (6,745 against 14,371 pages), so half
-    # the table was a bound a few hundred pages of other reads could reach (7,190 was seen);
-    # a read of the heap would add all of its pages.
-    assert pages(plan) < index_pages + table_pages / 4
 
 
 @pytest.fixture(scope="module")
