@@ -17,6 +17,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import tuple_row
 
+from jobd import caller_connection
 from jobd.db import DEFAULT_SCHEMA
 from jobd.queries import qualified
 
@@ -37,6 +38,7 @@ def cancel(conn: psycopg.Connection, ids: Sequence[int], *,
     """Cancel the jobs ``ids``: see the module. Takes effect when the caller's transaction
     commits; ids that name no job are listed in ``unknown``, the others are cancelled
     regardless (roll back to undo)."""
+    conn = caller_connection.checked(conn, "jobd.cancel")
     result = CancelResult()
     rows = conn.cursor(row_factory=tuple_row).execute(
         qualified("cancel_jobs_qualified", schema), {"ids": list(ids)}).fetchall()

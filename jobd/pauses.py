@@ -16,7 +16,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import tuple_row
 
-from jobd import validation
+from jobd import caller_connection, validation
 from jobd.db import DEFAULT_SCHEMA
 from jobd.queries import qualified, query
 
@@ -42,6 +42,7 @@ def pause(conn: psycopg.Connection, lane: str, handler: str | None = None, *,
           schema: str = DEFAULT_SCHEMA) -> bool:
     """Pause ``lane``, or only ``handler``'s jobs in it; False if it was paused already.
     Takes effect when the caller's transaction commits."""
+    conn = caller_connection.checked(conn, "jobd.pause")
     _checked(lane, handler)
     row = conn.cursor(row_factory=tuple_row).execute(
         qualified("pause_qualified", schema), {"lane": lane, "handler": handler}).fetchone()
@@ -53,6 +54,7 @@ def resume(conn: psycopg.Connection, lane: str, handler: str | None = None, *,
            schema: str = DEFAULT_SCHEMA) -> bool:
     """End the pause that :func:`pause` with the same arguments made (the lane's own, or
     one handler's: the others stay); False if there was none."""
+    conn = caller_connection.checked(conn, "jobd.resume")
     _checked(lane, handler)
     row = conn.cursor(row_factory=tuple_row).execute(
         qualified("resume_qualified", schema), {"lane": lane, "handler": handler}).fetchone()

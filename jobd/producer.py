@@ -13,7 +13,7 @@ from psycopg import pq
 from psycopg.rows import tuple_row
 from psycopg.types.json import Jsonb
 
-from jobd import validation
+from jobd import caller_connection, validation
 from jobd.db import DEFAULT_SCHEMA
 from jobd.jobs import JobSpec
 from jobd.queries import qualified, query
@@ -59,6 +59,7 @@ def enqueue(
     sent; the payload size limit is the database's, and a larger payload is refused by the
     server (psycopg.errors.InvalidParameterValue).
     """
+    conn = caller_connection.checked(conn, "jobd.enqueue")
     if run_at is not None and delay is not None:
         raise ValueError("give run_at or delay, not both")
     if delay is not None:
@@ -100,6 +101,7 @@ def enqueue_many(
     thousands costs a few round trips. Jobs with an idempotency key go through the key ledger
     first; a key already taken (or repeated within the batch) yields the existing job's id.
     """
+    conn = caller_connection.checked(conn, "jobd.enqueue_many")
     encoded = [spec.encoded_payload() for spec in specs]
     if not specs:
         return []

@@ -4,7 +4,10 @@ for the rules). A job one of them accepts is one every worker can load and decod
 
 from __future__ import annotations
 
+import asyncio
 import json
+import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from decimal import Decimal
@@ -279,6 +282,52 @@ def test_python_refuses_arguments_of_the_wrong_type(conn: psycopg.Connection) ->
         with pytest.raises(ValueError, match=message):
             jobd.enqueue(conn, "h", **arguments)
     assert conn.execute("SELECT count(*) FROM jobs").fetchone() == (0,)
+
+
+def _stand_in(module: str, name: str) -> object:
+    """An object of a class from ``module``: the connections of libraries jobd does not
+    depend on (SQLAlchemy, Django, psycopg2), as far as the check can tell."""
+    return type(name, (), {"__module__": module})()
+
+
+# Each Python entry point that takes the application's connection, called with one.
+CONNECTION_CALLS: dict[str, Callable[[Any], object]] = {
+    "jobd.enqueue": lambda c: jobd.enqueue(c, "h"),
+    "jobd.enqueue_many": lambda c: jobd.enqueue_many(c, [jobd.JobSpec("h")]),
+    "jobd.cancel": lambda c: jobd.cancel(c, [1]),
+    "jobd.pause": lambda c: jobd.pause(c, "default"),
+    "jobd.resume": lambda c: jobd.resume(c, "default"),
+}
+
+
+def test_python_refuses_a_connection_it_cannot_use_and_says_what_to_pass(
+        conn: psycopg.Connection, db_url: str) -> None:
+    async def async_connection() -> psycopg.AsyncConnection:
+        return await psycopg.AsyncConnection.connect(db_url)
+
+    aconn = asyncio.run(async_connection())
+    try:
+        for wrong, advice in (
+            (aconn, r"not psycopg\.AsyncConnection: jobd's Python API is synchronous.*"
+                    r"SELECT jobd\.enqueue\("),
+            (conn.cursor(), r"not psycopg\.Cursor: pass the cursor's connection"),
+            (_stand_in("sqlalchemy.engine.base", "Connection"),
+             r"not sqlalchemy\.engine\.base\.Connection: .*driver_connection"),
+            (_stand_in("django.utils.connection", "ConnectionProxy"),
+             r"not django\.utils\.connection\.ConnectionProxy: .*django\.db\.connection"),
+            (_stand_in("psycopg2.extensions", "connection"),
+             r"not psycopg2\.extensions\.connection: psycopg2 is not supported"),
+            (None, "not None: connect with psycopg.connect"),
+            (db_url, r"not builtins\.str: connect with psycopg\.connect"),
+        ):
+            for name, call in CONNECTION_CALLS.items():
+                with pytest.raises(TypeError, match=re.escape(name) + " takes a psycopg"
+                                   r"\.Connection \(psycopg 3\), " + advice):
+                    call(wrong)
+    finally:
+        asyncio.run(aconn.close())
+    assert conn.execute("SELECT count(*) FROM jobs").fetchone() == (0,)
+    assert conn.execute("SELECT count(*) FROM lane_pauses").fetchone() == (0,)
 
 
 def test_the_cli_and_python_take_the_same_delays(conn: psycopg.Connection, db_url: str) -> None:
