@@ -27,6 +27,7 @@ from psycopg.rows import dict_row
 import jobd
 from jobd.config import ScheduleConfig
 from jobd.db import connect
+from jobd.errors import JobdError
 from jobd.migrate import migrate
 from jobd.testing import (
     Clock,
@@ -461,6 +462,41 @@ def test_an_outbox_entry_goes_to_the_schema_the_run_uses_without_a_config(
 def test_run_jobs_refuses_to_run_without_handlers(user_conn: psycopg.Connection) -> None:
     with pytest.raises(ValueError, match="needs handlers"):
         run_jobs(user_conn)
+
+
+def test_run_jobs_refuses_a_lane_the_config_does_not_declare(
+    user_conn: psycopg.Connection, tmp_path: Path
+) -> None:
+    # A typo, or a lane no node with this config serves: run with the default lane
+    # settings, the job passed the test and never ran under the daemon.
+    config = tmp_path / "jobd.yaml"
+    config.write_text(yaml.safe_dump({
+        "handlers": {"charge": "testing_app:charge"},
+        "lanes": {"default": {}, "payments": {"max_attempts": 1}}}))
+    jobd.enqueue(user_conn, "charge", {"order": 1}, lane="payment")
+    with pytest.raises(ValueError, match=r"unknown lane 'payment'; the config has: default, "
+                                         r"payments"):
+        run_jobs(user_conn, "payment", config=config)
+    assert_enqueued(user_conn, "charge", lane="payment")  # nothing ran
+    # Without a config, or with one that declares no lanes, any lane runs with the defaults.
+    assert run_jobs(user_conn, "payment", handlers=HANDLERS).done == 1
+
+
+@pytest.mark.parametrize("helper", ["run_jobs", "assert_enqueued", "materialize_schedules"])
+def test_the_helpers_say_when_the_schema_is_not_migrated(
+    user_conn: psycopg.Connection, helper: str
+) -> None:
+    hourly = ScheduleConfig("hourly", "0 * * * *", "nightly_report")
+    calls = {
+        "run_jobs": lambda: run_jobs(user_conn, handlers=HANDLERS, schema="shop_jobs"),
+        "assert_enqueued": lambda: assert_enqueued(user_conn, schema="shop_jobs"),
+        "materialize_schedules": lambda: materialize_schedules(user_conn, [hourly],
+                                                               schema="shop_jobs"),
+    }
+    with pytest.raises(JobdError,
+                       match=r"jobd's schema 'shop_jobs' is missing or incomplete in this "
+                             r"database \(relation .* does not exist\): run `jobd migrate`"):
+        calls[helper]()
 
 
 # --- the clock and schedules ---------------------------------------------------------------

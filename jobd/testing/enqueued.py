@@ -20,6 +20,7 @@ from psycopg.types.json import Jsonb
 
 from jobd.db import DEFAULT_SCHEMA, validate_schema
 from jobd.queries import qualified
+from jobd.testing.session import schema_checked
 
 _ANY: Any = object()
 
@@ -52,10 +53,11 @@ def enqueued_jobs(conn: psycopg.Connection, handler: str | None = None, *,
     ``payload`` (JSON containment, PostgreSQL's ``@>``: every key and value given is in the
     job's payload, which may hold more); each filter left out matches every job."""
     # Tuples, whatever row factory the test's connection has: EnqueuedJob takes them in order.
-    rows = conn.cursor(row_factory=tuple_row).execute(
-        qualified("testing_enqueued_jobs_qualified", validate_schema(schema)), {
-            "handler": handler, "lane": lane,
-            "payload": None if payload is _ANY else Jsonb(payload)}).fetchall()
+    with schema_checked(validate_schema(schema)):
+        rows = conn.cursor(row_factory=tuple_row).execute(
+            qualified("testing_enqueued_jobs_qualified", schema), {
+                "handler": handler, "lane": lane,
+                "payload": None if payload is _ANY else Jsonb(payload)}).fetchall()
     return [EnqueuedJob(*row) for row in rows]
 
 

@@ -81,6 +81,12 @@ def _resolve(name: str, target: Callable[..., Any] | str) -> handlers.ResolvedHa
 
 def _plan(lane: str, given: HandlerMap | None, config: Config | None,
           retry: RetryPolicy | None) -> _Plan:
+    # As `jobd enqueue -c` and `jobd pause -c` do: a lane the config does not declare is a
+    # typo, or a lane no node with this config serves; run with defaults, the test would
+    # pass where the daemon never runs the job.
+    if config is not None and config.lanes and lane not in config.lanes:
+        raise ValueError(f"unknown lane {lane!r}; the config has: "
+                         + ", ".join(sorted(config.lanes)))
     lane_config = (config.lanes.get(lane) if config else None) or LaneConfig(lane)
     if retry is not None:
         lane_config = dataclasses.replace(lane_config, backoff=retry.backoff,

@@ -29,6 +29,8 @@ from jobd.db import (
     users_connection_reset,
     validate_schema,
 )
+from jobd.errors import JobdError
+from jobd.outcomes import first_line_of
 from jobd.queries import query
 
 Target = psycopg.Connection | str
@@ -55,9 +57,15 @@ class Session:
     def jobd_statements(self) -> Iterator[psycopg.Connection]:
         """``conn`` with the jobd schema as its search_path, reading rows as tuples, for
         jobd's own statements."""
-        if not self.on_callers_connection:
-            yield self.conn
-            return
+        with schema_checked(self.schema):
+            if not self.on_callers_connection:
+                yield self.conn
+                return
+            with self._switched() as conn:
+                yield conn
+
+    @contextlib.contextmanager
+    def _switched(self) -> Iterator[psycopg.Connection]:
         local = _in_transaction_block(self.conn)
         with _reading_tuples(self.conn):
             if self.callers_path is None:
@@ -98,6 +106,21 @@ class Session:
     def close(self) -> None:
         if self.handler_conn is not None:
             self.handler_conn.close()
+
+
+@contextlib.contextmanager
+def schema_checked(schema: str) -> Iterator[None]:
+    """jobd's statements in a database where ``schema`` holds none of jobd's tables (not
+    migrated, or another schema) fail with what that means, not with the first table name
+    the statement happened to reach (``relation "lane_pauses" does not exist``)."""
+    try:
+        yield
+    except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedFunction) as exc:
+        raise JobdError(
+            f"jobd's schema {schema!r} is missing or incomplete in this database "
+            f"({first_line_of(str(exc))}): run `jobd migrate` on it first (or "
+            f"jobd.migrate.migrate(conn, {schema!r})), or give the schema it uses (schema=, "
+            f"or database.schema in the config)") from exc
 
 
 def _in_transaction_block(conn: psycopg.Connection) -> bool:
