@@ -34,7 +34,7 @@ import psycopg
 import setproctitle
 import structlog
 
-from jobd import exactly_once, jobs, logs, outbox, pipes, protocol, queue, worker_wakes
+from jobd import exactly_once, forks, jobs, logs, outbox, pipes, protocol, queue, worker_wakes
 from jobd import handlers as handler_registry
 from jobd.claim_buffer import BUFFER_MAX_AGE
 from jobd.claimer import Claimer
@@ -262,10 +262,14 @@ class Worker:
 
 def main() -> int:
     spec = WorkerSpec.from_json(sys.stdin.read())
-    logs.configure(spec.log_level, process=f"worker {spec.lane.name}#{spec.slot}",
+    # The log's own copy of stderr: what handlers do to descriptor 2 does not reach it.
+    log_stream = logs.private_stderr()
+    logs.configure(spec.log_level, stream=log_stream,
+                   process=f"worker {spec.lane.name}#{spec.slot}",
                    worker=spec.worker_id, pid=os.getpid())
     setproctitle.setproctitle(f"jobd: worker {spec.lane.name}#{spec.slot} starting")
-    faulthandler.enable()  # SIGABRT from the supervisor dumps every thread's stack
+    # SIGABRT from the supervisor dumps every thread's stack, to the log's stream too.
+    faulthandler.enable(file=log_stream)
     logs.capture_handler_output(spec.log_level)
     # Held back while the handlers import (seconds, for a heavy application): the supervisor
     # spawned us with them held (HELD_AT_START); holding them again covers a worker started
@@ -284,6 +288,7 @@ def main() -> int:
         log.info("the handlers' modules configured structlog at import; this worker "
                  "keeps jobd's configuration, so their structlog records are written as "
                  "jobd's, naming their jobs")
+    forks.watch()
     worker = Worker(spec, resolved)
     worker.install_signal_handlers()
     signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_AT_START)
