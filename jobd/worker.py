@@ -44,7 +44,7 @@ from jobd.eventloop import SelectLoop
 from jobd.exchange import Exchange
 from jobd.handler_runner import HandlerRunner
 from jobd.leases import LeaseKeeper
-from jobd.protocol import EXIT_BOOT_FAILURE, EXIT_OK, EXIT_WEDGED, WorkerSpec
+from jobd.protocol import EXIT_BOOT_FAILURE, EXIT_LOOP_FAILED, EXIT_OK, EXIT_WEDGED, WorkerSpec
 from jobd.settler import Settler, settles_apart
 from jobd.slots import Running, Slots
 from jobd.worker_controls import Controls
@@ -294,7 +294,15 @@ def main() -> int:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_AT_START)
     log.info("worker started", lane=spec.lane.name, generation=spec.generation,
              concurrency=spec.lane.concurrency)
-    return worker.run()
+    try:
+        return worker.run()
+    except Exception:
+        # One record with the traceback, not one per line of it through the captured
+        # stderr: a handler that closed the worker's pipes or sockets, or used up its
+        # descriptors, ends here, and the supervisor replaces the worker.
+        log.exception("the worker's loop failed; the worker exits and is replaced",
+                      lane=spec.lane.name)
+        return EXIT_LOOP_FAILED
 
 
 if __name__ == "__main__":

@@ -81,6 +81,11 @@ def forks(job):
     _record(job, f"child exit {os.waitstatus_to_exitcode(status)}")
 
 
+def closes_all(job):
+    """Closes every descriptor from 3 to 255, as daemonizing code does."""
+    os.closerange(3, 256)
+
+
 _kept = []
 
 
@@ -93,7 +98,7 @@ def takes_stderr(job):
 HANDLERS = {**daemon_support.HANDLERS, "order": "hardhandlers:order",
             "boom": "hardhandlers:boom", "chatty": "hardhandlers:chatty",
             "masking": "hardhandlers:masking", "forks": "hardhandlers:forks",
-            "takes_stderr": "hardhandlers:takes_stderr"}
+            "takes_stderr": "hardhandlers:takes_stderr", "closes_all": "hardhandlers:closes_all"}
 
 
 def config(lanes: dict[str, dict[str, Any]], **kwargs: Any) -> dict[str, Any]:
@@ -730,3 +735,25 @@ def test_a_handler_that_takes_descriptor_2_leaves_the_workers_log_where_it_was(
     wait_state(effects_db, failing, "dead", 15, daemon)
     daemon.wait_for_log("job dead-lettered", process=None, job_id=failing)
     assert users_file.read_text() == ""
+
+
+def test_a_handler_that_closes_the_workers_descriptors_fails_alone_and_the_log_says_why(
+    daemons: Daemons, effects_db: psycopg.Connection
+) -> None:
+    # The worker cannot go on without its pipes and sockets: it exits and is replaced, and
+    # the job that did it is the one that fails. Before, the traceback reached the log one
+    # line per record, as "info" output of the worker, and the exit said only "exit code 1".
+    daemon = new_daemon(daemons).start(config({"default": {"workers": 1, "concurrency": 1}}))
+    [first_pid] = daemon.wait_workers_started("default", 1).values()
+    bad = jobd.enqueue(effects_db, "closes_all", {}, max_attempts=1)
+    neighbours = jobd.enqueue_many(effects_db, [jobd.JobSpec("ok", {})] * 5)
+    wait_state(effects_db, bad, "dead", 20, daemon)
+    for job_id in neighbours:
+        wait_state(effects_db, job_id, "done", 20, daemon)
+        assert job_row(effects_db, job_id)["attempts"] == 1
+    failed = daemon.wait_for_log("the worker's loop failed; the worker exits and is replaced",
+                                 process=None, pid=first_pid, level="error")
+    assert "Bad file descriptor" in failed["exception"]
+    [exited] = daemon.events("worker exited", pid=first_pid)
+    assert exited["cause"] == "exit code 5 (its loop failed)"
+    assert "(its loop failed)" in job_row(effects_db, bad)["last_error"]
