@@ -13,7 +13,7 @@ from typing import Any
 
 import structlog
 
-from jobd import jobs, logs
+from jobd import forks, jobs, logs
 from jobd.handlers import ResolvedHandler
 from jobd.loop_watch import LoopWatch
 from jobd.outcomes import CANCELLED_ERROR, Outcome, failed, within_timeout
@@ -156,6 +156,7 @@ class AsyncHandlers:
         except BaseException as exc:  # a handler's sys.exit() fails its job, no more
             outcome = failed(job, exc)
         finally:
+            forks.leave_if_forked(job)  # before the board, which the parent shares
             if self._tasks.get(job.id) is task:
                 del self._tasks[job.id]
             del self._jobs[task]

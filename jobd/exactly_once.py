@@ -22,6 +22,7 @@ from typing import Any, Literal
 import psycopg
 from psycopg.rows import tuple_row
 
+from jobd import forks
 from jobd.db import DEFAULT_SCHEMA
 from jobd.handlers import check_ran
 from jobd.jobs import Job
@@ -83,7 +84,7 @@ def run_transactional(
             }).fetchone()
             if first is not None:
                 conn.row_factory = callers_rows
-                check_ran(job.handler, handler(job, conn))
+                check_ran(job.handler, forks.call(handler, job, conn))
                 _check_transaction_open(conn, job)
                 conn.row_factory = tuple_row
             completed = complete(conn, [job.lease], schema=schema)

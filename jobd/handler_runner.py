@@ -23,7 +23,7 @@ import psycopg
 import structlog
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from jobd import exactly_once, jobs, logs, pipes
+from jobd import exactly_once, forks, jobs, logs, pipes
 from jobd import handlers as handler_registry
 from jobd.async_handlers import AsyncHandlers
 from jobd.db import conninfo, users_connection_reset, users_connection_setup
@@ -171,7 +171,7 @@ class HandlerRunner:
                     outcome = Outcome(job, None, committed=True,
                                       cancelled=result == "cancelled")
                 else:
-                    handler_registry.check_ran(resolved.name, resolved.func(job))
+                    handler_registry.check_ran(resolved.name, forks.call(resolved.func, job))
                     outcome = Outcome(job, None)
             except exactly_once.LeaseLost:
                 outcome = Outcome(job, None, lease_lost=True)

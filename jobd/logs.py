@@ -14,13 +14,16 @@ into records, had every worker of the node wait forever on structlog's print loc
 
 from __future__ import annotations
 
+import fcntl
 import io
 import logging
+import os
+import resource
 import sys
 import threading
 from collections.abc import MutableMapping
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, TextIO
 
 import structlog
 
@@ -58,8 +61,10 @@ def _add_job(_logger: Any, _method: str, event: MutableMapping[str, Any]
     return event
 
 
-def configure(level: str = "info", *, reconfigurable: bool = False, **static: object) -> None:
-    """Configure structlog for this process; ``static`` fields go into every event.
+def configure(level: str = "info", *, reconfigurable: bool = False,
+              stream: TextIO | None = None, **static: object) -> None:
+    """Configure structlog for this process; ``static`` fields go into every event, which
+    are written to ``stream`` (default: ``sys.stderr`` as it is now).
 
     Static fields (process role, worker id, pid) are added by a processor rather than bound
     in context variables, so events logged from handler threads carry them too.
@@ -74,8 +79,9 @@ def configure(level: str = "info", *, reconfigurable: bool = False, **static: ob
             event.setdefault(key, value)
         return event
 
+    out = sys.stderr if stream is None else stream
     renderer: structlog.types.Processor
-    if sys.stderr.isatty():
+    if out.isatty():
         renderer = structlog.dev.ConsoleRenderer()
     else:
         renderer = structlog.processors.JSONRenderer()
@@ -94,10 +100,31 @@ def configure(level: str = "info", *, reconfigurable: bool = False, **static: ob
             logging.getLevelName(level.upper())),
         # One write per line: the supervisor and its workers share stderr, and two lines
         # written piecemeal by two processes would interleave.
-        "logger_factory": structlog.WriteLoggerFactory(sys.stderr),
+        "logger_factory": structlog.WriteLoggerFactory(out),
         "cache_logger_on_first_use": not reconfigurable,
     }
     structlog.configure(**_configured)
+
+
+# The lowest descriptor private_stderr() takes: above those that daemonizing code closes
+# (``for fd in range(3, 256): os.close(fd)``), where the limit on open files allows.
+PRIVATE_FD_FLOOR = 256
+
+
+def private_stderr() -> TextIO:
+    """A stream on a copy of descriptor 2 that this process keeps for its own log.
+
+    A worker runs user code, and descriptor 2 is only a number: a handler that closes it
+    (``os.close(2)``), or puts a file or a socket there (``os.dup2``, or any open() after
+    the close, which takes the lowest free number), had every later record of the worker,
+    and a stack dump on SIGABRT, lost or written into that file or socket. The copy sits
+    high, closed at exec, and nothing but the log writes to it."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    room = soft == resource.RLIM_INFINITY or soft > 2 * PRIVATE_FD_FLOOR
+    fd = fcntl.fcntl(2, fcntl.F_DUPFD_CLOEXEC, PRIVATE_FD_FLOOR if room else 3)
+    # As Python's own stderr: line by line, and no record is lost to an encoding error.
+    return os.fdopen(fd, "w", buffering=1, encoding=sys.stderr.encoding or "utf-8",
+                     errors="backslashreplace")
 
 
 def keep_configuration() -> bool:

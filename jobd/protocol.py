@@ -15,7 +15,8 @@ stdin, and inherits two pipes:
   gone.
 
 The worker's exit code says how it ended (:data:`EXIT_OK`, :data:`EXIT_BOOT_FAILURE`,
-:data:`EXIT_WEDGED`); :func:`describe_exit` turns one into words for logs and job errors.
+:data:`EXIT_WEDGED`, :data:`EXIT_LOOP_FAILED`); :func:`describe_exit` turns one into words for
+logs and job errors.
 :data:`EXIT_OK` counts as a clean stop only with the shutdown mark on the worker's run board
 (``jobd.run_board``): a handler's ``os._exit(0)`` exits with 0 too.
 """
@@ -37,6 +38,8 @@ from jobd.worker_metrics import WorkTotals
 EXIT_OK = 0
 EXIT_BOOT_FAILURE = 3  # a handler could not be imported: restarting will not help
 EXIT_WEDGED = 4  # every slot is held by a handler that ignored its timeout
+# The loop raised: a handler closed the worker's pipes or sockets, used up its descriptors...
+EXIT_LOOP_FAILED = 5
 
 WAKE = b"!"
 SUSPECTS = b"S"
@@ -178,5 +181,6 @@ def describe_exit(returncode: int, shut_down: bool = True) -> str:
         except ValueError:
             name = f"signal {-returncode}"
         return f"killed by {name}"
-    meaning = {EXIT_BOOT_FAILURE: " (boot failure)", EXIT_WEDGED: " (wedged by timed-out jobs)"}
+    meaning = {EXIT_BOOT_FAILURE: " (boot failure)", EXIT_WEDGED: " (wedged by timed-out jobs)",
+               EXIT_LOOP_FAILED: " (its loop failed)"}
     return f"exit code {returncode}{meaning.get(returncode, '')}"

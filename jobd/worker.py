@@ -34,7 +34,7 @@ import psycopg
 import setproctitle
 import structlog
 
-from jobd import exactly_once, jobs, logs, outbox, pipes, protocol, queue, worker_wakes
+from jobd import exactly_once, forks, jobs, logs, outbox, pipes, protocol, queue, worker_wakes
 from jobd import handlers as handler_registry
 from jobd.claim_buffer import BUFFER_MAX_AGE
 from jobd.claimer import Claimer
@@ -44,7 +44,7 @@ from jobd.eventloop import SelectLoop
 from jobd.exchange import Exchange
 from jobd.handler_runner import HandlerRunner
 from jobd.leases import LeaseKeeper
-from jobd.protocol import EXIT_BOOT_FAILURE, EXIT_OK, EXIT_WEDGED, WorkerSpec
+from jobd.protocol import EXIT_BOOT_FAILURE, EXIT_LOOP_FAILED, EXIT_OK, EXIT_WEDGED, WorkerSpec
 from jobd.settler import Settler, settles_apart
 from jobd.slots import Running, Slots
 from jobd.worker_controls import Controls
@@ -262,10 +262,14 @@ class Worker:
 
 def main() -> int:
     spec = WorkerSpec.from_json(sys.stdin.read())
-    logs.configure(spec.log_level, process=f"worker {spec.lane.name}#{spec.slot}",
+    # The log's own copy of stderr: what handlers do to descriptor 2 does not reach it.
+    log_stream = logs.private_stderr()
+    logs.configure(spec.log_level, stream=log_stream,
+                   process=f"worker {spec.lane.name}#{spec.slot}",
                    worker=spec.worker_id, pid=os.getpid())
     setproctitle.setproctitle(f"jobd: worker {spec.lane.name}#{spec.slot} starting")
-    faulthandler.enable()  # SIGABRT from the supervisor dumps every thread's stack
+    # SIGABRT from the supervisor dumps every thread's stack, to the log's stream too.
+    faulthandler.enable(file=log_stream)
     logs.capture_handler_output(spec.log_level)
     # Held back while the handlers import (seconds, for a heavy application): the supervisor
     # spawned us with them held (HELD_AT_START); holding them again covers a worker started
@@ -284,12 +288,21 @@ def main() -> int:
         log.info("the handlers' modules configured structlog at import; this worker "
                  "keeps jobd's configuration, so their structlog records are written as "
                  "jobd's, naming their jobs")
+    forks.watch()
     worker = Worker(spec, resolved)
     worker.install_signal_handlers()
     signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_AT_START)
     log.info("worker started", lane=spec.lane.name, generation=spec.generation,
              concurrency=spec.lane.concurrency)
-    return worker.run()
+    try:
+        return worker.run()
+    except Exception:
+        # One record with the traceback, not one per line of it through the captured
+        # stderr: a handler that closed the worker's pipes or sockets, or used up its
+        # descriptors, ends here, and the supervisor replaces the worker.
+        log.exception("the worker's loop failed; the worker exits and is replaced",
+                      lane=spec.lane.name)
+        return EXIT_LOOP_FAILED
 
 
 if __name__ == "__main__":

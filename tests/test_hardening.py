@@ -36,6 +36,7 @@ HANDLERS_MODULE = '''\
 """Handlers written the way users write them: unqualified table names."""
 
 import logging
+import os
 import time
 
 from testhandlers import _record
@@ -66,11 +67,38 @@ def masking(job):
 def chatty(job):
     print("hello from print")
     logging.getLogger("myapp").warning("hello from logging %s", 42)
+
+
+def forks(job):
+    """Forks, and the child comes back out of the handler (returns, or raises) instead of
+    ending with os._exit; the parent waits for it and records how it ended."""
+    pid = os.fork()
+    if pid == 0:
+        if job.payload.get("raise"):
+            raise RuntimeError("the child's error")
+        return
+    _, status = os.waitpid(pid, 0)
+    _record(job, f"child exit {os.waitstatus_to_exitcode(status)}")
+
+
+def closes_all(job):
+    """Closes every descriptor from 3 to 255, as daemonizing code does."""
+    os.closerange(3, 256)
+
+
+_kept = []
+
+
+def takes_stderr(job):
+    """Closes descriptor 2 and opens a file, which takes its number, and keeps it open."""
+    os.close(2)
+    _kept.append(open(job.payload["path"], "w"))
 '''
 
 HANDLERS = {**daemon_support.HANDLERS, "order": "hardhandlers:order",
             "boom": "hardhandlers:boom", "chatty": "hardhandlers:chatty",
-            "masking": "hardhandlers:masking"}
+            "masking": "hardhandlers:masking", "forks": "hardhandlers:forks",
+            "takes_stderr": "hardhandlers:takes_stderr", "closes_all": "hardhandlers:closes_all"}
 
 
 def config(lanes: dict[str, dict[str, Any]], **kwargs: Any) -> dict[str, Any]:
@@ -663,3 +691,69 @@ def test_a_buffer_that_waits_too_long_goes_to_another_worker(
     ran_on = {e["pid"] for job_id in quick for e in effects(effects_db, job_id, "end")}
     assert ran_on <= pids - {slow_pid}
     assert [job_row(effects_db, job_id)["attempts"] for job_id in quick] == [1, 1, 1]
+
+
+# --- handlers that damage their worker process -----------------------------------------------
+
+
+FORKED_CHILD_EXITS = ("a process forked by a handler returned into jobd instead of ending "
+                      "with os._exit(); it exits now (its parent's job runs on)")
+
+
+def test_a_forked_child_that_comes_back_from_its_handler_exits_at_once(
+    daemons: Daemons, effects_db: psycopg.Connection
+) -> None:
+    # Before, the child ran on as a copy of the worker: it wrote to the run board it shares
+    # with its parent, then waited forever for a job, outside the supervisor's reach (it
+    # ignores SIGTERM, as workers do); a parent that waited for it never finished its job.
+    daemon = new_daemon(daemons).start(config({"default": {"workers": 1}}))
+    forking = [jobd.enqueue(effects_db, "forks", {}),
+               jobd.enqueue(effects_db, "forks", {"raise": True})]
+    neighbours = jobd.enqueue_many(effects_db, [jobd.JobSpec("ok", {})] * 10)
+    for job_id in forking + neighbours:
+        wait_state(effects_db, job_id, "done", 15, daemon)
+        assert job_row(effects_db, job_id)["attempts"] == 1
+    for job_id in forking:
+        assert [e["kind"] for e in effects(effects_db, job_id)] == ["child exit 70"]
+        daemon.wait_for_log(FORKED_CHILD_EXITS, process=None, job_id=job_id, level="error")
+    # No copy of the worker outlives its job: the group holds the supervisor and its worker.
+    wait_until(lambda: len(daemon_support.group_members(daemon.pid)) == 2, 5,
+               message=lambda: f"the group to shrink: {daemon_support.group_members(daemon.pid)}")
+    assert not daemon.events("worker exited")
+
+
+def test_a_handler_that_takes_descriptor_2_leaves_the_workers_log_where_it_was(
+    daemons: Daemons, effects_db: psycopg.Connection, tmp_path: Path
+) -> None:
+    # Before, every later record of the worker went to the file the handler opened (it took
+    # the number 2), or nowhere had the handler only closed it.
+    daemon = new_daemon(daemons).start(config({"default": {"workers": 1, "concurrency": 1}}))
+    users_file = tmp_path / "users-file.txt"
+    taker = jobd.enqueue(effects_db, "takes_stderr", {"path": str(users_file)})
+    wait_state(effects_db, taker, "done", 15, daemon)
+    failing = jobd.enqueue(effects_db, "boom", {}, max_attempts=1)
+    wait_state(effects_db, failing, "dead", 15, daemon)
+    daemon.wait_for_log("job dead-lettered", process=None, job_id=failing)
+    assert users_file.read_text() == ""
+
+
+def test_a_handler_that_closes_the_workers_descriptors_fails_alone_and_the_log_says_why(
+    daemons: Daemons, effects_db: psycopg.Connection
+) -> None:
+    # The worker cannot go on without its pipes and sockets: it exits and is replaced, and
+    # the job that did it is the one that fails. Before, the traceback reached the log one
+    # line per record, as "info" output of the worker, and the exit said only "exit code 1".
+    daemon = new_daemon(daemons).start(config({"default": {"workers": 1, "concurrency": 1}}))
+    [first_pid] = daemon.wait_workers_started("default", 1).values()
+    bad = jobd.enqueue(effects_db, "closes_all", {}, max_attempts=1)
+    neighbours = jobd.enqueue_many(effects_db, [jobd.JobSpec("ok", {})] * 5)
+    wait_state(effects_db, bad, "dead", 20, daemon)
+    for job_id in neighbours:
+        wait_state(effects_db, job_id, "done", 20, daemon)
+        assert job_row(effects_db, job_id)["attempts"] == 1
+    failed = daemon.wait_for_log("the worker's loop failed; the worker exits and is replaced",
+                                 process=None, pid=first_pid, level="error")
+    assert "Bad file descriptor" in failed["exception"]
+    [exited] = daemon.events("worker exited", pid=first_pid)
+    assert exited["cause"] == "exit code 5 (its loop failed)"
+    assert "(its loop failed)" in job_row(effects_db, bad)["last_error"]
