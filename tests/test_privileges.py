@@ -237,6 +237,29 @@ def test_the_producer_role_can_only_enqueue(granted: Roles) -> None:
     assert status.returncode == 1 and "permission denied" in status.stderr
 
 
+def test_a_pair_being_listed_is_recorded_as_wanted_by_the_producer_and_runtime_roles(
+    granted: Roles,
+) -> None:
+    # An open transaction lists a new (lane, priority) pair. The producer's enqueue (as the
+    # owner) and the runtime role's bulk path (the insert trigger, as the caller) do not wait
+    # for it but record the pair as wanted; the runtime role's lane poll merges it.
+    with connect(granted.db_url, SCHEMA, autocommit=False) as first:
+        jobd.enqueue(first, "ok", lane="fresh", priority=3)
+        with granted.connect(granted.producer) as producer:
+            producer.execute("SET lock_timeout = '3s'")
+            jobd.enqueue(producer, "ok", lane="fresh", priority=3)
+        with granted.connect(granted.runtime) as runtime:
+            runtime.execute("SET lock_timeout = '3s'")
+            jobd.enqueue_many(runtime, [jobd.JobSpec("ok", lane="fresh", priority=3)])
+        first.rollback()
+    with granted.connect(granted.runtime) as runtime:
+        assert runtime.execute("SELECT count(*) FROM jobd.lane_priorities_wanted"
+                               ).fetchone() == (1,)  # the first one covers both
+        assert runtime.execute("SELECT jobd.merge_wanted_priorities()").fetchone() == (1,)
+        assert runtime.execute("SELECT lane, priority FROM jobd.lane_priorities"
+                               ).fetchall() == [("fresh", 3)]
+
+
 def test_enqueue_runs_as_the_owner_with_its_search_path_pinned(granted: Roles) -> None:
     with psycopg.connect(granted.db_url, autocommit=True) as admin:
         definers = admin.execute(

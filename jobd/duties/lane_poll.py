@@ -1,7 +1,9 @@
 """The fallback poll: one statement tells, per lane, whether work is due or when, whether a
 suspect is due, and what is paused. Notifications are the fast path; this catches what they
 miss (the LISTEN connection was down, another node retried a job, a timer was lost in a
-reload, a pause or resume happened while this node was not listening)."""
+reload, a pause or resume happened while this node was not listening). Before it, the
+(lane, priority) pairs that enqueues recorded as wanted are merged into the lane's
+priorities (``merge_wanted_priorities``, migration 0046), so their jobs are seen."""
 
 from __future__ import annotations
 
@@ -43,6 +45,9 @@ class LanePoll(Duty):
         interval = min(lane.poll_interval for lane in lanes.values())
         # Jitter keeps the supervisors of a fleet from polling in lockstep.
         self.next_at = now + interval * random.uniform(0.8, 1.2)
+        # A job whose enqueue met its (lane, priority) being inserted by another transaction
+        # that then rolled back is invisible to claims until its pair is listed.
+        conn.execute(query("merge_wanted_priorities"))
         look_back = self.head_scans.look_back(now)
         started = time.perf_counter()
         rows = conn.execute(query("lane_heads"), {"lanes": list(lanes), "now": None,

@@ -1046,6 +1046,13 @@ SELECT ensure_archive_partitions(%(days_ahead)s)
 -- name: drop_archive_partitions
 SELECT drop_archive_partitions(%(cutoff)s::timestamptz)
 
+-- name: merge_wanted_priorities
+-- The lane poll's first step: the pairs enqueues recorded as wanted while another transaction
+-- was inserting them go into lane_priorities (migration 0046), in a transaction of their
+-- own, so lane_heads, next, sees their jobs. Nothing is wanted almost always: the function
+-- is called only when the table has a row.
+SELECT merge_wanted_priorities() WHERE EXISTS (SELECT 1 FROM lane_priorities_wanted)
+
 -- name: lane_heads
 -- Per lane, the earliest run_at of its claimable jobs (epoch seconds, NULL when it has none),
 -- the database clock, and whether suspects are due (made by any node's crash attribution): the

@@ -114,13 +114,25 @@ CREATE INDEX jobs_fair_idx ON jobs (lane, priority DESC,
 
 -- Every (lane, priority) that has had claimable jobs: the claim reads a lane's priorities
 -- here instead of discovering them by walking the index (where a held xmin horizon keeps
--- the dead entries of every claimed job). Added by the insert trigger, removed by the
--- retention duty (forget_unused_priorities).
+-- the dead entries of every claimed job). Added by enqueue and the insert trigger, removed
+-- by the retention duty (forget_unused_priorities).
 CREATE TABLE lane_priorities (
     lane     text    NOT NULL,
     priority integer NOT NULL,
     PRIMARY KEY (lane, priority)
 );
+
+-- Pairs an enqueue needed while another transaction was inserting them into lane_priorities
+-- (it held the pair's lock: enqueue, notify_new_jobs). The enqueue does not wait for that
+-- one, which may still roll back; the lane poll merges these rows into lane_priorities
+-- (merge_wanted_priorities), and the retention duty keeps a pair still wanted (migration
+-- 0046). No unique constraint: a unique row would make a second writer wait for the first.
+-- Logged: the job whose pair it keeps is durable.
+CREATE TABLE lane_priorities_wanted (
+    lane     text    NOT NULL,
+    priority integer NOT NULL
+);
+CREATE INDEX lane_priorities_wanted_idx ON lane_priorities_wanted (lane, priority);
 
 -- The lease-expiry sweep and crash attribution read only claimed rows.
 CREATE INDEX jobs_lease_idx ON jobs (lease_until) WHERE state = 'claimed';
@@ -676,10 +688,29 @@ BEGIN
     -- forgetting of the priority (forget_unused_priorities): seen in the snapshot, gone from
     -- the table, and every claim, arming and poll, which read the lane's priorities there,
     -- would never see the job. Recorded whatever the snapshot says, as the insert trigger does.
+    -- Every writer of a pair holds the pair's lock until it ends, so with the lock the insert
+    -- cannot wait for another's uncommitted row. Without it another transaction is inserting
+    -- the pair: waiting for it stalled this producer as long as that one stayed open, and it
+    -- may still roll back, so the pair is recorded as wanted for the lane poll to merge
+    -- (merge_wanted_priorities). The key is the pair's, written out as the lane's above.
     IF NOT lane_state.priority_known
        OR current_setting('transaction_isolation') <> 'read committed' THEN
-        INSERT INTO lane_priorities (lane, priority) VALUES (enqueue.lane, level)
-            ON CONFLICT DO NOTHING;
+        IF pg_try_advisory_xact_lock(
+               hashtextextended(current_schema() || '.' || enqueue.lane || '#' || level, 0)) THEN
+            INSERT INTO lane_priorities (lane, priority) VALUES (enqueue.lane, level)
+                ON CONFLICT DO NOTHING;
+        ELSE
+            -- A wanted row already committed covers this job too (while a long transaction
+            -- lists the pair, one row, not one per enqueue): the merge deletes it only in the
+            -- transaction that lists the pair, and the retention duty cannot forget the pair
+            -- under the lane's shared lock. Not outside READ COMMITTED, where the snapshot
+            -- may show a row merged, and its pair forgotten, since.
+            INSERT INTO lane_priorities_wanted (lane, priority)
+            SELECT enqueue.lane, level
+             WHERE current_setting('transaction_isolation') <> 'read committed'
+                OR NOT EXISTS (SELECT 1 FROM lane_priorities_wanted AS w
+                                WHERE w.lane = enqueue.lane AND w.priority = level);
+        END IF;
     END IF;
     -- The notifications notify_new_jobs sends for a statement of one job.
     IF due_at > now() THEN
@@ -728,6 +759,7 @@ SET search_path FROM CURRENT
 AS $$
 DECLARE
     entry record;
+    level integer;
     -- Outside READ COMMITTED the transaction's snapshot may predate a worker's arming, so
     -- reading lane_waiters proves nothing: notify as before.
     always boolean := current_setting('transaction_isolation') <> 'read committed';
@@ -745,9 +777,29 @@ BEGIN
         -- search_path cost every single-job enqueue about a tenth of its rate.
         PERFORM pg_advisory_xact_lock_shared(
             hashtextextended(TG_TABLE_SCHEMA || '.' || entry.lane, 0));
-        INSERT INTO lane_priorities (lane, priority)
-        SELECT DISTINCT entry.lane, n.priority FROM new_jobs AS n WHERE n.lane = entry.lane
-            ON CONFLICT DO NOTHING;
+        -- Each of the statement's priorities not listed yet (any, outside READ COMMITTED:
+        -- the snapshot may predate the retention duty's forgetting of one), as in enqueue:
+        -- with the pair's lock inserted, without it (another transaction is inserting the
+        -- pair and has not ended) recorded as wanted, never waited for.
+        FOR level IN SELECT DISTINCT n.priority FROM new_jobs AS n
+                      WHERE n.lane = entry.lane
+                        AND (always OR NOT EXISTS (
+                                 SELECT 1 FROM lane_priorities AS p
+                                  WHERE p.lane = entry.lane AND p.priority = n.priority))
+        LOOP
+            IF pg_try_advisory_xact_lock(
+                   hashtextextended(TG_TABLE_SCHEMA || '.' || entry.lane || '#' || level, 0)) THEN
+                INSERT INTO lane_priorities (lane, priority) VALUES (entry.lane, level)
+                    ON CONFLICT DO NOTHING;
+            ELSE
+                -- Unless a committed wanted row covers it already, as in enqueue.
+                INSERT INTO lane_priorities_wanted (lane, priority)
+                SELECT entry.lane, level
+                 WHERE always
+                    OR NOT EXISTS (SELECT 1 FROM lane_priorities_wanted AS w
+                                    WHERE w.lane = entry.lane AND w.priority = level);
+            END IF;
+        END LOOP;
         IF entry.due = 0 THEN
             -- Work for later: the supervisors set a timer for it.
             PERFORM pg_notify(TG_TABLE_SCHEMA || '_wakeup',
@@ -780,7 +832,8 @@ CREATE TRIGGER jobs_notify_insert AFTER INSERT ON jobs
 
 -- The retention duty forgets the priorities a lane no longer uses, one lane at a time and
 -- only while no enqueue into it is in flight (the exclusive try-lock): an enqueue that
--- found its pair present cannot have the pair deleted under its uncommitted job.
+-- found its pair present cannot have the pair deleted under its uncommitted job. A pair
+-- still wanted (lane_priorities_wanted) is kept until the lane poll's merge.
 CREATE FUNCTION forget_unused_priorities(lane text) RETURNS integer
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
@@ -800,9 +853,41 @@ BEGIN
                           AND j.state IN ('pending', 'failed'))
        AND NOT EXISTS (SELECT 1 FROM jobs AS j
                         WHERE j.state = 'claimed' AND j.lease_until IS NOT NULL
-                          AND j.lane = p.lane AND j.priority = p.priority);
+                          AND j.lane = p.lane AND j.priority = p.priority)
+       -- Wanted by an enqueue that met the pair being inserted: kept until the merge has
+       -- seen to it (merge_wanted_priorities).
+       AND NOT EXISTS (SELECT 1 FROM lane_priorities_wanted AS w
+                        WHERE w.lane = p.lane AND w.priority = p.priority);
     GET DIAGNOSTICS forgotten = ROW_COUNT;
     RETURN forgotten;
+END
+$$;
+
+-- The lane poll's merge (jobd/duties/lane_poll.py): each wanted pair whose lock is free goes
+-- into lane_priorities, and its wanted rows go. A pair whose lock is held is left for the next
+-- turn: the transaction holding it is inserting the pair, and if it commits the rows only
+-- cost a turn; if it rolls back, the merge lists the pair for the jobs that wanted it.
+CREATE FUNCTION merge_wanted_priorities() RETURNS integer
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    pair   record;
+    merged integer := 0;
+BEGIN
+    FOR pair IN SELECT DISTINCT w.lane, w.priority FROM lane_priorities_wanted AS w LOOP
+        -- Held: a transaction is inserting the pair (or another node merges it) and has not
+        -- ended. Its end decides; the rows wait for the next turn, and nothing waits here.
+        CONTINUE WHEN NOT pg_try_advisory_xact_lock(
+            hashtextextended(current_schema() || '.' || pair.lane || '#' || pair.priority, 0));
+        INSERT INTO lane_priorities (lane, priority) VALUES (pair.lane, pair.priority)
+            ON CONFLICT DO NOTHING;
+        -- The rows committed by now: one committed later waits for the next turn.
+        DELETE FROM lane_priorities_wanted AS w
+         WHERE w.lane = pair.lane AND w.priority = pair.priority;
+        merged := merged + 1;
+    END LOOP;
+    RETURN merged;
 END
 $$;
 
