@@ -1,6 +1,7 @@
 """A worker's round trips on the claim side: outcomes written and more work claimed in one
 statement and one commit (``queue.settle_and_claim``), buffered jobs given back, arming for
-a wake-up when the lane runs dry, and the repair after a claim whose rows never arrived.
+a wake-up when the lane runs dry. A claim whose answer is lost is :mod:`jobd.claim_repair`'s
+to look into.
 
 What to claim and when is :class:`jobd.claimer.Claimer`'s decision, which outcomes go in a
 batch :class:`jobd.completer.Completer`'s; this module does the statements and hands their
@@ -17,10 +18,11 @@ import time
 import psycopg
 import structlog
 
-from jobd import claim_floors, fastpath, jobs, queue, recovery, unanswered
+from jobd import claim_floors, fastpath, jobs, queue, unanswered
+from jobd.claim_repair import ClaimRepair
 from jobd.claimer import Claimer
 from jobd.completer import Batch, Completer, Counters
-from jobd.db import ManagedConnection, is_pooled
+from jobd.db import ManagedConnection
 from jobd.outcomes import Outcome
 from jobd.protocol import WorkerMode, WorkerSpec
 from jobd.settler import Settler
@@ -35,10 +37,6 @@ log = structlog.get_logger("jobd.worker")
 SPACING_WORTH_SAYING = 10.0
 # The weight of the newest round trip in the moving average of the usual one.
 ROUND_TRIP_WEIGHT = 0.1
-# How long the look for lost claims waits for the backend of a lost connection to exit once
-# told to (milliseconds), and how long it waits before telling again if it did not.
-BACKEND_EXIT_WAIT_MS = 1000
-BACKEND_RETRY = 1.0
 
 
 class Exchange:
@@ -46,7 +44,8 @@ class Exchange:
 
     def __init__(self, spec: WorkerSpec, link: ManagedConnection, claimer: Claimer,
                  completer: Completer, counters: Counters, slots: Slots, timers: Timers,
-                 controls: Controls, settler: Settler | None = None) -> None:
+                 controls: Controls, repair: ClaimRepair, settler: Settler | None = None
+                 ) -> None:
         self.spec = spec
         self.lane = spec.lane
         self.link = link
@@ -56,22 +55,13 @@ class Exchange:
         self.slots = slots
         self.timers = timers
         self.controls = controls
+        self.repair = repair
         self.settler = settler
         # After an exchange failed, the next one writes outcomes apart from its claim, so a
         # claim that keeps failing cannot keep undoing them.
         self.separate_next = False
-        # Set when a claim may have taken jobs whose rows never reached us (the connection
-        # broke, or the rows could not be loaded): the loop then checks the jobs claimed in
-        # our name against the ones it holds.
-        self.claims_unknown = False
         # Seconds a claim round trip from the floors takes, a moving average.
         self.usual_round_trip = 0.0
-        # The server backend of the link's connection (None through a pooler), and those of
-        # lost connections not yet known to have exited: a claim sent on one may still run
-        # there, and commit after the repair looked (fail_claims_not_held).
-        self.backend_pid: int | None = None
-        self.lost_backends: list[int] = []
-        self.backends_retry_at = 0.0  # monotonic: no try to end them before
 
     def settle_and_claim(self, mode: WorkerMode, claim: bool = True) -> None:
         """Write finished jobs' outcomes and claim more work: one round trip, one commit;
@@ -116,7 +106,7 @@ class Exchange:
         if written is None:
             if request is not None:
                 # The claim may have committed even if its rows did not reach us.
-                self.claims_unknown = True
+                self.repair.claims_unknown = True
                 self.separate_next = True
             if settled:
                 # The outcomes committed before the failure: written, not to be sent again
@@ -254,72 +244,6 @@ class Exchange:
         elif not floors.spaced_out and before >= SPACING_WORTH_SAYING:
             log.info("claims from the head of the lane are quick again", lane=self.lane.name,
                      head_scan_ms=round(seconds * 1000, 1))
-
-    def connected(self) -> None:
-        """The link has a new connection: remember its server backend, to end it should the
-        connection be lost (not through a pooler, whose backend pid is not the server's)."""
-        conn = self.link.conn
-        self.backend_pid = None if conn is None or is_pooled(conn) else conn.info.backend_pid
-
-    def connection_lost(self) -> None:
-        """The server may have run a claim whose result we never read, and its backend,
-        not having noticed the loss yet, may still be running one."""
-        self.claims_unknown = True
-        if self.backend_pid is not None:
-            self.lost_backends.append(self.backend_pid)
-            self.backend_pid = None
-
-    def fail_claims_not_held(self) -> None:
-        """Fail the jobs claimed under this worker's name that it does not hold: a claim whose
-        rows never reached it. Without this they would wait for their lease to expire. They
-        count as a failed attempt (retried after the backoff, dead when the budget is
-        spent), so a job whose claim fails the same way every time cannot loop forever.
-        Only once the backends of lost connections have ended: a claim still running on
-        one would commit after the look and escape it."""
-        if self.lost_backends and not self._lost_backends_ended():
-            return  # the flag stays and the loop looks again
-        held = self.slots.all_leases()
-        held += [o.job.lease for o in self.completer.pending]
-        held += self.claimer.buffer.leases()
-        # Their release may not have applied: until it is answered they may still be ours.
-        held += [job.lease for job in self.claimer.releasing]
-        policy = self.lane.retry_policy
-        outcome = self.link.run("queue", lambda conn: recovery.fail_claims_not_held(
-            conn, self.spec.worker_id, held,
-            "claimed, but the claim's result never reached the worker", lambda _lane: policy))
-        if outcome is None:
-            return  # the database failed again; the flag stays and the loop tries again
-        self.claims_unknown = False
-        orphans = outcome.retried + outcome.dead
-        if orphans:
-            # Their retries wake a worker like any other: the jobs table's trigger announces
-            # the new run_at and the supervisor sets a timer for it.
-            log.warning("failed jobs claimed without reaching this worker", job_ids=orphans,
-                        dead=outcome.dead)
-
-    def _lost_backends_ended(self) -> bool:
-        """End the backends of the lost connections and say whether all of them have
-        exited (waiting up to :data:`BACKEND_EXIT_WAIT_MS` for each). One that has not, or a
-        database that failed again, is tried again no sooner than :data:`BACKEND_RETRY`
-        later: each try may block the loop for the wait."""
-        if time.monotonic() < self.backends_retry_at:
-            return False
-        pids = list(self.lost_backends)
-        left = self.link.run("queue", lambda conn: queue.end_backends(
-            conn, pids, BACKEND_EXIT_WAIT_MS))
-        if left is not None:
-            self.lost_backends = left
-        if left is None or left:
-            self.backends_retry_at = time.monotonic() + BACKEND_RETRY
-        if left:
-            log.warning("a backend of a lost connection has not exited yet; claims whose rows"
-                        " never arrived are looked for once it has", pids=left)
-        return left == []
-
-    def repair_due_at(self) -> float | None:
-        """When the loop should try again to end the lost connections' backends, if it is
-        waiting for that; the other retries wait for the database to be usable again."""
-        return self.backends_retry_at if self.lost_backends else None
 
 
 def release_unless_stopping(conn: psycopg.Connection, leases: list[jobs.Lease]) -> set[int]:

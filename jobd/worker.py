@@ -13,9 +13,10 @@ in order each turn; the pieces it drives each keep one concern:
 - :mod:`jobd.handler_runner`: the handlers, on threads (sync) or an event loop (async,
   :mod:`jobd.async_handlers`), each run ending in an outcome (:mod:`jobd.outcomes`);
 - :mod:`jobd.leases`: lease renewal, which also reports lost leases and cancels;
+- :mod:`jobd.claim_repair`: the repair after a claim whose answer was lost;
 - :mod:`jobd.worker_controls`, :mod:`jobd.worker_mode`, :mod:`jobd.worker_timers`,
   :mod:`jobd.worker_wakes`, :mod:`jobd.worker_status`: pauses, signals, when to wake, what a
-  wake-up asks, the report to the supervisor.
+  wake-up asks, the report to the supervisor; :mod:`jobd.worker_boot`, the process's start.
 
 The loop sleeps in ``select`` until the supervisor wakes it (new work in the lane), a handler
 finishes, a signal arrives, or a timer is due; the jittered ``poll_interval`` is only a
@@ -24,19 +25,18 @@ safety net.
 
 from __future__ import annotations
 
-import faulthandler
 import os
 import signal
 import sys
 import time
 
 import psycopg
-import setproctitle
 import structlog
 
-from jobd import exactly_once, forks, jobs, logs, outbox, pipes, protocol, queue, worker_wakes
+from jobd import exactly_once, jobs, pipes, protocol, queue, worker_boot, worker_wakes
 from jobd import handlers as handler_registry
 from jobd.claim_buffer import BUFFER_MAX_AGE
+from jobd.claim_repair import ClaimRepair
 from jobd.claimer import Claimer
 from jobd.completer import Completer, Counters
 from jobd.db import ManagedConnection, worker_session
@@ -78,8 +78,10 @@ class Worker:
         self.timers = Timers(spec.lane)
         self.controls = Controls(spec, self.link, self.claimer, self.timers)
         self.settler = Settler(spec) if settles_apart(spec) else None
+        self.repair = ClaimRepair(spec, self.link, self.claimer, self.completer, self.slots)
         self.exchange = Exchange(spec, self.link, self.claimer, self.completer, self.counters,
-                                 self.slots, self.timers, self.controls, self.settler)
+                                 self.slots, self.timers, self.controls, self.repair,
+                                 self.settler)
         self.leases = LeaseKeeper(spec.lane, self.link, self.slots, self.claimer,
                                   self.completer)
         self.status = StatusReporter(spec, self.counters, self.runner.board)
@@ -102,7 +104,7 @@ class Worker:
 
     @property
     def claims_unknown(self) -> bool:
-        return self.exchange.claims_unknown
+        return self.repair.claims_unknown
 
     def install_signal_handlers(self) -> None:
         # Ctrl-C in a terminal reaches the whole process group; the supervisor decides.
@@ -123,7 +125,7 @@ class Worker:
                 break
             self._ensure_connection()
             if self.claims_unknown and self.conn is not None:
-                self.exchange.fail_claims_not_held()
+                self.repair.fail_claims_not_held()
             self._refresh_controls()
             # A drain or a pause just learnt of: no thread may start a job on deck meanwhile.
             self.slots.recall_deck(self.lifecycle.mode, time.monotonic())
@@ -166,7 +168,7 @@ class Worker:
         # The poll and retries only matter to a worker that takes work.
         database = [*((self.timers.next_poll, *self.timers.wake_at) if running else ()),
                     self.completer.due_at(), claimer.arming.next_try_at,
-                    claimer.arming.recheck_at, self.exchange.repair_due_at()]
+                    claimer.arming.recheck_at, self.repair.due_at()]
         return select_timeout(time.monotonic(), local=local, database=database,
                               database_ready=self.link.ready_at(),
                               connected=self.conn is not None)
@@ -188,14 +190,14 @@ class Worker:
 
     def _ensure_connection(self) -> None:
         if self.link.ensure():
-            self.exchange.connected()
+            self.repair.connected()
             self.leases.renew_now()
             self.claimer.maybe_more = True
             self.claimer.arming.disconnected()
             self.controls.stale = True
 
     def _claims_now_unknown(self) -> None:
-        self.exchange.connection_lost()
+        self.repair.connection_lost()
 
     def _refresh_controls(self) -> None:
         self.controls.refresh(time.monotonic())
@@ -262,33 +264,10 @@ class Worker:
 
 def main() -> int:
     spec = WorkerSpec.from_json(sys.stdin.read())
-    # The log's own copy of stderr: what handlers do to descriptor 2 does not reach it.
-    log_stream = logs.private_stderr()
-    logs.configure(spec.log_level, stream=log_stream,
-                   process=f"worker {spec.lane.name}#{spec.slot}",
-                   worker=spec.worker_id, pid=os.getpid())
-    setproctitle.setproctitle(f"jobd: worker {spec.lane.name}#{spec.slot} starting")
-    # SIGABRT from the supervisor dumps every thread's stack, to the log's stream too.
-    faulthandler.enable(file=log_stream)
-    logs.capture_handler_output(spec.log_level)
-    # Held back while the handlers import (seconds, for a heavy application): the supervisor
-    # spawned us with them held (HELD_AT_START); holding them again covers a worker started
-    # by hand. Delivered once the loop handles them.
-    signal.pthread_sigmask(signal.SIG_BLOCK, HELD_AT_START)
-    try:
-        resolved = handler_registry.resolve_all(spec.handlers)
-        outbox.install(
-            {name: r.func for name, r in handler_registry.resolve_all(
-                spec.senders, handler_registry.SENDER).items()},
-            spec.outbox_lane, spec.schema)
-    except handler_registry.HandlerImportError as exc:
-        log.error("boot failure", error=str(exc))
+    worker_boot.start_logging(spec)
+    resolved = worker_boot.load_handlers(spec)
+    if resolved is None:
         return EXIT_BOOT_FAILURE
-    if logs.keep_configuration():
-        log.info("the handlers' modules configured structlog at import; this worker "
-                 "keeps jobd's configuration, so their structlog records are written as "
-                 "jobd's, naming their jobs")
-    forks.watch()
     worker = Worker(spec, resolved)
     worker.install_signal_handlers()
     signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_AT_START)

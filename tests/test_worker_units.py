@@ -110,7 +110,7 @@ def test_after_a_lost_connection_claims_it_never_received_fail_as_an_attempt(
     loop.completer.pending = [outcomes.Outcome(held, None)]
     loop.link.lost("test", psycopg.OperationalError("server closed the connection"))
     loop._ensure_connection()
-    loop.exchange.fail_claims_not_held()
+    loop.repair.fail_claims_not_held()
     assert not loop.claims_unknown
     for job in orphans:
         state, attempts, error = state_of(conn, job.id)
@@ -134,7 +134,7 @@ def test_claimed_rows_that_cannot_be_loaded_end_in_the_dead_letter_queue(
         loop._settle_and_claim()
         assert loop.claims_unknown and loop.inflight == {}
         loop.link.usable_at = 0.0
-        loop.exchange.fail_claims_not_held()
+        loop.repair.fail_claims_not_held()
         assert not loop.claims_unknown
         if attempt == 1:
             assert conn.execute("SELECT state, attempts FROM jobs WHERE id = %s",
@@ -225,7 +225,7 @@ def test_jobs_whose_release_went_unanswered_never_start_and_are_released_again(
     holder = OTHER_WORKER if committed else WORKER_ID
     # The next turn, in the loop's order: the repair, then the slots are filled first.
     loop._ensure_connection()
-    loop.exchange.fail_claims_not_held()
+    loop.repair.fail_claims_not_held()
     loop.slots.fill(WorkerMode.RUNNING)
     assert loop.inflight == {}
     # The repair took them for held: their release was not known to have applied.
@@ -290,7 +290,7 @@ def test_a_claim_still_running_on_a_lost_connections_backend_is_ended_before_the
     with budget_lock_held(db_url):
         old = claim_lost_while_waiting(limited, conn)
         limited._ensure_connection()
-        limited.exchange.fail_claims_not_held()
+        limited.repair.fail_claims_not_held()
         assert not limited.claims_unknown
     # The lock is free: a claim still waiting for it would go on and commit now.
     wait_until(lambda: (backend_state(conn, old) or ("gone",))[0] != "active", WAIT_S,
@@ -313,15 +313,15 @@ def test_the_repair_waits_for_a_lost_connections_backend_that_has_not_exited(
         with monkeypatch.context() as patched:
             # It outlives the wait (a backend stuck where a terminate cannot reach it).
             patched.setattr(queue, "end_backends", lambda *_args: [old])
-            limited.exchange.fail_claims_not_held()
-        assert limited.claims_unknown and limited.exchange.lost_backends == [old]
-        retry_at = limited.exchange.repair_due_at()
+            limited.repair.fail_claims_not_held()
+        assert limited.claims_unknown and limited.repair.lost_backends == [old]
+        retry_at = limited.repair.due_at()
         assert retry_at is not None and retry_at > time.monotonic()
-        limited.exchange.fail_claims_not_held()  # not before its time: nothing tried
+        limited.repair.fail_claims_not_held()  # not before its time: nothing tried
         assert backend_state(conn, old) == ("active", "Lock")
-        limited.exchange.backends_retry_at = 0.0  # as if the loop woke at repair_due_at()
-        limited.exchange.fail_claims_not_held()
-        assert not limited.claims_unknown and limited.exchange.repair_due_at() is None
+        limited.repair.backends_retry_at = 0.0  # as if the loop woke at due_at()
+        limited.repair.fail_claims_not_held()
+        assert not limited.claims_unknown and limited.repair.due_at() is None
         assert backend_state(conn, old) is None
 
 
@@ -526,7 +526,7 @@ def test_outcomes_committed_before_a_failed_claim_count_as_written(
         holder.execute("SELECT pg_advisory_lock(hashtextextended('jobd.' || %s || '#budget', 0))",
                        (LANE,))
         subject.exchange.settle_and_claim(WorkerMode.RUNNING)
-        assert subject.exchange.claims_unknown  # the claim failed: its fate is looked into
+        assert subject.repair.claims_unknown  # the claim failed: its fate is looked into
         assert conn.execute("SELECT state FROM jobd.all_jobs WHERE id = %s",
                             (job_id,)).fetchone() == ("done",)
         assert not subject.completer.pending
