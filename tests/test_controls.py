@@ -9,6 +9,7 @@ from datetime import timedelta
 
 import psycopg
 import pytest
+from notify_support import sent_so_far
 from psycopg.rows import dict_row
 
 import jobd
@@ -45,10 +46,6 @@ def listener(db_url: str) -> Iterator[psycopg.Connection]:
         yield conn
 
 
-def notifications(listener: psycopg.Connection) -> list[str]:
-    return [n.payload for n in listener.notifies(timeout=0.5, stop_after=1)]
-
-
 # --- pauses --------------------------------------------------------------------------------
 
 
@@ -59,13 +56,13 @@ def test_a_paused_lane_claims_nothing_until_it_is_resumed(
         jobd.enqueue(conn, handler)
     jobd.enqueue(conn, "a", lane="other")
     assert pauses.pause(conn, LANE) is True
-    assert notifications(listener) == [f"{LANE}!pause"]
+    assert sent_so_far(listener) == [f"{LANE}!pause"]
     assert pauses.pause(conn, LANE) is False  # already: nothing changes, nobody is told
-    assert notifications(listener) == []
+    assert sent_so_far(listener) == []
     assert claimed_handlers(conn) == []
     assert claimed_handlers(conn, "other") == ["a"]  # other lanes are not affected
     assert pauses.resume(conn, LANE) is True
-    assert notifications(listener) == [f"{LANE}!pause"]
+    assert sent_so_far(listener) == [f"{LANE}!pause"]
     assert pauses.resume(conn, LANE) is False
     assert claimed_handlers(conn) == ["a", "b"]
 
@@ -205,7 +202,7 @@ def test_a_running_job_is_asked_to_stop_and_archived_cancelled_whatever_it_retur
     jobs = {job.id: job for job in queue.claim(conn, LANE, "w1", 10, 30)}
     result = jobd.cancel(conn, [ok_id, failing_id, swept_id])
     assert sorted(result.requested) == [ok_id, failing_id, swept_id]
-    assert notifications(listener) == [f"{LANE}!cancel"]  # its workers renew at once
+    assert sent_so_far(listener) == [f"{LANE}!cancel"]  # its workers renew at once
     row = conn.execute("SELECT state, cancel_requested_at IS NOT NULL FROM all_jobs"
                        " WHERE id = %s", (ok_id,)).fetchone()
     assert row == ("claimed", True)

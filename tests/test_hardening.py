@@ -512,19 +512,23 @@ def test_a_reload_whose_handlers_import_slowly_does_not_hold_up_the_lanes(
 ) -> None:
     """The reload's import check runs beside the loop: work keeps being woken and done."""
     daemon = new_daemon(daemons)
-    gate = daemon.dir / "gate"
-    (daemon.dir / "slowimport.py").write_text(
-        "import os, time\n"
-        f"while not os.path.exists({str(gate)!r}):\n"
-        "    time.sleep(0.05)\n"
-        "def run(job):\n"
-        "    pass\n")
-    daemon.start(config({"default": {}}))
+    gate = gated_module(daemon)
+    debug = {"log_level": "debug"}  # the loop's relays are logged at debug
+    daemon.start(config({"default": {}}, supervisor=debug))
     daemon.wait_workers_started("default", 1)
-    mark = daemon.reload({**config({"default": {}}),
+    mark = daemon.reload({**config({"default": {}}, supervisor=debug),
                           "handlers": {**HANDLERS, "later": "slowimport:run"}})
-    job_id = jobd.enqueue(effects_db, "ok", {})
-    wait_state(effects_db, job_id, "done", 15, daemon)
+    wait_until((daemon.dir / "importing").exists, 15, message="the reload's import check")
+    importing = daemon.mark()
+
+    def relayed() -> bool:
+        # A worker still claiming takes a job without a wake-up; once it sleeps armed, only
+        # the loop's relay brings it the next one (its fallback poll is a minute away).
+        job_id = jobd.enqueue(effects_db, "ok", {})
+        wait_state(effects_db, job_id, "done", 15, daemon)
+        return bool(daemon.events("waking workers", since=importing))
+
+    wait_until(relayed, 20, interval=0.2, message="a wake-up relayed while the check imports")
     assert not daemon.events("config reloaded", since=mark)  # still importing
     gate.touch()
     daemon.wait_for_log("config reloaded", since=mark)

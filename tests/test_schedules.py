@@ -519,6 +519,7 @@ def _wait_until_blocked(conn: psycopg.Connection, pid: int) -> None:
                            (pid,)).fetchone()
         if row is not None and row[0] == "Lock":
             return
+        time.sleep(0.01)
     raise AssertionError(f"backend {pid} never waited for a lock")
 
 

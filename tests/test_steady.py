@@ -10,6 +10,7 @@ from datetime import timedelta
 
 import psycopg
 import pytest
+from notify_support import sent_so_far
 
 import jobd
 from jobd import claim_floors, queue, recovery
@@ -22,10 +23,6 @@ from jobd.protocol import WorkerMode
 from jobd.queries import query
 
 LANE = "default"
-
-
-def notifications(listener: psycopg.Connection, timeout: float = 0.5) -> list[str]:
-    return [n.payload for n in listener.notifies(timeout=timeout, stop_after=1)]
 
 
 @pytest.fixture
@@ -42,16 +39,16 @@ def test_due_work_notifies_only_while_a_worker_is_armed(
     conn: psycopg.Connection, listener: psycopg.Connection
 ) -> None:
     jobd.enqueue(conn, "h")
-    assert notifications(listener) == []
+    assert sent_so_far(listener) == []
 
     assert len(queue.claim(conn, LANE, "w1", 10, 30)) == 1
     assert queue.arm(conn, LANE, "w1", full_scan_params()) == "armed"
     jobd.enqueue(conn, "h")
-    assert notifications(listener) == [f"{LANE}#1"]
+    assert sent_so_far(listener) == [f"{LANE}#1"]
 
     queue.disarm(conn, "w1")
     jobd.enqueue(conn, "h")
-    assert notifications(listener) == []
+    assert sent_so_far(listener) == []
 
 
 def test_a_woken_worker_stays_armed_while_its_claims_come_back_short(
@@ -83,27 +80,27 @@ def test_a_woken_worker_stays_armed_while_its_claims_come_back_short(
     armed = waiter_row()
     for _ in range(3):
         jobd.enqueue(conn, "h")
-        assert notifications(listener) == [f"{LANE}#1"]
+        assert sent_so_far(listener) == [f"{LANE}#1"]
         worker.maybe_more = True  # the wake-up
         assert len(claim()) == 1
         assert worker.arming.armed and not worker.wants_arm(WorkerMode.RUNNING, time.monotonic())
         assert waiter_row() == armed  # not written again
 
     jobd.enqueue_many(conn, [jobd.JobSpec("h") for _ in range(3)])
-    assert notifications(listener) == [f"{LANE}#3"]
+    assert sent_so_far(listener) == [f"{LANE}#3"]
     worker.maybe_more = True
     assert len(claim()) == 2  # full: the next claim disarms
     assert len(claim()) == 1
     assert waiter_row() is None and not worker.arming.armed
     jobd.enqueue(conn, "h")
-    assert notifications(listener) == []
+    assert sent_so_far(listener) == []
 
 
 def test_work_for_later_always_tells_the_supervisors(
     conn: psycopg.Connection, listener: psycopg.Connection
 ) -> None:
     jobd.enqueue(conn, "h", delay=3600)
-    [payload] = notifications(listener)
+    [payload] = sent_so_far(listener)
     assert payload.startswith(f"{LANE}@")
 
 
@@ -116,7 +113,7 @@ def test_arming_with_due_work_visible_claims_instead_and_stays_armed(
     # every enqueue meanwhile notifies.
     assert conn.execute("SELECT worker_id FROM lane_waiters").fetchall() == [("w1",)]
     jobd.enqueue(conn, "h")
-    assert notifications(listener) == [f"{LANE}#1"]
+    assert sent_so_far(listener) == [f"{LANE}#1"]
 
 
 def test_the_one_transaction_arming_of_older_daemons_removes_the_row_on_work(
@@ -138,7 +135,7 @@ def test_arming_while_an_enqueue_is_committing_is_contended(
         producer.commit()
     # Committed before the arming looked: the arming sees the job instead of sleeping past it.
     assert queue.arm(conn, LANE, "w1", full_scan_params()) == "work"
-    assert notifications(listener) == []
+    assert sent_so_far(listener) == []
 
 
 def test_an_enqueue_that_starts_after_arming_notifies(
@@ -148,7 +145,7 @@ def test_an_enqueue_that_starts_after_arming_notifies(
     with connect(db_url, autocommit=False) as producer:
         jobd.enqueue(producer, "h")
         producer.commit()
-    assert notifications(listener) == [f"{LANE}#1"]
+    assert sent_so_far(listener) == [f"{LANE}#1"]
 
 
 @pytest.mark.parametrize("isolation", ["REPEATABLE READ", "SERIALIZABLE"])
@@ -160,11 +157,7 @@ def test_an_enqueue_outside_read_committed_always_notifies(
         producer.execute(f"SET TRANSACTION ISOLATION LEVEL {isolation}")
         jobd.enqueue(producer, "h")
         producer.commit()
-    assert notifications(listener) == [f"{LANE}#1"]
-
-
-def all_notifications(listener: psycopg.Connection) -> list[str]:
-    return [n.payload for n in listener.notifies(timeout=0.3)]
+    assert sent_so_far(listener) == [f"{LANE}#1"]
 
 
 def test_enqueue_announces_its_job_once_and_other_inserts_still_notify(
@@ -179,7 +172,7 @@ def test_enqueue_announces_its_job_once_and_other_inserts_still_notify(
         producer.execute("INSERT INTO jobs (id, lane, handler) VALUES (nextval('job_id_seq'),"
                          " %s, 'h'), (nextval('job_id_seq'), %s, 'h')", [LANE, LANE])
         producer.commit()
-    assert all_notifications(listener) == [f"{LANE}#1", f"{LANE}#2"]
+    assert sent_so_far(listener) == [f"{LANE}#1", f"{LANE}#2"]
     assert conn.execute("SELECT count(*) FROM jobs").fetchone() == (3,)
 
 
@@ -199,7 +192,7 @@ def test_jobs_a_callers_trigger_inserts_during_an_enqueue_are_announced(
     for lane, worker_id in ((LANE, "w1"), ("child", "w2")):
         assert queue.arm(conn, lane, worker_id, full_scan_params()) == "armed"
     conn.execute("SELECT enqueue('parent')")
-    assert sorted(all_notifications(listener)) == ["child#1", f"{LANE}#1"]
+    assert sorted(sent_so_far(listener)) == ["child#1", f"{LANE}#1"]
 
 
 def test_an_enqueue_due_long_ago_tells_the_workers_to_claim_from_the_head(
@@ -207,7 +200,7 @@ def test_an_enqueue_due_long_ago_tells_the_workers_to_claim_from_the_head(
 ) -> None:
     assert queue.arm(conn, LANE, "w1", full_scan_params()) == "armed"
     conn.execute("SELECT enqueue('h', run_at => now() - interval '1 minute')")
-    assert all_notifications(listener) == [f"{LANE}#1", f"{LANE}!behind"]
+    assert sent_so_far(listener) == [f"{LANE}#1", f"{LANE}!behind"]
 
 
 def test_an_enqueue_into_a_lane_nobody_waits_on_sends_nothing_but_lists_its_priority(
@@ -215,7 +208,7 @@ def test_an_enqueue_into_a_lane_nobody_waits_on_sends_nothing_but_lists_its_prio
 ) -> None:
     assert queue.arm(conn, "other", "w1", full_scan_params()) == "armed"
     conn.execute("SELECT enqueue('h', priority => 7)")
-    assert all_notifications(listener) == []
+    assert sent_so_far(listener) == []
     assert conn.execute("SELECT lane, priority FROM lane_priorities").fetchall() == [(LANE, 7)]
 
 
@@ -515,8 +508,7 @@ def test_enqueues_from_a_session_without_jobds_schema_on_its_path(
         jobd.enqueue_many(plain, [jobd.JobSpec("h", priority=3) for _ in range(3)])
         jobd.enqueue(plain, "h", priority=4)
         plain.execute("SELECT jobd.enqueue('h', priority => 5)")
-    got = [n.payload for n in listener.notifies(timeout=1.0, stop_after=3)]
-    assert got == [f"{LANE}#3", f"{LANE}#1", f"{LANE}#1"]
+    assert sent_so_far(listener) == [f"{LANE}#3", f"{LANE}#1", f"{LANE}#1"]
     rows = conn.execute("SELECT priority FROM lane_priorities ORDER BY 1").fetchall()
     assert rows == [(3,), (4,), (5,)]
 
@@ -528,15 +520,14 @@ def test_jobs_due_for_a_while_tell_the_waiting_workers_to_claim_from_the_head(
     [[db_now]] = conn.execute("SELECT now()").fetchall()
     # A herd due in the past: below any floor a worker set when it last found the lane dry.
     jobd.enqueue(conn, "h", run_at=db_now - timedelta(minutes=1))
-    got = [n.payload for n in listener.notifies(timeout=1.0, stop_after=2)]
-    assert sorted(got) == [f"{LANE}!behind", f"{LANE}#1"]
+    assert sorted(sent_so_far(listener)) == [f"{LANE}!behind", f"{LANE}#1"]
     # Due as it commits: above every floor, nothing to say but the wake-up.
     jobd.enqueue(conn, "h")
-    assert [n.payload for n in listener.notifies(timeout=0.5, stop_after=2)] == [f"{LANE}#1"]
+    assert sent_so_far(listener) == [f"{LANE}#1"]
     # Nobody waiting: nobody to tell.
     queue.disarm(conn, "w1")
     jobd.enqueue(conn, "h", run_at=db_now - timedelta(minutes=1))
-    assert notifications(listener) == []
+    assert sent_so_far(listener) == []
 
 
 def test_an_enqueue_during_the_arming_probe_neither_waits_nor_goes_unheard(
@@ -556,7 +547,7 @@ def test_an_enqueue_during_the_arming_probe_neither_waits_nor_goes_unheard(
             assert row == ("armed",)
             jobd.enqueue(producer, "h")
             producer.commit()
-    assert notifications(listener) == [f"{LANE}#1"]
+    assert sent_so_far(listener) == [f"{LANE}#1"]
     assert queue.arm(conn, LANE, "w1", full_scan_params()) == "work"
     assert conn.execute("SELECT count(*) FROM lane_waiters").fetchone() == (1,)  # still armed
 
