@@ -128,6 +128,8 @@ def _missing_schema(ctx: Context | None, schema: str) -> str:
         with ctx.connect() as conn:
             return grants.usage_problem(conn, ctx.schema) or missing
     except (psycopg.Error, JobdError):
+        # A second look for a better message only: the statement's own failure is what the
+        # user is told about, and "missing" is true of it either way.
         return missing
 
 

@@ -114,6 +114,9 @@ class Listener:
         try:
             for notify in conn.notifies(timeout=0, stop_after=None):
                 wakeup = parse_payload(notify.payload)
+                # None: a payload this version cannot read (a newer jobd's control, anyone's
+                # NOTIFY on the channel). Dropped without a log line per notification: a
+                # wake-up is a hint, and the lanes' fallback poll finds the work all the same.
                 if wakeup is not None:
                     wakeups.append(wakeup)
         except psycopg.Error as exc:
