@@ -96,7 +96,7 @@ def _server_message(exc: psycopg.Error) -> str:
 # Options whose value may start with '-' followed by a digit (`--delay -5s`): argparse takes
 # such a token for an option and says "expected one argument". Joined to its option, the
 # value reaches the option's own check, which says what is wrong with it.
-_SIGNED_VALUE_OPTIONS = frozenset({"--delay"})
+_SIGNED_VALUE_OPTIONS = frozenset({"--delay", "--before", "--interval"})
 
 
 def _join_signed_values(argv: Sequence[str]) -> list[str]:

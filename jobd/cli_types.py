@@ -275,7 +275,7 @@ def interval(text: str) -> float:
 # An age for ``dlq purge --before``: a number with its unit. A bare number is refused there:
 # it reads as seconds elsewhere, but here it is as likely an instant (2024, 20240101 in ISO
 # 8601's basic form), and a purge cannot be undone.
-_AGE = re.compile(r"\s*\d+(?:\.\d+)?\s*(?:ms|s|m|h|d)\s*", re.ASCII)
+_AGE = re.compile(r"\s*-?\d+(?:\.\d+)?\s*(?:ms|s|m|h|d)\s*", re.ASCII)  # "-": refused as negative
 _BARE_NUMBER = re.compile(r"\s*[-+]?\d+(?:\.\d+)?\s*", re.ASCII)
 
 
