@@ -5,6 +5,7 @@ Runs in the peers' virtualenv (matplotlib): ``python chart.py DATA.json OUT.png`
 
 import argparse
 import json
+from typing import Any
 
 CEILING = "sql-ceiling"
 
@@ -17,15 +18,13 @@ def color(name):
     return {"jobd": "#1f77b4", CEILING: "#d62728", **PEER_COLORS}.get(name, "#999999")
 
 
-def main(data_path: str, out_path: str) -> None:
+def main(data: dict[str, Any], out_path: str) -> None:
     # Imported here: --help and a wrong argument need no matplotlib.
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    with open(data_path) as f:
-        data = json.load(f)
     summary, labels = data["summary"], data["labels"]
     systems, settings = data["systems"], data["settings"]
     fig, axes = plt.subplots(1, 3, figsize=(17, 5), gridspec_kw={"width_ratios": [2.2, 1, 1]})
@@ -107,4 +106,9 @@ if __name__ == "__main__":
     parser.add_argument("data", help="the chart's data (JSON)")
     parser.add_argument("out", help="the PNG to write")
     args = parser.parse_args()
-    main(args.data, args.out)
+    try:
+        with open(args.data) as f:
+            chart_data = json.load(f)
+    except (OSError, ValueError) as exc:
+        parser.error(f"cannot read {args.data}: {exc}")
+    main(chart_data, args.out)

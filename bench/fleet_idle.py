@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,7 @@ import jobd
 from jobd.db import connect
 from jobd.localpg import free_port, throwaway_cluster
 from jobd.migrate import migrate
+from jobd.yamlcheck import positive_duration
 
 DBNAME = "jobd_fleet_idle"
 HANDLERS = "def noop(job):\n    pass\n"
@@ -143,7 +145,7 @@ def measure(admin_url: str, url: str, directory: Path, size: int, settle: float,
     return result
 
 
-def main() -> int:
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="1,4,8", help="fleet sizes (default 1,4,8)")
     parser.add_argument("--settle", type=float, default=15.0, help="seconds (default 15)")
@@ -154,8 +156,27 @@ def main() -> int:
                         help="a metrics endpoint on every daemon (default: none)")
     parser.add_argument("--backlog", type=int, default=0,
                         help="jobs due a day later, enqueued first (default 0)")
-    args = parser.parse_args()
-    sizes = [int(s) for s in args.sizes.split(",")]
+    args = parser.parse_args(argv)
+    # Checked before the cluster starts: a mistake found at the end of a run costs the run.
+    try:
+        args.sizes = [int(s) for s in args.sizes.split(",")]
+    except ValueError:
+        parser.error(f"--sizes: not a list of numbers: {args.sizes!r}")
+    if min(args.sizes) < 1 or args.backlog < 0:
+        parser.error("--sizes must be at least 1 node, --backlog at least 0 jobs")
+    if not (math.isfinite(args.settle) and args.settle >= 0
+            and math.isfinite(args.window) and args.window > 0):
+        parser.error("--settle must be a number of seconds, --window a positive one")
+    try:
+        positive_duration(args.duty_interval)
+    except ValueError as exc:
+        parser.error(f"--duty-interval: {exc}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    sizes = args.sizes
     results = []
     with throwaway_cluster("jobd-fleet-pg-") as cluster, \
             tempfile.TemporaryDirectory(prefix="jobd-fleet-") as scratch:

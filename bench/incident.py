@@ -38,6 +38,7 @@ bench/incident_prom.py (Prometheus), bench/incident_handlers.py (the handlers).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 import signal
@@ -91,6 +92,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="do not write bench/results/incident-*")
     parser.add_argument("--out", type=Path, help="write the results here instead")
     args = parser.parse_args(argv)
+    seconds = (args.baseline, args.interval, args.mitigate_by, args.tail, args.poison_every)
+    if not all(math.isfinite(value) for value in seconds):  # nan passes every comparison below
+        parser.error("--baseline, --interval, --mitigate-by, --tail and --poison-every must be "
+                     "finite numbers of seconds")
     if (args.herd < 1 or args.baseline < 10 or args.interval <= 0 or args.mitigate_by <= 0
             or args.tail < 0 or args.poison_every < 0):
         parser.error("--herd must be positive, --baseline at least 10 s, --interval and "

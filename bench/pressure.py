@@ -98,6 +98,7 @@ bench/pressure_handlers.py the handler.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import sys
@@ -214,6 +215,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-results", dest="results", action="store_false",
                         help="do not write bench/results/pressure-<date>.json and .md")
     args = parser.parse_args(argv)
+    if not all(math.isfinite(value) for value in (args.duration or 5.0, args.rate)):
+        parser.error("--duration and --rate must be finite numbers")
     if args.duration is not None and args.duration < 5:
         parser.error("--duration must be at least 5 seconds")
     if args.rate <= 0 or args.producers < 1 or args.readers < 1:

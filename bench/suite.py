@@ -817,6 +817,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                          f"{','.join(known)}")
     if min(args.rounds, args.latency_rounds, args.growth_rounds) < 1:
         parser.error("--rounds, --latency-rounds and --growth-rounds must be at least 1")
+    # Read here, not when the growth workload comes: that is after the others have run.
+    try:
+        args.growth_sizes = [int(s) for s in args.growth_sizes.split(",") if s]
+    except ValueError:
+        parser.error(f"--growth-sizes: not a list of numbers: {args.growth_sizes!r}")
+    if not args.growth_sizes or min(args.growth_sizes) < 1:
+        parser.error("--growth-sizes: give one or more table sizes of at least 1 job")
     try:
         args.settings = parse_settings(args.settings)
         args.latency_settings = parse_settings(args.latency_settings)
@@ -911,8 +918,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for setting in args.idle_settings:
                     records.extend(measure_idle(env, systems, setting))
             if "growth" in only:
-                sizes = [int(s) for s in args.growth_sizes.split(",") if s]
-                records.extend(measure_growth(env, sizes, rounds=args.growth_rounds))
+                records.extend(measure_growth(env, args.growth_sizes, rounds=args.growth_rounds))
     except KeyboardInterrupt:
         log("interrupted")
         return 130

@@ -59,6 +59,8 @@ def main() -> None:
     parser.add_argument("--database-url", required=True)
     parser.add_argument("--jobs", type=int, default=500)
     args = parser.parse_args()
+    if args.jobs < 1:
+        parser.error("--jobs must be at least 1")
     for name, handler in (("plain", plain), ("transactional", transactional)):
         for mode, measure in (("connection", in_transaction), ("url", through_url)):
             took = measure(args.database_url, name, handler, args.jobs)

@@ -96,7 +96,7 @@ def _server_message(exc: psycopg.Error) -> str:
 # Options whose value may start with '-' followed by a digit (`--delay -5s`): argparse takes
 # such a token for an option and says "expected one argument". Joined to its option, the
 # value reaches the option's own check, which says what is wrong with it.
-_SIGNED_VALUE_OPTIONS = frozenset({"--delay"})
+_SIGNED_VALUE_OPTIONS = frozenset({"--delay", "--before", "--interval"})
 
 
 def _join_signed_values(argv: Sequence[str]) -> list[str]:
@@ -128,6 +128,8 @@ def _missing_schema(ctx: Context | None, schema: str) -> str:
         with ctx.connect() as conn:
             return grants.usage_problem(conn, ctx.schema) or missing
     except (psycopg.Error, JobdError):
+        # A second look for a better message only: the statement's own failure is what the
+        # user is told about, and "missing" is true of it either way.
         return missing
 
 

@@ -275,13 +275,14 @@ def interval(text: str) -> float:
 # An age for ``dlq purge --before``: a number with its unit. A bare number is refused there:
 # it reads as seconds elsewhere, but here it is as likely an instant (2024, 20240101 in ISO
 # 8601's basic form), and a purge cannot be undone.
-_AGE = re.compile(r"\s*\d+(?:\.\d+)?\s*(?:ms|s|m|h|d)\s*", re.ASCII)
+_AGE = re.compile(r"\s*-?\d+(?:\.\d+)?\s*(?:ms|s|m|h|d)\s*", re.ASCII)
 _BARE_NUMBER = re.compile(r"\s*[-+]?\d+(?:\.\d+)?\s*", re.ASCII)
 
 
 def timestamp_or_age(text: str) -> datetime | float:
     """An instant with its UTC offset, or an age with its unit meaning "that long ago" (7d,
-    12h); an age beyond 3650d is refused as such, and so is a number without a unit."""
+    12h); an age beyond 3650d or below zero is refused as such, and so is a number without a
+    unit."""
     if _AGE.fullmatch(text):
         return duration(text)
     if _BARE_NUMBER.fullmatch(text):

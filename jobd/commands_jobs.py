@@ -365,9 +365,7 @@ def cmd_dlq_purge(ctx: Context, args: argparse.Namespace) -> int:
         if isinstance(args.before, datetime):
             cutoff = args.before
         else:
-            row = conn.execute("SELECT now()").fetchone()
-            assert row is not None
-            cutoff = row[0] - timedelta(seconds=args.before)
+            cutoff = views.database_clock(conn) - timedelta(seconds=args.before)
         purged = dlq.purge(conn, cutoff)
     if ctx.as_json:
         print_json({"purged": purged, "before": cutoff})

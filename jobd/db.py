@@ -304,7 +304,7 @@ def _options_applied(conn: psycopg.Connection, gucs: Mapping[str, str]) -> bool:
     wanted = gucs.get("search_path")
     if wanted is None:
         return True
-    row = conn.execute("SELECT current_setting('search_path')").fetchone()
+    row = conn.execute(query("search_path_setting")).fetchone()
     if not conn.autocommit:
         conn.rollback()
     return row is not None and row[0] == wanted

@@ -172,7 +172,7 @@ class HandlerCheck:
         try:
             self.process.wait(max(0.0, self.deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            pass
+            pass  # poll() below says it: still running past the deadline, it is killed
         problems = self.poll()
         return problems if problems is not None else self.cancel()
 

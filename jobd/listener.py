@@ -32,7 +32,6 @@ from dataclasses import replace
 
 import psycopg
 import structlog
-from psycopg import sql
 
 from jobd import pipes
 from jobd.db import (
@@ -45,6 +44,7 @@ from jobd.db import (
 )
 from jobd.errors import DatabaseUnavailable
 from jobd.eventloop import SelectLoop
+from jobd.queries import query, with_identifiers
 from jobd.wakeup import Wakeup, channel_name, parse_payload
 
 log = structlog.get_logger("jobd.wakeup")
@@ -114,6 +114,9 @@ class Listener:
         try:
             for notify in conn.notifies(timeout=0, stop_after=None):
                 wakeup = parse_payload(notify.payload)
+                # None: a payload this version cannot read (a newer jobd's control, anyone's
+                # NOTIFY on the channel). Dropped without a log line per notification: a
+                # wake-up is a hint, and the lanes' fallback poll finds the work all the same.
                 if wakeup is not None:
                     wakeups.append(wakeup)
         except psycopg.Error as exc:
@@ -168,7 +171,7 @@ class Listener:
         """Probe the connection, then open one if there is none, retrying with backoff
         until one opens (True) or the listener is closed (False)."""
         if self.link.conn is not None:
-            self.link.run("listen probe", lambda conn: conn.execute("SELECT 1"))
+            self.link.run("listen probe", lambda conn: conn.execute(query("connection_probe")))
         while self.link.conn is None:
             if self._ensure():
                 self._opened += 1
@@ -192,7 +195,7 @@ class Listener:
             raise DatabaseUnavailable(
                 "LISTEN cannot work through a transaction-mode pooler; set "
                 "database.listen_url to a direct connection")
-        conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel_name(self.schema))))
+        conn.execute(with_identifiers("listen_qualified", channel=channel_name(self.schema)))
 
     def _unavailable(self, error: str) -> None:
         """A failed attempt to connect and LISTEN: said once per outage, then quietly

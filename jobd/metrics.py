@@ -140,11 +140,6 @@ def families(view: NodeView, now: float) -> list[Metric]:
             *_sampler(view, now)]
 
 
-def exposed_name(family: Metric) -> str:
-    """A family's name as scraped (prometheus-client keeps counters' without ``_total``)."""
-    return f"{family.name}_total" if family.type == "counter" else family.name
-
-
 def _red(view: NodeView) -> list[Metric]:
     claimed = CounterMetricFamily("jobd_jobs_claimed", "Jobs claimed by this node's workers.",
                                   labels=["lane", "handler"])

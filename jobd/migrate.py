@@ -18,9 +18,9 @@ from importlib import resources
 import psycopg
 from psycopg import sql
 
-from jobd import grants
+from jobd import archive, grants
 from jobd.db import validate_schema
-from jobd.queries import query, text
+from jobd.queries import query, text, with_identifiers
 
 _FILE_NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
 
@@ -48,21 +48,6 @@ def available() -> list[Migration]:
     if len(set(versions)) != len(versions):
         raise RuntimeError(f"duplicate migration versions in {versions}")
     return found
-
-
-_LOCK = "SELECT pg_advisory_xact_lock(hashtext('jobd.migrate'), hashtext(%s))"
-_LEDGER = """
-CREATE TABLE IF NOT EXISTS schema_migrations (
-    version    integer     PRIMARY KEY,
-    name       text        NOT NULL,
-    checksum   text        NOT NULL,
-    applied_at timestamptz NOT NULL DEFAULT now()
-)"""
-_APPLIED = "SELECT version, name, checksum FROM schema_migrations ORDER BY version"
-_RECORD = "INSERT INTO schema_migrations (version, name, checksum) VALUES (%s, %s, %s)"
-_PARTITIONS = "SELECT ensure_archive_partitions()"
-_SET_PAYLOAD_LIMIT = ("UPDATE settings SET value = to_jsonb(%s::bigint)"
-                      " WHERE name = 'max_payload_bytes'")
 
 
 class MigrationMismatch(RuntimeError):
@@ -114,23 +99,22 @@ def upgrade(conn: psycopg.Connection, schema: str, *, max_payload_bytes: int | N
     validate_schema(schema)
     applied_now: list[Migration] = []
     with conn.transaction():
-        conn.execute(_LOCK, (schema,))
+        conn.execute(query("migrate_lock"), {"schema": schema})
         row = conn.execute(query("schema_ownership"), {"schema": schema}).fetchone()
         owner = row is None or bool(row[0])  # a schema about to be created is its creator's
         problem = None if owner else grants.usage_problem(conn, schema)
         if problem:
             raise NotOwner(problem)
         if row is None:
-            conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
-        conn.execute(sql.SQL("SET LOCAL search_path TO {}").format(sql.Identifier(schema)))
-        # A migration may rewrite a large table: database.statement_timeout is for the
-        # statements of a running node, not for this.
-        conn.execute("SET LOCAL statement_timeout = 0")
+            conn.execute(with_identifiers("create_schema_qualified", schema=schema))
+        conn.execute(with_identifiers("set_local_search_path_qualified", schema=schema))
+        conn.execute(query("set_local_no_statement_timeout"))
         exists = conn.execute(query("migration_ledger_exists")).fetchone()
         if not (exists and exists[0]):
             _check_first_install(conn, schema)
-            conn.execute(_LEDGER)
-        done = {version: (name, checksum) for version, name, checksum in conn.execute(_APPLIED)}
+            conn.execute(query("create_migration_ledger"))
+        done = {version: (name, checksum)
+                for version, name, checksum in conn.execute(query("applied_migrations"))}
         pending = _pending(available(), done)
         stale = pinned_elsewhere(conn, schema)
         if not owner and (pending or stale or grant_runtime or grant_producer
@@ -143,13 +127,15 @@ def upgrade(conn: psycopg.Connection, schema: str, *, max_payload_bytes: int | N
         _pin_search_paths(conn, schema, stale)
         for migration in pending:
             conn.execute(migration.text)
-            conn.execute(_RECORD, (migration.version, migration.name, migration.checksum))
+            conn.execute(query("record_migration"), {
+                "version": migration.version, "name": migration.name,
+                "checksum": migration.checksum})
             applied_now.append(migration)
         # Archive partitions are dated; every migrate run tops them up.
-        conn.execute(_PARTITIONS)
+        archive.ensure_partitions(conn)
         limit_set = _limit_differs(conn, max_payload_bytes)
         if limit_set:
-            conn.execute(_SET_PAYLOAD_LIMIT, (max_payload_bytes,))
+            conn.execute(query("set_payload_limit"), {"max_payload_bytes": max_payload_bytes})
         granted = grants.Granted()
         if owner:
             granted = grants.apply(conn, schema, runtime=grant_runtime,

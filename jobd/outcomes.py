@@ -82,6 +82,8 @@ def format_error(exc: BaseException) -> str:
     try:
         text = "".join(traceback.format_exception(exc))
     except Exception:
+        # As above, the user's exception is at fault, not the job's outcome: the headline
+        # (which says what could not be formatted, if that was it) stands for the text.
         text = headline
     headline, text = _storable(headline)[:MAX_ERROR_CHARS], _storable(text)
     if len(text) > MAX_ERROR_CHARS:

@@ -11,7 +11,7 @@ def drain(fd: int) -> None:
         while os.read(fd, 4096):
             pass
     except BlockingIOError:
-        pass
+        pass  # the pipe is empty: what a non-blocking read says once all is drained
 
 
 def poke(fd: int, signal: bytes = b"!") -> None:

@@ -143,10 +143,6 @@ def backend_prefix(worker_id: str) -> str:
     return f"jobd worker {digest} "
 
 
-def backend_name(worker_id: str, label: str) -> str:
-    return (backend_prefix(worker_id) + label)[:APPLICATION_NAME_MAX]
-
-
 # Of a lane's name, at least this much shows in a worker connection's name when it is cut.
 LANE_NAME_KEPT = 16
 

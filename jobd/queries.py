@@ -5,7 +5,9 @@ own connections set it to the jobd schema). Statements that also run on connecti
 not own (a caller's transaction, a transactional handler's) name jobd's objects as
 ``{schema}.name``: :func:`qualified` fills the placeholder with a
 :class:`psycopg.sql.Identifier`, and :func:`query` drops it for jobd's own connections, so one
-text serves both. Blocks whose name ends in ``_qualified`` run only qualified.
+text serves both. Blocks whose name ends in ``_qualified`` run only with their placeholders
+bound: by :func:`qualified`, or by :func:`with_identifiers` for statements whose placeholders
+are all identifiers (a schema, a role, a channel: CREATE SCHEMA, GRANT, LISTEN).
 """
 
 from __future__ import annotations

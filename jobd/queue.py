@@ -419,9 +419,7 @@ def disarm(conn: psycopg.Connection, worker: str) -> None:
     conn.execute(query("disarm_waiter"), {"worker": worker})
 
 
-def release(
-    conn: psycopg.Connection, leases: Sequence[Lease], now: datetime | None = None
-) -> WriteOutcome:
+def release(conn: psycopg.Connection, leases: Sequence[Lease]) -> WriteOutcome:
     """Give claimed jobs back unharmed (their attempt is not counted): claimable at once."""
     if not leases:
         return WriteOutcome([], [])

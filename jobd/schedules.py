@@ -26,6 +26,7 @@ import psycopg
 import structlog
 from psycopg.types.json import Jsonb
 
+from jobd import views
 from jobd.config import ScheduleConfig
 from jobd.cron import CronError, CronSchedule, Occurrence
 from jobd.queries import query
@@ -319,12 +320,8 @@ def listing(conn: psycopg.Connection, now: datetime | None = None) -> list[dict[
     it) with its ``state`` and its next fire, ``next_fire_local`` and ``next_fire_utc``, by
     the database clock unless ``now`` is given."""
     rows = list_schedules(conn, now)
-    if now is None:
-        row = conn.execute("SELECT now()").fetchone()
-        assert row is not None
-        now = row[0]
-    assert now is not None
-    return [listing_row(entry, now) for entry in rows]
+    at = views.database_clock(conn, now)
+    return [listing_row(entry, at) for entry in rows]
 
 
 def listing_row(entry: dict[str, object], now: datetime) -> dict[str, object]:

@@ -73,7 +73,8 @@ log = structlog.get_logger("jobd.supervisor")
 
 
 class Supervisor:
-    def __init__(self, config: Config, database_url: str, notifier: Notifier | None = None):
+    def __init__(self, config: Config, database_url: str,
+                 notifier: Notifier | None = None) -> None:
         self.config = config
         self.url = database_url
         self.instance = f"{config.node_name}:{os.getpid()}:{secrets.token_hex(3)}"
@@ -270,12 +271,14 @@ class Supervisor:
             if path is None:
                 raise ConfigError("the daemon was started without a config file")
             new = load(path)
+        except ConfigError as exc:  # every mistake in the file
+            self._refuse_reload(str(exc))
+            return
         except Exception as exc:
-            # ConfigError for every mistake in the file; anything else (an unforeseen read
-            # or parse failure) is refused the same way: a reload must never stop a running
-            # supervisor, whose workers would then run on without it.
-            error = str(exc) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
-            self._refuse_reload(error)
+            # An unforeseen read or parse failure, a defect of jobd's: refused the same way,
+            # as a reload must never stop a running supervisor (whose workers would then run
+            # on without it), and logged with its traceback for the bug report.
+            self._refuse_reload(f"{type(exc).__name__}: {exc}", exc)
             return
         self._cancel_reload()
         self.pending_reload = (new, HandlerCheck(new.import_paths()), time.monotonic())
@@ -318,8 +321,9 @@ class Supervisor:
                  generation=self.pool.generation)
         self.notifier.ready(self._status_text())
 
-    def _refuse_reload(self, error: str) -> None:
-        log.error("reload refused; still running the previous config", error=error)
+    def _refuse_reload(self, error: str, unforeseen: BaseException | None = None) -> None:
+        log.error("reload refused; still running the previous config", error=error,
+                  exc_info=unforeseen)
         self.notifier.ready(self._status_text())
 
     def _cancel_reload(self) -> None:

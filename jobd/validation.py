@@ -30,7 +30,7 @@ import secrets
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from decimal import Decimal
-from typing import Any
+from typing import Any, TypeGuard
 
 # Names that Python and SQL share. Python spells each of them here and nowhere else (this
 # module imports nothing of jobd's, so the config, the queue and the outbox all can import
@@ -72,7 +72,7 @@ MIN_NUMERIC_EXPONENT = -16383
 _NUL_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 
 
-def is_name(value: object) -> bool:
+def is_name(value: object) -> TypeGuard[str]:
     """Whether ``value`` may name a lane, handler, schedule, node or sender."""
     return isinstance(value, str) and NAME_RULE.fullmatch(value) is not None
 

@@ -109,7 +109,7 @@ class WorkerProcess:
         try:
             os.kill(self.pid, signum)
         except ProcessLookupError:
-            pass
+            pass  # it has exited already: the reaper takes its exit, whatever was asked
 
 
 @dataclass
@@ -329,7 +329,13 @@ class WorkerPool:
         while True:
             try:
                 data = os.read(process.status_r, 65536)
-            except (BlockingIOError, OSError):
+            except BlockingIOError:
+                return  # all read: the worker wrote nothing more
+            except OSError as exc:
+                # The worker's last counts are lost to the node's metrics: say so, as the
+                # totals then fall short of what the worker did.
+                log.warning("could not read an exited worker's final report",
+                            lane=process.lane, pid=process.pid, error=str(exc))
                 return
             if not data:
                 return
@@ -361,8 +367,9 @@ class WorkerPool:
             self.loop.unregister(fd)
             try:
                 os.close(fd)
-            except OSError:
-                pass
+            except OSError as exc:  # EBADF: closed twice, a bug worth seeing in the log
+                log.warning("could not close a descriptor of an exited worker", fd=fd,
+                            lane=process.lane, pid=process.pid, error=str(exc))
         base = self.exited_counters.setdefault(process.lane, {})
         for key, value in process.report.counters.items():
             base[key] = base.get(key, 0) + value

@@ -9,6 +9,7 @@ name them that way (``bench/fairness_bench.py --drain``, ``bench/drain_profile.p
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
@@ -68,6 +69,44 @@ def test_a_bench_script_answers_help_run_as_a_file_and_as_a_module(name: str) ->
 def test_a_wrong_argument_is_refused_with_a_usage_error(arguments: list[str], says: str) -> None:
     env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     done = subprocess.run([sys.executable, "-m", *arguments], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert says in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+# Refused when the arguments are read, before anything runs: these scripts read the values
+# only later (a suite's growth workload comes after an hour of the others; a fleet's sizes,
+# a drill's or a pressure run's seconds once its cluster is up), so each is called here in
+# process, where a script that still takes the value runs nothing.
+@pytest.mark.parametrize(("module", "arguments", "says"), [
+    ("bench.suite", ["--growth-sizes", "10000,x"], "--growth-sizes: not a list of numbers"),
+    ("bench.suite", ["--growth-sizes", "0"], "table sizes of at least 1"),
+    ("bench.fleet_idle", ["--sizes", "1,x"], "--sizes: not a list of numbers"),
+    ("bench.fleet_idle", ["--sizes", "0"], "at least 1 node"),
+    ("bench.fleet_idle", ["--window", "0"], "--window a positive one"),
+    ("bench.fleet_idle", ["--settle", "-1"], "--settle must be a number of seconds"),
+    ("bench.fleet_idle", ["--duty-interval", "soon"], "--duty-interval: expected a duration"),
+    ("bench.incident", ["--fairness", "on", "--baseline", "nan"], "must be finite"),
+    ("bench.pressure", ["--duration", "nan"], "must be finite numbers"),
+])
+def test_a_value_read_late_is_refused_before_the_run(
+    module: str, arguments: list[str], says: str, capsys: pytest.CaptureFixture[str],
+) -> None:
+    parse_args = importlib.import_module(module).parse_args
+    with pytest.raises(SystemExit) as exited:
+        parse_args(arguments)
+    assert exited.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("arguments", "says"), [
+    (["bench/chart.py", "no-such-file.json", "out.png"], "cannot read no-such-file.json"),
+    (["bench/testing_helpers.py", "--database-url", "unused", "--jobs", "0"],
+     "--jobs must be at least 1"),
+])
+def test_a_script_refuses_its_input_without_a_traceback(arguments: list[str], says: str) -> None:
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, *arguments], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2, done.stderr
     assert says in done.stderr and "Traceback" not in done.stderr, done.stderr

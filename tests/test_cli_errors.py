@@ -414,6 +414,16 @@ def test_a_negative_delay_is_refused_as_negative_however_it_is_written(args: lis
     assert "--delay: a duration cannot be negative" in line
 
 
+@pytest.mark.parametrize(("args", "says"), [
+    (["dlq", "purge", "--before", "-5d"], "--before: a duration cannot be negative"),
+    (["top", "--once", "--interval", "-1s"], "--interval: a duration cannot be negative"),
+    (["jobs", "list", "--before", "-5"], "--before: must be at least 1"),
+])
+def test_other_negative_durations_are_refused_as_negative(args: list[str], says: str) -> None:
+    line = assert_one_line_error(cli(*args), 2)
+    assert says in line
+
+
 @pytest.mark.parametrize("variable", ["JOBD_DATABASE_URL", "JOBD_CONFIG"])
 def test_a_variable_set_empty_is_refused_not_taken_for_unset(variable: str) -> None:
     """`JOBD_DATABASE_URL=$PROD_URL jobd ...` with PROD_URL unset must not run on the

@@ -29,6 +29,7 @@ import psycopg
 import pytest
 from daemon_support import Daemon, db_now, enqueued_when_due, make_config, wait_until
 from prometheus_client import generate_latest
+from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
 from prometheus_support import Prometheus, check_metrics, fetch
@@ -50,7 +51,6 @@ from jobd.metrics import (
     NodeCollector,
     NodeMetrics,
     NodeView,
-    exposed_name,
     families,
     handler_labels,
 )
@@ -73,6 +73,11 @@ from jobd.worker_metrics import (
 from jobd.workerpool import WORKER_STATES, Slot, WorkerPool, WorkerProcess
 
 daemons = daemon_support.daemons
+
+
+def exposed_name(family: Metric) -> str:
+    """A family's name as scraped (prometheus-client keeps counters' without ``_total``)."""
+    return f"{family.name}_total" if family.type == "counter" else family.name
 Daemons = Callable[..., Daemon]
 
 BOUNDED_LABELS = {"lane", "handler", "outcome", "state", "reason", "le"}

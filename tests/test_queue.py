@@ -545,12 +545,12 @@ def test_crash_attribution_first_ends_what_the_dead_worker_still_runs(
 ) -> None:
     """A claim the worker sent before it died may still run on its backend; it must not
     commit after the attribution looked, so the backend is ended first."""
-    from jobd.protocol import backend_name
+    from jobd.protocol import backend_prefix
 
     survivor = psycopg.connect(db_url, autocommit=True,
-                               application_name=backend_name("node:default#0:beef", "default#0"))
+                               application_name=backend_prefix("node:default#0:beef") + "default#0")
     other = psycopg.connect(db_url, autocommit=True,
-                            application_name=backend_name("node:default#1:cafe", "default#1"))
+                            application_name=backend_prefix("node:default#1:cafe") + "default#1")
     try:
         recovery.settle_crashed_worker(conn, "node:default#0:beef", "died", policy())
         with pytest.raises(psycopg.OperationalError):

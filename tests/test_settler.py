@@ -26,7 +26,7 @@ from jobd.workerpool import WorkerPool
 
 LANE = "default"
 WORKER_ID = "test-node:default#0:settle"
-SETTLE_NAME = protocol.backend_name(WORKER_ID, f"{LANE}/0 settle node=")
+SETTLE_NAME = protocol.backend_prefix(WORKER_ID) + f"{LANE}/0 settle node="
 WAIT_S = 10.0  # a bound for what happens at once, never a pause
 
 

@@ -160,6 +160,23 @@ def test_status_0_after_the_workers_shutdown_is_a_clean_exit() -> None:
     assert slot.spawn_at <= time.monotonic()
 
 
+def test_an_exited_workers_final_report_that_cannot_be_read_is_logged() -> None:
+    """Its last counts are missing from the node's totals: the operator is told, and the
+    exit is taken as any other."""
+    pool = one_slot_pool()
+    slot = exited_with_status_0(pool, shut_down=True)
+    assert slot.process is not None
+    os.close(slot.process.status_r)
+    # A directory: reading it fails with EISDIR, as a broken status pipe would fail.
+    slot.process.status_r = os.open("/", os.O_RDONLY | os.O_DIRECTORY)
+    with structlog.testing.capture_logs() as logs:
+        [exited] = pool.reap(stopping=False)
+    assert exited.reason == "exit code 0"
+    [warning] = [r for r in logs if r["event"] == "could not read an exited worker's final report"]
+    assert warning["log_level"] == "warning" and warning["lane"] == "default"
+    assert "Is a directory" in warning["error"]
+
+
 # --- the worker pool: a failed spawn ------------------------------------------------------
 
 
@@ -400,6 +417,32 @@ def test_a_watchdog_ping_the_reader_could_not_take_is_sent_again_soon(
         assert receive(sock) == {"WATCHDOG": "1"}
     finally:
         supervisor.notifier.close()
+
+
+def test_an_unforeseen_failure_to_read_the_config_refuses_the_reload_with_its_traceback(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+) -> None:
+    """Not a mistake in the file (those are ConfigErrors, one line each) but a defect: the
+    supervisor runs on, and the log carries the traceback to report."""
+    from jobd import supervisor as supervisor_module
+    from jobd.config import Config
+
+    def broken_load(path: str) -> Config:
+        raise RuntimeError("unforeseen")
+
+    monkeypatch.setattr(supervisor_module, "load", broken_load)
+    supervisor = supervisor_module.Supervisor(replace(Config(), path=str(tmp_path / "c.yaml")),
+                                              "postgresql:///unused")
+    try:
+        with structlog.testing.capture_logs() as logs:
+            supervisor.reload()
+    finally:
+        supervisor.notifier.close()
+    [refused] = [r for r in logs if r["event"] == "reload refused; still running the previous "
+                                                  "config"]
+    assert refused["error"] == "RuntimeError: unforeseen"
+    assert isinstance(refused["exc_info"], RuntimeError)
+    assert supervisor.pending_reload is None
 
 
 @pytest.mark.parametrize(("usec", "pid", "interval"), [

@@ -833,6 +833,17 @@ SELECT l.lane,
 -- name: database_clock
 SELECT coalesce(%(now)s::timestamptz, now())
 
+-- name: connection_probe
+-- A round trip that proves an idle connection still works (the listener's, between
+-- notifications).
+SELECT 1
+
+-- name: search_path_setting
+SELECT current_setting('search_path')
+
+-- name: listen_qualified
+LISTEN {channel}
+
 -- name: lanes_enqueued_to
 -- Every lane with a priority in use (lane_priorities: every enqueue records its pair, and the
 -- retention duty forgets the pairs of lanes without live jobs), configured anywhere or not,
@@ -1546,8 +1557,41 @@ SELECT (SELECT count(*) FROM pg_class AS c WHERE c.relnamespace = n.oid)
          WHERE t.typnamespace = n.oid AND t.typrelid = 0 AND t.typelem = 0)
   FROM pg_namespace AS n WHERE n.nspname = %(schema)s
 
+-- name: migrate_lock
+-- One `jobd migrate` at a time per schema, across every node that runs it at once; held to
+-- the end of its transaction.
+SELECT pg_advisory_xact_lock(hashtext('jobd.migrate'), hashtext(%(schema)s))
+
+-- name: create_schema_qualified
+CREATE SCHEMA {schema}
+
+-- name: set_local_search_path_qualified
+SET LOCAL search_path TO {schema}
+
+-- name: set_local_no_statement_timeout
+-- A migration may rewrite a large table: database.statement_timeout is for the statements of
+-- a running node, not for this.
+SET LOCAL statement_timeout = 0
+
 -- name: migration_ledger_exists
 SELECT to_regclass('schema_migrations') IS NOT NULL
+
+-- name: create_migration_ledger
+-- The ledger of applied migrations, created by the first `jobd migrate` before the first
+-- migration runs (no migration creates it).
+CREATE TABLE IF NOT EXISTS schema_migrations (
+    version    integer     PRIMARY KEY,
+    name       text        NOT NULL,
+    checksum   text        NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT now()
+)
+
+-- name: applied_migrations
+SELECT version, name, checksum FROM schema_migrations ORDER BY version
+
+-- name: record_migration
+INSERT INTO schema_migrations (version, name, checksum)
+VALUES (%(version)s, %(name)s, %(checksum)s)
 
 -- name: functions_pinned_elsewhere
 -- The functions of the schema whose pinned search_path is not the schema's own, `<schema>,
@@ -1573,3 +1617,9 @@ SELECT max(version) FROM schema_migrations
 
 -- name: payload_limit
 SELECT value::bigint FROM settings WHERE name = 'max_payload_bytes'
+
+-- name: set_payload_limit
+-- limits.max_payload_bytes of the config `jobd migrate` was given: the limit every enqueue
+-- path checks, the database's.
+UPDATE settings SET value = to_jsonb(%(max_payload_bytes)s::bigint)
+ WHERE name = 'max_payload_bytes'
