@@ -5,6 +5,7 @@ connection: a job is durable when the caller's transaction commits."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from datetime import datetime
 from typing import Any
 
@@ -138,7 +139,9 @@ def enqueue_many(
     return [int(job_id) for job_id in ids if job_id is not None]
 
 
-def _savepoint_in_callers_transaction(conn: psycopg.Connection) -> psycopg.Transaction:
+def _savepoint_in_callers_transaction(
+    conn: psycopg.Connection,
+) -> AbstractContextManager[psycopg.Transaction]:
     """``conn.transaction()``, a savepoint of the caller's transaction. Without autocommit and
     before the caller's first statement, psycopg's transaction() would begin a transaction of
     its own and commit it at the block's end, so the jobs would outlive the caller's
@@ -173,8 +176,8 @@ def _resolve_keys(
     for position in keyed:
         key = specs[position].idempotency_key
         if key in reserved:
-            ids[position] = reserved.pop(key)
-            existing[key] = ids[position]
-            to_insert.append((ids[position], position))
+            job_id: int = reserved.pop(key)
+            ids[position] = existing[key] = job_id
+            to_insert.append((job_id, position))
         else:
             ids[position] = existing[key]
