@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import sys
 import threading
 import time
-from collections.abc import Callable, Coroutine
-from typing import Any
+from collections.abc import Callable, Coroutine, Generator
+from typing import Any, TypeAlias
 
 import structlog
 
@@ -20,6 +21,12 @@ from jobd.outcomes import CANCELLED_ERROR, Outcome, failed, within_timeout
 from jobd.run_board import RunBoard
 
 log = structlog.get_logger("jobd.worker")
+
+# What a task factory is handed: before 3.12, asyncio still takes generator-based coroutines.
+if sys.version_info >= (3, 12):
+    _TaskCoroutine: TypeAlias = Coroutine[Any, Any, Any]
+else:
+    _TaskCoroutine: TypeAlias = Coroutine[Any, Any, Any] | Generator[Any, None, Any]
 
 
 class AsyncHandlers:
@@ -83,7 +90,7 @@ class AsyncHandlers:
                 return job
         return None
 
-    def _new_task(self, loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any],
+    def _new_task(self, loop: asyncio.AbstractEventLoop, coro: _TaskCoroutine,
                   **kwargs: Any) -> asyncio.Task[Any]:
         """Every task of the loop (its task factory): one that a handler's task starts
         (``asyncio.gather``, ``wait_for``, ``create_task``) belongs to the same job, so that

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 from importlib import metadata
-from typing import IO, Any
+from typing import TYPE_CHECKING, Any
 
 import jobd
 from jobd import views
@@ -49,6 +49,9 @@ from jobd.commands_schedules import cmd_schedules_list, cmd_schedules_next, cmd_
 from jobd.db import DEFAULT_SCHEMA
 from jobd.errors import printable
 
+if TYPE_CHECKING:
+    from _typeshed import SupportsWrite  # what argparse's print_help takes
+
 # schedules next builds its answer in memory: a bound on what it may be asked for.
 MAX_PREVIEW = 10_000
 
@@ -74,7 +77,7 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"{self.prog}: {printable(message)} (see {self.prog} --help)\n")
 
-    def print_help(self, file: IO[str] | None = None) -> None:
+    def print_help(self, file: SupportsWrite[str] | None = None) -> None:
         # argparse ignores a write that fails: the help is output like any other, and a
         # full disk is reported as for --version (jobd.cli.main), not an exit code 0.
         (file or sys.stdout).write(self.format_help())
@@ -83,7 +86,7 @@ class _Parser(argparse.ArgumentParser):
 # --- parser --------------------------------------------------------------------------------
 
 
-def _common_options(default: Any) -> argparse.ArgumentParser:
+def _common_options(default: Any) -> _Parser:
     common = _Parser(add_help=False)
     common.add_argument("-c", "--config", metavar="FILE", default=default, type=not_empty,
                         help="configuration file (default: $JOBD_CONFIG if set)")

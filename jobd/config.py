@@ -351,7 +351,7 @@ def _build(root: yamlcheck.Located, path: str | None) -> Config:
 
     max_payload_bytes = limits.take(
         "max_payload_bytes", yamlcheck.int_between(1, 256 * 1024 * 1024), None)
-    schedules = []
+    schedules: list[ScheduleConfig] = []
     schedules_raw = top.raw("schedules")
     if schedules_raw is not None and schedules_raw.value is not None:
         if not isinstance(schedules_raw.value, list):

@@ -180,7 +180,7 @@ def conninfo(url: str, schema: str | None, application_name: str = "jobd",
         options = params.get("options", "")
         extra = " ".join(f"-c {name}={value}" for name, value in settings.items())
         params["options"] = f"{options} {extra}".strip()
-    return make_conninfo(**params)
+    return make_conninfo("", **params)
 
 
 class PooledCursor(psycopg.Cursor[Any]):
@@ -320,7 +320,7 @@ def _connect_pooled(url: str, application_name: str, autocommit: bool,
     # session, and the next transaction may run on another one ("_pg3_0 does not exist").
     try:
         conn = PooledConnection.connect(
-            make_conninfo(**params), autocommit=autocommit,
+            make_conninfo("", **params), autocommit=autocommit,
             prepare_threshold=None, cursor_factory=PooledCursor)
     except psycopg.OperationalError as exc:
         raise _refused(url, exc) from None
@@ -421,7 +421,7 @@ def redact(url: str) -> str:
         return "<unparseable URL>"
     if "password" in params:
         params["password"] = "***"
-    return make_conninfo(**params)
+    return make_conninfo("", **params)
 
 
 def _parse_error(url: str) -> str:

@@ -45,9 +45,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import psycopg
-from psycopg import errors, pq
-from psycopg.abc import Buffer
-from psycopg.adapt import PyFormat, Transformer
+from psycopg import adapt, errors, pq
+from psycopg.abc import Buffer, Transformer
+from psycopg.adapt import PyFormat
 
 from jobd.db import PooledConnection
 from jobd.queries import query
@@ -139,7 +139,7 @@ def run(conn: psycopg.Connection, steps: Sequence[Step],
     with conn.lock:
         pgconn = conn.pgconn
         _check_ready(conn, pgconn)
-        transformer = Transformer(conn)
+        transformer = adapt.Transformer(conn)
         # Parameters are converted before anything is sent: a value PostgreSQL cannot take
         # (a NUL byte in a string, say) fails here and leaves the connection as it was.
         if isinstance(conn, PooledConnection):

@@ -211,7 +211,8 @@ class HandlerCheck:
         """The entry the check announced last ("handler 'x' (module:function)"), and the
         non-empty stderr lines written after that announcement."""
         self._stderr.seek(0)
-        entry, after = None, []
+        entry: str | None = None
+        after: list[str] = []
         for line in self._stderr.read().splitlines():
             if line.startswith(_IMPORTING):
                 entry, after = line.removeprefix(_IMPORTING), []

@@ -24,7 +24,7 @@ class JobSpec:
     payload: Any = field(default_factory=dict)
     lane: str = "default"
     run_at: datetime | None = None
-    priority: int = 0
+    priority: int | None = 0  # None is taken as 0 (__post_init__)
     idempotency_key: str | None = None
     max_attempts: int | None = None
     fairness_key: str | None = None

@@ -176,8 +176,8 @@ def _resolve_keys(
     for position in keyed:
         key = specs[position].idempotency_key
         if key in reserved:
-            ids[position] = reserved.pop(key)
-            existing[key] = ids[position]
-            to_insert.append((ids[position], position))
+            job_id: int = reserved.pop(key)
+            ids[position] = existing[key] = job_id
+            to_insert.append((job_id, position))
         else:
             ids[position] = existing[key]

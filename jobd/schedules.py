@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import Any
 
 import psycopg
 import structlog
@@ -315,7 +316,7 @@ def list_schedules(conn: psycopg.Connection, now: datetime | None = None
         return cur.execute(query("list_schedules"), {"now": now}).fetchall()
 
 
-def listing(conn: psycopg.Connection, now: datetime | None = None) -> list[dict[str, object]]:
+def listing(conn: psycopg.Connection, now: datetime | None = None) -> list[dict[str, Any]]:
     """The rows of ``jobd schedules list``: every schedule (as :func:`list_schedules` gives
     it) with its ``state`` and its next fire, ``next_fire_local`` and ``next_fire_utc``, by
     the database clock unless ``now`` is given."""

@@ -302,7 +302,10 @@ def _exact_number(token: str) -> str:
     exponent); ValueError for one jsonb cannot hold, _Unreadable for one a handler could not
     decode. A zero is 0 whatever its exponent (0e5000 is stored as 0)."""
     exact = Decimal(token)
-    if exact.as_tuple().exponent < MIN_NUMERIC_EXPONENT:  # digits beyond numeric's scale
+    exponent = exact.as_tuple().exponent
+    # json hands NaN and Infinity to parse_constant, never here: the number is finite.
+    assert isinstance(exponent, int)
+    if exponent < MIN_NUMERIC_EXPONENT:  # digits beyond numeric's scale
         raise ValueError(f"{token[:40]} is too small for PostgreSQL's numeric")
     if not exact.is_zero() and exact.adjusted() >= MAX_INTEGER_DIGITS:
         raise _Unreadable(_TOO_MANY_DIGITS)

@@ -28,13 +28,18 @@ WAKE_MARGIN = 0.01  # seconds past a due instant, for the error of the measured 
 class Wakeable(Protocol):
     """What routing needs to know of a worker process."""
 
-    lane: str
     retiring: bool
-    capacity: int
     # The router's estimate of work it sent since the worker's last report, or since it last
     # ran out of work (its run board's idle count, read before routing): so an idle lane's
     # wake-ups go to the worker that has just finished, warm, not to each worker in turn.
     wake_load: int
+
+    # Read only: the router never sets them (a worker process computes them).
+    @property
+    def lane(self) -> str: ...
+
+    @property
+    def capacity(self) -> int: ...
 
     @property
     def busy(self) -> int: ...

@@ -200,10 +200,13 @@ class WorkerPool:
         carried: dict[tuple[str, int], Slot] = {}
         for (lane_name, index), slot in list(self.slots.items()):
             lane = new.lanes.get(lane_name)
-            changed = lane is None or handlers_changed or _settings_differ(lane, slot.lane)
-            replaced = changed or (self._settles_apart(new, lane)
-                                   != self._settles_apart(old, slot.lane))
-            if replaced or index >= (lane.workers if lane else 0):
+            if lane is None:  # the lane is gone
+                changed = replaced = True
+            else:
+                changed = handlers_changed or _settings_differ(lane, slot.lane)
+                replaced = changed or (self._settles_apart(new, lane)
+                                       != self._settles_apart(old, slot.lane))
+            if replaced or lane is None or index >= lane.workers:
                 del self.slots[(lane_name, index)]
                 if slot.process is not None:
                     self._retire(slot.process)
@@ -278,7 +281,7 @@ class WorkerPool:
         now = time.monotonic()
         process = WorkerProcess(spec, popen, wake_w, status_r, board, started=now,
                                 last_seen=now)
-        self.loop.register(status_r, lambda _fd, p=process: self._read_status(p))
+        self.loop.register(status_r, lambda _fd: self._read_status(process))
         log.info("worker spawned", lane=slot.lane.name, slot=slot.index, pid=popen.pid,
                  worker=spec.worker_id, generation=slot.generation)
         return process
@@ -371,8 +374,8 @@ class WorkerPool:
                 log.warning("could not close a descriptor of an exited worker", fd=fd,
                             lane=process.lane, pid=process.pid, error=str(exc))
         base = self.exited_counters.setdefault(process.lane, {})
-        for key, value in process.report.counters.items():
-            base[key] = base.get(key, 0) + value
+        for counter, value in process.report.counters.items():
+            base[counter] = base.get(counter, 0) + value
         # Status 0 alone proves nothing: a handler calling os._exit(0) exits with it too,
         # and is a crash (its job spends an attempt, its slot backs off) like a segfault.
         clean = returncode == EXIT_OK and shut_down

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import yaml
 
@@ -280,5 +280,5 @@ def schema_name(value: object) -> str:
         raise ValueError(str(exc)) from None
 
 
-def fail(line: int, path: str, message: str) -> None:
+def fail(line: int, path: str, message: str) -> NoReturn:
     raise Invalid(line, path, message)

@@ -195,7 +195,7 @@ class DutyRunner:
                           lambda conn: self._together(conn, shared, now))
         for duty in due:
             if duty.alone:
-                self.link.run(duty.name, lambda conn, duty=duty: duty.run(conn, now))
+                self.link.run(duty.name, partial(duty.run, now=now))
 
     @staticmethod
     def _together(conn: psycopg.Connection, duties: Sequence[Duty], now: float) -> None:
