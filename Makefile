@@ -58,8 +58,15 @@ test-packages:
 	    $$sudo apt-get install -y -qq --no-install-recommends $$missing >/dev/null; } \
 	  || echo "make: could not install:$$missing (their tests skip)"
 
-lint: $(TEST_STAMP)
+LINT_STAMP := $(VENV)/.installed-lint
+
+$(LINT_STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e '.[test,lint]'
+	touch $(LINT_STAMP) $(TEST_STAMP) $(RUN_STAMP)
+
+lint: $(LINT_STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 # jobd next to Procrastinate, PgQueuer, Graphile Worker and pg-boss, the SQL ceiling, and
 # growth (~15 min; installs the peers under $$JOBD_BENCH_HOME, default ~/.cache/jobd-bench).

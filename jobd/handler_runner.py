@@ -16,8 +16,8 @@ import os
 import queue as stdlib_queue
 import threading
 import time
-from collections.abc import Iterator
-from typing import Protocol
+from collections.abc import Iterator, Sequence
+from typing import Protocol, TypeVar
 
 import psycopg
 import structlog
@@ -53,6 +53,10 @@ class Start(Protocol):
     job: jobs.Job
     started: float | None
     taken_back: bool
+
+
+# The runs handed over come back as the caller's own kind (jobd.slots' Running).
+S = TypeVar("S", bound=Start)
 
 
 class HandlerRunner:
@@ -123,7 +127,7 @@ class HandlerRunner:
             self._ensure_handler_threads()
             self.handler_queue.put((resolved, start))
 
-    def take_back(self, handed: list[Start]) -> list[Start]:
+    def take_back(self, handed: Sequence[S]) -> list[S]:
         """Of the runs ``handed`` over, the ones no thread has started: taken back, so none
         ever will (from the loop's thread)."""
         with self._starting:
