@@ -1,5 +1,5 @@
 """The daemon's log as an operator meets it: a stream nobody reads any more does not stop
-the daemon."""
+the daemon; a herd of failing jobs does not flood it."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ import daemon_support
 import psycopg
 import pytest
 from daemon_support import Daemon, job_state, make_config, wait_until
+from structlog.testing import capture_logs
 
 import jobd
+from jobd.failure_log import BURST, WINDOW, FailureLog
 
 daemons = daemon_support.daemons
 effects_db = daemon_support.effects_db
@@ -68,3 +70,70 @@ def test_a_log_nobody_reads_any_more_does_not_stop_the_daemon(
     assert daemon.running()
     daemon.signal(signal.SIGTERM)
     assert daemon.wait_exit(30) == 0
+
+
+# --- failures beyond the log's budget are counted, not logged one by one -------------------
+
+
+def test_failures_beyond_the_burst_are_held_and_written_as_one_line_when_the_window_ends(
+) -> None:
+    failures = FailureLog()
+    with capture_logs() as logged:
+        admitted = [failures.admit(100.0) for _ in range(BURST)]
+        assert all(admitted)
+        for dead in (False, False, True):
+            assert not failures.admit(100.5)
+            failures.hold("default", "boom", dead, "RuntimeError: boom")
+        assert not failures.admit(101.0)
+        failures.hold("default", "other", False, "ValueError: x")
+        failures.flush(100.0 + WINDOW - 0.1)
+        assert logged == []
+        failures.flush(100.0 + WINDOW)
+    [summary] = logged
+    assert summary["log_level"] == "error"  # dead jobs among them
+    assert (summary["lane"], summary["retried"], summary["dead"]) == ("default", 3, 1)
+    assert summary["handlers"] == {
+        "boom": {"retried": 2, "dead": 1, "error": "RuntimeError: boom"},
+        "other": {"retried": 1, "dead": 0, "error": "ValueError: x"}}
+    # A new window: single failures are written again.
+    assert failures.admit(100.0 + WINDOW + 1)
+
+
+def test_failures_held_when_the_worker_stops_are_written_at_once() -> None:
+    failures = FailureLog()
+    for _ in range(BURST):
+        failures.admit(0.0)
+    assert not failures.admit(0.0)
+    failures.hold("default", "boom", False, "RuntimeError: boom")
+    with capture_logs() as logged:
+        failures.flush(1.0, force=True)
+    [summary] = logged
+    assert (summary["log_level"], summary["retried"], summary["dead"]) == ("warning", 1, 0)
+
+
+@pytest.mark.slow
+def test_a_herd_of_failing_jobs_is_logged_within_the_budget_and_every_one_is_counted(
+    daemons: Daemons, effects_db: psycopg.Connection
+) -> None:
+    # Before, one line per failed attempt and per dead job: 50,000 jobs failing three times
+    # were 150,000 lines at 2,900 a second, over journald's default rate limit.
+    jobs = 300
+    daemon = new_daemon(daemons).start(
+        make_config({"default": {"workers": 1, "concurrency": 8}}, handlers=HANDLERS))
+    ids = jobd.enqueue_many(effects_db, [jobd.JobSpec("boom", {}, max_attempts=1)] * jobs)
+    wait_until(lambda: effects_db.execute(
+        "SELECT count(*) FROM jobd.all_jobs WHERE id = ANY(%s) AND state = 'dead'",
+        (ids,)).fetchone() == (jobs,), 60, message="every job to be dead")
+
+    def dead_in_log() -> tuple[int, int]:
+        one_by_one = len(daemon.events("job dead-lettered", process=None))
+        counted = sum(e["dead"] for e in daemon.events(process=None)
+                      if e["event"].startswith("job failures not logged one by one"))
+        return one_by_one, counted
+
+    wait_until(lambda: sum(dead_in_log()) == jobs, WINDOW + 20,
+               message=lambda: f"every dead job in the log, one by one or counted: "
+                               f"{dead_in_log()}")
+    one_by_one, counted = dead_in_log()
+    assert one_by_one <= 2 * BURST  # one window, maybe two, of one worker
+    assert counted == jobs - one_by_one
