@@ -11,7 +11,7 @@ from collections.abc import Callable
 import daemon_support
 import psycopg
 import pytest
-from daemon_support import Daemon, job_state, make_config, wait_until
+from daemon_support import Daemon, job_row, job_state, make_config, wait_until
 from structlog.testing import capture_logs
 
 import jobd
@@ -23,11 +23,20 @@ effects_db = daemon_support.effects_db
 Daemons = Callable[..., Daemon]
 
 LOG_HANDLERS = '''\
+import os
+
+
 def boom(job):
     raise RuntimeError("boom")
+
+
+def exit_three(job):
+    """Ends its worker with status 3, as a C library's exit(3) would."""
+    os._exit(3)
 '''
 
-HANDLERS = {**daemon_support.HANDLERS, "boom": "loghandlers:boom"}
+HANDLERS = {**daemon_support.HANDLERS, "boom": "loghandlers:boom",
+            "exit_three": "loghandlers:exit_three"}
 
 
 def new_daemon(daemons: Daemons) -> Daemon:
@@ -137,3 +146,55 @@ def test_a_herd_of_failing_jobs_is_logged_within_the_budget_and_every_one_is_cou
     one_by_one, counted = dead_in_log()
     assert one_by_one <= 2 * BURST  # one window, maybe two, of one worker
     assert counted == jobs - one_by_one
+
+
+# --- what the log says a worker's exit was ---------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_handler_that_exits_with_status_3_is_a_crash_not_a_boot_failure(
+    daemons: Daemons, effects_db: psycopg.Connection
+) -> None:
+    # Status 3 is also what a worker that cannot import a handler exits with. Before, three
+    # such jobs in a row halted the lane ("lane halted: its workers fail to boot; fix the
+    # config and send SIGHUP"), and no job of it ran until a reload.
+    daemon = new_daemon(daemons).start(make_config(
+        {"default": {"workers": 1, "concurrency": 1}},
+        supervisor={"restart_backoff": {"base": "100ms", "cap": "1s"}}, handlers=HANDLERS))
+    for _ in range(4):
+        poison = jobd.enqueue(effects_db, "exit_three", {}, max_attempts=1)
+        wait_state(effects_db, poison, "dead", daemon)
+    job_id = jobd.enqueue(effects_db, "ok", {})
+    wait_state(effects_db, job_id, "done", daemon)
+    exits = daemon.events("worker exited")
+    assert len(exits) == 4
+    assert {e["cause"] for e in exits} == {"exit code 3"}
+    assert not daemon.events("lane halted: its workers fail to boot; fix the config and send "
+                             "SIGHUP")
+    assert "exit code 3" in job_row(effects_db, poison)["last_error"]
+
+
+@pytest.mark.slow
+def test_workers_that_cannot_import_their_handlers_still_halt_the_lane(
+    daemons: Daemons, effects_db: psycopg.Connection
+) -> None:
+    # The other side of the test above: a worker that never reported exits with status 3
+    # because it could not load its handlers, and three in a row halt the lane.
+    daemon = new_daemon(daemons)
+    (daemon.dir / "breakable.py").write_text(
+        "import os\n"
+        "if os.path.exists(os.path.join(os.path.dirname(__file__), 'broken')):\n"
+        "    raise ImportError('broken on purpose')\n"
+        "def ok(job):\n"
+        "    pass\n")
+    daemon.start(make_config(
+        {"default": {"workers": 1}},
+        supervisor={"restart_backoff": {"base": "100ms", "cap": "1s"}},
+        handlers={**HANDLERS, "breakable": "breakable:ok"}))
+    [pid] = daemon.wait_workers_started("default", 1).values()
+    (daemon.dir / "broken").write_text("")
+    os.kill(pid, signal.SIGKILL)
+    daemon.wait_for_log("lane halted: its workers fail to boot; fix the config and send SIGHUP",
+                        timeout=30, lane="default")
+    causes = [e["cause"] for e in daemon.events("worker exited")]
+    assert causes[1:] == ["exit code 3 (boot failure)"] * 3
