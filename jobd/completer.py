@@ -23,6 +23,7 @@ import structlog
 
 from jobd import jobs, queue
 from jobd.config import LaneConfig
+from jobd.db import mask_passwords_in_text
 from jobd.failure_log import FailureLog
 from jobd.outcomes import Outcome, first_line_of
 from jobd.protocol import WorkerSpec
@@ -239,17 +240,20 @@ class Completer:
             if not is_dead and failure.lease.id not in retried:
                 continue  # its lease was lost: logged with the batch
             job = batch.failed_jobs[failure.lease.id].job
-            error = first_line_of(failure.error)
+            # The handler's own words, which may quote a connection string it used.
+            error = mask_passwords_in_text(first_line_of(failure.error))
             if not budget_log.admit(now):
                 budget_log.hold(job.lane, job.handler, is_dead, error)
                 continue
-            budget = job.max_attempts or self.lane.max_attempts
             fields = {"job_id": job.id, "handler": job.handler, "lane": job.lane,
-                      "attempt": f"{job.attempt}/{budget}", "error": error}
+                      "attempt": job.attempt,
+                      "max_attempts": job.max_attempts or self.lane.max_attempts,
+                      "error": error}
             if is_dead:
                 log.error("job dead-lettered", **fields,
                           reason="payload cannot be decoded" if failure.final
                           else "attempts spent")
             else:
+                # Seconds, a number, as every retry_in of the log.
                 log.warning("job failed; will retry", **fields,
-                            retry_in=f"{failure.retry_delay:.1f}s")
+                            retry_in=round(failure.retry_delay, 1))

@@ -1,5 +1,6 @@
 """The daemon's log as an operator meets it: a stream nobody reads any more does not stop
-the daemon; a herd of failing jobs does not flood it."""
+the daemon; a herd of failing jobs does not flood it; a handler that exits with status 3 is
+a crash; a failure line masks the passwords a handler's error quotes."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from daemon_support import Daemon, job_row, job_state, make_config, wait_until
 from structlog.testing import capture_logs
 
 import jobd
+from jobd.db import mask_passwords_in_text
 from jobd.failure_log import BURST, WINDOW, FailureLog
 
 daemons = daemon_support.daemons
@@ -30,13 +32,21 @@ def boom(job):
     raise RuntimeError("boom")
 
 
+class OperationalError(Exception):
+    pass
+
+
+def leaky(job):
+    raise OperationalError("no route to postgresql://app:Hunter2@db/app")
+
+
 def exit_three(job):
     """Ends its worker with status 3, as a C library's exit(3) would."""
     os._exit(3)
 '''
 
 HANDLERS = {**daemon_support.HANDLERS, "boom": "loghandlers:boom",
-            "exit_three": "loghandlers:exit_three"}
+            "exit_three": "loghandlers:exit_three", "leaky": "loghandlers:leaky"}
 
 
 def new_daemon(daemons: Daemons) -> Daemon:
@@ -198,3 +208,33 @@ def test_workers_that_cannot_import_their_handlers_still_halt_the_lane(
                         timeout=30, lane="default")
     causes = [e["cause"] for e in daemon.events("worker exited")]
     assert causes[1:] == ["exit code 3 (boot failure)"] * 3
+
+
+# --- what a failure line may quote -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(("text", "masked"), [
+    ("OperationalError: cannot reach postgresql://app:s3cr@t@db:5432/x",
+     "OperationalError: cannot reach postgresql://app:***@db:5432/x"),
+    ("ConnectionError: redis://:hunter2@cache:6379/0 refused",
+     "ConnectionError: redis://:***@cache:6379/0 refused"),
+    ("ProgrammingError: bad dsn host=db password=hunter2 user=x",
+     "ProgrammingError: bad dsn host=db password=*** user=x"),
+    ("two: http://u:p1@h/x and http://v:p2@h2/y", "two: http://u:***@h/x and http://v:***@h2/y"),
+    ("KeyError: 'password'", "KeyError: 'password'"),
+    ("see https://example.com/a:b@c", "see https://example.com/a:b@c"),
+])
+def test_passwords_a_handler_quotes_in_its_error_are_masked(text: str, masked: str) -> None:
+    assert mask_passwords_in_text(text) == masked
+
+
+@pytest.mark.slow
+def test_a_failure_line_masks_a_password_the_handlers_error_quotes(
+    daemons: Daemons, effects_db: psycopg.Connection
+) -> None:
+    daemon = new_daemon(daemons).start(make_config({"default": {}}, handlers=HANDLERS))
+    job_id = jobd.enqueue(effects_db, "leaky", {}, max_attempts=1)
+    wait_state(effects_db, job_id, "dead", daemon)
+    dead = daemon.wait_for_log("job dead-lettered", process=None, job_id=job_id)
+    assert dead["error"] == "OperationalError: no route to postgresql://app:***@db/app"
+    assert "Hunter2" not in daemon.log_path.read_text()
