@@ -202,7 +202,8 @@ class Completer:
         if self.counters.work is not None:
             self._observe(self.counters.work, written, failed, lease_lost, cancelled)
         if lease_lost:
-            log.warning("lost the lease before finishing; result discarded", job_ids=lease_lost)
+            log.warning("lost the lease before finishing; result discarded", job_ids=lease_lost,
+                        lane=self.lane.name)
         self._log_failures(batch, failed)
         now = time.monotonic()
         retried = set(failed.retried)

@@ -68,10 +68,11 @@ class FailureLog:
         for lane, handlers in sorted(by_lane.items()):
             retried = sum(h.retried for h in handlers.values())
             dead = sum(h.dead for h in handlers.values())
+            # Counts under keys of their own: retried and dead elsewhere list job ids.
             (log.error if dead else log.warning)(
                 "job failures not logged one by one: more than the log takes; the dead "
                 "jobs are in the dead-letter queue (jobd dlq list)",
-                lane=lane, retried=retried, dead=dead, window_s=WINDOW,
+                lane=lane, retried_count=retried, dead_count=dead, window_s=WINDOW,
                 handlers={name: {"retried": h.retried, "dead": h.dead, "error": h.error}
                           for name, h in sorted(handlers.items())})
         self.window_end = None

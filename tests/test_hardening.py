@@ -204,8 +204,9 @@ def test_a_frozen_worker_loses_its_transactional_job_to_another_worker(
         mark = daemon.mark()
         os.kill(frozen, signal.SIGCONT)
     # The stale worker wakes up, finds its transaction gone, and changes nothing.
-    daemon.wait_for_log("lost the lease before finishing; result discarded", process=None,
-                        since=mark, pid=frozen, timeout=20)
+    lost = daemon.wait_for_log("lost the lease before finishing; result discarded",
+                               process=None, since=mark, pid=frozen, timeout=20)
+    assert (lost["job_ids"], lost["lane"]) == ([job_id], "default")
     assert orders(orders_table) == [(job_id, 2)]
     row = job_row(orders_table, job_id)
     assert (row["state"], row["attempts"]) == ("done", 2)

@@ -110,7 +110,8 @@ def test_failures_beyond_the_burst_are_held_and_written_as_one_line_when_the_win
         failures.flush(100.0 + WINDOW)
     [summary] = logged
     assert summary["log_level"] == "error"  # dead jobs among them
-    assert (summary["lane"], summary["retried"], summary["dead"]) == ("default", 3, 1)
+    assert (summary["lane"], summary["retried_count"], summary["dead_count"]) == (
+        "default", 3, 1)
     assert summary["handlers"] == {
         "boom": {"retried": 2, "dead": 1, "error": "RuntimeError: boom"},
         "other": {"retried": 1, "dead": 0, "error": "ValueError: x"}}
@@ -127,7 +128,8 @@ def test_failures_held_when_the_worker_stops_are_written_at_once() -> None:
     with capture_logs() as logged:
         failures.flush(1.0, force=True)
     [summary] = logged
-    assert (summary["log_level"], summary["retried"], summary["dead"]) == ("warning", 1, 0)
+    assert (summary["log_level"], summary["retried_count"], summary["dead_count"]) == (
+        "warning", 1, 0)
 
 
 @pytest.mark.slow
@@ -146,7 +148,7 @@ def test_a_herd_of_failing_jobs_is_logged_within_the_budget_and_every_one_is_cou
 
     def dead_in_log() -> tuple[int, int]:
         one_by_one = len(daemon.events("job dead-lettered", process=None))
-        counted = sum(e["dead"] for e in daemon.events(process=None)
+        counted = sum(e["dead_count"] for e in daemon.events(process=None)
                       if e["event"].startswith("job failures not logged one by one"))
         return one_by_one, counted
 
