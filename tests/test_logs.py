@@ -91,6 +91,25 @@ def test_a_log_nobody_reads_any_more_does_not_stop_the_daemon(
     assert daemon.wait_exit(30) == 0
 
 
+@pytest.mark.slow
+def test_a_daemon_started_with_stdout_and_stderr_closed_runs_and_stops_cleanly(
+    daemons: Daemons, effects_db: psycopg.Connection
+) -> None:
+    # `jobd run -c F >&- 2>&-`: before, the daemon exited with status 1 at its first record
+    # (Python has no sys.stderr then), or, with only stdout closed, at its last flush.
+    daemon = new_daemon(daemons)
+    daemon.write_config(make_config({"default": {"workers": 1}}, handlers=HANDLERS))
+    daemon.proc = subprocess.Popen(
+        ["sh", "-c", 'exec "$@" >&- 2>&-', "sh", *daemon.command()],
+        stdin=subprocess.DEVNULL, cwd=daemon.dir, env=daemon.env(), start_new_session=True)
+    job_id = jobd.enqueue(effects_db, "ok", {})
+    wait_state(effects_db, job_id, "done", daemon)
+    failing = jobd.enqueue(effects_db, "boom", {}, max_attempts=1)
+    wait_state(effects_db, failing, "dead", daemon)
+    daemon.signal(signal.SIGTERM)
+    assert daemon.wait_exit(30) == 0
+
+
 # --- failures beyond the log's budget are counted, not logged one by one -------------------
 
 
