@@ -168,6 +168,7 @@ def _dispatch(argv: Sequence[str] | None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    _open_closed_std_streams()
     _tolerant_stdout()
     try:
         try:
@@ -188,6 +189,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"jobd: cannot write the output: {exc.strerror}", file=sys.stderr)
         _silence_stdout()
         return 1
+
+
+def _open_closed_std_streams() -> None:
+    """Put /dev/null on descriptors 0-2 if they were closed at start (``jobd run 2>&-``,
+    ``>&-``). Python then has no sys.stdout or sys.stderr: the daemon failed at its first
+    record or its last flush (exit code 1). Worse, the first file or socket opened would take
+    the number, and what was written to "stderr" would go into it (a database connection).
+    What was to go to a closed stream is dropped instead."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            devnull = os.open(os.devnull, os.O_RDWR)  # the lowest free number: fd itself
+            if devnull != fd:
+                os.dup2(devnull, fd)
+                os.close(devnull)
+            os.set_inheritable(fd, True)  # the workers' stdout and stderr too
+    if sys.stdout is None:
+        sys.stdout = open(1, "w", encoding="utf-8", closefd=False)  # noqa: SIM115
+    if sys.stderr is None:
+        sys.stderr = open(2, "w", buffering=1, encoding="utf-8",  # noqa: SIM115
+                          errors="backslashreplace", closefd=False)
 
 
 def _tolerant_stdout() -> None:

@@ -23,6 +23,8 @@ import structlog
 
 from jobd import jobs, queue
 from jobd.config import LaneConfig
+from jobd.db import mask_passwords_in_text
+from jobd.failure_log import FailureLog
 from jobd.outcomes import Outcome, first_line_of
 from jobd.protocol import WorkerSpec
 from jobd.worker_metrics import (
@@ -43,7 +45,8 @@ log = structlog.get_logger("jobd.completer")
 @dataclass(slots=True)
 class Counters:
     """Totals since the worker started, reported to the supervisor; with ``work``, also per
-    handler for the node's metrics (``jobd.worker_metrics``)."""
+    handler for the node's metrics (``jobd.worker_metrics``). ``failure_log``: the failures
+    counted instead of logged one by one, written with the reports (``jobd.failure_log``)."""
 
     claimed: int = 0
     completed: int = 0
@@ -53,6 +56,7 @@ class Counters:
     released: int = 0  # claimed into the buffer, then given back unstarted
     cancelled: int = 0  # asked to stop (jobd.cancel), archived as cancelled however they ended
     work: WorkObserver | None = None
+    failure_log: FailureLog = field(default_factory=FailureLog)
 
     @classmethod
     def for_spec(cls, spec: WorkerSpec) -> Counters:
@@ -198,7 +202,8 @@ class Completer:
         if self.counters.work is not None:
             self._observe(self.counters.work, written, failed, lease_lost, cancelled)
         if lease_lost:
-            log.warning("lost the lease before finishing; result discarded", job_ids=lease_lost)
+            log.warning("lost the lease before finishing; result discarded", job_ids=lease_lost,
+                        lane=self.lane.name)
         self._log_failures(batch, failed)
         now = time.monotonic()
         retried = set(failed.retried)
@@ -228,17 +233,28 @@ class Completer:
 
     def _log_failures(self, batch: Batch, failed: queue.FailOutcome) -> None:
         """One line per failed attempt and per dead job: what an operator needs without a
-        query (never the payload)."""
+        query (never the payload); beyond the log's budget, counted (jobd.failure_log)."""
         retried, dead = set(failed.retried), set(failed.dead)
+        budget_log, now = self.counters.failure_log, time.monotonic()
         for failure in batch.failures:
+            is_dead = failure.lease.id in dead
+            if not is_dead and failure.lease.id not in retried:
+                continue  # its lease was lost: logged with the batch
             job = batch.failed_jobs[failure.lease.id].job
-            budget = job.max_attempts or self.lane.max_attempts
+            # The handler's own words, which may quote a connection string it used.
+            error = mask_passwords_in_text(first_line_of(failure.error))
+            if not budget_log.admit(now):
+                budget_log.hold(job.lane, job.handler, is_dead, error)
+                continue
             fields = {"job_id": job.id, "handler": job.handler, "lane": job.lane,
-                      "attempt": f"{job.attempt}/{budget}", "error": first_line_of(failure.error)}
-            if failure.lease.id in retried:
-                log.warning("job failed; will retry", **fields,
-                            retry_in=f"{failure.retry_delay:.1f}s")
-            elif failure.lease.id in dead:
+                      "attempt": job.attempt,
+                      "max_attempts": job.max_attempts or self.lane.max_attempts,
+                      "error": error}
+            if is_dead:
                 log.error("job dead-lettered", **fields,
                           reason="payload cannot be decoded" if failure.final
                           else "attempts spent")
+            else:
+                # Seconds, a number, as every retry_in of the log.
+                log.warning("job failed; will retry", **fields,
+                            retry_in=round(failure.retry_delay, 1))

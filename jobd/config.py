@@ -366,9 +366,9 @@ def _build(root: yamlcheck.Located, path: str | None) -> Config:
 
     config = Config(
         path=path,
-        database_url=database.take("url", yamlcheck.string, empty=EMPTY_URL),
+        database_url=database.take("url", yamlcheck.connection_string, empty=EMPTY_URL),
         schema=database.take("schema", yamlcheck.schema_name, DEFAULT_SCHEMA),
-        listen_url=database.take("listen_url", yamlcheck.string, empty=EMPTY_URL),
+        listen_url=database.take("listen_url", yamlcheck.connection_string, empty=EMPTY_URL),
         session=_session(database),
         node_name=node.take("name", yamlcheck.name("node")) or socket.gethostname(),
         metrics_listen=metrics.take("listen", yamlcheck.listen),

@@ -459,6 +459,19 @@ def _mask_passwords(text: str) -> str:
                               text)
 
 
+# A URL's password anywhere in a text (scheme://user:PASSWORD@), and a password=value.
+_PASSWORD_IN_TEXT = re.compile(
+    r"(?P<scheme>\b[a-z][a-z0-9+.-]*://[^\s:@/]*:)[^\s/]+(?=@)"
+    r"|(?P<keyword>\bpassword\s*=\s*)(?:'[^']*'?|\"[^\"]*\"?|[^\s&'\",;)]+)",
+    re.IGNORECASE)
+
+
+def mask_passwords_in_text(text: str) -> str:
+    """``text``, any text (a handler's error message, say), with the passwords of the URLs
+    and ``password=`` settings in it written as ***."""
+    return _PASSWORD_IN_TEXT.sub(lambda m: (m["scheme"] or m["keyword"]) + "***", text)
+
+
 def first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__

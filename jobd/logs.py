@@ -100,10 +100,39 @@ def configure(level: str = "info", *, reconfigurable: bool = False,
             logging.getLevelName(level.upper())),
         # One write per line: the supervisor and its workers share stderr, and two lines
         # written piecemeal by two processes would interleave.
-        "logger_factory": structlog.WriteLoggerFactory(out),
+        "logger_factory": _TolerantWriteLoggerFactory(out),
         "cache_logger_on_first_use": not reconfigurable,
     }
     structlog.configure(**_configured)
+
+
+class _TolerantWriteLogger(structlog.WriteLogger):
+    """structlog's WriteLogger, except that a record its stream refuses is dropped instead
+    of raised into the code that logged it.
+
+    The reader of the daemon's stderr can go away: ``jobd run 2>&1 | head``, a journald
+    restarted under an older systemd, a log file on a full disk. Raised, the error ended
+    the supervisor (exit 1, its workers left to drain) at its next record, and failed each
+    worker's loop at its first, so the slot crash-looped. The daemon's work does not depend
+    on its log being read; the records are lost, the jobs are not."""
+
+    def msg(self, message: str) -> None:
+        try:
+            super().msg(message)
+        except (OSError, ValueError):
+            # OSError: EPIPE, EIO, ENOSPC...; ValueError: the stream was closed.
+            pass
+
+    log = debug = info = warn = warning = msg
+    fatal = failure = err = error = critical = exception = msg
+
+
+class _TolerantWriteLoggerFactory:
+    def __init__(self, file: TextIO) -> None:
+        self._file = file
+
+    def __call__(self, *_args: Any) -> _TolerantWriteLogger:
+        return _TolerantWriteLogger(self._file)
 
 
 # The lowest descriptor private_stderr() takes: above those that daemonizing code closes

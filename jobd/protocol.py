@@ -166,11 +166,15 @@ def _int(value: object) -> int:
     return value
 
 
-def describe_exit(returncode: int, shut_down: bool = True) -> str:
+def describe_exit(returncode: int, shut_down: bool = True, booted: bool = False) -> str:
     """``shut_down``: whether the worker finished its shutdown (its run board's mark); status
-    0 without it is a worker that ended itself mid-run (``os._exit(0)`` in a handler)."""
+    0 without it is a worker that ended itself mid-run (``os._exit(0)`` in a handler).
+    ``booted``: whether it reported after loading its handlers; status 3 after that is not a
+    boot failure but a handler's own exit (``os._exit(3)``, a C library's ``exit(3)``)."""
     if returncode == EXIT_OK and not shut_down:
         return "exit code 0 without shutting down"
+    if booted and returncode == EXIT_BOOT_FAILURE:
+        return f"exit code {returncode}"
     if returncode < 0:
         try:
             name = signal.Signals(-returncode).name

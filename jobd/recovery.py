@@ -33,7 +33,7 @@ def _fail_rows(
     failures = []
     lanes = {row[0]: row[2] for row in rows}
     # (id, lease_token, lane, attempts, claimed_by), and from jobs_held_by a cancel flag that
-    # fail_jobs reads for itself.
+    # fail_jobs reads for itself and the handler.
     for job_id, token, lane, attempts, claimed_by, *_flags in rows:
         policy = policy_for(lane)
         failures.append(
@@ -146,6 +146,8 @@ class CrashOutcome:
     failed: FailOutcome  # the job that killed its worker alone: an attempt spent
     suspects: list[int]  # several jobs running: each gets its attempt back and runs alone
     given_back: list[int] = field(default_factory=list)  # held, never started: unharmed
+    # The handlers of the jobs that were running (failed or suspects), for the log.
+    handlers: list[str] = field(default_factory=list)
 
 
 def settle_crashed_worker(
@@ -183,6 +185,7 @@ def settle_crashed_worker(
         conn.execute(query("disarm_waiter"), {"worker": worker})
         rows = conn.execute(query("jobs_held_by"), {"worker": worker}).fetchall()
         rows, unstarted = _split_by_board(rows, running, given_back_before)
+        handlers = sorted({row[6] for row in rows})
         given_back = release(conn, [Lease(row[0], row[1]) for row in unstarted if not row[5]])
         # Asked to stop and never started: ended as cancelled, like the running ones.
         stop_unstarted = [row for row in unstarted if row[5]]
@@ -193,12 +196,12 @@ def settle_crashed_worker(
                                     lease_arrays(leases)).fetchall()
             stopped = _fail_rows(conn, cancelled, lambda _worker: error, policy_for, now, False)
             return CrashOutcome(stopped, sorted(row[0] for row in released),
-                                sorted(given_back.applied))
+                                sorted(given_back.applied), handlers)
         failed = _fail_rows(conn, rows + stop_unstarted, lambda _worker: error, policy_for,
                             now, False)
         if failed.retried:
             conn.execute(query("mark_suspect"), {"ids": bigint_array(failed.retried)})
-        return CrashOutcome(failed, [], sorted(given_back.applied))
+        return CrashOutcome(failed, [], sorted(given_back.applied), handlers)
 
 
 def _split_by_board(rows: list[Any], running: Running | None,

@@ -48,12 +48,14 @@ class SlotBackoff:
         return self.base
 
 
-def restart_reason(returncode: int, kill_reason: str | None, shut_down: bool = True) -> str:
+def restart_reason(returncode: int, kill_reason: str | None, shut_down: bool = True,
+                   booted: bool = False) -> str:
     """Which of :data:`RESTART_REASONS` a slot's worker that ended with ``returncode`` is;
-    ``shut_down``: whether it finished its shutdown (its run board's mark)."""
+    ``shut_down``: whether it finished its shutdown (its run board's mark); ``booted``:
+    whether it reported after loading its handlers (status 3 is then a handler's crash)."""
     if kill_reason is not None:
         return "timeout"
-    if returncode == EXIT_BOOT_FAILURE:
+    if returncode == EXIT_BOOT_FAILURE and not booted:
         return "boot_failure"
     if returncode == EXIT_WEDGED:
         return "wedged"

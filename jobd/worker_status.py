@@ -1,6 +1,7 @@
 """What a worker tells the outside about itself, once a second: a status line to the
-supervisor (busy, capacity, mode, connected, counters) and its process title for ``ps``; and,
-on its run board, each time it runs out of work (``jobd.run_board``, ``IDLE``).
+supervisor (busy, capacity, mode, connected, counters) and its process title for ``ps``; the
+job failures it counted instead of logging them one by one (``jobd.failure_log``); and, on
+its run board, each time it runs out of work (``jobd.run_board``, ``IDLE``).
 
 The report doubles as the worker's liveness signal: a supervisor that hears nothing for long
 enough takes the worker for frozen. Writes never block the loop; a report the supervisor has
@@ -39,6 +40,9 @@ class StatusReporter:
             self._tell_idle()
         if not force and now < self.next_at:
             return
+        # The failures counted instead of logged, once their window is over (or the worker
+        # stops): with the report, as the loop wakes for it even when idle.
+        self.counters.failure_log.flush(now, force)
         self.next_at = now + REPORT_INTERVAL
         lane = self.spec.lane
         title = f"jobd: worker {lane.name}#{self.spec.slot} busy {running}/{lane.concurrency}"

@@ -380,21 +380,26 @@ class WorkerPool:
         # and is a crash (its job spends an attempt, its slot backs off) like a segfault.
         clean = returncode == EXIT_OK and shut_down
         crashed = not clean and not process.release_on_exit
-        reason = process.kill_reason or describe_exit(returncode, shut_down)
+        # A worker reports once its handlers are loaded: a status 3 after that is a handler
+        # ending the process (os._exit(3)), not a boot failure, which would halt the lane.
+        booted = process.reported
+        reason = process.kill_reason or describe_exit(returncode, shut_down, booted)
         (log.error if crashed else log.info)(
             "worker exited", lane=process.lane, pid=process.pid,
             worker=process.spec.worker_id, cause=reason, uptime=round(uptime, 1))
         if slot is not None:
             slot.last_worker, slot.exited_at = process.spec.worker_id, time.monotonic()
-            key = (process.lane, restart_reason(returncode, process.kill_reason, shut_down))
+            key = (process.lane,
+                   restart_reason(returncode, process.kill_reason, shut_down, booted))
             self.restarts[key] = self.restarts.get(key, 0) + 1
-            self._schedule_restart(slot, returncode, uptime, clean)
+            self._schedule_restart(slot, returncode == EXIT_BOOT_FAILURE and not booted,
+                                   uptime, clean)
         return Exited(process.spec.worker_id, process.lane, process.pid, reason, crashed,
                       process.report, running)
 
-    def _schedule_restart(self, slot: Slot, returncode: int, uptime: float, clean: bool
+    def _schedule_restart(self, slot: Slot, boot_failed: bool, uptime: float, clean: bool
                           ) -> None:
-        if returncode == EXIT_BOOT_FAILURE:
+        if boot_failed:
             slot.boot_failures += 1
             if slot.boot_failures >= BOOT_FAILURES_BEFORE_FATAL:
                 self.fatal_lanes[slot.lane.name] = "workers cannot start (boot failure)"

@@ -232,6 +232,15 @@ def string(value: object) -> str:
     return value
 
 
+def connection_string(value: object) -> str:
+    """A database URL or conninfo. Refused, it is not quoted: it may hold a password, and a
+    refused reload writes the message to the daemon's log."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"must be a non-empty string (a connection URL), not a "
+                         f"{type(value).__name__}")
+    return value
+
+
 def choice(*options: str) -> Any:
     def convert(value: object) -> str:
         if value not in options:

@@ -290,6 +290,17 @@ def test_an_empty_database_url_is_refused_not_replaced_by_the_default(
     assert line == 2 and f"database.{key}: is empty" in message
 
 
+@pytest.mark.parametrize("key", ["url", "listen_url"])
+@pytest.mark.parametrize("value", ["[postgresql://jobd:Hunter2@db/app]",
+                                   "{postgresql://jobd:Hunter2@db/app: 1}"])
+def test_a_database_url_that_is_not_a_string_is_refused_without_its_password(
+        tmp_path: Path, key: str, value: str) -> None:
+    # The message goes to the terminal, or into the daemon's log when a reload is refused.
+    _, line, message = config_error(tmp_path, f"database:\n  {key}: {value}\n")
+    assert line == 2 and f"database.{key}: must be a non-empty string" in message
+    assert "Hunter2" not in message
+
+
 @pytest.mark.parametrize(("text", "line"), [
     ("lanes:\n  default:\n    workers: !!int abc\n", 3),
     ("lanes:\n  default:\n    workers: !!timestamp x\n", 3),

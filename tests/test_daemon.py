@@ -110,6 +110,8 @@ def test_a_worker_killed_mid_job_is_replaced_and_its_job_retried_without_lease_e
     failed = daemon.wait_for_log("failed the job that killed its worker", since=mark,
                                  worker=worker_id)
     assert (failed["retried_job_ids"], failed["dead_job_ids"]) == ([job_id], [])
+    # What to pause (jobd lanes pause LANE --handler HANDLER), without a query.
+    assert (failed["lane"], failed["handlers"]) == ("default", ["slow"])
     respawned = daemon.wait_for_log("worker spawned", since=mark, lane="default", slot=0)
     assert respawned["pid"] != pid
 
@@ -154,6 +156,7 @@ def test_a_killed_worker_gives_back_the_jobs_it_had_not_started(
                                    "next, to find the one that killed it (their attempts are "
                                    "given back)", since=mark, worker=worker_id)
     assert suspects["suspect_job_ids"] == started
+    assert (suspects["lane"], suspects["handlers"]) == ("default", ["slow"])
     given_back = daemon.wait_for_log("gave back the jobs a dead worker held but had not "
                                      "started", since=mark, worker=worker_id)
     assert set(given_back["job_ids"]) <= set(ids) - set(started)

@@ -57,10 +57,14 @@ def test_the_lease_sweep_fails_expired_leases_and_wakes_their_lanes(
     router = WakeRouter()
     sweep = LeaseSweep(lambda: 10.0, policy, router, lambda: ["default", "other"])
     assert sweep.due(NOW)
-    sweep.run(conn, NOW)
+    with structlog.testing.capture_logs() as logged:
+        sweep.run(conn, NOW)
     assert sweep.next_at == NOW + 10.0 and not sweep.due(NOW + 9.9)
     row = conn.execute("SELECT state, last_error FROM jobs WHERE id = %s", (job_id,)).fetchone()
     assert row == ("failed", "lease expired (held by w-frozen)")
+    [swept] = [e for e in logged if e["event"] == "expired leases swept"]
+    assert (swept["lanes"], swept["retried"], swept["holders"]) == (
+        ["default"], [job_id], {"w-frozen": 1})
     assert wakes(router) == {"default": None, "other": None}
     assert router.next_moment() < math.inf  # and a timer for the retry
 

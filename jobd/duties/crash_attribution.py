@@ -107,9 +107,11 @@ class CrashAttribution(Duty):
         if outcome.suspects:
             log.warning("a worker died running several jobs; each runs alone next, to find "
                         "the one that killed it (their attempts are given back)",
-                        worker=worker_id, reason=reason, suspect_job_ids=outcome.suspects)
+                        lane=attribution.lane, worker=worker_id, reason=reason,
+                        suspect_job_ids=outcome.suspects, handlers=outcome.handlers)
         elif outcome.failed.retried or outcome.failed.dead:
-            log.warning("failed the job that killed its worker", worker=worker_id,
-                        reason=reason, retried_job_ids=outcome.failed.retried,
+            log.warning("failed the job that killed its worker", lane=attribution.lane,
+                        worker=worker_id, reason=reason, handlers=outcome.handlers,
+                        retried_job_ids=outcome.failed.retried,
                         dead_job_ids=outcome.failed.dead)
             self.pinned(worker_id)

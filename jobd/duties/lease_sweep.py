@@ -49,8 +49,8 @@ class LeaseSweep(Periodic):
         self.router.retries_due(outcome.next_retry_by_lane)
         if outcome.retried or outcome.dead:
             # The holders name the node that lost them: usually one that is gone (jobd status).
-            log.warning("expired leases swept", retried=outcome.retried, dead=outcome.dead,
-                        holders=sweep.holders)
+            log.warning("expired leases swept", lanes=sorted(sweep.expired_by_lane),
+                        retried=outcome.retried, dead=outcome.dead, holders=sweep.holders)
             self.router.due_everywhere(self.lanes())
 
     def rolled_back(self) -> None:

@@ -708,8 +708,9 @@ SELECT id FROM jobs WHERE id = ANY(%(ids)s::bigint[]) FOR UPDATE SKIP LOCKED
 -- name: jobs_held_by
 -- The jobs a worker holds: failed at once when the supervisor sees it die, or by the worker
 -- itself when a claim took jobs whose rows it never received. Rare, so no index of its own:
--- it reads the live jobs table. The last column says whether the job was asked to stop.
-SELECT id, lease_token, lane, attempts, claimed_by, cancel_requested_at IS NOT NULL
+-- it reads the live jobs table. The sixth column says whether the job was asked to stop;
+-- the handler is for the log.
+SELECT id, lease_token, lane, attempts, claimed_by, cancel_requested_at IS NOT NULL, handler
   FROM jobs
  WHERE state = 'claimed' AND claimed_by = %(worker)s
 
