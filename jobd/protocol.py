@@ -81,6 +81,9 @@ class WorkerSpec:
     # The run board the supervisor reads when the worker dies (jobd.run_board); -1 from a
     # supervisor older than the field: none, and crash attribution suspects every job held.
     board_fd: int = -1
+    # Where the worker's faulthandler writes its stack dumps (jobd.crash_dumps); -1: to the
+    # log's stream, as before the field.
+    crash_fd: int = -1
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

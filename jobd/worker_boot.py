@@ -8,14 +8,13 @@ loop's concern.
 
 from __future__ import annotations
 
-import faulthandler
 import os
 import signal
 
 import setproctitle
 import structlog
 
-from jobd import forks, logs, outbox
+from jobd import crash_dumps, forks, logs, outbox
 from jobd import handlers as handler_registry
 from jobd.protocol import WorkerSpec
 from jobd.worker_mode import HELD_AT_START
@@ -32,8 +31,9 @@ def start_logging(spec: WorkerSpec) -> None:
                    process=f"worker {spec.lane.name}#{spec.slot}",
                    worker=spec.worker_id, pid=os.getpid())
     setproctitle.setproctitle(f"jobd: worker {spec.lane.name}#{spec.slot} starting")
-    # SIGABRT from the supervisor dumps every thread's stack, to the log's stream too.
-    faulthandler.enable(file=log_stream)
+    # A crash (or the supervisor's SIGABRT of a hung worker) dumps every thread's stack, into
+    # the file the supervisor reads when the worker has exited (jobd.crash_dumps).
+    crash_dumps.enable(spec.crash_fd, log_stream)
     logs.capture_handler_output(spec.log_level)
     # Held back while the handlers import (seconds, for a heavy application): the supervisor
     # spawned us with them held (HELD_AT_START); holding them again covers a worker started

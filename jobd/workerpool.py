@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 
 import structlog
 
+from jobd import crash_dumps
 from jobd.config import Config, LaneConfig
 from jobd.eventloop import SelectLoop
 from jobd.protocol import (
@@ -266,8 +267,10 @@ class WorkerPool:
             opened += (status_r, status_w)
             board, board_fd = RunBoard.create(slot.lane.concurrency)
             opened.append(board_fd)
-            spec = self._spec(slot, status_w, wake_r, board_fd)
-            popen = _start_worker_process((wake_r, status_w, board_fd))
+            crash_fd = crash_dumps.create()
+            opened.append(crash_fd)
+            spec = self._spec(slot, status_w, wake_r, board_fd, crash_fd)
+            popen = _start_worker_process((wake_r, status_w, board_fd, crash_fd))
         except OSError:
             _close_all(opened)
             if board is not None:
@@ -276,6 +279,7 @@ class WorkerPool:
         _hand_over_spec(popen, spec)
         for fd in (wake_r, status_w, board_fd):
             os.close(fd)
+        # crash_fd stays open here: the supervisor reads the dump once the worker exits.
         os.set_blocking(wake_w, False)
         os.set_blocking(status_r, False)
         now = time.monotonic()
@@ -286,7 +290,8 @@ class WorkerPool:
                  worker=spec.worker_id, generation=slot.generation)
         return process
 
-    def _spec(self, slot: Slot, status_w: int, wake_r: int, board_fd: int) -> WorkerSpec:
+    def _spec(self, slot: Slot, status_w: int, wake_r: int, board_fd: int, crash_fd: int
+              ) -> WorkerSpec:
         config = self.config
         return WorkerSpec(
             worker_id=f"{config.node_name}:{slot.lane.name}#{slot.index}:"
@@ -299,6 +304,7 @@ class WorkerPool:
             metrics=config.metrics_listen is not None,
             node=config.node_name, session=config.session,
             settles_apart=self._settles_apart(config, slot.lane), board_fd=board_fd,
+            crash_fd=crash_fd,
         )
 
     def _read_status(self, process: WorkerProcess) -> None:
@@ -384,9 +390,12 @@ class WorkerPool:
         # ending the process (os._exit(3)), not a boot failure, which would halt the lane.
         booted = process.reported
         reason = process.kill_reason or describe_exit(returncode, shut_down, booted)
+        # The stack dump of a worker that died of a signal, in the record, not as loose lines.
+        dump = crash_dumps.take(process.spec.crash_fd)
         (log.error if crashed else log.info)(
             "worker exited", lane=process.lane, pid=process.pid,
-            worker=process.spec.worker_id, cause=reason, uptime=round(uptime, 1))
+            worker=process.spec.worker_id, cause=reason, uptime=round(uptime, 1),
+            **({"stack": dump} if dump else {}))
         if slot is not None:
             slot.last_worker, slot.exited_at = process.spec.worker_id, time.monotonic()
             key = (process.lane,

@@ -26,6 +26,8 @@ Daemons = Callable[..., Daemon]
 
 LOG_HANDLERS = '''\
 import os
+import signal
+import time
 
 
 def boom(job):
@@ -40,13 +42,21 @@ def leaky(job):
     raise OperationalError("no route to postgresql://app:Hunter2@db/app")
 
 
+def segfault(job):
+    """Ends its worker as a crash in a C extension would (the signal may reach another
+    thread: this one waits for it, so the dump finds it here)."""
+    os.kill(os.getpid(), signal.SIGSEGV)
+    time.sleep(30)
+
+
 def exit_three(job):
     """Ends its worker with status 3, as a C library's exit(3) would."""
     os._exit(3)
 '''
 
 HANDLERS = {**daemon_support.HANDLERS, "boom": "loghandlers:boom",
-            "exit_three": "loghandlers:exit_three", "leaky": "loghandlers:leaky"}
+            "exit_three": "loghandlers:exit_three", "leaky": "loghandlers:leaky",
+            "segfault": "loghandlers:segfault"}
 
 
 def new_daemon(daemons: Daemons) -> Daemon:
@@ -259,3 +269,25 @@ def test_a_failure_line_masks_a_password_the_handlers_error_quotes(
     dead = daemon.wait_for_log("job dead-lettered", process=None, job_id=job_id)
     assert dead["error"] == "OperationalError: no route to postgresql://app:***@db/app"
     assert "Hunter2" not in daemon.log_path.read_text()
+
+
+def test_a_workers_stack_dump_is_one_field_of_its_exit_record_not_loose_lines(
+        daemons: Daemons, effects_db: psycopg.Connection) -> None:
+    """faulthandler's dump of a worker killed by a signal (about 60 lines of plain text) was
+    written between the JSON records, unparsed by log collectors and repeated by a crash
+    loop; it is now the ``stack`` of the "worker exited" record."""
+    daemon = new_daemon(daemons).start(make_config(
+        {"default": {"workers": 1, "max_attempts": 1}}, handlers=HANDLERS))
+    mark = daemon.mark()
+    job_id = jobd.enqueue(effects_db, "segfault")
+    exited = daemon.wait_for_log("worker exited", since=mark, timeout=20)
+    assert exited["cause"] == "killed by SIGSEGV"
+    stack = exited["stack"]
+    assert "Fatal Python error: Segmentation fault" in stack
+    assert "loghandlers.py" in stack and " in segfault" in stack, stack
+    wait_state(effects_db, job_id, "dead", daemon)
+    daemon.wait_workers_started("default", 1, since=mark)
+    daemon.stop()
+    loose = [line for line in daemon.log_path.read_text().splitlines()
+             if line.strip() and not line.startswith("{")]
+    assert loose == []
