@@ -55,6 +55,10 @@ CONNECT_TIMEOUT_SECONDS = 5
 KEEPALIVE = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5,
              "keepalives_count": 3, "tcp_user_timeout": 30_000}
 APPLICATION_NAME_MAX = 63  # PostgreSQL keeps NAMEDATALEN - 1 bytes of it
+# How long past its statement_timeout jobd waits for the server's answer before it gives the
+# connection up (:class:`BoundedConnection`). The server ends a statement at its timeout and
+# says so; an answer later than this is not coming over any working network.
+REPLY_GRACE = 5.0
 
 _SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 
@@ -78,6 +82,14 @@ class SessionSettings:
     jit: bool = True
     seqscan: bool = True  # enable_seqscan; the workers' own sessions turn it off
     time_zone: str | None = None  # TimeZone; None leaves it to the server (workers: UTC)
+
+    def reply_timeout(self) -> float | None:
+        """How long a statement's answer may take before the connection is given up: the
+        statement_timeout and :data:`REPLY_GRACE`. None where no statement_timeout bounds
+        the server (off, or left to the server), as then no answer is overdue."""
+        if self.statement_timeout is None or self.statement_timeout <= 0:
+            return None
+        return self.statement_timeout + REPLY_GRACE
 
     def bounded(self, statement_timeout: float, lock_timeout: float) -> SessionSettings:
         """These settings with timeouts no longer than the given ones (a caller that must
@@ -183,6 +195,43 @@ def conninfo(url: str, schema: str | None, application_name: str = "jobd",
     return make_conninfo("", **params)
 
 
+class BoundedConnection(psycopg.Connection[Any]):
+    """A connection whose every wait for the server ends by ``reply_timeout`` seconds
+    (None: no bound), after which the connection is closed and the call raises
+    :class:`psycopg.OperationalError`: the connection is lost, and the caller's reconnect
+    logic takes it from there.
+
+    The kernel's keepalives and ``tcp_user_timeout`` (:data:`KEEPALIVE`) notice a peer that
+    stopped acknowledging, but not one that acknowledges and never answers: a frozen load
+    balancer or pooler, a proxy cut from the server. The server's statement_timeout does not
+    help there either, as the statement may never have reached it. Without this bound a
+    statement waited for as long as the silence lasted, its caller (a worker's loop, a duty,
+    the CLI) with it."""
+
+    reply_timeout: float | None = None
+
+    def wait(self, gen: Any, interval: float = 0.1, timeout: float | None = None) -> Any:
+        bound = self.reply_timeout
+        if timeout is not None or bound is None:
+            return super().wait(gen, interval, timeout)
+        try:
+            return super().wait(gen, interval, bound)
+        except psycopg.errors._WaitTimeout:
+            # The protocol state is unknown (a statement half sent, an answer half read):
+            # nothing but a new connection is safe.
+            self.pgconn.finish()
+            raise NoAnswer(bound) from None
+
+
+class NoAnswer(psycopg.OperationalError):
+    """The server did not answer within a connection's ``reply_timeout``; the connection is
+    closed."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(f"no answer from the database in {seconds:g} s (the network or "
+                         "something on the way stopped passing it): connection closed")
+
+
 class PooledCursor(psycopg.Cursor[Any]):
     """A cursor of a :class:`PooledConnection`: a statement that starts a transaction runs
     after ``set_config(..., true)`` of the session's settings, in that transaction, on
@@ -219,7 +268,7 @@ class PooledCursor(psycopg.Cursor[Any]):
             super().executemany(query, params_seq, **kwargs)
 
 
-class PooledConnection(psycopg.Connection[Any]):
+class PooledConnection(BoundedConnection):
     """A connection through a transaction-mode pooler (``database.pooler``). Its server
     settings are applied per transaction (:class:`PooledCursor`, :meth:`transaction`), as
     the pooler may hand the next transaction to a server session another client set up."""
@@ -267,8 +316,8 @@ def connect(
     gucs = session.gucs(schema)
     if session.pooler == "none" or (session.pooler == "auto" and url not in _refusing_urls):
         try:
-            conn = psycopg.connect(conninfo(url, None, application_name, gucs),
-                                   autocommit=autocommit)
+            conn = BoundedConnection.connect(conninfo(url, None, application_name, gucs),
+                                             autocommit=autocommit)
         except psycopg.OperationalError as exc:
             if session.pooler == "none" or _REFUSED_PARAMETER not in str(exc):
                 raise _refused(url, exc) from None
@@ -276,6 +325,7 @@ def connect(
             # (ManagedConnection).
             _refusing_urls.add(url)
         else:
+            conn.reply_timeout = session.reply_timeout()
             try:
                 applied = _options_applied(conn, gucs)
             except psycopg.OperationalError as exc:
@@ -295,7 +345,7 @@ def connect(
                     "pooler with ignore_startup_parameters = options?): set "
                     "database.pooler: transaction, or use a direct connection")
             _refusing_urls.add(url)
-    return _connect_pooled(url, application_name, autocommit, gucs)
+    return _connect_pooled(url, application_name, autocommit, gucs, session.reply_timeout())
 
 
 def _options_applied(conn: psycopg.Connection, gucs: Mapping[str, str]) -> bool:
@@ -311,7 +361,7 @@ def _options_applied(conn: psycopg.Connection, gucs: Mapping[str, str]) -> bool:
 
 
 def _connect_pooled(url: str, application_name: str, autocommit: bool,
-                    gucs: dict[str, str]) -> PooledConnection:
+                    gucs: dict[str, str], reply_timeout: float | None) -> PooledConnection:
     # The URL's own `options` would be refused like jobd's: its settings join the ones
     # applied per transaction (jobd's win where both set one).
     params = conninfo_to_dict(conninfo(url, None, application_name))
@@ -325,6 +375,7 @@ def _connect_pooled(url: str, application_name: str, autocommit: bool,
     except psycopg.OperationalError as exc:
         raise _refused(url, exc) from None
     conn.session_gucs = gucs
+    conn.reply_timeout = reply_timeout
     return conn
 
 

@@ -49,7 +49,7 @@ from psycopg import adapt, errors, pq
 from psycopg.abc import Buffer, Transformer
 from psycopg.adapt import PyFormat
 
-from jobd.db import PooledConnection
+from jobd.db import NoAnswer, PooledConnection
 from jobd.queries import query
 
 ExecStatus = pq.ExecStatus
@@ -152,7 +152,7 @@ def run(conn: psycopg.Connection, steps: Sequence[Step],
                         for name in session.aged(now)]
             prepared = session.names
             messages += _messages(transformer, steps, prepared, binary)
-        waiter = _Waiter(pgconn, while_waiting)
+        waiter = _Waiter(pgconn, while_waiting, getattr(conn, "reply_timeout", None))
         try:
             pgconn.enter_pipeline_mode()
             _send(pgconn, messages)
@@ -302,25 +302,39 @@ def _send(pgconn: pq.abc.PGconn, messages: Sequence[_Message]) -> None:
 
 class _Waiter:
     """Blocks until the connection's socket is ready, doing ``while_waiting``'s work when its
-    descriptor is ready first."""
+    descriptor is ready first. A socket that stays silent for ``reply_timeout`` seconds (the
+    connection's, :class:`jobd.db.BoundedConnection`) raises :class:`jobd.db.NoAnswer`, and
+    the exchange is cut short: without it a claim or a settle sent into a network that had
+    gone silent waited for as long as the silence lasted."""
 
-    def __init__(self, pgconn: pq.abc.PGconn, while_waiting: WhileWaiting | None) -> None:
+    def __init__(self, pgconn: pq.abc.PGconn, while_waiting: WhileWaiting | None,
+                 reply_timeout: float | None) -> None:
         self.socket = pgconn.socket
         self.while_waiting = while_waiting
+        self.reply_timeout = reply_timeout
 
     def wait(self, events: int) -> None:
         poller = select.poll()
         poller.register(self.socket, events)
-        if self.while_waiting is None:
-            poller.poll()
-            return
-        poller.register(self.while_waiting.fd, select.POLLIN)
+        if self.while_waiting is not None:
+            poller.register(self.while_waiting.fd, select.POLLIN)
+        deadline = None if self.reply_timeout is None else time.monotonic() + self.reply_timeout
         while True:
-            ready = dict(poller.poll())
-            if self.while_waiting.fd in ready:
+            ready = dict(poller.poll(_poll_ms(deadline)))
+            if self.while_waiting is not None and self.while_waiting.fd in ready:
                 self.while_waiting.act()
             if self.socket in ready:
                 return
+            if deadline is not None and time.monotonic() >= deadline:
+                assert self.reply_timeout is not None
+                raise NoAnswer(self.reply_timeout)
+
+
+def _poll_ms(deadline: float | None) -> int | None:
+    """poll()'s timeout until ``deadline`` (monotonic; None: none), rounded up."""
+    if deadline is None:
+        return None
+    return max(0, int((deadline - time.monotonic()) * 1000) + 1)
 
 
 def _flush(pgconn: pq.abc.PGconn, waiter: _Waiter) -> None:

@@ -8,6 +8,7 @@ import sys
 
 UNREACHABLE = "postgresql://postgres@127.0.0.1:1/postgres"
 TIMEOUT = 60
+JOBD = [sys.executable, "-m", "jobd"]
 
 
 def clean_env(**extra: str) -> dict[str, str]:

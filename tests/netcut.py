@@ -162,3 +162,100 @@ def silent_server(db_url: str) -> Iterator[tuple[SilentServer, str]]:
         yield server, make_conninfo(db_url, host="127.0.0.1", port=server.port)
     finally:
         server.close()
+
+
+class SilenceableProxy:
+    """A TCP proxy whose forwarding can stop, in either direction or both, while every
+    socket stays open: a partition, a dead NAT entry, a frozen load balancer. Nothing is
+    reset or closed; what arrives meanwhile is held and delivered once forwarding resumes,
+    as TCP retransmits it when the network comes back.
+
+    The proxy's own sockets acknowledge every byte and answer the kernel's keepalives, so to
+    the client the silence is a server that stopped answering mid-statement: only the
+    client's own timeouts end its wait."""
+
+    def __init__(self, upstream: tuple[str, int]) -> None:
+        self.upstream = upstream
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self._lock = threading.Lock()
+        self._sockets: list[socket.socket] = []
+        # Set while bytes flow that way.
+        self._to_server = threading.Event()
+        self._to_client = threading.Event()
+        self._silence_when: Callable[[bytes], bool] | None = None
+        self.resume()
+        threading.Thread(target=_accept, args=(self.listener, self._connect), daemon=True).start()
+
+    def silence(self, *, to_server: bool = True, to_client: bool = True) -> None:
+        """Stop forwarding towards the server, the client or both."""
+        if to_server:
+            self._to_server.clear()
+        if to_client:
+            self._to_client.clear()
+
+    def silence_before(self, condition: Callable[[bytes], bool]) -> None:
+        """Silence both ways once a client sends data for which ``condition`` holds (that
+        data held too): a network lost between a connection's start and its statement."""
+        self._silence_when = condition
+
+    def _client_sent(self, data: bytes) -> None:
+        condition = self._silence_when
+        if condition is not None and condition(data):
+            self._silence_when = None
+            self.silence()
+
+    def resume(self) -> None:
+        self._to_server.set()
+        self._to_client.set()
+
+    def _connect(self, client: socket.socket) -> None:
+        try:
+            server = socket.create_connection(self.upstream)
+        except OSError:
+            client.close()
+            return
+        with self._lock:
+            self._sockets += [client, server]
+        threading.Thread(target=_forward,
+                         args=(client, server, self._to_server, self._client_sent),
+                         daemon=True).start()
+        threading.Thread(target=_forward, args=(server, client, self._to_client),
+                         daemon=True).start()
+
+    def close(self) -> None:
+        self.resume()
+        self.listener.close()
+        with self._lock:
+            for sock in self._sockets:
+                with contextlib.suppress(OSError):
+                    sock.close()
+
+
+def _forward(source: socket.socket, sink: socket.socket, flowing: threading.Event,
+             on_data: Callable[[bytes], None] | None = None) -> None:
+    """Copy ``source`` to ``sink`` while ``flowing`` is set; an end passes on as an end."""
+    try:
+        while data := source.recv(65536):
+            if on_data is not None:
+                on_data(data)
+            flowing.wait()
+            sink.sendall(data)
+        flowing.wait()
+        sink.shutdown(socket.SHUT_WR)
+    except OSError:
+        return
+
+
+@contextlib.contextmanager
+def silenceable_proxy(db_url: str) -> Iterator[tuple[SilenceableProxy, str]]:
+    """A silenceable proxy to ``db_url``'s server and the URL that goes through it."""
+    params = conninfo_to_dict(db_url)
+    host = str(params.get("host") or "")
+    if not host or host.startswith("/"):
+        pytest.skip("the test database is reached through a Unix socket; the proxy needs TCP")
+    proxy = SilenceableProxy((host, int(params.get("port") or 5432)))
+    try:
+        yield proxy, make_conninfo(db_url, host="127.0.0.1", port=proxy.port)
+    finally:
+        proxy.close()
