@@ -20,6 +20,7 @@ is at the other end of the URL (``database.pooler``, docs/pooler.md):
 from __future__ import annotations
 
 import contextlib
+import inspect
 import re
 import shlex
 import time
@@ -195,6 +196,12 @@ def conninfo(url: str, schema: str | None, application_name: str = "jobd",
     return make_conninfo("", **params)
 
 
+# psycopg's Connection.wait takes a timeout from 3.3.6 on. With an older psycopg (an
+# application's pin), only jobd's own waits (jobd.fastpath: the workers' claims and
+# settles) are bounded; the other statements wait as psycopg does.
+WAIT_TAKES_TIMEOUT = "timeout" in inspect.signature(psycopg.Connection.wait).parameters
+
+
 class BoundedConnection(psycopg.Connection[Any]):
     """A connection whose every wait for the server ends by ``reply_timeout`` seconds
     (None: no bound), after which the connection is closed and the call raises
@@ -211,9 +218,11 @@ class BoundedConnection(psycopg.Connection[Any]):
     reply_timeout: float | None = None
 
     def wait(self, gen: Any, interval: float = 0.1, timeout: float | None = None) -> Any:
-        bound = self.reply_timeout
-        if timeout is not None or bound is None:
+        if timeout is not None:  # psycopg's own bounded waits (it passes it from 3.3.6 on)
             return super().wait(gen, interval, timeout)
+        bound = self.reply_timeout
+        if bound is None or not WAIT_TAKES_TIMEOUT:
+            return super().wait(gen, interval)
         try:
             return super().wait(gen, interval, bound)
         except psycopg.errors._WaitTimeout:
@@ -221,6 +230,21 @@ class BoundedConnection(psycopg.Connection[Any]):
             # nothing but a new connection is safe.
             self.pgconn.finish()
             raise NoAnswer(bound) from None
+
+
+@contextlib.contextmanager
+def unbounded_replies(conn: psycopg.Connection) -> Iterator[None]:
+    """Within: ``conn``'s waits are not bounded by its ``reply_timeout``, for statements the
+    server is told to let run past the session's statement_timeout (``jobd migrate``'s, which
+    may rewrite or index a large table). The network is then the kernel's to watch."""
+    if not isinstance(conn, BoundedConnection):
+        yield
+        return
+    bound, conn.reply_timeout = conn.reply_timeout, None
+    try:
+        yield
+    finally:
+        conn.reply_timeout = bound
 
 
 class NoAnswer(psycopg.OperationalError):

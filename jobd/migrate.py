@@ -19,7 +19,7 @@ import psycopg
 from psycopg import sql
 
 from jobd import archive, grants
-from jobd.db import validate_schema
+from jobd.db import unbounded_replies, validate_schema
 from jobd.queries import query, text, with_identifiers
 
 _FILE_NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
@@ -98,7 +98,9 @@ def upgrade(conn: psycopg.Connection, schema: str, *, max_payload_bytes: int | N
     """
     validate_schema(schema)
     applied_now: list[Migration] = []
-    with conn.transaction():
+    # Its statements run without the session's statement_timeout (set_local_no_statement_
+    # timeout below): nor may the client give up on them at that timeout.
+    with unbounded_replies(conn), conn.transaction():
         conn.execute(query("migrate_lock"), {"schema": schema})
         row = conn.execute(query("schema_ownership"), {"schema": schema}).fetchone()
         owner = row is None or bool(row[0])  # a schema about to be created is its creator's

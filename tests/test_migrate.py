@@ -388,3 +388,25 @@ def describe_schema(conn: psycopg.Connection) -> list[tuple[object, ...]]:
                md5(prosrc), '', '' FROM pg_proc WHERE pronamespace = 'jobd'::regnamespace
         ORDER BY 1, 2, 3""")
     return conn.execute(query).fetchall()
+
+
+def test_a_migration_may_run_past_the_connections_reply_bound(
+        db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """jobd migrate lets its statements run past the session's statement_timeout (a
+    migration may index a large table): the client's own bound on a reply (statement_timeout
+    + REPLY_GRACE, there against a silent network) must not cut them off either."""
+    from jobd import migrate as migrate_module
+    from jobd.db import BoundedConnection, NoAnswer
+    from jobd.migrate import Migration
+
+    slow = Migration(9001, "slow", "SELECT pg_sleep(1)")
+    monkeypatch.setattr(migrate_module, "available", lambda: [*available(), slow])
+    with connect(db_url, "jobd", autocommit=True) as conn:
+        assert isinstance(conn, BoundedConnection)
+        conn.reply_timeout = 0.3  # as if statement_timeout were a fraction of the migration
+        with pytest.raises(NoAnswer):
+            conn.execute("SELECT pg_sleep(1)")  # the bound holds outside jobd migrate
+    with connect(db_url, "jobd", autocommit=True) as conn:
+        conn.reply_timeout = 0.3
+        assert [m.version for m in migrate(conn, "jobd")] == [9001]
+        assert conn.reply_timeout == 0.3  # bounded again afterwards
