@@ -193,6 +193,12 @@ for _index, _name in enumerate(_JOB_FIELDS):
 del _index, _name
 
 
+def payload_chars(claimed: list[Job]) -> int:
+    """The characters of payload text the jobs ``claimed`` hold, all told (the claim's
+    memory: jobd.prefetch bounds the buffer by it). Read off the rows, once per claim."""
+    return sum([len(job._row[4]) for job in claimed])
+
+
 class UndecodablePayload(ValueError):
     """A stored payload the worker cannot decode (written past jobd's entry rules)."""
 

@@ -6,7 +6,9 @@ A lane that sets ``prefetch`` (or ``max_running``, which claims nothing ahead) g
 size, always. Otherwise the buffer holds about :data:`HORIZON` of work at the start rate the
 worker measured over its last window (:data:`ORDERED_HORIZON` in a lane with ``fair_by`` or
 ``max_wait``), never less than the floor (3 x ``concurrency``, the size a lane got before)
-and never more than :data:`MAX_JOBS` (or the floor, if that is larger). Why adapt
+and never more than :data:`MAX_JOBS` (or the floor, if that is larger), nor than
+:data:`BYTES_AHEAD` of payload at the size its claims brought (but never below one refill of
+the slots, :meth:`Prefetch.claimed`). Why adapt
 instead of a larger fixed size:
 
 - Short jobs want a large buffer. A claim is a round trip and a commit; at 1 x 10 with no-op
@@ -63,6 +65,13 @@ IDLE_RESET = 1.0  # a window this old (nothing measured since) no longer says an
 # concurrency 1 that is how every job runs anyway.
 MAX_JOBS = 500
 HOLD_AFTER_CRASH = 30.0  # seconds at the floor after a crash in the lane
+# At most this much payload (characters of JSON text) claimed ahead, whatever the start rate
+# says. While a worker reads a claim it holds 3-4 x the claim's payload text (the driver's
+# result and the jobs' strings): claims of a few hundred 1 MB jobs took workers to 0.5-1 GB
+# each. 32 MB keeps what is claimed ahead near 128 MB of a worker's peak, so a node of a few
+# workers fits a small container, and it binds only above 64 KB a job at MAX_JOBS: a drain
+# of small payloads never meets it.
+BYTES_AHEAD = 32 * 1024 * 1024
 
 
 class Prefetch:
@@ -84,6 +93,12 @@ class Prefetch:
         self._measured = False  # the current window is not the first since a reset
         # A fair or age-promoting lane's buffer is a fairness bound: it does not double.
         self._doubles = adaptive and not lane.ordered
+        # The byte bound (BYTES_AHEAD), learned from what claims brought; it never takes the
+        # buffer below one refill of every slot. A lane's own prefetch is taken as given.
+        self._adaptive = adaptive and self.floor > 0
+        self._least = min(self.floor, lane.concurrency)
+        self.bytes_per_job = 0.0  # the payload characters a claimed job brought, recently
+        self.byte_cap = self.cap  # the most jobs BYTES_AHEAD allows at that size
 
     def hold(self, now: float) -> None:
         """A worker of the lane crashed: keep to the floor for a while."""
@@ -98,16 +113,16 @@ class Prefetch:
             # to measure; measure afresh once the hold ends.
             self._window_at = None
             self.short = False
-            return self.floor
+            return min(self.floor, self.byte_cap)
         if self._window_at is None or now - self._window_at >= IDLE_RESET:
             self._begin(started, now)
-            self.size = self.floor
+            self.size = min(self.floor, self.byte_cap)
             self.short = False
             self._measured = False
         elif now - self._window_at >= WINDOW:
             rate = (started - self._window_count) / (now - self._window_at)
             wanted = math.ceil(rate * self.horizon)
-            self.size = min(self.cap, max(self.floor, wanted))
+            self.size = min(self.byte_cap, max(self.floor, wanted))
             self.short = wanted > self.floor
             self._begin(started, now)
             self._measured = True
@@ -119,7 +134,21 @@ class Prefetch:
         if (not self._doubles or self._measured or self._window_at is None
                 or now < self._held_until):
             return
-        self.size = min(self.cap, self.size * 2)
+        self.size = min(self.byte_cap, self.size * 2)
+
+    def claimed(self, jobs: int, payload_chars: int) -> None:
+        """A claim brought ``jobs`` jobs with ``payload_chars`` characters of payload in all:
+        bound the size so that a buffer of such jobs holds at most BYTES_AHEAD. Payloads
+        that grow count at once; ones that shrink count half per claim, so one small claim
+        among large ones does not open the buffer to MAX_JOBS of the large ones again."""
+        if not self._adaptive or jobs == 0:
+            return
+        mean = payload_chars / jobs
+        if mean < self.bytes_per_job:
+            mean = (self.bytes_per_job + mean) / 2
+        self.bytes_per_job = mean
+        self.byte_cap = max(self._least, min(self.cap, int(BYTES_AHEAD // max(mean, 1.0))))
+        self.size = min(self.size, self.byte_cap)
 
     def _begin(self, started: int, now: float) -> None:
         self._window_at = now

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from jobd.config import LaneConfig
 from jobd.prefetch import (
+    BYTES_AHEAD,
     HOLD_AFTER_CRASH,
     HORIZON,
     IDLE_RESET,
@@ -142,3 +143,46 @@ def test_fixed_fair_and_held_buffers_do_not_double() -> None:
     held.hold(100.0)  # a crash in the lane: every job it held becomes a suspect
     held.ran_dry(100.001)
     assert held.current(0, 100.001) == 30
+
+
+# --- large payloads: a bound in bytes (BYTES_AHEAD) -------------------------------------------
+
+
+def test_large_payloads_bound_the_buffer_by_bytes_not_only_by_jobs() -> None:
+    prefetch = Prefetch(LaneConfig("l", concurrency=10))
+    size, now, started = run_at_rate(prefetch, 20_000, 0.5)
+    assert size == MAX_JOBS
+    prefetch.claimed(250, 250 * 1_000_000)  # jobs of 1 MB each
+    assert prefetch.byte_cap == BYTES_AHEAD // 1_000_000
+    assert prefetch.current(started, now + WINDOW / 2) == BYTES_AHEAD // 1_000_000
+    size, _, _ = run_at_rate(prefetch, 20_000, 0.5, start=now, started=started)
+    assert size == BYTES_AHEAD // 1_000_000  # however fast they start
+
+
+def test_the_byte_bound_never_takes_the_buffer_below_one_refill_of_the_slots() -> None:
+    prefetch = Prefetch(LaneConfig("l", concurrency=100))
+    prefetch.claimed(400, 400 * 1_000_000)
+    assert prefetch.current(0, 100.0) == 100  # not the floor of 300 jobs of 1 MB
+
+
+def test_small_payloads_never_meet_the_byte_bound() -> None:
+    prefetch = Prefetch(LaneConfig("l", concurrency=10))
+    prefetch.claimed(30, 30 * 2_000)  # a drain of 2 KB payloads still reaches the cap
+    size, _, _ = run_at_rate(prefetch, 20_000, 0.5)
+    assert size == MAX_JOBS
+
+
+def test_payloads_that_shrink_reopen_the_buffer_gradually() -> None:
+    prefetch = Prefetch(LaneConfig("l", concurrency=10))
+    prefetch.claimed(40, 40 * 1_000_000)
+    prefetch.claimed(40, 40 * 100)  # one small claim among large ones
+    assert prefetch.byte_cap <= 2 * BYTES_AHEAD // 1_000_000
+    for _ in range(20):
+        prefetch.claimed(40, 40 * 100)
+    assert prefetch.byte_cap == MAX_JOBS
+
+
+def test_a_lanes_own_prefetch_is_not_bounded_by_bytes() -> None:
+    fixed = Prefetch(LaneConfig("l", concurrency=10, prefetch=200))
+    fixed.claimed(200, 200 * 1_000_000)
+    assert fixed.current(0, 100.0) == 200

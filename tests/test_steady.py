@@ -13,7 +13,7 @@ import pytest
 from notify_support import sent_so_far
 
 import jobd
-from jobd import claim_floors, queue, recovery
+from jobd import claim_floors, prefetch, queue, recovery
 from jobd.claim_floors import ClaimFloors, full_scan_params, look_back_params
 from jobd.claimer import Claimer
 from jobd.config import LaneConfig
@@ -613,3 +613,29 @@ def test_the_supervisors_poll_and_sweep_look_back_past_what_a_held_horizon_keeps
         assert ids == [old.id, recent.id]
         assert reads > 3000
         holder.rollback()
+
+
+# --- large payloads ----------------------------------------------------------------------------
+
+
+def test_a_worker_claims_less_ahead_once_its_claims_bring_large_payloads(
+    conn: psycopg.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The claimer feeds what its claims brought to jobd.prefetch: a budget of 40 KB ahead
+    # stands for BYTES_AHEAD, payloads of 10 KB for ones of megabytes.
+    monkeypatch.setattr(prefetch, "BYTES_AHEAD", 40_000)
+    worker = Claimer(LaneConfig(LANE, concurrency=4), "w1")
+    worker.suspects_possible = False
+    jobd.enqueue_many(conn, [jobd.JobSpec("h", payload="x" * 10_000) for _ in range(40)])
+
+    def claim() -> int:
+        request = worker.request(WorkerMode.RUNNING, 0)
+        assert request is not None
+        claimed = queue.settle_and_claim(conn, [], [], request)[2]
+        worker.took(claimed, request)
+        while worker.next_to_start(WorkerMode.RUNNING, 0) is not None:
+            pass  # started and done
+        return len(claimed.jobs)
+
+    assert claim() == 4 + 12  # the slots and the floor: nothing known of the payloads yet
+    assert claim() == 4 + 4  # the slots and one refill of them: 40 KB ahead at most
