@@ -13,6 +13,7 @@ import socket
 import struct
 import threading
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
@@ -103,11 +104,22 @@ def _reset(sock: socket.socket) -> None:
 @contextlib.contextmanager
 def cutting_proxy(db_url: str) -> Iterator[tuple[CuttingProxy, str]]:
     """A proxy to ``db_url``'s server and the URL that goes through it."""
+    with _proxied(db_url, CuttingProxy) as pair:
+        yield pair
+
+
+P = TypeVar("P", "CuttingProxy", "SilenceableProxy")
+
+
+@contextlib.contextmanager
+def _proxied(db_url: str, kind: Callable[[tuple[str, int]], P]) -> Iterator[tuple[P, str]]:
+    """A proxy of ``kind`` to ``db_url``'s server, and the URL that goes through it; closed
+    on the way out."""
     params = conninfo_to_dict(db_url)
     host = str(params.get("host") or "")
     if not host or host.startswith("/"):
         pytest.skip("the test database is reached through a Unix socket; the proxy needs TCP")
-    proxy = CuttingProxy((host, int(params.get("port") or 5432)))
+    proxy = kind((host, int(params.get("port") or 5432)))
     try:
         yield proxy, make_conninfo(db_url, host="127.0.0.1", port=proxy.port)
     finally:
@@ -250,12 +262,5 @@ def _forward(source: socket.socket, sink: socket.socket, flowing: threading.Even
 @contextlib.contextmanager
 def silenceable_proxy(db_url: str) -> Iterator[tuple[SilenceableProxy, str]]:
     """A silenceable proxy to ``db_url``'s server and the URL that goes through it."""
-    params = conninfo_to_dict(db_url)
-    host = str(params.get("host") or "")
-    if not host or host.startswith("/"):
-        pytest.skip("the test database is reached through a Unix socket; the proxy needs TCP")
-    proxy = SilenceableProxy((host, int(params.get("port") or 5432)))
-    try:
-        yield proxy, make_conninfo(db_url, host="127.0.0.1", port=proxy.port)
-    finally:
-        proxy.close()
+    with _proxied(db_url, SilenceableProxy) as pair:
+        yield pair
