@@ -15,16 +15,14 @@ the dump inside it, cut to :data:`MAX_DUMP` characters (the crashing thread come
 from __future__ import annotations
 
 import faulthandler
-import fcntl
 import os
 from typing import TextIO
+
+from jobd import logs
 
 # journald splits records longer than its LineMax (48K by default): the head of a dump (the
 # crashing thread, most recent call first) is what matters.
 MAX_DUMP = 16 * 1024
-# As the log's own descriptor (jobd.logs.private_stderr): above the numbers a handler's own
-# open() calls take, so a handler that closes or reuses low descriptors does not get it.
-PRIVATE_FD_FLOOR = 256
 
 
 def create() -> int:
@@ -39,7 +37,9 @@ def enable(dump_fd: int, fallback: TextIO) -> None:
     if dump_fd < 0:
         faulthandler.enable(file=fallback)
         return
-    private = fcntl.fcntl(dump_fd, fcntl.F_DUPFD_CLOEXEC, PRIVATE_FD_FLOOR)
+    # As the log's own descriptor: above the numbers a handler's own open() calls take, so a
+    # handler that closes or reuses low descriptors does not get it.
+    private = logs.private_copy(dump_fd)
     os.close(dump_fd)
     # faulthandler keeps the descriptor, not a file object: it must stay open (it does, for
     # the life of the process).

@@ -148,12 +148,18 @@ def private_stderr() -> TextIO:
     the close, which takes the lowest free number), had every later record of the worker,
     and a stack dump on SIGABRT, lost or written into that file or socket. The copy sits
     high, closed at exec, and nothing but the log writes to it."""
-    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    room = soft == resource.RLIM_INFINITY or soft > 2 * PRIVATE_FD_FLOOR
-    fd = fcntl.fcntl(2, fcntl.F_DUPFD_CLOEXEC, PRIVATE_FD_FLOOR if room else 3)
+    fd = private_copy(2)
     # As Python's own stderr: line by line, and no record is lost to an encoding error.
     return os.fdopen(fd, "w", buffering=1, encoding=sys.stderr.encoding or "utf-8",
                      errors="backslashreplace")
+
+
+def private_copy(fd: int) -> int:
+    """A copy of ``fd`` at :data:`PRIVATE_FD_FLOOR` or above (closed at exec), where the
+    limit on open files leaves room for it; else at the lowest free number."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    room = soft == resource.RLIM_INFINITY or soft > 2 * PRIVATE_FD_FLOOR
+    return fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, PRIVATE_FD_FLOOR if room else 3)
 
 
 def keep_configuration() -> bool:

@@ -291,3 +291,29 @@ def test_a_workers_stack_dump_is_one_field_of_its_exit_record_not_loose_lines(
     loose = [line for line in daemon.log_path.read_text().splitlines()
              if line.strip() and not line.startswith("{")]
     assert loose == []
+
+
+def test_a_worker_under_a_low_open_files_limit_still_gets_its_dump_file(
+        daemons: Daemons, effects_db: psycopg.Connection) -> None:
+    """The dump file moves to a high descriptor number, as the log's stream does, where
+    the limit on open files leaves room; under a limit of 200 (a unit's LimitNOFILE), it
+    must take a low one rather than fail the worker's start."""
+    daemon = new_daemon(daemons)
+    daemon.write_config(make_config({"default": {"workers": 1, "max_attempts": 1}},
+                                    handlers=HANDLERS))
+    limited = ("import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, "
+               "(200, 200)); os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
+    command = daemon.command()
+    with open(daemon.log_path, "ab") as stderr:
+        daemon.proc = subprocess.Popen(
+            [command[0], "-c", limited, *command[1:]], stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=stderr, cwd=daemon.dir, env=daemon.env(),
+            start_new_session=True)
+    daemon.wait_workers_started("default", 1)
+    mark = daemon.mark()
+    job_id = jobd.enqueue(effects_db, "segfault")
+    exited = daemon.wait_for_log("worker exited", since=mark, timeout=20)
+    assert "Fatal Python error: Segmentation fault" in exited["stack"]
+    wait_state(effects_db, job_id, "dead", daemon)
+    ok = jobd.enqueue(effects_db, "ok", {})
+    wait_state(effects_db, ok, "done", daemon)
