@@ -8,9 +8,7 @@ Where the server comes from, in order:
 If none works, the run stops with a message naming what was tried.
 
 Each run migrates one template database and clones a fresh database from it for every test
-that asks for one. A test's ``db_url`` database is dropped on a thread while the next tests
-run (each DROP DATABASE waits for a checkpoint: about 45 ms, a minute over a whole run); the
-rest, and any whose drop failed, are dropped at the end. A run stopped with SIGTERM (a CI
+that asks for one; all of them are dropped at the end. A run stopped with SIGTERM (a CI
 timeout, ``kill``) tears down as on Ctrl-C, so the daemons, clusters and databases the tests
 started do not outlive it.
 """
@@ -20,9 +18,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-import queue
 import signal
-import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,7 +27,6 @@ from types import FrameType
 import psycopg
 import pytest
 from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict
 
 from jobd.db import connect
 from jobd.localpg import LocalPgError, throwaway_cluster
@@ -141,9 +136,6 @@ class Databases:
         self.template = f"{self.prefix}_template"
         self.counter = itertools.count(1)
         self.created: list[str] = []
-        self.dropped: set[str] = set()
-        self._released: queue.SimpleQueue[str | None] = queue.SimpleQueue()
-        self._dropper: threading.Thread | None = None
 
     def create_template(self) -> None:
         with self.server.admin() as admin:
@@ -169,36 +161,11 @@ class Databases:
         self.created.append(name)
         return self.server.url_for(name)
 
-    def release(self, name: str) -> None:
-        """A test is done with database ``name``: it is dropped on the dropping thread."""
-        if self._dropper is None:
-            self._dropper = threading.Thread(target=self._drop_released, daemon=True,
-                                             name="test-databases-dropper")
-            self._dropper.start()
-        self._released.put(name)
-
-    def _drop_released(self) -> None:
-        while (name := self._released.get()) is not None:
-            try:
-                with self.server.admin() as admin:
-                    self._drop(admin, name)
-            except psycopg.Error:
-                continue  # not in dropped: drop_all tries it again at the end
-            self.dropped.add(name)
-
     def drop_all(self) -> None:
-        if self._dropper is not None:
-            self._released.put(None)
-            self._dropper.join()
         with self.server.admin() as admin:
             for name in reversed(self.created):
-                if name not in self.dropped:
-                    self._drop(admin, name)
-
-    @staticmethod
-    def _drop(admin: psycopg.Connection, name: str) -> None:
-        admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
-            sql.Identifier(name)))
+                admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+                    sql.Identifier(name)))
 
 
 @pytest.fixture(scope="session")
@@ -218,15 +185,9 @@ def databases(pg_server: Server) -> Iterator[Databases]:
 
 
 @pytest.fixture
-def db_url(databases: Databases) -> Iterator[str]:
-    """URL of a fresh, migrated database for this test alone (dropped after it)."""
-    url = databases.migrated()
-    yield url
-    databases.release(_dbname(url))
-
-
-def _dbname(url: str) -> str:
-    return str(conninfo_to_dict(url)["dbname"])
+def db_url(databases: Databases) -> str:
+    """URL of a fresh, migrated database for this test alone."""
+    return databases.migrated()
 
 
 @pytest.fixture
