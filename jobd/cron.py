@@ -45,6 +45,42 @@ ALIASES = {
 # croniter's random field (R, R/5, R(0-30)): not a schedule.
 _RANDOM = re.compile(r"^R($|[/(])", re.IGNORECASE)
 
+# One range of a field's list (22-2, FRI-MON, 22-2/2). Other shapes (*, 5, */15, 5/15) are
+# croniter's alone to judge.
+_RANGE = re.compile(r"^(?P<low>[0-9a-z]+)-(?P<high>[0-9a-z]+)(?:/(?P<step>[0-9]+))?$",
+                    re.IGNORECASE)
+_MONTHS = ("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec")
+_DAYS = ("sun", "mon", "tue", "wed", "thu", "fri", "sat")
+
+
+@dataclass(frozen=True, slots=True)
+class _Field:
+    """One of the five fields: its name in messages, its bounds and the names it takes."""
+
+    name: str
+    first: int
+    last: int
+    names: dict[str, int]
+
+    def value(self, text: str) -> int | None:
+        """A bound's number (names by number, day-of-week 7 stays 7), None if unknown."""
+        return int(text) if text.isdigit() else self.names.get(text.lower())
+
+    def spell(self, value: int, as_name: bool) -> str:
+        if as_name:
+            return next(name for name, number in self.names.items() if number == value).upper()
+        return str(value)
+
+
+_FIELDS = (
+    _Field("minute", 0, 59, {}),
+    _Field("hour", 0, 23, {}),
+    _Field("day-of-month", 1, 31, {"l": 31}),
+    _Field("month", 1, 12, {name: number for number, name in enumerate(_MONTHS, 1)}),
+    _Field("day-of-week", 0, 6, {name: number for number, name in enumerate(_DAYS)}),
+)
+_DAY_OF_WEEK = _FIELDS[4]
+
 
 class CronError(ValueError):
     """An invalid expression or time zone; the message says which and why."""
@@ -107,6 +143,12 @@ class CronSchedule:
                             "supported; pick the time")
         if not croniter.is_valid(normalized):
             raise CronError(f"invalid cron expression {expression!r}")
+        try:
+            fields = [_plain_ranges(field, text)
+                      for field, text in zip(_FIELDS, fields, strict=True)]
+        except ValueError as exc:
+            raise CronError(f"invalid cron expression {expression!r}: {exc}") from None
+        normalized = " ".join(fields)
         try:
             croniter(normalized, datetime(2000, 1, 1)).get_next(datetime)
         except CroniterBadDateError:
@@ -204,6 +246,56 @@ class CronSchedule:
             found.extend(o for o in self._instants(wall) if after < o.fire_at <= until)
         found.sort()
         return found if last is None else found[-last:]
+
+
+def _plain_ranges(field: _Field, text: str) -> str:
+    """``text`` (one field, already valid for croniter) with its ranges meaning what they
+    mean to cron; ValueError for a reversed range.
+
+    croniter departs from cron in two ways that silently fire at times nobody wrote. A
+    reversed range wraps (hour 22-2 is 22,23,0,1,2; day-of-week 5-1, a mistyped 1-5, fires
+    Friday to Monday) where cronie refuses it. An equal range means the whole cycle (hour
+    5-5 fires every hour) where cron reads the one value.
+    """
+    return ",".join(_plain_range(field, token) for token in text.split(","))
+
+
+def _plain_range(field: _Field, token: str) -> str:
+    match = _RANGE.match(token)
+    if match is None:
+        return token
+    low, high = field.value(match["low"]), field.value(match["high"])
+    if low is None or high is None:
+        return token
+    if field is _DAY_OF_WEEK and high == 0 and low != 0:
+        # Sunday ending a range ends the week (FRI-SUN, 5-0): day 7, as croniter reads it.
+        high = 7
+    if low == high:
+        return match["low"]
+    if low > high:
+        as_names = match["low"].isalpha() and match["high"].isalpha()
+        step = int(match["step"]) if match["step"] else None
+        raise ValueError(f"{field.name} range {token} is reversed; write "
+                         f"{_unwrapped(field, low, high, step, as_names)}")
+    return token
+
+
+def _unwrapped(field: _Field, low: int, high: int, step: int | None, as_names: bool) -> str:
+    """What a reversed range meant, written without wrapping: 22-2 as 22-23,0-2, 22-2/2 as
+    22,0,2 (the steps continue across the wrap), day-of-week 7-1 as 0-1 (both Sunday)."""
+    def span(first: int, last: int) -> str:
+        if first == last:
+            return field.spell(first, as_names)
+        return f"{field.spell(first, as_names)}-{field.spell(last, as_names)}"
+
+    if field is _DAY_OF_WEEK and low == 7:
+        return span(0, high) + (f"/{step}" if step else "")
+    if step is None:
+        return f"{span(low, field.last)},{span(field.first, high)}"
+    size = field.last - field.first + 1
+    values = [(low - field.first + offset) % size + field.first
+              for offset in range(0, (high - low) % size + 1, step)]
+    return ",".join(field.spell(value, as_names) for value in values)
 
 
 def _round_trips(aware: datetime) -> bool:

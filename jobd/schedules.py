@@ -125,6 +125,8 @@ def sync(conn: psycopg.Connection, schedules: Sequence[ScheduleConfig], instance
     still declares it (otherwise the difference is reported in ``conflicts``). Never
     enables or disables a schedule: that flag is the operator's.
     """
+    for s in schedules:
+        _check(s)
     result = SyncResult()
     ordered = sorted(schedules, key=lambda schedule: schedule.id)
     with conn.transaction():
@@ -149,6 +151,17 @@ def sync(conn: psycopg.Connection, schedules: Sequence[ScheduleConfig], instance
         conn.execute(query("prune_schedule_declarations"),
                      {"after": DECLARATION_PRUNE_AFTER.total_seconds(), "now": now})
     return result
+
+
+def _check(schedule: ScheduleConfig) -> None:
+    """CronError unless ``schedule`` can be evaluated. A config file's schedules have been
+    checked as it loaded; ScheduleConfig values built in Python (jobd.testing's
+    materialize_schedules) have not, and stored unchecked, one would only ever log an error
+    at each tick."""
+    try:
+        CronSchedule.parse(schedule.cron, schedule.timezone)
+    except CronError as exc:
+        raise CronError(f"schedule {schedule.id!r}: {exc}") from None
 
 
 def _fire_what_the_old_definition_owes(conn: psycopg.Connection, schedule: ScheduleConfig,

@@ -214,6 +214,15 @@ def test_unknown_timezone(tmp_path: Path, zone: str) -> None:
     assert f"unknown time zone {zone!r}" in message
 
 
+def test_a_reversed_cron_range_names_the_file_and_line(tmp_path: Path) -> None:
+    path, line, message = config_error(
+        tmp_path,
+        HANDLERS + "schedules:\n  - id: nightly\n    cron: '0 22-2 * * *'\n    handler: echo\n")
+    assert line == 5
+    assert message == (f"{path}:5: schedules[0].cron: invalid cron expression '0 22-2 * * *': "
+                       "hour range 22-2 is reversed; write 22-23,0-2")
+
+
 def test_the_hosts_own_zone_is_refused(tmp_path: Path) -> None:
     # /usr/share/zoneinfo/localtime loads as a zone: each node's own, so nodes in different
     # zones would each fire one occurrence at another instant.

@@ -404,6 +404,73 @@ def test_names_with_an_r_are_still_names(expression: str) -> None:
     assert schedule.next_after(datetime(2026, 1, 1, tzinfo=UTC))[0].fire_at.hour == 2
 
 
+@pytest.mark.parametrize(("expression", "message"), [
+    ("0 22-2 * * *", "hour range 22-2 is reversed; write 22-23,0-2"),
+    ("50-10 * * * *", "minute range 50-10 is reversed; write 50-59,0-10"),
+    ("0 0 25-5 * *", "day-of-month range 25-5 is reversed; write 25-31,1-5"),
+    ("0 0 1 11-2 *", "month range 11-2 is reversed; write 11-12,1-2"),
+    ("0 0 1 NOV-FEB *", "month range NOV-FEB is reversed; write NOV-DEC,JAN-FEB"),
+    ("0 0 * * FRI-MON", "day-of-week range FRI-MON is reversed; write FRI-SAT,SUN-MON"),
+    ("0 0 * * thu-tue", "day-of-week range thu-tue is reversed; write THU-SAT,SUN-TUE"),
+    ("0 0 * * 1-5,6-2", "day-of-week range 6-2 is reversed; write 6,0-2"),
+    # With a step, the values it stepped to across the wrap.
+    ("0 22-2/2 * * *", "hour range 22-2/2 is reversed; write 22,0,2"),
+    ("50-10/15 * * * *", "minute range 50-10/15 is reversed; write 50,5"),
+    # Sunday starting a range is day 0; 7 starts none.
+    ("0 0 * * 7-1", "day-of-week range 7-1 is reversed; write 0-1"),
+    ("0 0 * * 7-3/2", "day-of-week range 7-3/2 is reversed; write 0-3/2"),
+])
+def test_a_reversed_range_is_refused_with_how_to_write_it(expression: str, message: str
+                                                          ) -> None:
+    # croniter wraps it (22-2 is 22,23,0,1,2); cron and systemd do not, and a mistyped
+    # 5-1 for 1-5 would fire on days nobody meant.
+    with pytest.raises(CronError) as caught:
+        CronSchedule.parse(expression, "UTC")
+    assert str(caught.value) == f"invalid cron expression {expression!r}: {message}"
+
+
+def test_a_reversed_range_out_of_bounds_is_just_invalid() -> None:
+    with pytest.raises(CronError, match=r"^invalid cron expression '0 25-2 \* \* \*'$"):
+        CronSchedule.parse("0 25-2 * * *", "UTC")
+
+
+@pytest.mark.parametrize(("expression", "normalized"), [
+    ("0 5-5 * * *", "0 5 * * *"), ("5-5 * * * *", "5 * * * *"), ("0 0 5-5 * *", "0 0 5 * *"),
+    ("0 0 1 JAN-JAN *", "0 0 1 JAN *"), ("0 0 * * 0-0", "0 0 * * 0"),
+    ("0 0 * * 7-7", "0 0 * * 7"), ("0 0 * * SUN-SUN", "0 0 * * SUN"),
+    ("5-5/10 * * * *", "5 * * * *"), ("0 1,3-3,5 * * *", "0 1,3,5 * * *"),
+    # Ranges ending on Sunday as 7 are not reversed and stay as written.
+    ("0 0 * * 7-0", "0 0 * * 7"),
+    # Ranges ending on Sunday as 7 are not reversed and stay as written.
+    ("0 0 * * 0-7", "0 0 * * 0-7"), ("0 0 * * SUN-SAT", "0 0 * * SUN-SAT"),
+    ("0 0 * * 5-7", "0 0 * * 5-7"), ("0 0 * * MON-7", "0 0 * * MON-7"),
+    ("0 0 * * 1-7/2", "0 0 * * 1-7/2"), ("0 0 * * 3-7/2", "0 0 * * 3-7/2"),
+])
+def test_equal_ranges_and_sunday_as_seven_fire_as_in_cron(expression: str, normalized: str
+                                                          ) -> None:
+    # croniter reads an equal range as the whole cycle: 0 5-5 * * * fired every hour.
+    schedule = CronSchedule.parse(expression, "UTC")
+    assert schedule.expression == normalized
+    after = datetime(2026, 1, 1, tzinfo=UTC)
+    assert ours(schedule, after, 20) == reference(normalized, "UTC", after, 20)
+
+
+@pytest.mark.parametrize(("expression", "as_seven"), [
+    ("0 0 * * FRI-SUN", "0 0 * * 5-7"), ("0 0 * * sat-sun", "0 0 * * 6-7"),
+    ("0 0 * * MON-SUN", "0 0 * * 1-7"), ("0 0 * * 5-0", "0 0 * * 5-7"),
+    ("0 0 * * 1-0/2", "0 0 * * 1-7/2"), ("0 0 * * 2-SUN/2", "0 0 * * 2-7/2"),
+])
+def test_sunday_ending_a_range_is_day_seven(expression: str, as_seven: str) -> None:
+    # Not reversed: Sunday also ends the week. cronsim (like cronie) knows it only as 7.
+    schedule = CronSchedule.parse(expression, "UTC")
+    after = datetime(2026, 1, 1, tzinfo=UTC)
+    assert ours(schedule, after, 20) == reference(as_seven, "UTC", after, 20)
+
+
+def test_an_equal_range_up_to_the_last_day_is_that_day() -> None:
+    assert CronSchedule.parse("0 0 31-L * *", "UTC").expression == "0 0 31 * *"
+
+
 @pytest.mark.parametrize("zone", ["Mars/Olympus", "Europe/Berlinn", "", "../../etc/passwd",
                                   "CEST", "Europe", "America"])
 def test_unknown_zones_are_rejected(zone: str) -> None:

@@ -85,6 +85,7 @@ def test_next_table_shows_local_utc_and_the_occurrence_key() -> None:
     (("--cron", "* * * *"), "expected 5 fields"),
     (("--cron", "* * * * * *"), "expected 5 fields"),
     (("--cron", "nonsense"), "invalid cron expression 'nonsense'"),
+    (("--cron", "0 0 * * FRI-MON"), "day-of-week range FRI-MON is reversed; write FRI-SAT"),
     (("--cron", "0 * * * *", "--tz", "Mars/Olympus"), "unknown time zone 'Mars/Olympus'"),
     (("--cron", "0 * * * *", "--tz", "Europe/Berlinn"), "unknown time zone 'Europe/Berlinn'"),
     (("--cron", "0 * * * *", "--tz", "Europe"), "unknown time zone 'Europe'"),

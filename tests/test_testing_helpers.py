@@ -26,6 +26,7 @@ from psycopg.rows import dict_row
 
 import jobd
 from jobd.config import ScheduleConfig
+from jobd.cron import CronError
 from jobd.db import connect
 from jobd.errors import JobdError
 from jobd.migrate import migrate
@@ -519,6 +520,16 @@ def test_a_schedule_fires_at_the_frozen_clock_and_its_job_runs(
     assert materialize_schedules(user_conn, [nightly], clock=clock) == []  # once only
     assert run_jobs(user_conn, handlers=HANDLERS, clock=clock).done == 1
     assert one(user_conn, "SELECT array_agg(day) FROM reports") == ["2027-03-01"]
+
+
+def test_a_schedule_built_in_python_is_checked_like_one_from_a_config_file(
+    user_conn: psycopg.Connection,
+) -> None:
+    # Stored unchecked, a schedule the tick cannot evaluate would only log an error there.
+    overnight = ScheduleConfig("overnight", "0 22-2 * * *", "nightly_report")
+    with pytest.raises(CronError, match=r"^schedule 'overnight': invalid cron expression "
+                       r"'0 22-2 \* \* \*': hour range 22-2 is reversed; write 22-23,0-2$"):
+        materialize_schedules(user_conn, [overnight])
 
 
 def test_schedules_from_a_config_file_fire_through_a_database_url(
