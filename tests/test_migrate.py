@@ -206,8 +206,9 @@ def prepare_error(conn: psycopg.Connection, name: str, text: str) -> str | None:
     return (result.error_message or b"").decode().strip()
 
 
-# Utility statements: PREPARE takes none of them.
-_UTILITY = {"CREATE", "SET", "LISTEN", "COPY", "GRANT", "REVOKE", "ALTER"}
+# Utility statements: PREPARE takes none of them (nor a savepoint's).
+_UTILITY = {"CREATE", "SET", "LISTEN", "COPY", "GRANT", "REVOKE", "ALTER",
+            "SAVEPOINT", "RELEASE", "ROLLBACK"}
 
 
 def is_utility(name: str) -> bool:

@@ -9,6 +9,7 @@ search_path, not autocommit, rolled back when the test ends.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
@@ -33,7 +34,9 @@ from jobd.migrate import migrate
 from jobd.testing import (
     Clock,
     Fired,
+    HandlerBrokeTransaction,
     JobFailed,
+    RunSummary,
     assert_enqueued,
     enqueued_jobs,
     materialize_schedules,
@@ -334,6 +337,168 @@ def test_a_replayed_effect_key_skips_the_handler_and_says_so(
     assert [(r.id, r.outcome, r.replayed) for r in summary.runs] == [
         (first, "done", False), (second, "done", True)]
     assert one(user_conn, "SELECT count(*) FROM calls") == 1
+
+
+# --- a plain handler writing through the test's connection ---------------------------------
+# An application's plain handler writes through the application's connection, which in its
+# test suite is the test's own: a statement of the handler's that fails there aborts the
+# test's transaction, the one run_jobs records the job's outcome in.
+
+DUPLICATE = "INSERT INTO orders (id, email, total) VALUES (%s, 'i@example.com', 1)"
+
+
+def importer(conn: psycopg.Connection, kind: str) -> Any:
+    """``import_order``: a note in ``calls``, then the order, by the id in its payload (a
+    unique violation when the order is there already)."""
+
+    def import_order(job: jobd.Job) -> None:
+        conn.execute("INSERT INTO calls (handler, job_id) VALUES ('import_order', %s)",
+                     (job.id,))
+        conn.execute(DUPLICATE, (job.payload["order"],))
+
+    async def import_order_async(job: jobd.Job) -> None:
+        import_order(job)
+
+    @jobd.transactional
+    def import_order_transactional(job: jobd.Job, tx: psycopg.Connection) -> None:
+        import_order(job)
+
+    return {"sync": import_order, "async": import_order_async,
+            "async, from async code": import_order_async,
+            "transactional": import_order_transactional}[kind]
+
+
+@pytest.mark.parametrize("kind", ["sync", "async", "async, from async code", "transactional"])
+def test_a_handlers_statement_that_aborts_the_tests_transaction_fails_its_job_as_on_a_worker(
+    user_conn: psycopg.Connection, kind: str
+) -> None:
+    user_conn.execute(DUPLICATE, (1,))
+    failing = jobd.enqueue(user_conn, "import_order", {"order": 1})
+    later = jobd.enqueue(user_conn, "import_order", {"order": 2})
+    handlers = {"import_order": importer(user_conn, kind)}
+
+    async def an_async_test() -> RunSummary:
+        return run_jobs(user_conn, handlers=handlers)
+
+    if kind == "async, from async code":
+        summary = asyncio.run(an_async_test())
+    else:
+        summary = run_jobs(user_conn, handlers=handlers)
+    assert [(r.id, r.outcome) for r in summary.runs] == [(failing, "failed"), (later, "done")]
+    run = summary.runs[0]
+    # The handler's own error, as a worker records it: headline, then its traceback.
+    assert isinstance(run.exception, psycopg.errors.UniqueViolation)
+    assert run.error is not None and run.error.startswith(
+        'UniqueViolation: duplicate key value violates unique constraint "orders_pkey"\n')
+    assert "Traceback (most recent call last)" in run.error and "in import_order" in run.error
+    assert one(user_conn, "SELECT state, last_error FROM jobd.jobs WHERE id = %s",
+               (failing,)) == ("failed", run.error)
+    # The failed run's writes are rolled back, its note too; the test's order and the next
+    # job's writes stay, in the test's transaction.
+    assert one(user_conn, "SELECT array_agg(job_id) FROM calls") == [later]
+    assert one(user_conn, "SELECT array_agg(id ORDER BY id) FROM orders") == [1, 2]
+    # A transactional handler's failure always rolls its writes back (its own savepoint);
+    # a plain handler's only when its statement left no other way to record the failure.
+    assert run.rolled_back == (kind != "transactional")
+    assert ("its writes were rolled back" in str(summary)) == (kind != "transactional")
+
+
+def test_raise_errors_raises_the_handlers_own_error_when_its_statement_aborted_the_test(
+    user_conn: psycopg.Connection,
+) -> None:
+    user_conn.execute(DUPLICATE, (1,))
+    job_id = jobd.enqueue(user_conn, "import_order", {"order": 1})
+    with pytest.raises(JobFailed) as raised:
+        run_jobs(user_conn, handlers={"import_order": importer(user_conn, "sync")},
+                 raise_errors=True)
+    assert isinstance(raised.value.__cause__, psycopg.errors.UniqueViolation)
+    message = str(raised.value)
+    assert message.startswith(f"job {job_id} ('import_order', attempt 1) failed and will be "
+                              f"retried:\nUniqueViolation: duplicate key value violates")
+    assert "Traceback (most recent call last)" in message and "in import_order" in message
+    assert "aborted the test's transaction: run_jobs rolled the transaction back" in message
+    # Recorded, and the test goes on in its transaction.
+    [job] = assert_enqueued(user_conn, "import_order")
+    assert (job.state, job.attempts) == ("failed", 1)
+
+
+def test_a_plain_handler_that_fails_without_aborting_the_transaction_keeps_its_writes(
+    user_conn: psycopg.Connection,
+) -> None:
+    # As before savepoints: on a worker the application decides what its failed handler's
+    # writes become; run_jobs undoes them only when an aborted transaction leaves no choice.
+    def notes_then_fails(job: jobd.Job) -> None:
+        user_conn.execute("INSERT INTO calls (handler, job_id) VALUES ('notes', %s)", (job.id,))
+        raise ValueError("upstream refused")
+
+    job_id = jobd.enqueue(user_conn, "notes_then_fails", {})
+    [run] = run_jobs(user_conn, handlers={"notes_then_fails": notes_then_fails}).runs
+    assert (run.outcome, run.rolled_back) == ("failed", False)
+    assert one(user_conn, "SELECT array_agg(job_id) FROM calls") == [job_id]
+
+
+def test_a_handler_that_hides_its_aborting_statements_error_fails_the_run_not_the_job(
+    user_conn: psycopg.Connection,
+) -> None:
+    user_conn.execute(DUPLICATE, (1,))
+
+    def import_order(job: jobd.Job) -> None:
+        with contextlib.suppress(psycopg.errors.UniqueViolation):
+            importer(user_conn, "sync")(job)
+
+    job_id = jobd.enqueue(user_conn, "import_order", {"order": 1})
+    with pytest.raises(HandlerBrokeTransaction, match=(
+            r"handler 'import_order' \(job \d+\) returned, but left the test's transaction "
+            r"aborted: .* the job stays claimed")) as raised:
+        run_jobs(user_conn, handlers={"import_order": import_order})
+    assert raised.value.job.id == job_id
+    # Back to before the handler's call: the test's transaction goes on, the job claimed.
+    assert one(user_conn, "SELECT count(*) FROM calls") == 0
+    assert one(user_conn, "SELECT state FROM jobd.jobs WHERE id = %s", (job_id,)) == "claimed"
+
+
+@pytest.mark.parametrize("ending", ["rollback, then raise", "rollback, then write",
+                                    "commit, then write"])
+def test_a_handler_that_ends_the_tests_transaction_fails_the_run_saying_so(
+    user_conn: psycopg.Connection, ending: str
+) -> None:
+    user_conn.execute(DUPLICATE, (1,))
+
+    def import_order(job: jobd.Job) -> None:
+        if ending == "rollback, then raise":  # an application's own error handling
+            try:
+                importer(user_conn, "sync")(job)
+            except psycopg.Error:
+                user_conn.rollback()
+                raise
+        (user_conn.rollback if ending.startswith("rollback") else user_conn.commit)()
+        user_conn.execute("INSERT INTO calls (handler, job_id) VALUES ('ends', %s)", (job.id,))
+
+    jobd.enqueue(user_conn, "import_order", {"order": 1})
+    with pytest.raises(HandlerBrokeTransaction, match=(
+            r"handler 'import_order' \(job \d+\) ended the test's transaction itself \(a "
+            r"COMMIT or ROLLBACK on the test's connection\)")) as raised:
+        run_jobs(user_conn, handlers={"import_order": import_order})
+    if ending == "rollback, then raise":
+        assert isinstance(raised.value.__cause__, psycopg.errors.UniqueViolation)
+        assert "then raised UniqueViolation" in str(raised.value)
+
+
+def test_a_handler_that_commits_as_its_last_statement_still_completes_its_job(
+    user_conn: psycopg.Connection, observer: psycopg.Connection
+) -> None:
+    # The job's claim is committed with the test's work; its completion follows in the next
+    # transaction, as before run_jobs took savepoints.
+    def commits(job: jobd.Job) -> None:
+        user_conn.execute("INSERT INTO calls (handler, job_id) VALUES ('commits', %s)",
+                          (job.id,))
+        user_conn.commit()
+
+    job_id = jobd.enqueue(user_conn, "commits", {})
+    assert run_jobs(user_conn, handlers={"commits": commits}).done == 1
+    user_conn.commit()
+    assert one(observer, "SELECT state FROM all_jobs WHERE id = %s", (job_id,)) == "done"
+    assert one(observer, "SELECT count(*) FROM public.calls") == 1
 
 
 def test_run_jobs_on_a_database_url_commits_as_a_worker_does(

@@ -1486,6 +1486,24 @@ SELECT set_config('application_name', %(application_name)s, true),
        set_config('idle_in_transaction_session_timeout', %(idle_timeout)s, true),
        set_config('statement_timeout', %(statement_timeout)s, true)
 
+-- name: testing_handler_savepoint
+-- jobd.testing runs a plain handler on a test's own connection in a savepoint of the test's
+-- open transaction. On a worker a plain handler's statements run on the application's own
+-- connections: one that fails aborts the application's transaction, never the one jobd
+-- records the job's outcome in. In a test both are the test's transaction; rolling back to
+-- this savepoint undoes what the aborting statement took with it, so the outcome can still
+-- be recorded. Utility statements, run unprepared (psycopg would PREPARE a statement it saw
+-- often, and PostgreSQL prepares none of these).
+SAVEPOINT jobd_testing_handler
+
+-- name: testing_release_handler_savepoint
+RELEASE SAVEPOINT jobd_testing_handler
+
+-- name: testing_rollback_to_handler_savepoint
+-- The handler's statement aborted the test's transaction: back to where it stood before the
+-- handler's call, and the savepoint released (the next job takes a new one).
+ROLLBACK TO SAVEPOINT jobd_testing_handler; RELEASE SAVEPOINT jobd_testing_handler
+
 -- name: role_grants_exist
 SELECT to_regclass('role_grants') IS NOT NULL
 

@@ -14,10 +14,10 @@ See docs/testing.md.
 
 from jobd.testing.clock import Clock
 from jobd.testing.enqueued import EnqueuedJob, assert_enqueued, enqueued_jobs, refute_enqueued
-from jobd.testing.results import JobFailed, JobRun, RunSummary
+from jobd.testing.results import HandlerBrokeTransaction, JobFailed, JobRun, RunSummary
 from jobd.testing.runner import run_jobs
 from jobd.testing.schedules import Fired, materialize_schedules
 
-__all__ = ["Clock", "EnqueuedJob", "Fired", "JobFailed", "JobRun", "RunSummary",
-           "assert_enqueued", "enqueued_jobs", "materialize_schedules", "refute_enqueued",
-           "run_jobs"]
+__all__ = ["Clock", "EnqueuedJob", "Fired", "HandlerBrokeTransaction", "JobFailed", "JobRun",
+           "RunSummary", "assert_enqueued", "enqueued_jobs", "materialize_schedules",
+           "refute_enqueued", "run_jobs"]

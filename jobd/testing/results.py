@@ -25,6 +25,10 @@ class JobRun:
     replayed: bool = False
     # What the handler raised (JobFailed's __cause__).
     exception: BaseException | None = field(default=None, repr=False, compare=False)
+    # A plain handler's statement on the test's connection failed and aborted the test's
+    # transaction: run_jobs rolled it back to where it stood before the handler's call (the
+    # handler's writes on it undone) and recorded the failure.
+    rolled_back: bool = False
 
     @property
     def id(self) -> int:
@@ -75,9 +79,12 @@ class RunSummary:
                            ("done", "failed", "dead", "cancelled", "lease_lost") if self._count(o))
         lines = [f"ran {self.ran} job(s)" + (f": {counts}" if counts else "")]
         lines += [f"  job {run.id} {run.handler!r} attempt {run.job.attempt}: "
-                  f"{first_line_of(run.error)}" for run in self.runs if run.error]
+                  f"{first_line_of(run.error)}" + (_ROLLED_BACK if run.rolled_back else "")
+                  for run in self.runs if run.error]
         return "\n".join(lines)
 
+
+_ROLLED_BACK = " (it aborted the test's transaction: its writes were rolled back)"
 
 # What became of a job whose attempt failed, by the attempt's outcome.
 _AFTER_A_FAILURE = {
@@ -95,7 +102,23 @@ class JobFailed(Exception):
     def __init__(self, run: JobRun, summary: RunSummary) -> None:
         assert run.error is not None
         what_now = _AFTER_A_FAILURE.get(run.outcome, f"is {run.outcome}")
+        rolled_back = ("\nA statement of the handler's on the test's connection aborted the "
+                       "test's transaction: run_jobs rolled the transaction back to where it "
+                       "stood before the handler's call, undoing the handler's writes on it, "
+                       "and recorded the failure there." if run.rolled_back else "")
         super().__init__(f"job {run.id} ({run.handler!r}, attempt {run.job.attempt}) "
-                         f"failed and {what_now}:\n{run.error}")
+                         f"failed and {what_now}:\n{run.error}{rolled_back}")
         self.run = run
         self.summary = summary
+
+
+class HandlerBrokeTransaction(Exception):
+    """A plain handler run on the test's connection left its transaction in a state
+    ``run_jobs`` cannot go on from as a worker would: it ended the transaction the job was
+    claimed in (a COMMIT or ROLLBACK on the test's connection), or left it aborted and
+    returned as if it had succeeded. The handler's exception, if it raised one, is the
+    ``__cause__``."""
+
+    def __init__(self, message: str, job: Job) -> None:
+        super().__init__(message)
+        self.job = job

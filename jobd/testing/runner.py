@@ -9,6 +9,13 @@ handler runs through :func:`jobd.exactly_once.run_transactional`, as on a worker
 its effect key and the completion commit together. On the test's own connection that
 transaction is a savepoint in the test's transaction, so the test sees the handler's writes
 and rolls everything back at its end.
+
+A plain handler there runs in a savepoint too (:class:`HandlerSavepoint`): the application
+code it calls writes through the test's connection, so a statement of its that fails aborts
+the transaction the job's outcome is recorded in, which on a worker, where the handler's
+connection is the application's, it never is. Rolled back to the savepoint, the failure is
+recorded with the handler's own error; a handler that ended the test's transaction, or left
+it aborted and returned, raises :class:`HandlerBrokeTransaction` instead.
 """
 
 from __future__ import annotations
@@ -32,8 +39,8 @@ from jobd.jobs import Job
 from jobd.key_positions import next_key_cursor
 from jobd.outcomes import error_text, within_timeout
 from jobd.testing.clock import Clock
-from jobd.testing.results import JobFailed, JobRun, RunSummary
-from jobd.testing.session import Session, Target, open_session
+from jobd.testing.results import HandlerBrokeTransaction, JobFailed, JobRun, RunSummary
+from jobd.testing.session import HandlerSavepoint, Session, Target, open_session
 
 HandlerMap = Mapping[str, Callable[..., Any] | str]
 
@@ -113,6 +120,13 @@ def run_jobs(target: Target, lane: str = "default", *, handlers: HandlerMap | No
     database clock). A retry that falls due during the call is run again in it, as a worker
     would. With ``raise_errors`` the first failed attempt raises :class:`JobFailed` once the
     failure is recorded.
+
+    On the test's connection a plain handler runs in a savepoint of the test's transaction:
+    when a statement of its fails and aborts the transaction, run_jobs rolls back to the
+    savepoint (undoing the handler's writes) and records the handler's error, as a worker
+    records it (``JobRun.rolled_back``). A handler that ends the test's transaction (COMMIT
+    or ROLLBACK on it), or leaves it aborted and returns, raises
+    :class:`HandlerBrokeTransaction`, whatever ``raise_errors`` says.
     """
     if limit is not None and limit < 0:
         raise ValueError(f"limit must not be negative, not {limit!r}")
@@ -154,20 +168,81 @@ def _in_utc(job: Job) -> Job:
                job.fairness_key)
 
 
+# What fails a job, as on a worker: a sys.exit() or a CancelledError nobody asked for too.
+_HANDLER_FAILURES = (Exception, SystemExit, asyncio.CancelledError)
+
+
 def _run(session: Session, plan: _Plan, job: Job, now: datetime | None) -> JobRun:
     resolved = plan.handlers.get(job.handler)
+    if resolved is not None and not resolved.is_transactional:
+        return _plain(session, plan, resolved, job, now)
     try:
         if resolved is None:
             raise LookupError(f"no handler named {job.handler!r} in run_jobs' handlers "
                               f"(lane {job.lane!r})")
-        if resolved.is_transactional:
-            return _transactional(session, plan, resolved, job)
-        _call(resolved, job, plan.lane.timeout)
+        return _transactional(session, plan, resolved, job)
     except exactly_once.LeaseLost:
         return JobRun(job, "lease_lost")
-    # As on a worker: a sys.exit() or a CancelledError nobody asked for fails the job.
-    except (Exception, SystemExit, asyncio.CancelledError) as exc:
+    except _HANDLER_FAILURES as exc:
         return _failed(session, plan, job, exc, now)
+
+
+def _plain(session: Session, plan: _Plan, resolved: handlers.ResolvedHandler, job: Job,
+           now: datetime | None) -> JobRun:
+    """A plain handler's call, in a savepoint of the test's transaction on its connection
+    (:class:`HandlerSavepoint`): a statement of the handler's that fails there aborts the
+    transaction run_jobs records the outcome in, which on a worker it never could."""
+    savepoint = session.handler_savepoint()
+    try:
+        _call(resolved, job, plan.lane.timeout)
+    except _HANDLER_FAILURES as exc:
+        savepoint.close()
+        _check_transaction(savepoint, job, exc)
+        run = _failed(session, plan, job, exc, now, rolled_back=savepoint.rolled_back)
+    else:
+        savepoint.close()
+        _check_transaction(savepoint, job, None)
+        run = _completed(session, job, now)
+    if savepoint.ended and run.outcome == "lease_lost":
+        # A ROLLBACK: the claim went with it, and the test's own work in the transaction.
+        raise HandlerBrokeTransaction(_ended(job, run.exception), job) from run.exception
+    return run
+
+
+def _check_transaction(savepoint: HandlerSavepoint, job: Job,
+                       exc: BaseException | None) -> None:
+    """Raise when the handler left nothing the job's outcome can be recorded in as a
+    worker would record it; the handler's exception, if any, is the cause."""
+    if savepoint.missing is not None:
+        raise HandlerBrokeTransaction(_ended(job, exc), job) from exc or savepoint.missing
+    if savepoint.rolled_back and exc is None:
+        raise HandlerBrokeTransaction(
+            f"handler {job.handler!r} (job {job.id}) returned, but left the test's "
+            f"transaction aborted: a statement it ran on the test's connection failed and it "
+            f"went on without raising the error. On a worker that statement aborts the "
+            f"application's own transaction, not the one jobd records the job in, so what a "
+            f"worker would record is unknown here: run_jobs rolled the test's transaction "
+            f"back to where it stood before the handler's call (undoing the handler's writes "
+            f"on it) and recorded nothing; the job stays claimed. Let the error propagate (the "
+            f"job then fails and is retried), or run a statement that may fail in a savepoint "
+            f"of its own (with conn.transaction(): ...).", job)
+
+
+def _ended(job: Job, exc: BaseException | None) -> str:
+    raised = f", then raised {type(exc).__name__} (the cause below)" if exc else ""
+    return (f"handler {job.handler!r} (job {job.id}) ended the test's transaction itself (a "
+            f"COMMIT or ROLLBACK on the test's connection){raised}. run_jobs claimed the job "
+            f"in that transaction and records the attempt's outcome in it: a ROLLBACK took "
+            f"the claim away with the test's work, a COMMIT made the test's work permanent, "
+            f"and what the handler ran after it is in a transaction run_jobs did not open, so "
+            f"the outcome cannot be recorded as a worker would record it. On a worker a "
+            f"handler's connection is never the one jobd records the job on. Keep COMMIT and "
+            f"ROLLBACK out of code that runs on the test's connection (with conn.transaction(): "
+            f"... takes a savepoint, whose rollback undoes a part of the work), or give "
+            f"run_jobs a database URL, where its connection and the handler's are separate.")
+
+
+def _completed(session: Session, job: Job, now: datetime | None) -> JobRun:
     with session.jobd_statements() as conn:
         written = queue.complete(conn, [job.lease], now)
     if not written.applied:
@@ -208,7 +283,7 @@ def _call(resolved: handlers.ResolvedHandler, job: Job, timeout: float | None) -
 
 
 def _failed(session: Session, plan: _Plan, job: Job, exc: BaseException,
-            now: datetime | None) -> JobRun:
+            now: datetime | None, *, rolled_back: bool = False) -> JobRun:
     # Recorded as the worker records it (a timeout: the deadline, no traceback).
     error = error_text(exc)
     policy = plan.lane.retry_policy
@@ -217,6 +292,7 @@ def _failed(session: Session, plan: _Plan, job: Job, exc: BaseException,
     with session.jobd_statements() as conn:
         outcome = queue.fail(conn, [failure], now)
     if outcome.retried:
-        return JobRun(job, "failed", error, outcome.retry_at.get(job.id), exception=exc)
+        return JobRun(job, "failed", error, outcome.retry_at.get(job.id), exception=exc,
+                      rolled_back=rolled_back)
     kind = "dead" if outcome.dead else "cancelled" if outcome.cancelled else "lease_lost"
-    return JobRun(job, kind, error, exception=exc)
+    return JobRun(job, kind, error, exception=exc, rolled_back=rolled_back)

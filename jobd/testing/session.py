@@ -103,9 +103,58 @@ class Session:
             if not self.handler_conn.closed and not self.handler_conn.broken:
                 users_connection_reset(self.url, SERVER_DEFAULTS)(self.handler_conn)
 
+    def handler_savepoint(self) -> HandlerSavepoint:
+        """A savepoint for a plain handler's call, on the test's connection inside its open
+        transaction; none elsewhere (a URL's connections are not the handler's, and outside
+        a transaction each of the handler's statements stands alone)."""
+        if (not self.on_callers_connection
+                or self.conn.info.transaction_status != pq.TransactionStatus.INTRANS):
+            return HandlerSavepoint(None)
+        self.conn.execute(query("testing_handler_savepoint"), prepare=False)
+        return HandlerSavepoint(self.conn)
+
     def close(self) -> None:
         if self.handler_conn is not None:
             self.handler_conn.close()
+
+
+@dataclass
+class HandlerSavepoint:
+    """What a plain handler run on the test's connection left of the test's transaction.
+
+    On a worker such a handler writes through the application's own connections: a statement
+    of its that fails aborts the application's transaction, never the one jobd records the
+    job's outcome in. On the test's connection both are the test's transaction, so the
+    handler runs in a savepoint of it, and :meth:`close` rolls back to the savepoint when the
+    handler left the transaction aborted: the outcome can then be recorded as a worker
+    records it."""
+
+    conn: psycopg.Connection | None
+    # The handler's statement had aborted the transaction: rolled back to the savepoint,
+    # which undid the handler's writes on the test's connection.
+    rolled_back: bool = False
+    # The handler ended the test's transaction itself (a COMMIT or ROLLBACK on the test's
+    # connection); the savepoint ended with it.
+    ended: bool = False
+    # ... and went on in another transaction: what the missing savepoint's release said.
+    missing: psycopg.Error | None = None
+
+    def close(self) -> None:
+        """Release the savepoint, or roll back to it if the transaction is aborted."""
+        if self.conn is None:
+            return
+        status = self.conn.info.transaction_status
+        if status == pq.TransactionStatus.IDLE:
+            self.ended = True
+            return
+        aborted = status == pq.TransactionStatus.INERROR
+        try:
+            self.conn.execute(query("testing_rollback_to_handler_savepoint" if aborted
+                                    else "testing_release_handler_savepoint"), prepare=False)
+        except psycopg.errors.InvalidSavepointSpecification as exc:
+            self.ended, self.missing = True, exc
+            return
+        self.rolled_back = aborted
 
 
 @contextlib.contextmanager
