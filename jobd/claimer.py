@@ -8,7 +8,9 @@ worker's loop does the round trips.
   starts jobs (``jobd.prefetch``): from 3 x concurrency for slow jobs to 500 jobs
   for jobs that take microseconds, and at most 32 MB of payload beyond one refill of the
   slots, learned from each claim's payloads; a fair or age-promoting lane holds a tenth as
-  much work.
+  much work. A plain lane's claim also carries the byte bound (8 MB of payload on disk
+  beyond the jobs that start at once): the database stops taking jobs there, so the claim
+  that first meets large payloads is bounded too. A claim it cut short is not dry.
 - Buffered jobs (``jobd.claim_buffer``) go back to the queue when the worker stops taking
   work (a drain, a retirement, a suspect to run alone) and after ``BUFFER_MAX_AGE``
   unstarted; a buffer given back for its age is not claimed back until a slot frees.
@@ -128,7 +130,12 @@ class Claimer:
                                   budget=self.lane.budget() if self.lane.limited else None,
                                   order=(self.lane.claim_order(self.key_cursor)
                                          if self.lane.ordered else None),
-                                  lacking_handlers=self.handlers.lacking)
+                                  lacking_handlers=self.handlers.lacking,
+                                  # claim_jobs_ordered has none (docs/design/daemon.md)
+                                  payload_bytes=(None if self.lane.ordered
+                                                 else self.prefetch.claim_bound()),
+                                  # The jobs that start at once are never held back.
+                                  least=max(1, min(free, self.lane.concurrency - running)))
 
     def took(self, claimed: queue.Claimed, request: queue.ClaimRequest,
              slots_free: bool = False, sent_at: float | None = None) -> list[jobs.Job]:
@@ -145,9 +152,10 @@ class Claimer:
         assert request.floors is not None
         taken = [(job.priority, job.run_at, job.id) for job in claimed.jobs]
         fair = self.lane.fair_by != "none"
-        # Capped by the budget, a short claim is not dry: the positions hold, the rest of the
-        # lane waits.
-        limit = request.limit if request.budget is None else len(taken)
+        # Capped by the budget or by the byte bound, a short claim is not dry: the positions
+        # hold, the rest of the lane waits.
+        short_not_dry = request.budget is not None or claimed.bounded
+        limit = len(taken) if short_not_dry else request.limit
         self.floors.claimed(request.floors, taken, limit, now, sent_at=sent_at, fair=fair,
                             aged=self.lane.max_wait is not None)
         if fair and claimed.jobs:
@@ -157,11 +165,12 @@ class Claimer:
                                        job.run_at, job.id) for job in claimed.jobs], limit)
         # A suspect runs alone; once it is done the worker is idle and asks for the next.
         self._watch_clock(claimed, request, now if sent_at is None else sent_at, now)
-        self.maybe_more = (len(claimed.jobs) == request.limit
+        self.maybe_more = (len(claimed.jobs) == request.limit or claimed.bounded
                            or claimed.suspect is not None)
         if claimed.jobs:
             # Once per claim: a len() of each row's payload text (about 0.03 us a job).
-            self.prefetch.claimed(len(claimed.jobs), jobs.payload_chars(claimed.jobs))
+            self.prefetch.claimed(len(claimed.jobs), jobs.payload_chars(claimed.jobs),
+                                  claimed.bounded)
         if slots_free and not self.buffer and len(claimed.jobs) == request.limit:
             # Full, and the worker had nothing left to start: it ran dry.
             self.prefetch.ran_dry(now)

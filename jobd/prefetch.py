@@ -8,8 +8,10 @@ worker measured over its last window (:data:`ORDERED_HORIZON` in a lane with ``f
 ``max_wait``), never less than the floor (3 x ``concurrency``, the size a lane got before)
 and never more than :data:`MAX_JOBS` (or the floor, if that is larger), nor than
 :data:`BYTES_AHEAD` of payload at the size its claims brought (but never below one refill of
-the slots, :meth:`Prefetch.claimed`). Why adapt
-instead of a larger fixed size:
+the slots, :meth:`Prefetch.claimed`). The claim itself carries a bound the database applies,
+:data:`STORED_BYTES_AHEAD` of payload on disk beyond the jobs that start at once, since what
+the claims brought says nothing of the next one's payloads (:meth:`Prefetch.claim_bound`).
+Why adapt instead of a larger fixed size:
 
 - Short jobs want a large buffer. A claim is a round trip and a commit; at 1 x 10 with no-op
   handlers, claiming 3 x ``concurrency`` ahead drained about 14k jobs/s, 10 x about 23k,
@@ -72,6 +74,13 @@ HOLD_AFTER_CRASH = 30.0  # seconds at the floor after a crash in the lane
 # workers fits a small container, and it binds only above 64 KB a job at MAX_JOBS: a drain
 # of small payloads never meets it.
 BYTES_AHEAD = 32 * 1024 * 1024
+# The bound learned from claims comes one claim late: the first claim after payloads grow is
+# sized from the small ones (500 jobs of 1 MB took a worker to about 1 GB). So an adaptive
+# lane's claim also carries a bound the database applies (claim_jobs, "the byte bound"), in
+# the bytes a payload takes on disk, which is all the claim can read without decompressing
+# it: a quarter of BYTES_AHEAD, so that payloads compressed 4 to 1 on disk (JSON often is)
+# still come to no more than BYTES_AHEAD of text, and incompressible ones to a quarter.
+STORED_BYTES_AHEAD = BYTES_AHEAD // 4
 
 
 class Prefetch:
@@ -98,6 +107,7 @@ class Prefetch:
         self._adaptive = adaptive and self.floor > 0
         self._least = min(self.floor, lane.concurrency)
         self.bytes_per_job = 0.0  # the payload characters a claimed job brought, recently
+        self.stored_per_job = 0.0  # ... and the bytes it held on disk, as the bound says
         self.byte_cap = self.cap  # the most jobs BYTES_AHEAD allows at that size
 
     def hold(self, now: float) -> None:
@@ -136,20 +146,39 @@ class Prefetch:
             return
         self.size = min(self.byte_cap, self.size * 2)
 
-    def claimed(self, jobs: int, payload_chars: int) -> None:
-        """A claim brought ``jobs`` jobs with ``payload_chars`` characters of payload in all:
-        bound the size so that a buffer of such jobs holds at most BYTES_AHEAD. Payloads
-        that grow count at once; ones that shrink count half per claim, so one small claim
-        among large ones does not open the buffer to MAX_JOBS of the large ones again."""
+    def claimed(self, jobs: int, payload_chars: int, bounded: bool = False) -> None:
+        """A claim brought ``jobs`` jobs with ``payload_chars`` characters of payload in all,
+        and the database's byte bound cut it short (``bounded``) or not: bound the size so
+        that a buffer of such jobs holds at most BYTES_AHEAD of text, and about
+        STORED_BYTES_AHEAD on disk, so that the next claim asks for about what the bound
+        lets it take (the rows it locks beyond that go back unclaimed, and other workers'
+        claims have stepped past them). A bounded claim's jobs held about the bound each
+        over their number; after a claim within it the estimate halves, so that it comes
+        down once payloads shrink (while they do not, every other claim meets the bound and
+        learns it again). Payloads of text that grow count at once; ones that shrink count
+        half per claim, so one small claim among large ones does not open the buffer to
+        MAX_JOBS of the large ones again."""
         if not self._adaptive or jobs == 0:
             return
-        mean = payload_chars / jobs
-        if mean < self.bytes_per_job:
-            mean = (self.bytes_per_job + mean) / 2
-        self.bytes_per_job = mean
-        self.byte_cap = max(self._least, min(self.cap, int(BYTES_AHEAD // max(mean, 1.0))))
+        self.bytes_per_job = _learned(self.bytes_per_job, payload_chars / jobs)
+        within = STORED_BYTES_AHEAD / jobs
+        self.stored_per_job = (_learned(self.stored_per_job, within) if bounded
+                               else min(self.stored_per_job, within) / 2)
+        most = min(BYTES_AHEAD // max(self.bytes_per_job, 1.0),
+                   STORED_BYTES_AHEAD // max(self.stored_per_job, 1.0))
+        self.byte_cap = max(self._least, min(self.cap, int(most)))
         self.size = min(self.size, self.byte_cap)
+
+    def claim_bound(self) -> int | None:
+        """The payload bytes (as stored) a claim may bring beyond the jobs that start at
+        once: None for a lane whose own prefetch or limits fix the buffer."""
+        return STORED_BYTES_AHEAD if self._adaptive else None
 
     def _begin(self, started: int, now: float) -> None:
         self._window_at = now
         self._window_count = started
+
+
+def _learned(before: float, now: float) -> float:
+    """A mean size after a claim: larger counts at once, smaller half."""
+    return now if now >= before else (before + now) / 2

@@ -128,6 +128,10 @@ class ClaimRequest:
     order: dict[str, Any] | None = None
     # Handlers the worker's node does not have: their jobs are left for nodes that do.
     lacking_handlers: tuple[str, ...] = ()
+    # The most payload (bytes as stored) a plain lane's claim takes once it holds
+    # ``least`` jobs (claim_jobs, "the byte bound"). None: no bound.
+    payload_bytes: int | None = None
+    least: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +142,9 @@ class Claimed:
     suspect: Job | None = None
     # Seconds a limited lane's claim waited for the budget lock (other claims' turns).
     budget_wait: float = 0.0
+    # The byte bound (ClaimRequest.payload_bytes) left due jobs the claim had locked: the
+    # claim is short, not dry.
+    bounded: bool = False
 
 
 # claim_suspect takes the limits' parameters whether or not the lane has limits.
@@ -152,7 +159,8 @@ def _claim_params(request: ClaimRequest, now: datetime | None) -> dict[str, Any]
     return {"lane": request.lane, "worker": request.worker, "limit": request.limit,
             "visibility_timeout": float(request.visibility_timeout), "now": now, **floors,
             **(request.budget or {}), **order,
-            "lacking_handlers": list(request.lacking_handlers)}
+            "lacking_handlers": list(request.lacking_handlers),
+            "payload_bytes": request.payload_bytes, "least": request.least}
 
 
 def _claim_query(request: ClaimRequest) -> str:
@@ -180,6 +188,16 @@ def _jobs(rows: Iterable[tuple[Any, ...]]) -> list[Job]:
     return [Job.from_row(row) for row in rows]
 
 
+def _claimed(rows: list[tuple[Any, ...]], request: ClaimRequest, suspect: Job | None = None,
+             budget_wait: float = 0.0) -> Claimed:
+    """A claim's rows as Claimed. claim_jobs ends each row with the count of jobs it locked
+    before the byte bound (one value for the statement)."""
+    if _claim_query(request) != "claim_jobs" or not rows:
+        return Claimed(_jobs(rows), suspect, budget_wait)
+    return Claimed([Job.from_row(row[:-1]) for row in rows], suspect, budget_wait,
+                   bounded=rows[0][-1] > len(rows))
+
+
 def claim(
     conn: psycopg.Connection,
     lane: str,
@@ -197,7 +215,8 @@ def claim(
     params = _claim_params(request, now)
     with conn.cursor(binary=True) as cursor:  # binary: see _BINARY_RESULTS
         if budget is None:
-            return _jobs(cursor.execute(query(_claim_query(request)), params).fetchall())
+            rows = cursor.execute(query(_claim_query(request)), params).fetchall()
+            return _claimed(rows, request).jobs
         with conn.transaction():
             cursor.execute(query("claim_commits_async"))
             cursor.execute(query("lock_lane_budget"), {"lane": lane})
@@ -376,8 +395,8 @@ def settle_and_claim(
         next(results)
     budget_wait = float(next(results)[0][1]) if request.budget is not None else 0.0
     suspects = _jobs(next(results)) if request.suspect_first else []
-    return completed, failed, Claimed(_jobs(next(results)), suspects[0] if suspects else None,
-                                      budget_wait)
+    return completed, failed, _claimed(next(results), request,
+                                       suspects[0] if suspects else None, budget_wait)
 
 
 def _outcomes(results: Iterator[list[tuple[Any, ...]]], completions: Sequence[Lease],

@@ -10,6 +10,7 @@ from jobd.prefetch import (
     IDLE_RESET,
     MAX_JOBS,
     ORDERED_HORIZON,
+    STORED_BYTES_AHEAD,
     WINDOW,
     Prefetch,
 )
@@ -186,3 +187,23 @@ def test_a_lanes_own_prefetch_is_not_bounded_by_bytes() -> None:
     fixed = Prefetch(LaneConfig("l", concurrency=10, prefetch=200))
     fixed.claimed(200, 200 * 1_000_000)
     assert fixed.current(0, 100.0) == 200
+    assert fixed.claim_bound() is None
+
+
+def test_a_claim_the_database_bounded_sizes_the_next_ones_to_the_bound() -> None:
+    # Payloads that compress 8 to 1 on disk: their text alone would allow 32 jobs of 1 MB
+    # ahead, but a claim the database cut at the bound took 16 of them, so they hold about
+    # STORED_BYTES_AHEAD / 16 each on disk, and the next claims ask for about 16.
+    prefetch = Prefetch(LaneConfig("l", concurrency=10))
+    assert prefetch.claim_bound() == STORED_BYTES_AHEAD
+    prefetch.claimed(16, 16 * 1_000_000, bounded=True)
+    assert prefetch.byte_cap == 16
+    # Each claim within the bound halves the estimate: after two, the text binds.
+    prefetch.claimed(16, 16 * 1_000_000)
+    assert prefetch.byte_cap == 32
+    prefetch.claimed(16, 16 * 1_000_000)
+    assert prefetch.byte_cap == BYTES_AHEAD // 1_000_000
+    # Payloads that shrink open the buffer again, to the cap.
+    for _ in range(30):
+        prefetch.claimed(40, 40 * 100)
+    assert prefetch.byte_cap == MAX_JOBS

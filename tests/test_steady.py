@@ -4,6 +4,7 @@ not walk the dead index entries a held xmin horizon keeps."""
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -639,3 +640,74 @@ def test_a_worker_claims_less_ahead_once_its_claims_bring_large_payloads(
 
     assert claim() == 4 + 12  # the slots and the floor: nothing known of the payloads yet
     assert claim() == 4 + 4  # the slots and one refill of them: 40 KB ahead at most
+
+
+def incompressible(size: int) -> str:
+    """Text that neither TOAST's compression nor jsonb shrinks: its stored size is its own."""
+    return secrets.token_urlsafe(size)[:size]
+
+
+def stored_sizes(conn: psycopg.Connection) -> list[int]:
+    """Each live job's payload as stored, in claim order (priority, then age)."""
+    return [size for (size,) in conn.execute(
+        "SELECT pg_column_size(payload) FROM jobs WHERE state = 'pending' "
+        "ORDER BY priority DESC, run_at, id")]
+
+
+def test_a_claim_over_its_byte_bound_takes_the_first_jobs_in_claim_order(
+    conn: psycopg.Connection,
+) -> None:
+    jobd.enqueue_many(conn, [jobd.JobSpec("h", payload=incompressible(10_000), priority=p)
+                             for p in (0, 0, 0, 5, 5, 5)])
+    sizes = stored_sizes(conn)
+    ids = [job_id for (job_id,) in conn.execute(
+        "SELECT id FROM jobs ORDER BY priority DESC, run_at, id")]
+    assert min(sizes) > 10_000  # none compressed
+
+    def claim(payload_bytes: int | None, least: int) -> queue.Claimed:
+        request = queue.ClaimRequest(LANE, "w", 6, 30, payload_bytes=payload_bytes,
+                                     least=least)
+        claimed = queue.settle_and_claim(conn, [], [], request)[2]
+        conn.execute("UPDATE jobs SET state = 'pending', attempts = 0, claimed_by = NULL, "
+                     "claimed_at = NULL, lease_until = NULL, lease_token = NULL")
+        return claimed
+
+    # While the payload before a job is under the bound: the first three, the priority 5
+    # ones, whose payload before them is 0, one job and two.
+    bounded = claim(sizes[0] + sizes[1] + 1, least=1)
+    assert ([job.id for job in bounded.jobs], bounded.bounded) == (ids[:3], True)
+    # Never fewer than `least`.
+    assert sorted(job.id for job in claim(1, least=4).jobs) == sorted(ids[:4])
+    # A bound the claim stays under, or none: all of them, not bounded.
+    for payload_bytes in (sum(sizes), None):
+        unbounded = claim(payload_bytes, least=1)
+        assert (len(unbounded.jobs), unbounded.bounded) == (6, False)
+
+
+def test_a_workers_first_claim_of_large_payloads_holds_no_more_than_the_bound_ahead(
+    conn: psycopg.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Nothing is learned of the payloads before the first claim: the database bounds it.
+    # 30 KB stands for STORED_BYTES_AHEAD, 10 KB payloads for ones of megabytes.
+    monkeypatch.setattr(prefetch, "STORED_BYTES_AHEAD", 30_000)
+    worker = Claimer(LaneConfig(LANE, concurrency=4), "w1")
+    worker.suspects_possible = False
+    jobd.enqueue_many(conn, [jobd.JobSpec("h", payload=incompressible(10_000))
+                             for _ in range(16)])
+    claims: list[int] = []
+    for _ in range(16):
+        # Every slot is busy after the first claim: what follows is claimed ahead.
+        request = worker.request(WorkerMode.RUNNING, 4 if claims else 0)
+        if request is None:
+            break  # a claim came back short and not bounded: the lane is dry
+        claimed = queue.settle_and_claim(conn, [], [], request)[2]
+        worker.took(claimed, request)
+        claims.append(len(claimed.jobs))
+        while worker.next_to_start(WorkerMode.RUNNING, 0) is not None:
+            pass  # started and done
+    # The slots' 4 at once (over the bound), then 3 at a time ahead, the payload before
+    # the third under 30 KB: never the 16 that the floor asked for. Each short claim but
+    # the last was bounded, not dry: the worker claimed on, from where the last one ended.
+    assert claims == [4, 3, 3, 3, 3]
+    assert conn.execute("SELECT count(*) FROM jobs WHERE state = 'claimed' AND attempts = 1"
+                        ).fetchone() == (16,)

@@ -100,10 +100,10 @@ levels AS (
      ORDER BY priority DESC
 ),
 due AS (
-    SELECT d.id
+    SELECT d.id, l.priority, d.run_at, d.stored
       FROM levels AS l
      CROSS JOIN LATERAL (
-           SELECT id FROM jobs
+           SELECT id, run_at, pg_column_size(payload) AS stored FROM jobs
             WHERE lane = %(lane)s AND state IN ('pending', 'failed')
               AND priority = l.priority
               AND (run_at, id) >= (l.floor_at, l.floor_id)
@@ -120,6 +120,19 @@ due AS (
                         WHERE s.lane = %(lane)s AND s.suspect AND s.state = 'claimed'
                           AND s.claimed_by = %(worker)s)
      LIMIT %(limit)s
+),
+-- The byte bound: when the payload the jobs locked above hold in all (their size on disk,
+-- as compressed there: all a claim can read without decompressing them) is over
+-- %(payload_bytes)s, the claim takes them in claim order while the payload before each is
+-- under it, and never fewer than %(least)s; the others stay locked only until this
+-- statement's transaction ends. NULL: no bound. Only a claim over the bound runs the ordered
+-- pass (the CASE below evaluates one of its arrays), so a claim of small payloads pays for a
+-- sum; the count of the jobs locked, returned with every row, tells the worker the claim was
+-- bounded, not dry.
+totals AS (
+    SELECT count(*)::int AS locked,
+           coalesce(sum(stored) > %(payload_bytes)s::bigint, false) AS over_bound
+      FROM due
 )
 UPDATE jobs
    SET state = 'claimed',
@@ -129,10 +142,18 @@ UPDATE jobs
        lease_until = coalesce(%(now)s::timestamptz, now())
                      + make_interval(secs => %(visibility_timeout)s),
        lease_token = (SELECT new_lease_token())
- WHERE jobs.id = ANY(ARRAY(SELECT id FROM due))
+ WHERE jobs.id = ANY(CASE WHEN (SELECT over_bound FROM totals)
+                         THEN ARRAY(SELECT id
+                                      FROM (SELECT id, row_number() OVER w AS n,
+                                                   sum(stored) OVER w - stored AS before
+                                              FROM due
+                                            WINDOW w AS (ORDER BY priority DESC, run_at, id
+                                                         ROWS UNBOUNDED PRECEDING)) AS s
+                                     WHERE n <= %(least)s OR before < %(payload_bytes)s::bigint)
+                         ELSE ARRAY(SELECT id FROM due) END)
 RETURNING jobs.id, jobs.lease_token, jobs.lane, jobs.handler, jobs.payload::text, jobs.priority,
           jobs.run_at, jobs.attempts, jobs.max_attempts, jobs.idempotency_key,
-          jobs.created_at, jobs.lease_until, jobs.fairness_key
+          jobs.created_at, jobs.lease_until, jobs.fairness_key, (SELECT locked FROM totals)
 
 -- name: claim_jobs_ordered
 -- claim_jobs for a lane with max_wait or fair_by (docs/design/fairness.md): claim_order()
@@ -214,10 +235,10 @@ levels AS (
      ORDER BY priority DESC
 ),
 due AS (
-    SELECT d.id
+    SELECT d.id, l.priority, d.run_at, d.stored
       FROM levels AS l
      CROSS JOIN LATERAL (
-           SELECT id FROM jobs
+           SELECT id, run_at, pg_column_size(payload) AS stored FROM jobs
             WHERE lane = %(lane)s AND state IN ('pending', 'failed')
               AND priority = l.priority
               AND (run_at, id) >= (l.floor_at, l.floor_id)
