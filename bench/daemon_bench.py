@@ -360,9 +360,14 @@ def report_statements(env: Env, title: str, limit: int = 8) -> list[dict[str, An
 
 
 def rss_kb(pid: int) -> int:
+    return status_kb(pid, "VmRSS")
+
+
+def status_kb(pid: int, key: str) -> int:
+    """A memory figure of /proc/PID/status (VmRSS, VmHWM, ...) in kB; 0 if it is gone."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{key}:"):
                 return int(line.split()[1])
     except OSError:
         pass

@@ -40,6 +40,7 @@ from bench.daemon_bench import (
     log,
     reset_queue,
     source_revision,
+    status_kb,
     wait_drained,
     write_config,
 )
@@ -49,13 +50,7 @@ SMALL_JOBS = 20_000
 
 def vm_hwm_kb(pid: int) -> int:
     """A process's peak resident memory so far (0 if it is gone)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
+    return status_kb(pid, "VmHWM")
 
 
 def worker_pids(daemon_pid: int) -> list[int]:
