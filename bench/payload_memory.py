@@ -25,9 +25,13 @@ from __future__ import annotations
 import argparse
 import secrets
 import statistics
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jobd
 from bench.daemon_bench import (
