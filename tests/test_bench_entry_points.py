@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # bench/ is not installed: its modules are imported below too
 # Run by people: the scripts of bench/ and the peers' installer. (bench/peers' other scripts
 # are the suite's subprocesses, run with the arguments it gives them.)
 ENTRY_POINTS = [*sorted(path.stem for path in (REPO / "bench").glob("*.py")
