@@ -117,7 +117,10 @@ class Claimer:
         free = self.lane.concurrency + prefetch - running - len(self.buffer)
         if free <= 0 or len(self.buffer) > prefetch // 2:
             return None
-        return queue.ClaimRequest(self.lane.name, self.worker_id, free,
+        # The jobs that start at once are never held back by the byte bound.
+        least = max(1, min(free, self.lane.concurrency - running))
+        return queue.ClaimRequest(self.lane.name, self.worker_id,
+                                  self.prefetch.claim_limit(free, least),
                                   self.lane.visibility_timeout,
                                   suspect_first=self.suspects_possible and not running,
                                   floors=self.floors.params(time.monotonic()),
@@ -134,8 +137,7 @@ class Claimer:
                                   # claim_jobs_ordered has none (docs/design/daemon.md)
                                   payload_bytes=(None if self.lane.ordered
                                                  else self.prefetch.claim_bound()),
-                                  # The jobs that start at once are never held back.
-                                  least=max(1, min(free, self.lane.concurrency - running)))
+                                  least=least)
 
     def took(self, claimed: queue.Claimed, request: queue.ClaimRequest,
              slots_free: bool = False, sent_at: float | None = None) -> list[jobs.Job]:

@@ -174,6 +174,18 @@ class Prefetch:
         once: None for a lane whose own prefetch or limits fix the buffer."""
         return STORED_BYTES_AHEAD if self._adaptive else None
 
+    def claim_limit(self, free: int, least: int) -> int:
+        """How many jobs to ask a claim for, given ``free`` room and ``least`` jobs that start
+        at once: one more than the byte bound lets it take at the size on disk that bounded
+        claims told (so that it meets the bound and learns the size anew), rather than all
+        the room. The buffer is never smaller than one refill of the slots, so without this
+        a worker at concurrency 100 with 1 MB payloads locked 100 rows a claim to take 9;
+        the rest went back pending, stepped over meanwhile by the other workers' claims."""
+        if not self._adaptive or self.stored_per_job <= 0:
+            return free
+        fits = math.ceil(STORED_BYTES_AHEAD / self.stored_per_job)
+        return min(free, max(least, fits) + 1)
+
     def _begin(self, started: int, now: float) -> None:
         self._window_at = now
         self._window_count = started
