@@ -379,7 +379,7 @@ def _claim_client(
             request = ClaimRequest(LANE, worker, batch, VISIBILITY_TIMEOUT)
             jobs = claim(conn, LANE, worker, batch, VISIBILITY_TIMEOUT)
             for _ in range(iterations - 1):
-                _, _, jobs = settle_and_claim(conn, [job.lease for job in jobs], [], request)
+                jobs = settle_and_claim(conn, [job.lease for job in jobs], [], request)[2].jobs
             complete(conn, [job.lease for job in jobs])
             end, cpu = time.perf_counter(), time.process_time() - cpu_start
         reports.put(ClientReport(start, end, cpu))

@@ -8,9 +8,10 @@ worker's loop does the round trips.
   starts jobs (``jobd.prefetch``): from 3 x concurrency for slow jobs to 500 jobs
   for jobs that take microseconds, and at most 32 MB of payload beyond one refill of the
   slots, learned from each claim's payloads; a fair or age-promoting lane holds a tenth as
-  much work. A plain lane's claim also carries the byte bound (8 MB of payload on disk
-  beyond the jobs that start at once): the database stops taking jobs there, so the claim
-  that first meets large payloads is bounded too. A claim it cut short is not dry.
+  much work. A plain or rate-limited lane's claim also carries the byte bound (8 MB of
+  payload on disk in all, but never fewer jobs than start at once): the database stops
+  taking jobs there, so the claim that first meets large payloads is bounded too. A claim
+  it cut short is not dry.
 - Buffered jobs (``jobd.claim_buffer``) go back to the queue when the worker stops taking
   work (a drain, a retirement, a suspect to run alone) and after ``BUFFER_MAX_AGE``
   unstarted; a buffer given back for its age is not claimed back until a slot frees.
@@ -117,7 +118,10 @@ class Claimer:
         free = self.lane.concurrency + prefetch - running - len(self.buffer)
         if free <= 0 or len(self.buffer) > prefetch // 2:
             return None
-        return queue.ClaimRequest(self.lane.name, self.worker_id, free,
+        # The jobs that start at once are never held back by the byte bound.
+        least = max(1, min(free, self.lane.concurrency - running))
+        return queue.ClaimRequest(self.lane.name, self.worker_id,
+                                  self.prefetch.claim_limit(free, least),
                                   self.lane.visibility_timeout,
                                   suspect_first=self.suspects_possible and not running,
                                   floors=self.floors.params(time.monotonic()),
@@ -134,8 +138,7 @@ class Claimer:
                                   # claim_jobs_ordered has none (docs/design/daemon.md)
                                   payload_bytes=(None if self.lane.ordered
                                                  else self.prefetch.claim_bound()),
-                                  # The jobs that start at once are never held back.
-                                  least=max(1, min(free, self.lane.concurrency - running)))
+                                  least=least)
 
     def took(self, claimed: queue.Claimed, request: queue.ClaimRequest,
              slots_free: bool = False, sent_at: float | None = None) -> list[jobs.Job]:

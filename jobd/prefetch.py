@@ -9,8 +9,9 @@ worker measured over its last window (:data:`ORDERED_HORIZON` in a lane with ``f
 and never more than :data:`MAX_JOBS` (or the floor, if that is larger), nor than
 :data:`BYTES_AHEAD` of payload at the size its claims brought (but never below one refill of
 the slots, :meth:`Prefetch.claimed`). The claim itself carries a bound the database applies,
-:data:`STORED_BYTES_AHEAD` of payload on disk beyond the jobs that start at once, since what
-the claims brought says nothing of the next one's payloads (:meth:`Prefetch.claim_bound`).
+:data:`STORED_BYTES_AHEAD` of payload on disk in all, but never fewer jobs than start at
+once, since what the claims brought says nothing of the next one's payloads
+(:meth:`Prefetch.claim_bound`).
 Why adapt instead of a larger fixed size:
 
 - Short jobs want a large buffer. A claim is a round trip and a commit; at 1 x 10 with no-op
@@ -76,10 +77,11 @@ HOLD_AFTER_CRASH = 30.0  # seconds at the floor after a crash in the lane
 BYTES_AHEAD = 32 * 1024 * 1024
 # The bound learned from claims comes one claim late: the first claim after payloads grow is
 # sized from the small ones (500 jobs of 1 MB took a worker to about 1 GB). So an adaptive
-# lane's claim also carries a bound the database applies (claim_jobs, "the byte bound"), in
-# the bytes a payload takes on disk, which is all the claim can read without decompressing
-# it: a quarter of BYTES_AHEAD, so that payloads compressed 4 to 1 on disk (JSON often is)
-# still come to no more than BYTES_AHEAD of text, and incompressible ones to a quarter.
+# lane's claim also carries a bound the database applies (claim_jobs and claim_jobs_limited,
+# "the byte bound"), in the bytes a payload takes on disk, which is all the claim can read
+# without decompressing it: a quarter of BYTES_AHEAD, so that payloads compressed 4 to 1 on
+# disk (JSON often is) still come to no more than BYTES_AHEAD of text, and incompressible
+# ones to a quarter.
 STORED_BYTES_AHEAD = BYTES_AHEAD // 4
 
 
@@ -170,9 +172,22 @@ class Prefetch:
         self.size = min(self.size, self.byte_cap)
 
     def claim_bound(self) -> int | None:
-        """The payload bytes (as stored) a claim may bring beyond the jobs that start at
-        once: None for a lane whose own prefetch or limits fix the buffer."""
+        """The payload bytes (as stored) a claim may bring in all, unless the jobs that start
+        at once hold more: None for a lane whose own prefetch or max_running fixes the
+        buffer."""
         return STORED_BYTES_AHEAD if self._adaptive else None
+
+    def claim_limit(self, free: int, least: int) -> int:
+        """How many jobs to ask a claim for, given ``free`` room and ``least`` jobs that start
+        at once: one more than the byte bound lets it take at the size on disk that bounded
+        claims told (so that it meets the bound and learns the size anew), rather than all
+        the room. The buffer is never smaller than one refill of the slots, so without this
+        a worker at concurrency 100 with 1 MB payloads locked 100 rows a claim to take 9;
+        the rest went back pending, stepped over meanwhile by the other workers' claims."""
+        if not self._adaptive or self.stored_per_job <= 0:
+            return free
+        fits = math.ceil(STORED_BYTES_AHEAD / self.stored_per_job)
+        return min(free, max(least, fits) + 1)
 
     def _begin(self, started: int, now: float) -> None:
         self._window_at = now

@@ -128,8 +128,8 @@ class ClaimRequest:
     order: dict[str, Any] | None = None
     # Handlers the worker's node does not have: their jobs are left for nodes that do.
     lacking_handlers: tuple[str, ...] = ()
-    # The most payload (bytes as stored) a plain lane's claim takes once it holds
-    # ``least`` jobs (claim_jobs, "the byte bound"). None: no bound.
+    # The most payload (bytes as stored) a claim takes in all, unless its first ``least``
+    # jobs hold more (claim_jobs and claim_jobs_limited, "the byte bound"). None: no bound.
     payload_bytes: int | None = None
     least: int = 1
 
@@ -188,11 +188,15 @@ def _jobs(rows: Iterable[tuple[Any, ...]]) -> list[Job]:
     return [Job.from_row(row) for row in rows]
 
 
+# The claims that apply the byte bound: each of their rows ends with the count of jobs the
+# claim locked before the bound (one value for the statement).
+_BOUNDED_CLAIMS = frozenset({"claim_jobs", "claim_jobs_limited"})
+
+
 def _claimed(rows: list[tuple[Any, ...]], request: ClaimRequest, suspect: Job | None = None,
              budget_wait: float = 0.0) -> Claimed:
-    """A claim's rows as Claimed. claim_jobs ends each row with the count of jobs it locked
-    before the byte bound (one value for the statement)."""
-    if _claim_query(request) != "claim_jobs" or not rows:
+    """A claim's rows as Claimed."""
+    if _claim_query(request) not in _BOUNDED_CLAIMS or not rows:
         return Claimed(_jobs(rows), suspect, budget_wait)
     return Claimed([Job.from_row(row[:-1]) for row in rows], suspect, budget_wait,
                    bounded=rows[0][-1] > len(rows))
@@ -220,7 +224,8 @@ def claim(
         with conn.transaction():
             cursor.execute(query("claim_commits_async"))
             cursor.execute(query("lock_lane_budget"), {"lane": lane})
-            return _jobs(cursor.execute(query("claim_jobs_limited"), params).fetchall())
+            rows = cursor.execute(query("claim_jobs_limited"), params).fetchall()
+            return _claimed(rows, request).jobs
 
 
 # Outcomes written in a transaction of their own, fewer than this many, run their statements'

@@ -711,3 +711,52 @@ def test_a_workers_first_claim_of_large_payloads_holds_no_more_than_the_bound_ah
     assert claims == [4, 3, 3, 3, 3]
     assert conn.execute("SELECT count(*) FROM jobs WHERE state = 'claimed' AND attempts = 1"
                         ).fetchone() == (16,)
+
+
+def test_a_rate_limited_lanes_first_claim_of_large_payloads_is_bounded_too(
+    conn: psycopg.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A lane with a rate and no max_running claims ahead as a plain lane does (its buffer
+    # adapts), so its claim (claim_jobs_limited) carries the byte bound too.
+    monkeypatch.setattr(prefetch, "STORED_BYTES_AHEAD", 30_000)
+    worker = Claimer(LaneConfig(LANE, concurrency=4, rate_limit=1000), "w1")
+    worker.suspects_possible = False
+    jobd.enqueue_many(conn, [jobd.JobSpec("h", payload=incompressible(10_000))
+                             for _ in range(16)])
+    request = worker.request(WorkerMode.RUNNING, 4)  # the slots busy: all of it ahead
+    assert request is not None and request.limit == 12
+    claimed = queue.settle_and_claim(conn, [], [], request)[2]
+    worker.took(claimed, request)
+    # The payload before the third is under 30 KB; the bucket spent a token a job taken.
+    assert (len(claimed.jobs), claimed.bounded, worker.maybe_more) == (3, True, True)
+    assert conn.execute("SELECT count(*) FROM jobs WHERE state = 'claimed'").fetchone() == (3,)
+    assert conn.execute("SELECT tokens FROM lane_tokens WHERE lane = %s", (LANE,)
+                        ).fetchone() == (997.0,)
+
+
+def test_a_worker_asks_its_claims_for_about_what_the_byte_bound_lets_them_take(
+    conn: psycopg.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The rows a claim locks beyond the bound go back pending, stepped over meanwhile by the
+    # other workers' claims: once a bounded claim told the size, a claim asks for one more
+    # than the bound lets it take (so that it meets the bound and learns the size anew), not
+    # for the refill of the slots that the buffer is never smaller than.
+    monkeypatch.setattr(prefetch, "STORED_BYTES_AHEAD", 30_000)
+    worker = Claimer(LaneConfig(LANE, concurrency=20), "w1")
+    worker.suspects_possible = False
+    jobd.enqueue_many(conn, [jobd.JobSpec("h", payload=incompressible(10_000))
+                             for _ in range(40)])
+    asked, took = [], []
+    for _ in range(4):
+        request = worker.request(WorkerMode.RUNNING, 20 if asked else 0)
+        assert request is not None
+        claimed = queue.settle_and_claim(conn, [], [], request)[2]
+        worker.took(claimed, request)
+        asked.append(request.limit)
+        took.append(len(claimed.jobs))
+        while worker.next_to_start(WorkerMode.RUNNING, 0) is not None:
+            pass  # started and done
+    # The slots' 20 at once, over the bound, then 3 at a time ahead. The first claim ahead
+    # knows only that 20 held the bound; from the second on it asks for 3 + 1.
+    assert took == [20, 3, 3, 3]
+    assert asked == [80, 20, 4, 4]

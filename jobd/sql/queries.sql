@@ -196,9 +196,10 @@ RETURNING jobs.id, jobs.lease_token, jobs.lane, jobs.handler, jobs.payload::text
 
 -- name: claim_jobs_limited
 -- claim_jobs for a lane with limits across all nodes (lanes.<l>.max_running, lanes.<l>.rate):
--- the same scan, capped by the lane's budget. The worker sends lock_lane_budget first in the
--- same transaction, so the claims of a limited lane take turns and each one's snapshot sees
--- every claim before it: the count of claimed jobs (through jobs_lease_idx) and the token
+-- the same scan, capped by the lane's budget and by the byte bound as claim_jobs is (its
+-- rows end with the count locked, as claim_jobs' do). The worker sends lock_lane_budget
+-- first in the same transaction, so the claims of a limited lane take turns and each one's
+-- snapshot sees every claim before it: the count of claimed jobs (through jobs_lease_idx) and the token
 -- bucket in lane_tokens are exact. The bucket holds up to rate_limit tokens and refills at
 -- rate_limit per rate_per seconds (clock_timestamp(): claims taking turns see their clock
 -- move forward); the claim spends a token per job it takes. A query of its own, so lanes
@@ -256,10 +257,26 @@ due AS (
                           AND s.claimed_by = %(worker)s)
      LIMIT (SELECT cap FROM budget)
 ),
+-- The byte bound, as claim_jobs applies it: a lane with a rate but no max_running claims
+-- ahead as a plain lane does. A lane with max_wait or fair_by has none (the worker sends no
+-- bound), and its totals do not read due.
+totals AS (
+    SELECT count(*)::int AS locked,
+           coalesce(sum(stored) > %(payload_bytes)s::bigint, false) AS over_bound
+      FROM due
+     WHERE NOT %(ordered)s::boolean
+),
 -- A lane with max_wait or fair_by as well: claim_order() picks within the budget instead
--- (a one-time filter leaves out the branch that does not apply).
+-- (one-time filters leave out the branches that do not apply).
 chosen AS (
-    SELECT id FROM due WHERE NOT %(ordered)s::boolean
+    SELECT id FROM due WHERE NOT %(ordered)s::boolean AND NOT (SELECT over_bound FROM totals)
+    UNION ALL
+    SELECT id
+      FROM (SELECT id, row_number() OVER w AS n, sum(stored) OVER w - stored AS before
+              FROM due
+            WINDOW w AS (ORDER BY priority DESC, run_at, id ROWS UNBOUNDED PRECEDING)) AS s
+     WHERE (SELECT over_bound FROM totals)
+       AND (n <= %(least)s OR before < %(payload_bytes)s::bigint)
     UNION ALL
     SELECT unnest(claim_order(%(lane)s, %(floor_priorities)s::int[],
                               %(floor_run_ats)s::timestamptz[], %(floor_ids)s::bigint[],
@@ -288,7 +305,8 @@ claimed AS (
      WHERE jobs.id = ANY(ARRAY(SELECT id FROM chosen))
     RETURNING jobs.id, jobs.lease_token, jobs.lane, jobs.handler, jobs.payload::text,
               jobs.priority, jobs.run_at, jobs.attempts, jobs.max_attempts,
-              jobs.idempotency_key, jobs.created_at, jobs.lease_until, jobs.fairness_key
+              jobs.idempotency_key, jobs.created_at, jobs.lease_until, jobs.fairness_key,
+              (SELECT locked FROM totals)
 ),
 spent AS (
     INSERT INTO lane_tokens AS t (lane, tokens, refilled_at)
