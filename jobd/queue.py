@@ -21,7 +21,7 @@ import psycopg
 from psycopg.rows import tuple_row
 
 from jobd import claim_floors, fastpath
-from jobd.jobs import Job, Lease
+from jobd.jobs import Job, Lease, in_priority_order
 from jobd.queries import qualified, query
 
 
@@ -195,10 +195,12 @@ _BOUNDED_CLAIMS = frozenset({"claim_jobs", "claim_jobs_limited"})
 
 def _claimed(rows: list[tuple[Any, ...]], request: ClaimRequest, suspect: Job | None = None,
              budget_wait: float = 0.0) -> Claimed:
-    """A claim's rows as Claimed."""
+    """A claim's rows as Claimed, its jobs in the order they are to start."""
     if _claim_query(request) not in _BOUNDED_CLAIMS or not rows:
         return Claimed(_jobs(rows), suspect, budget_wait)
-    return Claimed([Job.from_row(row[:-1]) for row in rows], suspect, budget_wait,
+    claimed = [Job.from_row(row[:-1]) for row in rows]
+    ordered = request.order is not None and request.order["ordered"]
+    return Claimed(claimed if ordered else in_priority_order(claimed), suspect, budget_wait,
                    bounded=rows[0][-1] > len(rows))
 
 

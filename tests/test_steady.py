@@ -760,3 +760,24 @@ def test_a_worker_asks_its_claims_for_about_what_the_byte_bound_lets_them_take(
     # knows only that 20 held the bound; from the second on it asks for 3 + 1.
     assert took == [20, 3, 3, 3]
     assert asked == [80, 20, 4, 4]
+
+
+# --- the order of a claim's jobs -----------------------------------------------------------------
+
+
+def test_a_claims_jobs_start_highest_priority_first_whatever_their_ids(
+    conn: psycopg.Connection,
+) -> None:
+    # The UPDATE returns the rows in the order it finds them by id; the buffer starts them
+    # in that order. A low-priority job enqueued before higher ones must not start first.
+    older = jobd.enqueue(conn, "h", priority=0)
+    newer = [jobd.enqueue(conn, "h", priority=5) for _ in range(3)]
+    worker = Claimer(LaneConfig(LANE, concurrency=1), "w1")
+    worker.suspects_possible = False
+    request = worker.request(WorkerMode.RUNNING, 0)
+    assert request is not None and request.limit == 4
+    worker.took(queue.settle_and_claim(conn, [], [], request)[2], request)
+    started = []
+    while (entry := worker.next_to_start(WorkerMode.RUNNING, 0)) is not None:
+        started.append(entry[0].id)
+    assert started == [*newer, older]
