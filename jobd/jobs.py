@@ -226,4 +226,4 @@ def in_priority_order(claimed: list[Job]) -> list[Job]:
     first = claimed[0]._row[_PRIORITY]
     if all([job._row[_PRIORITY] == first for job in claimed]):
         return claimed
-    return sorted(claimed, key=lambda job: -job._row[_PRIORITY])
+    return sorted(claimed, key=lambda job: -job.priority)  # stable: id order within one
