@@ -739,6 +739,23 @@ def test_notifications_and_scheduled_instants_wake_an_idle_lane(
     assert run_at <= start["at"] <= run_at + timedelta(seconds=2)
 
 
+def test_jobs_for_later_enqueued_beside_due_ones_start_at_their_instant(
+    daemons: Daemons, effects_db: psycopg.Connection
+) -> None:
+    # One enqueue_many of a job due now and one due in 3 s: the first wakes the lane, the
+    # second sets the node's timer (before migration 0047 it waited for the fallback poll, a
+    # minute away here).
+    daemon = idle_daemon(daemons, effects_db)
+    now = db_now(effects_db)
+    now_job, later = jobd.enqueue_many(effects_db, [
+        jobd.JobSpec("ok"), jobd.JobSpec("ok", run_at=now + timedelta(seconds=3))])
+    wait_state(effects_db, now_job, "done", 5, daemon)
+    wait_state(effects_db, later, "done", 10, daemon)
+    [start] = effects(effects_db, later, "start")
+    run_at = job_row(effects_db, later)["run_at"]
+    assert run_at <= start["at"] <= run_at + timedelta(seconds=2)
+
+
 def test_a_job_due_below_an_idle_workers_claim_floors_still_starts_within_seconds(
     daemons: Daemons, effects_db: psycopg.Connection
 ) -> None:

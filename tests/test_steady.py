@@ -105,6 +105,31 @@ def test_work_for_later_always_tells_the_supervisors(
     assert payload.startswith(f"{LANE}@")
 
 
+def test_work_for_later_enqueued_beside_due_work_tells_the_supervisors_too(
+    conn: psycopg.Connection, listener: psycopg.Connection
+) -> None:
+    # One statement of due jobs and jobs for later (enqueue_many, a COPY, a caller's INSERT):
+    # the due ones wake the workers, and the supervisors set a timer for the later ones; without
+    # one they waited for the lane poll (poll_interval, 5 s by default) past their run_at.
+    row = conn.execute("SELECT now()").fetchone()
+    assert row is not None
+    now = row[0]
+    jobd.enqueue_many(conn, [jobd.JobSpec("h"),
+                             jobd.JobSpec("h", run_at=now + timedelta(hours=1)),
+                             jobd.JobSpec("h", run_at=now + timedelta(minutes=1))])
+    [later] = sent_so_far(listener)  # no worker is armed: the due job wakes nobody
+    assert later.startswith(f"{LANE}@")
+    due_at = conn.execute("SELECT extract(epoch FROM min(run_at)) FROM jobs WHERE run_at > now()"
+                          ).fetchone()
+    assert due_at is not None and float(later.split("@")[1]) == pytest.approx(float(due_at[0]))
+    assert len(queue.claim(conn, LANE, "w1", 10, 30)) == 1
+    assert queue.arm(conn, LANE, "w1", full_scan_params()) == "armed"
+    jobd.enqueue_many(conn, [jobd.JobSpec("h"),
+                             jobd.JobSpec("h", run_at=now + timedelta(minutes=1))])
+    woken, timer = sent_so_far(listener)
+    assert (woken, timer.split("@")[0]) == (f"{LANE}#1", LANE)
+
+
 def test_arming_with_due_work_visible_claims_instead_and_stays_armed(
     conn: psycopg.Connection, listener: psycopg.Connection
 ) -> None:

@@ -749,8 +749,9 @@ AS $$ SELECT hashtextextended(current_schema() || '.' || lane, 0) $$;
 -- rows sends one notification per lane, not 20,000), and only while a worker of the lane is
 -- armed (lane_waiters): a NOTIFY takes a lock that serializes the commits of every notifying
 -- transaction. The payload is 'lane#<n>' when n of the new jobs are due now (so the listener
--- wakes as many workers as that needs), else 'lane@<epoch seconds>' of the earliest one
--- (always sent), so it can wake the lane at that instant instead of polling for it. The
+-- wakes as many workers as that needs), and 'lane@<epoch seconds>' of the earliest job for
+-- later, if any (always sent, beside due jobs too since 0047), so it can wake the lane at
+-- that instant instead of polling for it. The
 -- channel carries the schema name so several jobd schemas can share a database. jobd.enqueue
 -- sends the same for its one job itself (the trigger's WHEN lets its insert by).
 CREATE FUNCTION notify_new_jobs() RETURNS trigger LANGUAGE plpgsql
@@ -764,9 +765,9 @@ DECLARE
     -- reading lane_waiters proves nothing: notify as before.
     always boolean := current_setting('transaction_isolation') <> 'read committed';
 BEGIN
-    FOR entry IN SELECT lane, min(run_at) AS first_run_at,
-                        count(*) FILTER (WHERE run_at <= now()) AS due,
-                        min(run_at) FILTER (WHERE run_at <= now()) AS first_due
+    FOR entry IN SELECT lane, count(*) FILTER (WHERE run_at <= now()) AS due,
+                        min(run_at) FILTER (WHERE run_at <= now()) AS first_due,
+                        min(run_at) FILTER (WHERE run_at > now()) AS first_later
                    FROM new_jobs GROUP BY lane
     LOOP
         -- Held until commit. A worker arming meanwhile sees this enqueue as 'contended' and
@@ -800,11 +801,8 @@ BEGIN
                                     WHERE w.lane = entry.lane AND w.priority = level);
             END IF;
         END LOOP;
-        IF entry.due = 0 THEN
-            -- Work for later: the supervisors set a timer for it.
-            PERFORM pg_notify(TG_TABLE_SCHEMA || '_wakeup',
-                              entry.lane || '@' || extract(epoch FROM entry.first_run_at)::text);
-        ELSIF always OR EXISTS (SELECT 1 FROM lane_waiters AS w WHERE w.lane = entry.lane) THEN
+        IF entry.due > 0
+           AND (always OR EXISTS (SELECT 1 FROM lane_waiters AS w WHERE w.lane = entry.lane)) THEN
             PERFORM pg_notify(TG_TABLE_SCHEMA || '_wakeup', entry.lane || '#' || entry.due);
             -- Due since before the claim floors' margin (jobd.claim_floors.CAUGHT_UP_MARGIN):
             -- the jobs may sit below the waiting workers' floors, where a claim from the
@@ -814,6 +812,11 @@ BEGIN
             IF entry.first_due < clock_timestamp() - interval '0.5 seconds' THEN
                 PERFORM pg_notify(TG_TABLE_SCHEMA || '_wakeup', entry.lane || '!behind');
             END IF;
+        END IF;
+        IF entry.first_later IS NOT NULL THEN
+            -- Work for later, beside due work or not: the supervisors set a timer for it.
+            PERFORM pg_notify(TG_TABLE_SCHEMA || '_wakeup',
+                              entry.lane || '@' || extract(epoch FROM entry.first_later)::text);
         END IF;
     END LOOP;
     RETURN NULL;
