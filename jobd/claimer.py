@@ -10,8 +10,11 @@ worker's loop does the round trips.
   slots, learned from each claim's payloads; a fair or age-promoting lane holds a tenth as
   much work. A plain or rate-limited lane's claim also carries the byte bound (8 MB of
   payload on disk in all, but never fewer jobs than start at once): the database stops
-  taking jobs there, so the claim that first meets large payloads is bounded too. A claim
-  it cut short is not dry.
+  taking jobs there, so the claim that first meets large payloads is bounded too. The same
+  claim takes a job on its last attempt only into a free slot (a whole node's death would
+  spend that attempt unrun: docs/design/queue.md). A claim cut short is not dry; neither is
+  an empty claim ahead of full slots, after which the worker claims again once a job can
+  start at once.
 - Buffered jobs (``jobd.claim_buffer``) go back to the queue when the worker stops taking
   work (a drain, a retirement, a suspect to run alone) and after ``BUFFER_MAX_AGE``
   unstarted; a buffer given back for its age is not claimed back until a slot frees.
@@ -74,6 +77,9 @@ class Claimer:
         self.suspects_possible = True
         self.isolating: int | None = None  # the suspect this worker runs alone
         self.held_back = False  # the buffer went back for its age; no claim until a slot frees
+        # A claim ahead of full slots came back empty: the next one waits until a job can
+        # start at once (a job on its last attempt may head the lane, see took()).
+        self.ahead_came_back_empty = False
         self.floors = ClaimFloors()
         self.clock = ClockWatch()
         self.arming = Arming()
@@ -108,6 +114,8 @@ class Claimer:
             return None
         if self.held_back and running >= self.lane.concurrency:
             return None
+        if self.ahead_came_back_empty and running + len(self.buffer) >= self.lane.concurrency:
+            return None
         if self.suspects_possible and (running or self.buffer):
             # A suspect is due and runs only on a worker that holds nothing: claim nothing
             # more until the jobs in flight are done (the buffer goes back to the queue), so
@@ -118,7 +126,9 @@ class Claimer:
         free = self.lane.concurrency + prefetch - running - len(self.buffer)
         if free <= 0 or len(self.buffer) > prefetch // 2:
             return None
-        # The jobs that start at once are never held back by the byte bound.
+        # The jobs that start at once (the buffer's start first): never held back by the
+        # byte bound, and the only ones that may be on their last attempt.
+        starting = max(0, min(free, self.lane.concurrency - running - len(self.buffer)))
         least = max(1, min(free, self.lane.concurrency - running))
         return queue.ClaimRequest(self.lane.name, self.worker_id,
                                   self.prefetch.claim_limit(free, least),
@@ -138,7 +148,8 @@ class Claimer:
                                   # claim_jobs_ordered has none (docs/design/daemon.md)
                                   payload_bytes=(None if self.lane.ordered
                                                  else self.prefetch.claim_bound()),
-                                  least=least)
+                                  least=least, starting=starting,
+                                  lane_max_attempts=self.lane.max_attempts)
 
     def took(self, claimed: queue.Claimed, request: queue.ClaimRequest,
              slots_free: bool = False, sent_at: float | None = None) -> list[jobs.Job]:
@@ -155,9 +166,12 @@ class Claimer:
         assert request.floors is not None
         taken = [(job.priority, job.run_at, job.id) for job in claimed.jobs]
         fair = self.lane.fair_by != "none"
-        # Capped by the budget or by the byte bound, a short claim is not dry: the positions
-        # hold, the rest of the lane waits.
-        short_not_dry = request.budget is not None or claimed.bounded
+        # Capped by the budget or cut (the byte bound, the last attempts), a short claim is
+        # not dry: the positions hold, the rest of the lane waits. So is an empty claim ahead
+        # of full slots: a job on its last attempt may head the lane (a cut claim that took
+        # nothing returns no row to say so), and the worker claims again once a slot frees.
+        ahead_only = request.starting == 0 and not claimed.jobs and claimed.suspect is None
+        short_not_dry = request.budget is not None or claimed.bounded or ahead_only
         limit = len(taken) if short_not_dry else request.limit
         self.floors.claimed(request.floors, taken, limit, now, sent_at=sent_at, fair=fair,
                             aged=self.lane.max_wait is not None)
@@ -169,11 +183,12 @@ class Claimer:
         # A suspect runs alone; once it is done the worker is idle and asks for the next.
         self._watch_clock(claimed, request, now if sent_at is None else sent_at, now)
         self.maybe_more = (len(claimed.jobs) == request.limit or claimed.bounded
-                           or claimed.suspect is not None)
+                           or claimed.suspect is not None or ahead_only)
+        self.ahead_came_back_empty = ahead_only
         if claimed.jobs:
             # Once per claim: a len() of each row's payload text (about 0.03 us a job).
             self.prefetch.claimed(len(claimed.jobs), jobs.payload_chars(claimed.jobs),
-                                  claimed.bounded)
+                                  claimed.bytes_bounded)
         if slots_free and not self.buffer and len(claimed.jobs) == request.limit:
             # Full, and the worker had nothing left to start: it ran dry.
             self.prefetch.ran_dry(now)

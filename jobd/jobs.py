@@ -227,3 +227,9 @@ def in_priority_order(claimed: list[Job]) -> list[Job]:
     if all([job._row[_PRIORITY] == first for job in claimed]):
         return claimed
     return sorted(claimed, key=lambda job: -job.priority)  # stable: id order within one
+
+
+def in_claim_order(claimed: list[Job]) -> list[Job]:
+    """A plain claim's jobs in the order it picked them: highest priority first, then
+    oldest ``run_at``, then id."""
+    return sorted(claimed, key=lambda job: (-job.priority, job.run_at, job.id))

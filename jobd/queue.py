@@ -21,7 +21,7 @@ import psycopg
 from psycopg.rows import tuple_row
 
 from jobd import claim_floors, fastpath
-from jobd.jobs import Job, Lease, in_priority_order
+from jobd.jobs import Job, Lease, in_claim_order, in_priority_order
 from jobd.queries import qualified, query
 
 
@@ -132,6 +132,12 @@ class ClaimRequest:
     # jobs hold more (claim_jobs and claim_jobs_limited, "the byte bound"). None: no bound.
     payload_bytes: int | None = None
     least: int = 1
+    # The jobs that start at once, in free slots: a job on its last attempt is taken only
+    # among them, as it would spend that attempt unrun if the whole node died while it
+    # waited (claim_jobs, "the last attempts"). None: every job may be held.
+    starting: int | None = None
+    # The lane's max_attempts, for jobs that do not set their own (the last attempts' cut).
+    lane_max_attempts: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,9 +148,11 @@ class Claimed:
     suspect: Job | None = None
     # Seconds a limited lane's claim waited for the budget lock (other claims' turns).
     budget_wait: float = 0.0
-    # The byte bound (ClaimRequest.payload_bytes) left due jobs the claim had locked: the
-    # claim is short, not dry.
+    # The byte bound (ClaimRequest.payload_bytes) or the last attempts' cut
+    # (ClaimRequest.starting) left due jobs the claim had locked: the claim is short, not dry.
     bounded: bool = False
+    # The byte bound was among the cuts: the jobs taken hold about the bound in all.
+    bytes_bounded: bool = False
 
 
 # claim_suspect takes the limits' parameters whether or not the lane has limits.
@@ -160,7 +168,8 @@ def _claim_params(request: ClaimRequest, now: datetime | None) -> dict[str, Any]
             "visibility_timeout": float(request.visibility_timeout), "now": now, **floors,
             **(request.budget or {}), **order,
             "lacking_handlers": list(request.lacking_handlers),
-            "payload_bytes": request.payload_bytes, "least": request.least}
+            "payload_bytes": request.payload_bytes, "least": request.least,
+            "starting": request.starting, "lane_max_attempts": request.lane_max_attempts}
 
 
 def _claim_query(request: ClaimRequest) -> str:
@@ -188,8 +197,9 @@ def _jobs(rows: Iterable[tuple[Any, ...]]) -> list[Job]:
     return [Job.from_row(row) for row in rows]
 
 
-# The claims that apply the byte bound: each of their rows ends with the count of jobs the
-# claim locked before the bound (one value for the statement).
+# The claims that apply the byte bound and the last attempts' cut: each of their rows ends
+# with one number for the statement: 4 x the count of jobs the claim locked before the cuts,
+# + 2 if the byte bound applied, + 1 if a job on its last attempt was locked.
 _BOUNDED_CLAIMS = frozenset({"claim_jobs", "claim_jobs_limited"})
 
 
@@ -200,8 +210,15 @@ def _claimed(rows: list[tuple[Any, ...]], request: ClaimRequest, suspect: Job | 
         return Claimed(_jobs(rows), suspect, budget_wait)
     claimed = [Job.from_row(row[:-1]) for row in rows]
     ordered = request.order is not None and request.order["ordered"]
-    return Claimed(claimed if ordered else in_priority_order(claimed), suspect, budget_wait,
-                   bounded=rows[0][-1] > len(rows))
+    locked, over_bound, any_last = rows[0][-1] >> 2, rows[0][-1] & 2, rows[0][-1] & 1
+    bounded = locked > len(rows)
+    if any_last:
+        # The ones on their last attempt are among the first, which start at once.
+        claimed = in_claim_order(claimed)
+    elif not ordered:
+        claimed = in_priority_order(claimed)
+    return Claimed(claimed, suspect, budget_wait, bounded=bounded,
+                   bytes_bounded=bounded and bool(over_bound))
 
 
 def claim(

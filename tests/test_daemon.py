@@ -199,6 +199,32 @@ def test_a_lane_of_single_attempts_holds_only_the_jobs_it_runs(
     assert sorted(rows) == sorted((job_id, 1) for job_id in ids)
 
 
+def test_jobs_on_their_last_attempt_are_not_held_ahead_in_a_lane_of_more_attempts(
+    daemons: Daemons, effects_db: psycopg.Connection
+) -> None:
+    """The same for jobs enqueued with ``max_attempts = 1`` into a lane that retries: its
+    workers claim ahead, but a claim takes such a job only into a free slot."""
+    config = make_config({"default": {"workers": 1, "concurrency": 2, "max_attempts": 5,
+                                      "visibility_timeout": "3s"}})
+    daemon = daemons(config, name="crashing")
+    daemon.wait_workers_started("default", 1)
+    ids = jobd.enqueue_many(effects_db, [
+        jobd.JobSpec("slow", {"seconds": 2, "n": n}, max_attempts=1) for n in range(8)])
+    wait_until(lambda: len(effects_db.execute(
+        "SELECT 1 FROM public.test_effects WHERE kind = 'start'").fetchall()) == 2, 10,
+        message="two jobs to start")
+    started = sorted(row[0] for row in effects_db.execute(
+        "SELECT job_id FROM public.test_effects WHERE kind = 'start'").fetchall())
+    assert claimed_count(effects_db) == 2
+    os.killpg(daemon.pid, signal.SIGKILL)  # the whole node
+    daemon.wait_exit(10)
+
+    daemons(config, name="successor").wait_workers_started("default", 1)
+    for job_id in ids:
+        wait_state(effects_db, job_id, "dead" if job_id in started else "done", 30,
+                   daemon)
+
+
 # --- 3. a job that kills its worker every time ---------------------------------------------
 
 

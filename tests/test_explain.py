@@ -116,7 +116,8 @@ def claim_params(lane: str, now: datetime | None = None) -> dict[str, Any]:
     return {"lane": lane, "worker": "node-2:7", "limit": 100, "visibility_timeout": 30.0,
             "now": now, **full_scan_params(),
             "ordered": False, "max_wait": None, "fair": False, "key_cursor": None,
-            "lacking_handlers": [], "payload_bytes": None, "least": 1}
+            "lacking_handlers": [], "payload_bytes": None, "least": 1,
+            "starting": None, "lane_max_attempts": None}
 
 
 def test_the_table_has_a_million_rows_and_few_due(big_queue: psycopg.Connection) -> None:

@@ -147,6 +147,7 @@ def test_claims_of_a_limited_lane_take_turns(db_url: str, conn: psycopg.Connecti
             "lane": LANE, "worker": "w1", "limit": 2, "visibility_timeout": 30.0,
             "now": None, **queue.claim_floors.full_scan_params(), **queue.UNORDERED,
             "lacking_handlers": [], "payload_bytes": None, "least": 1,
+            "starting": None, "lane_max_attempts": None,
             **limits}).fetchall()) == 2
         with connect(db_url, autocommit=False) as second:
             # While the first claim is not committed, the next one waits for its turn ...

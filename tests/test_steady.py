@@ -787,6 +787,70 @@ def test_a_worker_asks_its_claims_for_about_what_the_byte_bound_lets_them_take(
     assert asked == [80, 20, 4, 4]
 
 
+# --- the last attempts ----------------------------------------------------------------------
+
+
+def test_a_claim_takes_jobs_on_their_last_attempt_only_among_those_that_start_at_once(
+    conn: psycopg.Connection,
+) -> None:
+    # A whole node's death spends an attempt on every job it held, started or not; a job
+    # held ahead of a free slot on its last attempt would reach the dead-letter queue unrun.
+    ids = [jobd.enqueue(conn, "h", max_attempts=1 if n == 2 else None) for n in range(6)]
+    # A retry on its last attempt by the lane's max_attempts (3): the fourth job, once failed
+    # twice, is one too.
+    conn.execute("UPDATE jobs SET state = 'failed', attempts = 2 WHERE id = %s", (ids[4],))
+
+    def claim(starting: int | None, limited: bool = False) -> queue.Claimed:
+        request = queue.ClaimRequest(
+            LANE, "w", 6, 30, payload_bytes=10**9, starting=starting, lane_max_attempts=3,
+            budget={"max_running": None, "rate_limit": 1000, "rate_per": 1.0} if limited
+            else None)
+        claimed = queue.settle_and_claim(conn, [], [], request)[2]
+        conn.execute("UPDATE jobs SET state = 'pending', attempts = 0, claimed_by = NULL, "
+                     "claimed_at = NULL, lease_until = NULL, lease_token = NULL")
+        conn.execute("UPDATE jobs SET state = 'failed', attempts = 2 WHERE id = %s", (ids[4],))
+        return claimed
+
+    def taken(claimed: queue.Claimed) -> tuple[list[int], bool, bool]:
+        return [job.id for job in claimed.jobs], claimed.bounded, claimed.bytes_bounded
+
+    for limited in (False, True):  # claim_jobs, claim_jobs_limited
+        # The claim ends before the first last attempt past the jobs that start at once: cut
+        # short, not dry, and not by the byte bound (the worker learns no size from it).
+        assert taken(claim(0, limited)) == (ids[:2], True, False)
+        assert taken(claim(2, limited)) == (ids[:2], True, False)
+        assert taken(claim(3, limited)) == (ids[:4], True, False)
+        # Both start at once, first: the claim's jobs come in claim order.
+        assert taken(claim(5, limited)) == (ids, False, False)
+        # Without a count of starting jobs (a caller of queue.claim that starts what it
+        # takes), nothing is cut.
+        everything = claim(None, limited)
+        assert (sorted(job.id for job in everything.jobs), everything.bounded) == (ids, False)
+
+
+def test_a_worker_whose_claim_ahead_meets_a_last_attempt_claims_it_once_a_slot_frees(
+    conn: psycopg.Connection,
+) -> None:
+    last = jobd.enqueue(conn, "h", max_attempts=1)
+    later = [jobd.enqueue(conn, "h") for _ in range(3)]
+    worker = Claimer(LaneConfig(LANE, concurrency=2, max_attempts=3), "w1")
+    worker.suspects_possible = False
+    request = worker.request(WorkerMode.RUNNING, 2)  # both slots busy: all of it ahead
+    assert request is not None and request.starting == 0
+    claimed = queue.settle_and_claim(conn, [], [], request)[2]
+    worker.took(claimed, request)
+    # Nothing taken, and not dry: the worker neither arms nor claims again while the slots
+    # stay full, and its floors still see the job.
+    assert (claimed.jobs, worker.maybe_more) == ([], True)
+    assert worker.request(WorkerMode.RUNNING, 2) is None
+    request = worker.request(WorkerMode.RUNNING, 1)
+    assert request is not None and request.starting == 1
+    claimed = queue.settle_and_claim(conn, [], [], request)[2]
+    worker.took(claimed, request)
+    assert [job.id for job in claimed.jobs] == [last, *later]
+    assert worker.next_to_start(WorkerMode.RUNNING, 1) is not None  # it starts at once
+
+
 # --- the order of a claim's jobs -----------------------------------------------------------------
 
 

@@ -100,10 +100,12 @@ levels AS (
      ORDER BY priority DESC
 ),
 due AS (
-    SELECT d.id, l.priority, d.run_at, d.stored
+    SELECT d.id, l.priority, d.run_at, d.stored, d.last
       FROM levels AS l
      CROSS JOIN LATERAL (
-           SELECT id, run_at, pg_column_size(payload) AS stored FROM jobs
+           SELECT id, run_at, pg_column_size(payload) AS stored,
+                  attempts + 1 >= coalesce(max_attempts, %(lane_max_attempts)s::int) AS last
+             FROM jobs
             WHERE lane = %(lane)s AND state IN ('pending', 'failed')
               AND priority = l.priority
               AND (run_at, id) >= (l.floor_at, l.floor_id)
@@ -121,18 +123,43 @@ due AS (
                           AND s.claimed_by = %(worker)s)
      LIMIT %(limit)s
 ),
--- The byte bound: when the payload the jobs locked above hold in all (their size on disk,
--- as compressed there: all a claim can read without decompressing them) is over
--- %(payload_bytes)s, the claim takes them in claim order while the payload before each is
--- under it, and never fewer than %(least)s; the others stay locked only until this
--- statement's transaction ends. NULL: no bound. Only a claim over the bound runs the ordered
--- pass (the CASE below evaluates one of its arrays), so a claim of small payloads pays for a
--- sum; the count of the jobs locked, returned with every row, tells the worker the claim was
--- bounded, not dry.
+-- Two cuts, each only when it applies (the CASE below evaluates one of its arrays, so a claim
+-- of small payloads and first attempts pays for a sum and a bool_or). The byte bound: when the
+-- payload the jobs locked above hold in all (their size on disk, as compressed there: all a
+-- claim can read without decompressing them) is over %(payload_bytes)s, the claim takes them
+-- in claim order while the payload before each is under it, and never fewer than %(least)s.
+-- The last attempts: a job whose claim spends its last attempt is taken only among the first
+-- %(starting)s, the jobs that start at once; the claim ends before the first other one. A
+-- job held ahead of a free slot spends its attempt if the whole node dies (its run board dies
+-- with it: docs/design/queue.md, "What an expired lease cannot tell"), and on its last
+-- attempt it would reach the dead-letter queue unrun. NULL: no bound, no cut. The jobs left
+-- stay locked only until this statement's transaction ends. Every row ends with one number
+-- (queue._claimed reads it; one column, as two more cost a claim's rows 1-2 percent to load):
+-- 4 x the count of the jobs locked, which tells the worker the claim was cut short, not dry;
+-- + 2 if the byte bound applied, which tells it the size the bound stands for; + 1 if a job
+-- on its last attempt was locked, which tells it to start the jobs in claim order (the rows
+-- come back in the order the UPDATE finds them).
 totals AS (
     SELECT count(*)::int AS locked,
-           coalesce(sum(stored) > %(payload_bytes)s::bigint, false) AS over_bound
+           coalesce(sum(stored) > %(payload_bytes)s::bigint, false) AS over_bound,
+           coalesce(bool_or(last), false) AND %(starting)s::int IS NOT NULL AS any_last
       FROM due
+),
+-- What a cut claim takes, in claim order (a subquery of the CASE's first arm: evaluated only
+-- for a claim that is cut).
+kept AS (
+    SELECT id
+      FROM (SELECT id, n, before,
+                   bool_or(last AND n > %(starting)s::int)
+                       OVER (ORDER BY n ROWS UNBOUNDED PRECEDING) AS at_or_past_last
+              FROM (SELECT id, last, row_number() OVER w AS n,
+                           sum(stored) OVER w - stored AS before
+                      FROM due
+                    WINDOW w AS (ORDER BY priority DESC, run_at, id
+                                 ROWS UNBOUNDED PRECEDING)) AS ordered) AS numbered
+     WHERE (NOT (SELECT over_bound FROM totals) OR n <= %(least)s
+            OR before < %(payload_bytes)s::bigint)
+       AND NOT coalesce(at_or_past_last, false)
 )
 UPDATE jobs
    SET state = 'claimed',
@@ -142,18 +169,12 @@ UPDATE jobs
        lease_until = coalesce(%(now)s::timestamptz, now())
                      + make_interval(secs => %(visibility_timeout)s),
        lease_token = (SELECT new_lease_token())
- WHERE jobs.id = ANY(CASE WHEN (SELECT over_bound FROM totals)
-                         THEN ARRAY(SELECT id
-                                      FROM (SELECT id, row_number() OVER w AS n,
-                                                   sum(stored) OVER w - stored AS before
-                                              FROM due
-                                            WINDOW w AS (ORDER BY priority DESC, run_at, id
-                                                         ROWS UNBOUNDED PRECEDING)) AS s
-                                     WHERE n <= %(least)s OR before < %(payload_bytes)s::bigint)
+ WHERE jobs.id = ANY(CASE WHEN (SELECT over_bound OR any_last FROM totals)
+                         THEN ARRAY(SELECT id FROM kept)
                          ELSE ARRAY(SELECT id FROM due) END)
 RETURNING jobs.id, jobs.lease_token, jobs.lane, jobs.handler, jobs.payload::text, jobs.priority,
           jobs.run_at, jobs.attempts, jobs.max_attempts, jobs.idempotency_key,
-          jobs.created_at, jobs.lease_until, jobs.fairness_key, (SELECT locked FROM totals)
+          jobs.created_at, jobs.lease_until, jobs.fairness_key, (SELECT 4 * locked + 2 * over_bound::int + any_last::int FROM totals)
 
 -- name: claim_jobs_ordered
 -- claim_jobs for a lane with max_wait or fair_by (docs/design/fairness.md): claim_order()
@@ -196,8 +217,8 @@ RETURNING jobs.id, jobs.lease_token, jobs.lane, jobs.handler, jobs.payload::text
 
 -- name: claim_jobs_limited
 -- claim_jobs for a lane with limits across all nodes (lanes.<l>.max_running, lanes.<l>.rate):
--- the same scan, capped by the lane's budget and by the byte bound as claim_jobs is (its
--- rows end with the count locked, as claim_jobs' do). The worker sends lock_lane_budget
+-- the same scan, capped by the lane's budget and cut by the byte bound and the last attempts as
+-- claim_jobs is (its rows end with the same number as claim_jobs'). The worker sends lock_lane_budget
 -- first in the same transaction, so the claims of a limited lane take turns and each one's
 -- snapshot sees every claim before it: the count of claimed jobs (through jobs_lease_idx) and the token
 -- bucket in lane_tokens are exact. The bucket holds up to rate_limit tokens and refills at
@@ -236,10 +257,12 @@ levels AS (
      ORDER BY priority DESC
 ),
 due AS (
-    SELECT d.id, l.priority, d.run_at, d.stored
+    SELECT d.id, l.priority, d.run_at, d.stored, d.last
       FROM levels AS l
      CROSS JOIN LATERAL (
-           SELECT id, run_at, pg_column_size(payload) AS stored FROM jobs
+           SELECT id, run_at, pg_column_size(payload) AS stored,
+                  attempts + 1 >= coalesce(max_attempts, %(lane_max_attempts)s::int) AS last
+             FROM jobs
             WHERE lane = %(lane)s AND state IN ('pending', 'failed')
               AND priority = l.priority
               AND (run_at, id) >= (l.floor_at, l.floor_id)
@@ -257,26 +280,35 @@ due AS (
                           AND s.claimed_by = %(worker)s)
      LIMIT (SELECT cap FROM budget)
 ),
--- The byte bound, as claim_jobs applies it: a lane with a rate but no max_running claims
--- ahead as a plain lane does. A lane with max_wait or fair_by has none (the worker sends no
--- bound), and its totals do not read due.
+-- The byte bound and the last attempts' cut, as claim_jobs applies them: a lane with a rate
+-- but no max_running claims ahead as a plain lane does. A lane with max_wait or fair_by has
+-- neither (the worker sends no bound), and its totals do not read due.
 totals AS (
     SELECT count(*)::int AS locked,
-           coalesce(sum(stored) > %(payload_bytes)s::bigint, false) AS over_bound
+           coalesce(sum(stored) > %(payload_bytes)s::bigint, false) AS over_bound,
+           coalesce(bool_or(last), false) AND %(starting)s::int IS NOT NULL AS any_last
       FROM due
      WHERE NOT %(ordered)s::boolean
 ),
 -- A lane with max_wait or fair_by as well: claim_order() picks within the budget instead
 -- (one-time filters leave out the branches that do not apply).
 chosen AS (
-    SELECT id FROM due WHERE NOT %(ordered)s::boolean AND NOT (SELECT over_bound FROM totals)
+    SELECT id FROM due
+     WHERE NOT %(ordered)s::boolean AND NOT (SELECT over_bound OR any_last FROM totals)
     UNION ALL
     SELECT id
-      FROM (SELECT id, row_number() OVER w AS n, sum(stored) OVER w - stored AS before
-              FROM due
-            WINDOW w AS (ORDER BY priority DESC, run_at, id ROWS UNBOUNDED PRECEDING)) AS s
-     WHERE (SELECT over_bound FROM totals)
-       AND (n <= %(least)s OR before < %(payload_bytes)s::bigint)
+      FROM (SELECT id, n, before,
+                   bool_or(last AND n > %(starting)s::int)
+                       OVER (ORDER BY n ROWS UNBOUNDED PRECEDING) AS at_or_past_last
+              FROM (SELECT id, last, row_number() OVER w AS n,
+                           sum(stored) OVER w - stored AS before
+                      FROM due
+                    WINDOW w AS (ORDER BY priority DESC, run_at, id
+                                 ROWS UNBOUNDED PRECEDING)) AS ordered) AS numbered
+     WHERE (SELECT over_bound OR any_last FROM totals)
+       AND (NOT (SELECT over_bound FROM totals) OR n <= %(least)s
+            OR before < %(payload_bytes)s::bigint)
+       AND NOT coalesce(at_or_past_last, false)
     UNION ALL
     SELECT unnest(claim_order(%(lane)s, %(floor_priorities)s::int[],
                               %(floor_run_ats)s::timestamptz[], %(floor_ids)s::bigint[],
@@ -306,7 +338,7 @@ claimed AS (
     RETURNING jobs.id, jobs.lease_token, jobs.lane, jobs.handler, jobs.payload::text,
               jobs.priority, jobs.run_at, jobs.attempts, jobs.max_attempts,
               jobs.idempotency_key, jobs.created_at, jobs.lease_until, jobs.fairness_key,
-              (SELECT locked FROM totals)
+              (SELECT 4 * locked + 2 * over_bound::int + any_last::int FROM totals)
 ),
 spent AS (
     INSERT INTO lane_tokens AS t (lane, tokens, refilled_at)
