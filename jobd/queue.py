@@ -151,7 +151,8 @@ class Claimed:
     # The byte bound (ClaimRequest.payload_bytes) or the last attempts' cut
     # (ClaimRequest.starting) left due jobs the claim had locked: the claim is short, not dry.
     bounded: bool = False
-    # The byte bound was among the cuts: the jobs taken hold about the bound in all.
+    # The byte bound ended the claim (no last attempt before it did): the jobs taken hold
+    # about the bound in all.
     bytes_bounded: bool = False
 
 
@@ -199,7 +200,7 @@ def _jobs(rows: Iterable[tuple[Any, ...]]) -> list[Job]:
 
 # The claims that apply the byte bound and the last attempts' cut: each of their rows ends
 # with one number for the statement: 4 x the count of jobs the claim locked before the cuts,
-# + 2 if the byte bound applied, + 1 if a job on its last attempt was locked.
+# + 2 if the byte bound ended the claim, + 1 if a job on its last attempt was locked.
 _BOUNDED_CLAIMS = frozenset({"claim_jobs", "claim_jobs_limited"})
 
 

@@ -851,6 +851,53 @@ def test_a_worker_whose_claim_ahead_meets_a_last_attempt_claims_it_once_a_slot_f
     assert worker.next_to_start(WorkerMode.RUNNING, 1) is not None  # it starts at once
 
 
+@pytest.mark.parametrize("limited", [False, True])
+def test_a_claim_the_last_attempts_cut_before_the_byte_bound_teaches_no_payload_size(
+    conn: psycopg.Connection, monkeypatch: pytest.MonkeyPatch, limited: bool
+) -> None:
+    # 30 KB stands for STORED_BYTES_AHEAD: the byte bound alone would end a claim of these
+    # 10 KB payloads after its third job. A last attempt second in line ends it after the
+    # first, which holds a third of the bound: learnt as the bound, it would have the
+    # worker ask its next claims for a third of what the bound lets through.
+    monkeypatch.setattr(prefetch, "STORED_BYTES_AHEAD", 30_000)
+    worker = Claimer(LaneConfig(LANE, concurrency=4, max_attempts=3,
+                                rate_limit=1000 if limited else None), "w1")
+    worker.suspects_possible = False
+    ids = [jobd.enqueue(conn, "h", incompressible(10_000), max_attempts=1 if n == 1 else None)
+           for n in range(16)]
+    asked, took, learnt_from_the_bound = [], [], []
+    for _ in range(2):
+        request = worker.request(WorkerMode.RUNNING, 3)  # one slot free
+        assert request is not None and request.starting == 1
+        claimed = queue.settle_and_claim(conn, [], [], request)[2]
+        worker.took(claimed, request)
+        asked.append(request.limit)
+        took.append([job.id for job in claimed.jobs])
+        learnt_from_the_bound.append(claimed.bytes_bounded)
+        assert worker.next_to_start(WorkerMode.RUNNING, 3) is not None  # into the free slot
+        worker.buffer.clear()  # the rest started, and the slot is free again
+    assert took == [ids[:1], ids[1:4]]
+    assert learnt_from_the_bound == [False, True]
+    assert asked == [13, 13]
+
+
+def test_a_claim_the_byte_bound_ends_first_still_tells_the_size_with_a_last_attempt_locked(
+    conn: psycopg.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The byte bound ends the claim after the third job; a last attempt fourth or later
+    # (past the one job that starts at once) is cut too, but the three taken hold the bound.
+    monkeypatch.setattr(prefetch, "STORED_BYTES_AHEAD", 30_000)
+    for last_at in (3, 4):
+        conn.execute("DELETE FROM jobs")
+        ids = [jobd.enqueue(conn, "h", incompressible(10_000),
+                            max_attempts=1 if n == last_at else None) for n in range(8)]
+        request = queue.ClaimRequest(LANE, "w", 8, 30, payload_bytes=30_000, least=1,
+                                     starting=1, lane_max_attempts=3)
+        claimed = queue.settle_and_claim(conn, [], [], request)[2]
+        assert ([job.id for job in claimed.jobs], claimed.bounded,
+                claimed.bytes_bounded) == (ids[:3], True, True)
+
+
 # --- the order of a claim's jobs -----------------------------------------------------------------
 
 

@@ -136,30 +136,48 @@ due AS (
 -- stay locked only until this statement's transaction ends. Every row ends with one number
 -- (queue._claimed reads it; one column, as two more cost a claim's rows 1-2 percent to load):
 -- 4 x the count of the jobs locked, which tells the worker the claim was cut short, not dry;
--- + 2 if the byte bound applied, which tells it the size the bound stands for; + 1 if a job
--- on its last attempt was locked, which tells it to start the jobs in claim order (the rows
--- come back in the order the UPDATE finds them).
+-- + 2 if the byte bound ended the claim (cuts, below), which tells it the size the bound
+-- stands for; + 1 if a job on its last attempt was locked, which tells it to start the jobs
+-- in claim order (the rows come back in the order the UPDATE finds them).
 totals AS (
     SELECT count(*)::int AS locked,
            coalesce(sum(stored) > %(payload_bytes)s::bigint, false) AS over_bound,
            coalesce(bool_or(last), false) AND %(starting)s::int IS NOT NULL AS any_last
       FROM due
 ),
--- What a cut claim takes, in claim order (a subquery of the CASE's first arm: evaluated only
--- for a claim that is cut).
+-- The locked jobs in claim order, and which of them each cut leaves: read only for a claim
+-- that is cut (the CASE's first arm, and the byte bound's bit below).
+numbered AS (
+    SELECT id, n,
+           NOT (SELECT over_bound FROM totals) OR n <= %(least)s
+           OR before < %(payload_bytes)s::bigint AS within_bound,
+           last AND n > %(starting)s::int AS past_starting
+      FROM (SELECT id, last, row_number() OVER w AS n, sum(stored) OVER w - stored AS before
+              FROM due
+            WINDOW w AS (ORDER BY priority DESC, run_at, id ROWS UNBOUNDED PRECEDING)) AS s
+),
+-- What a cut claim takes: the jobs within the bound, up to the first last attempt past the
+-- jobs that start at once.
 kept AS (
     SELECT id
-      FROM (SELECT id, n, before,
-                   bool_or(last AND n > %(starting)s::int)
-                       OVER (ORDER BY n ROWS UNBOUNDED PRECEDING) AS at_or_past_last
-              FROM (SELECT id, last, row_number() OVER w AS n,
-                           sum(stored) OVER w - stored AS before
-                      FROM due
-                    WINDOW w AS (ORDER BY priority DESC, run_at, id
-                                 ROWS UNBOUNDED PRECEDING)) AS ordered) AS numbered
-     WHERE (NOT (SELECT over_bound FROM totals) OR n <= %(least)s
-            OR before < %(payload_bytes)s::bigint)
-       AND NOT coalesce(at_or_past_last, false)
+      FROM (SELECT id, within_bound,
+                   bool_or(past_starting) OVER (ORDER BY n ROWS UNBOUNDED PRECEDING)
+                       AS at_or_past_last
+              FROM numbered) AS cut
+     WHERE within_bound AND NOT coalesce(at_or_past_last, false)
+),
+-- What the number at the end of each row tells: the byte bound's 2 only when the byte bound
+-- ended the claim, not when a last attempt ended it before the job the bound would have
+-- (its jobs then hold less than the bound, and taken for it they would teach the worker a
+-- size per job too large: jobd/prefetch.py).
+cuts AS (
+    SELECT locked, any_last,
+           CASE WHEN NOT (over_bound AND any_last) THEN over_bound
+                ELSE coalesce((SELECT min(n) FILTER (WHERE NOT within_bound)
+                                      <= coalesce(min(n) FILTER (WHERE past_starting),
+                                                  %(limit)s::int + 1)
+                                 FROM numbered), false) END AS bytes_cut
+      FROM totals
 )
 UPDATE jobs
    SET state = 'claimed',
@@ -174,7 +192,8 @@ UPDATE jobs
                          ELSE ARRAY(SELECT id FROM due) END)
 RETURNING jobs.id, jobs.lease_token, jobs.lane, jobs.handler, jobs.payload::text, jobs.priority,
           jobs.run_at, jobs.attempts, jobs.max_attempts, jobs.idempotency_key,
-          jobs.created_at, jobs.lease_until, jobs.fairness_key, (SELECT 4 * locked + 2 * over_bound::int + any_last::int FROM totals)
+          jobs.created_at, jobs.lease_until, jobs.fairness_key,
+          (SELECT 4 * locked + 2 * bytes_cut::int + any_last::int FROM cuts)
 
 -- name: claim_jobs_ordered
 -- claim_jobs for a lane with max_wait or fair_by (docs/design/fairness.md): claim_order()
@@ -290,6 +309,16 @@ totals AS (
       FROM due
      WHERE NOT %(ordered)s::boolean
 ),
+-- The locked jobs in claim order, and which of them each cut leaves (as in claim_jobs).
+numbered AS (
+    SELECT id, n,
+           NOT (SELECT over_bound FROM totals) OR n <= %(least)s
+           OR before < %(payload_bytes)s::bigint AS within_bound,
+           last AND n > %(starting)s::int AS past_starting
+      FROM (SELECT id, last, row_number() OVER w AS n, sum(stored) OVER w - stored AS before
+              FROM due
+            WINDOW w AS (ORDER BY priority DESC, run_at, id ROWS UNBOUNDED PRECEDING)) AS s
+),
 -- A lane with max_wait or fair_by as well: claim_order() picks within the budget instead
 -- (one-time filters leave out the branches that do not apply).
 chosen AS (
@@ -297,18 +326,12 @@ chosen AS (
      WHERE NOT %(ordered)s::boolean AND NOT (SELECT over_bound OR any_last FROM totals)
     UNION ALL
     SELECT id
-      FROM (SELECT id, n, before,
-                   bool_or(last AND n > %(starting)s::int)
-                       OVER (ORDER BY n ROWS UNBOUNDED PRECEDING) AS at_or_past_last
-              FROM (SELECT id, last, row_number() OVER w AS n,
-                           sum(stored) OVER w - stored AS before
-                      FROM due
-                    WINDOW w AS (ORDER BY priority DESC, run_at, id
-                                 ROWS UNBOUNDED PRECEDING)) AS ordered) AS numbered
+      FROM (SELECT id, within_bound,
+                   bool_or(past_starting) OVER (ORDER BY n ROWS UNBOUNDED PRECEDING)
+                       AS at_or_past_last
+              FROM numbered) AS cut
      WHERE (SELECT over_bound OR any_last FROM totals)
-       AND (NOT (SELECT over_bound FROM totals) OR n <= %(least)s
-            OR before < %(payload_bytes)s::bigint)
-       AND NOT coalesce(at_or_past_last, false)
+       AND within_bound AND NOT coalesce(at_or_past_last, false)
     UNION ALL
     SELECT unnest(claim_order(%(lane)s, %(floor_priorities)s::int[],
                               %(floor_run_ats)s::timestamptz[], %(floor_ids)s::bigint[],
@@ -325,6 +348,17 @@ chosen AS (
                         WHERE s.lane = %(lane)s AND s.suspect AND s.state = 'claimed'
                           AND s.claimed_by = %(worker)s)
 ),
+-- What the number at the end of each row tells, as in claim_jobs: the byte bound's 2 only
+-- when the byte bound ended the claim, not a last attempt before the job it would have.
+cuts AS (
+    SELECT locked, any_last,
+           CASE WHEN NOT (over_bound AND any_last) THEN over_bound
+                ELSE coalesce((SELECT min(n) FILTER (WHERE NOT within_bound)
+                                      <= coalesce(min(n) FILTER (WHERE past_starting),
+                                                  %(limit)s::int + 1)
+                                 FROM numbered), false) END AS bytes_cut
+      FROM totals
+),
 claimed AS (
     UPDATE jobs
        SET state = 'claimed',
@@ -338,7 +372,7 @@ claimed AS (
     RETURNING jobs.id, jobs.lease_token, jobs.lane, jobs.handler, jobs.payload::text,
               jobs.priority, jobs.run_at, jobs.attempts, jobs.max_attempts,
               jobs.idempotency_key, jobs.created_at, jobs.lease_until, jobs.fairness_key,
-              (SELECT 4 * locked + 2 * over_bound::int + any_last::int FROM totals)
+              (SELECT 4 * locked + 2 * bytes_cut::int + any_last::int FROM cuts)
 ),
 spent AS (
     INSERT INTO lane_tokens AS t (lane, tokens, refilled_at)
