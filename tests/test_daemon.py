@@ -168,25 +168,26 @@ def test_a_killed_worker_gives_back_the_jobs_it_had_not_started(
     assert sorted(rows) == sorted((job_id, 1) for job_id in ids)  # nobody spent an attempt
 
 
-def test_a_lane_of_single_attempts_holds_only_the_jobs_it_runs(
-    daemons: Daemons, effects_db: psycopg.Connection
-) -> None:
-    """A whole node's crash spends an attempt on every job the node held: the run board that
-    tells started jobs from jobs claimed ahead dies with it. With ``max_attempts: 1`` the
-    ones only claimed ahead went to the dead-letter queue without having run; such a lane
-    now claims nothing ahead unless it sets ``prefetch``."""
-    config = make_config({"default": {"workers": 1, "concurrency": 2, "max_attempts": 1,
-                                      "visibility_timeout": "3s"}})
+def kill_a_node_running_two_of_eight(daemons: Daemons, effects_db: psycopg.Connection,
+                                     lane: dict[str, Any], job_max_attempts: int | None
+                                     ) -> list[int]:
+    """Eight slow jobs into a node of one worker at concurrency 2: once two have started,
+    kill the node whole (its run board dies with it) and start a successor. Each job must end
+    dead if it had started, else done: a job on its last attempt held unstarted would be
+    dead without having run. Returns the jobs' ids."""
+    config = make_config({"default": {"workers": 1, "concurrency": 2,
+                                      "visibility_timeout": "3s", **lane}})
     daemon = daemons(config, name="crashing")
     daemon.wait_workers_started("default", 1)
     ids = jobd.enqueue_many(effects_db, [
-        jobd.JobSpec("slow", {"seconds": 2, "n": n}) for n in range(8)])
+        jobd.JobSpec("slow", {"seconds": 2, "n": n}, max_attempts=job_max_attempts)
+        for n in range(8)])
     wait_until(lambda: len(effects_db.execute(
         "SELECT 1 FROM public.test_effects WHERE kind = 'start'").fetchall()) == 2, 10,
         message="two jobs to start")
     started = sorted(row[0] for row in effects_db.execute(
         "SELECT job_id FROM public.test_effects WHERE kind = 'start'").fetchall())
-    assert claimed_count(effects_db) == 2
+    assert claimed_count(effects_db) == 2  # nothing held ahead
     os.killpg(daemon.pid, signal.SIGKILL)  # the whole node
     daemon.wait_exit(10)
 
@@ -194,6 +195,17 @@ def test_a_lane_of_single_attempts_holds_only_the_jobs_it_runs(
     for job_id in ids:
         wait_state(effects_db, job_id, "dead" if job_id in started else "done", 30,
                    daemon)
+    return ids
+
+
+def test_a_lane_of_single_attempts_holds_only_the_jobs_it_runs(
+    daemons: Daemons, effects_db: psycopg.Connection
+) -> None:
+    """A whole node's crash spends an attempt on every job the node held: the run board that
+    tells started jobs from jobs claimed ahead dies with it. With ``max_attempts: 1`` the
+    ones only claimed ahead went to the dead-letter queue without having run; such a lane
+    now claims nothing ahead unless it sets ``prefetch``."""
+    ids = kill_a_node_running_two_of_eight(daemons, effects_db, {"max_attempts": 1}, None)
     rows = effects_db.execute("SELECT id, attempts FROM all_jobs WHERE id = ANY(%s)",
                               (ids,)).fetchall()
     assert sorted(rows) == sorted((job_id, 1) for job_id in ids)
@@ -204,25 +216,7 @@ def test_jobs_on_their_last_attempt_are_not_held_ahead_in_a_lane_of_more_attempt
 ) -> None:
     """The same for jobs enqueued with ``max_attempts = 1`` into a lane that retries: its
     workers claim ahead, but a claim takes such a job only into a free slot."""
-    config = make_config({"default": {"workers": 1, "concurrency": 2, "max_attempts": 5,
-                                      "visibility_timeout": "3s"}})
-    daemon = daemons(config, name="crashing")
-    daemon.wait_workers_started("default", 1)
-    ids = jobd.enqueue_many(effects_db, [
-        jobd.JobSpec("slow", {"seconds": 2, "n": n}, max_attempts=1) for n in range(8)])
-    wait_until(lambda: len(effects_db.execute(
-        "SELECT 1 FROM public.test_effects WHERE kind = 'start'").fetchall()) == 2, 10,
-        message="two jobs to start")
-    started = sorted(row[0] for row in effects_db.execute(
-        "SELECT job_id FROM public.test_effects WHERE kind = 'start'").fetchall())
-    assert claimed_count(effects_db) == 2
-    os.killpg(daemon.pid, signal.SIGKILL)  # the whole node
-    daemon.wait_exit(10)
-
-    daemons(config, name="successor").wait_workers_started("default", 1)
-    for job_id in ids:
-        wait_state(effects_db, job_id, "dead" if job_id in started else "done", 30,
-                   daemon)
+    kill_a_node_running_two_of_eight(daemons, effects_db, {"max_attempts": 5}, 1)
 
 
 # --- 3. a job that kills its worker every time ---------------------------------------------
