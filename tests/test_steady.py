@@ -709,16 +709,23 @@ def test_a_claim_over_its_byte_bound_takes_the_first_jobs_in_claim_order(
         assert (len(unbounded.jobs), unbounded.bounded) == (6, False)
 
 
+def large_payload_worker(conn: psycopg.Connection, monkeypatch: pytest.MonkeyPatch,
+                         lane: LaneConfig, jobs: int) -> Claimer:
+    """A worker of ``lane`` whose byte bound is 30 KB (standing for STORED_BYTES_AHEAD), and
+    ``jobs`` jobs of 10 KB payloads (standing for ones of megabytes) in its lane."""
+    monkeypatch.setattr(prefetch, "STORED_BYTES_AHEAD", 30_000)
+    worker = Claimer(lane, "w1")
+    worker.suspects_possible = False
+    jobd.enqueue_many(conn, [jobd.JobSpec("h", payload=incompressible(10_000))
+                             for _ in range(jobs)])
+    return worker
+
+
 def test_a_workers_first_claim_of_large_payloads_holds_no_more_than_the_bound_ahead(
     conn: psycopg.Connection, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Nothing is learned of the payloads before the first claim: the database bounds it.
-    # 30 KB stands for STORED_BYTES_AHEAD, 10 KB payloads for ones of megabytes.
-    monkeypatch.setattr(prefetch, "STORED_BYTES_AHEAD", 30_000)
-    worker = Claimer(LaneConfig(LANE, concurrency=4), "w1")
-    worker.suspects_possible = False
-    jobd.enqueue_many(conn, [jobd.JobSpec("h", payload=incompressible(10_000))
-                             for _ in range(16)])
+    worker = large_payload_worker(conn, monkeypatch, LaneConfig(LANE, concurrency=4), 16)
     claims: list[int] = []
     for _ in range(16):
         # Every slot is busy after the first claim: what follows is claimed ahead.
@@ -743,11 +750,8 @@ def test_a_rate_limited_lanes_first_claim_of_large_payloads_is_bounded_too(
 ) -> None:
     # A lane with a rate and no max_running claims ahead as a plain lane does (its buffer
     # adapts), so its claim (claim_jobs_limited) carries the byte bound too.
-    monkeypatch.setattr(prefetch, "STORED_BYTES_AHEAD", 30_000)
-    worker = Claimer(LaneConfig(LANE, concurrency=4, rate_limit=1000), "w1")
-    worker.suspects_possible = False
-    jobd.enqueue_many(conn, [jobd.JobSpec("h", payload=incompressible(10_000))
-                             for _ in range(16)])
+    worker = large_payload_worker(conn, monkeypatch,
+                                  LaneConfig(LANE, concurrency=4, rate_limit=1000), 16)
     request = worker.request(WorkerMode.RUNNING, 4)  # the slots busy: all of it ahead
     assert request is not None and request.limit == 12
     claimed = queue.settle_and_claim(conn, [], [], request)[2]
@@ -766,11 +770,7 @@ def test_a_worker_asks_its_claims_for_about_what_the_byte_bound_lets_them_take(
     # other workers' claims: once a bounded claim told the size, a claim asks for one more
     # than the bound lets it take (so that it meets the bound and learns the size anew), not
     # for the refill of the slots that the buffer is never smaller than.
-    monkeypatch.setattr(prefetch, "STORED_BYTES_AHEAD", 30_000)
-    worker = Claimer(LaneConfig(LANE, concurrency=20), "w1")
-    worker.suspects_possible = False
-    jobd.enqueue_many(conn, [jobd.JobSpec("h", payload=incompressible(10_000))
-                             for _ in range(40)])
+    worker = large_payload_worker(conn, monkeypatch, LaneConfig(LANE, concurrency=20), 40)
     asked, took = [], []
     for _ in range(4):
         request = worker.request(WorkerMode.RUNNING, 20 if asked else 0)
