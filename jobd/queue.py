@@ -211,15 +211,15 @@ def _claimed(rows: list[tuple[Any, ...]], request: ClaimRequest, suspect: Job | 
         return Claimed(_jobs(rows), suspect, budget_wait)
     claimed = [Job.from_row(row[:-1]) for row in rows]
     ordered = request.order is not None and request.order["ordered"]
-    locked, over_bound, any_last = rows[0][-1] >> 2, rows[0][-1] & 2, rows[0][-1] & 1
-    bounded = locked > len(rows)
-    if any_last:
+    summary = rows[0][-1]  # see _BOUNDED_CLAIMS
+    bounded = summary >> 2 > len(rows)
+    if summary & 1:
         # The ones on their last attempt are among the first, which start at once.
         claimed = in_claim_order(claimed)
     elif not ordered:
         claimed = in_priority_order(claimed)
     return Claimed(claimed, suspect, budget_wait, bounded=bounded,
-                   bytes_bounded=bounded and bool(over_bound))
+                   bytes_bounded=bounded and bool(summary & 2))
 
 
 def claim(

@@ -236,9 +236,9 @@ RETURNING jobs.id, jobs.lease_token, jobs.lane, jobs.handler, jobs.payload::text
 
 -- name: claim_jobs_limited
 -- claim_jobs for a lane with limits across all nodes (lanes.<l>.max_running, lanes.<l>.rate):
--- the same scan, capped by the lane's budget and cut by the byte bound and the last attempts as
--- claim_jobs is (its rows end with the same number as claim_jobs'). The worker sends lock_lane_budget
--- first in the same transaction, so the claims of a limited lane take turns and each one's
+-- the same scan, capped by the lane's budget and cut by the byte bound and the last attempts
+-- as claim_jobs is (its rows end with the same number as claim_jobs'). The worker sends
+-- lock_lane_budget first in the same transaction, so the claims of a limited lane take turns and each one's
 -- snapshot sees every claim before it: the count of claimed jobs (through jobs_lease_idx) and the token
 -- bucket in lane_tokens are exact. The bucket holds up to rate_limit tokens and refills at
 -- rate_limit per rate_per seconds (clock_timestamp(): claims taking turns see their clock
