@@ -27,8 +27,7 @@ class CuttingProxy:
         self._cut_when: Callable[[bytes], bool] | None = None
         self._hold_when: Callable[[bytes], bool] | None = None
         self._held: socket.socket | None = None
-        self._lock = threading.Lock()
-        self._sockets: list[socket.socket] = []  # closed on the way out, the silent ones too
+        self._sockets = _Sockets()  # closed on the way out, the silent ones too
         self.cut = threading.Event()
         self.held = threading.Event()
         threading.Thread(target=_accept, args=(self.listener, self._connect), daemon=True).start()
@@ -51,8 +50,8 @@ class CuttingProxy:
 
     def _connect(self, client: socket.socket) -> None:
         server = socket.create_connection(self.upstream)
-        with self._lock:
-            self._sockets += [client, server]
+        if not self._sockets.keep(client, server):
+            return
         threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
         threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
 
@@ -79,11 +78,44 @@ class CuttingProxy:
             return
 
     def close(self) -> None:
-        self.listener.close()
+        self._sockets.close(self.listener)
+
+
+class _Sockets:
+    """A proxy's sockets, closed together with its listener. A connection whose sockets come
+    after the close is closed at once."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: list[socket.socket] = []
+        self._closed = False
+
+    def keep(self, *new: socket.socket) -> bool:
+        """Record a new connection's sockets; False (and closed) if the proxy is closed."""
         with self._lock:
-            for sock in self._sockets:
-                with contextlib.suppress(OSError):
-                    sock.close()
+            if not self._closed:
+                self._open.extend(new)
+                return True
+        for sock in new:
+            sock.close()
+        return False
+
+    def listed(self) -> list[socket.socket]:
+        with self._lock:
+            return list(self._open)
+
+    def close(self, listener: socket.socket) -> None:
+        """Close the listener and every recorded socket. The listener is shut down first: a
+        thread blocked in its ``accept()`` keeps it listening past a plain ``close()`` and
+        would take one more connection (a daemon reconnecting while its test ends)."""
+        with self._lock:
+            self._closed = True
+        with contextlib.suppress(OSError):
+            listener.shutdown(socket.SHUT_RDWR)
+        listener.close()
+        for sock in self.listed():
+            with contextlib.suppress(OSError):
+                sock.close()
 
 
 def _accept(listener: socket.socket, on_client: Callable[[socket.socket], None]) -> None:
@@ -133,24 +165,21 @@ class SilentServer:
     def __init__(self) -> None:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
-        self._lock = threading.Lock()
-        self.accepted: list[socket.socket] = []
-        threading.Thread(target=_accept, args=(self.listener, self._keep), daemon=True).start()
+        self._accepted = _Sockets()
+        threading.Thread(target=_accept, args=(self.listener, self._accepted.keep),
+                         daemon=True).start()
 
-    def _keep(self, client: socket.socket) -> None:
-        with self._lock:
-            self.accepted.append(client)
+    @property
+    def accepted(self) -> list[socket.socket]:
+        """Every connection accepted so far."""
+        return self._accepted.listed()
 
     def open_attempts(self) -> list[socket.socket]:
         """The accepted connections their clients have not given up on (nor closed)."""
-        with self._lock:
-            return [sock for sock in self.accepted if not _closed_by_peer(sock)]
+        return [sock for sock in self._accepted.listed() if not _closed_by_peer(sock)]
 
     def close(self) -> None:
-        self.listener.close()
-        with self._lock:
-            for sock in self.accepted:
-                sock.close()
+        self._accepted.close(self.listener)
 
 
 def _closed_by_peer(sock: socket.socket) -> bool:
@@ -190,8 +219,7 @@ class SilenceableProxy:
         self.upstream = upstream
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
-        self._lock = threading.Lock()
-        self._sockets: list[socket.socket] = []
+        self._sockets = _Sockets()
         # Set while bytes flow that way.
         self._to_server = threading.Event()
         self._to_client = threading.Event()
@@ -227,8 +255,8 @@ class SilenceableProxy:
         except OSError:
             client.close()
             return
-        with self._lock:
-            self._sockets += [client, server]
+        if not self._sockets.keep(client, server):
+            return
         threading.Thread(target=_forward,
                          args=(client, server, self._to_server, self._client_sent),
                          daemon=True).start()
@@ -237,11 +265,7 @@ class SilenceableProxy:
 
     def close(self) -> None:
         self.resume()
-        self.listener.close()
-        with self._lock:
-            for sock in self._sockets:
-                with contextlib.suppress(OSError):
-                    sock.close()
+        self._sockets.close(self.listener)
 
 
 def _forward(source: socket.socket, sink: socket.socket, flowing: threading.Event,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,3 +24,18 @@ def test_the_container_fallback_imports_without_a_warning() -> None:
                             text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "PostgresContainer"
+
+
+@pytest.mark.parametrize("kind", ["CuttingProxy", "SilenceableProxy", "SilentServer"])
+def test_a_closed_proxy_takes_no_more_connections(kind: str) -> None:
+    """A plain close() of the listener left the proxy's accepting thread in ``accept()``,
+    still listening: a daemon reconnecting while its test ended got one more connection,
+    whose sockets nobody closed (a ResourceWarning, an error of whichever test came next)."""
+    import netcut
+
+    with socket.create_server(("127.0.0.1", 0)) as upstream:
+        address = ("127.0.0.1", upstream.getsockname()[1])
+        proxy = netcut.SilentServer() if kind == "SilentServer" else getattr(netcut, kind)(address)
+        proxy.close()
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", proxy.port), timeout=5).close()
