@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
 from jobd import validation
@@ -220,13 +220,42 @@ def in_priority_order(claimed: list[Job]) -> list[Job]:
     finds them by id, so a claim that spans priorities would start a job enqueued before the
     higher ones first: the worker starts its buffer in order. Sorted only then (otherwise
     one pass over the rows): within a priority, id order is the claim's but for jobs due in
-    the past (retries, scheduled ones), which one claim's worth of work bounds. Not for a
-    fair or age-promoting lane's claim (claim_jobs_ordered), whose order is not by priority
-    alone."""
+    the past (retries, scheduled ones), which one claim's worth of work bounds. A fair or
+    age-promoting lane's claim is put in order by :func:`in_ordered_claim_order`."""
     first = claimed[0]._row[_PRIORITY]
     if all([job._row[_PRIORITY] == first for job in claimed]):
         return claimed
     return sorted(claimed, key=lambda job: -job.priority)  # stable: id order within one
+
+
+# Sorts after every overdue job's key: (0, 0, run_at, id) < (1, -priority, _ANY, 0).
+_ANY = datetime.min
+
+
+def in_ordered_claim_order(claimed: list[Job], max_wait: float | None,
+                           visibility_timeout: float) -> list[Job]:
+    """A fair or age-promoting lane's claim (claim_jobs_ordered) in the order its jobs are to
+    start: the overdue ones (due for ``max_wait`` or longer at the claim) oldest first, as
+    claim_order took them ahead of every priority, then the others highest priority first.
+    The UPDATE returns the rows in the order it finds them by id, and the worker starts its
+    buffer in that order: an overdue job enqueued after younger high-priority ones started
+    behind them, and a priority-0 job enqueued first started ahead of priority-5 ones. Within
+    a priority the rows keep their order (a fair claim's keys share it as before)."""
+    overdue_before = None
+    if max_wait is not None:
+        # Every job of one claim has the same lease, set from the claim's clock.
+        claimed_at = claimed[0].lease_until - timedelta(seconds=visibility_timeout)
+        overdue_before = claimed_at - timedelta(seconds=max_wait)
+    first = claimed[0]._row[_PRIORITY]
+    if overdue_before is None and all([job._row[_PRIORITY] == first for job in claimed]):
+        return claimed
+
+    def start_key(job: Job) -> tuple[int, int, datetime, int]:
+        if overdue_before is not None and job.run_at <= overdue_before:
+            return (0, 0, job.run_at, job.id)
+        return (1, -job.priority, _ANY, 0)  # stable: the rows' order within a priority
+
+    return sorted(claimed, key=start_key)
 
 
 def in_claim_order(claimed: list[Job]) -> list[Job]:

@@ -21,7 +21,7 @@ import psycopg
 from psycopg.rows import tuple_row
 
 from jobd import claim_floors, fastpath
-from jobd.jobs import Job, Lease, in_claim_order, in_priority_order
+from jobd.jobs import Job, Lease, in_claim_order, in_ordered_claim_order, in_priority_order
 from jobd.queries import qualified, query
 
 
@@ -207,19 +207,30 @@ _BOUNDED_CLAIMS = frozenset({"claim_jobs", "claim_jobs_limited"})
 def _claimed(rows: list[tuple[Any, ...]], request: ClaimRequest, suspect: Job | None = None,
              budget_wait: float = 0.0) -> Claimed:
     """A claim's rows as Claimed, its jobs in the order they are to start."""
-    if _claim_query(request) not in _BOUNDED_CLAIMS or not rows:
-        return Claimed(_jobs(rows), suspect, budget_wait)
-    claimed = [Job.from_row(row[:-1]) for row in rows]
     ordered = request.order is not None and request.order["ordered"]
+    if _claim_query(request) not in _BOUNDED_CLAIMS or not rows:
+        taken = _jobs(rows)
+        if ordered and taken:
+            taken = _in_ordered_claim_order(taken, request)
+        return Claimed(taken, suspect, budget_wait)
+    claimed = [Job.from_row(row[:-1]) for row in rows]
     summary = rows[0][-1]  # see _BOUNDED_CLAIMS
     bounded = summary >> 2 > len(rows)
     if summary & 1:
         # The ones on their last attempt are among the first, which start at once.
         claimed = in_claim_order(claimed)
-    elif not ordered:
+    elif ordered:
+        claimed = _in_ordered_claim_order(claimed, request)
+    else:
         claimed = in_priority_order(claimed)
     return Claimed(claimed, suspect, budget_wait, bounded=bounded,
                    bytes_bounded=bounded and bool(summary & 2))
+
+
+def _in_ordered_claim_order(claimed: list[Job], request: ClaimRequest) -> list[Job]:
+    assert request.order is not None
+    return in_ordered_claim_order(claimed, request.order["max_wait"],
+                                  request.visibility_timeout)
 
 
 def claim(

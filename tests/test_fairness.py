@@ -13,10 +13,12 @@ import pytest
 import jobd
 from jobd import claim_floors, dlq, queue
 from jobd import migrate as migrate_module
+from jobd.claimer import Claimer
 from jobd.config import LaneConfig, parse
 from jobd.db import connect
 from jobd.errors import ConfigError
 from jobd.key_positions import next_key_cursor
+from jobd.protocol import WorkerMode
 
 if TYPE_CHECKING:
     from conftest import Databases
@@ -68,7 +70,7 @@ def test_a_job_overdue_by_max_wait_goes_ahead_of_higher_priorities(
         raise psycopg.Rollback()
     # Passed over for max_wait: first, whatever its priority.
     first = claim(conn, 5, now=t0 + timedelta(seconds=61), lane_order=aged)
-    assert first[0].id == low or low in [job.id for job in first]
+    assert first[0].id == low
     assert {job.handler for job in first} == {"low", "high"}
 
 
@@ -128,6 +130,49 @@ def test_under_a_flood_of_high_priority_work_a_low_priority_job_starts_after_max
 
 def test_without_max_wait_the_flood_starves_it(conn: psycopg.Connection) -> None:
     assert saturated_lane(conn, None, rounds=30) is None
+
+
+# --- the order a claim's jobs start in ------------------------------------------------------
+
+
+def started_in_order(conn: psycopg.Connection, lane: LaneConfig) -> list[int]:
+    """The ids one claim of an idle worker of ``lane`` took, in the order it starts them."""
+    worker = Claimer(lane, "w1")
+    worker.suspects_possible = False
+    request = worker.request(WorkerMode.RUNNING, 0)
+    assert request is not None
+    worker.took(queue.settle_and_claim(conn, [], [], request)[2], request)
+    started = []
+    while (entry := worker.next_to_start(WorkerMode.RUNNING, 0)) is not None:
+        started.append(entry[0].id)
+    return started
+
+
+@pytest.mark.parametrize("fair_by", ["none", "handler"])
+def test_an_ordered_claims_jobs_start_highest_priority_first_whatever_their_ids(
+    conn: psycopg.Connection, fair_by: str
+) -> None:
+    # The UPDATE returns the rows by id and the worker starts its buffer in that order: in a
+    # lane with max_wait or fair_by, a priority-0 job enqueued before three of priority 5
+    # started first, one job at a time, ahead of all of them.
+    older = jobd.enqueue(conn, "h", priority=0)
+    newer = [jobd.enqueue(conn, "h", priority=5) for _ in range(3)]
+    lane = LaneConfig(LANE, concurrency=1, prefetch=3, max_wait=3600, fair_by=fair_by)
+    assert started_in_order(conn, lane) == [*newer, older]
+
+
+@pytest.mark.parametrize("fair_by", ["none", "handler"])
+def test_an_overdue_job_starts_ahead_of_the_younger_work_its_claim_took(
+    conn: psycopg.Connection, fair_by: str
+) -> None:
+    # claim_order takes the overdue job first; the worker started it last, behind every
+    # higher-priority job of its claim with a smaller id.
+    t0 = db_now(conn)
+    fresh = [jobd.enqueue(conn, "h", run_at=t0, priority=9) for _ in range(3)]
+    overdue = jobd.enqueue(conn, "h", run_at=t0 - timedelta(seconds=120), priority=0)
+    older_overdue = jobd.enqueue(conn, "h", run_at=t0 - timedelta(seconds=300), priority=1)
+    lane = LaneConfig(LANE, concurrency=1, prefetch=4, max_wait=60, fair_by=fair_by)
+    assert started_in_order(conn, lane) == [older_overdue, overdue, *fresh]
 
 
 # --- fair shares ---------------------------------------------------------------------------
