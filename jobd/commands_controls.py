@@ -6,6 +6,7 @@ quarantine and ``dlq replay --handler`` only when there was nothing to act on.""
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from jobd import cancelling, dlq, pauses, validation
@@ -55,9 +56,17 @@ def cmd_lanes_pause(ctx: Context, args: argparse.Namespace) -> int:
     with ctx.connect() as conn:
         changed = pauses.pause(conn, args.lane, args.handler, schema=ctx.schema)
         now_paused = pauses.pauses(conn, args.lane)
+        known = bool(ctx.config.lanes) or pauses.lane_known(conn, args.lane)
+    if not known:
+        # Without a config nothing checked the name: a typo during an incident would leave
+        # the lane meant running while the operator believes it paused.
+        print(f"note: no node runs lane {args.lane!r} and it has no jobs or schedules: is the"
+              " name right? (`jobd lanes pause` checks names against a config given with -c)",
+              file=sys.stderr)
     if ctx.as_json:
         print_json({"lane": args.lane, "handler": args.handler, "paused": True,
-                    "changed": changed, "pauses": [p.as_dict() for p in now_paused]})
+                    "changed": changed, "lane_known": known,
+                    "pauses": [p.as_dict() for p in now_paused]})
         return 0
     target = _target(args.lane, args.handler)
     if changed:

@@ -68,6 +68,13 @@ def pauses(conn: psycopg.Connection, lane: str | None = None) -> list[Pause]:
     return [Pause(*row) for row in rows]
 
 
+def lane_known(conn: psycopg.Connection, lane: str) -> bool:
+    """Whether any node runs ``lane``, or it holds live or dead jobs, or a schedule feeds it."""
+    row = conn.execute(query("lane_known"), {"lane": lane}).fetchone()
+    assert row is not None
+    return bool(row[0])
+
+
 def lane_controls(conn: psycopg.Connection, lane: str) -> tuple[bool, frozenset[str]]:
     """What a worker of ``lane`` needs: whether the lane is paused, and which handlers."""
     row = conn.execute(query("lane_controls"), {"lane": lane}).fetchone()

@@ -44,6 +44,30 @@ def test_pause_and_resume_print_what_changed(db_url: str, conn: psycopg.Connecti
     assert pauses.lane_controls(conn, "default") == (False, frozenset({"send_email"}))
 
 
+def test_a_pause_without_a_config_of_a_lane_nothing_knows_says_so(
+    db_url: str, conn: psycopg.Connection
+) -> None:
+    """Without a config nothing checks the lane's name: a typo during an incident paused a
+    lane no node runs, said "paused", and the lane meant kept running. The pause is still
+    made (a lane may be paused before its first node starts), with a note on stderr."""
+    typo = cli("lanes", "pause", "defualt", "--database-url", db_url)
+    assert typo.returncode == 0, typo.stderr
+    assert typo.stdout.startswith("paused lane defualt")
+    assert typo.stderr.startswith("note: no node runs lane 'defualt' and it has no jobs or "
+                                  "schedules: is the name right?"), typo.stderr
+    assert ok_json("lanes", "pause", "defualt", "--database-url", db_url)["lane_known"] is False
+    assert pauses.pauses(conn, "defualt") != []
+    # A lane with jobs, one a node runs and one a schedule feeds are known.
+    jobd.enqueue(conn, "h", lane="busy")
+    conn.execute("INSERT INTO jobd.nodes (instance, node, pid, lane_settings)"
+                 " VALUES ('i-1', 'n-1', 1, '{\"served\": {}}')")
+    conn.execute("INSERT INTO jobd.schedules (id, cron, handler, lane)"
+                 " VALUES ('nightly', '0 3 * * *', 'h', 'scheduled')")
+    for lane in ("busy", "served", "scheduled"):
+        known = cli("lanes", "pause", lane, "--database-url", db_url)
+        assert (known.returncode, known.stderr) == (0, ""), lane
+
+
 def test_a_pause_outside_the_config_can_be_lifted_with_it(db_url: str,
                                                            conn: psycopg.Connection) -> None:
     """A lane paused without a config, or since removed from it: `resume -c` lifts it (the

@@ -1125,6 +1125,16 @@ SELECT {schema}.pause(%(lane)s, %(handler)s)
 -- name: resume_qualified
 SELECT {schema}.resume(%(lane)s, %(handler)s)
 
+-- name: lane_known
+-- Whether anything in the database knows the lane: a node's lanes (nodes.lane_settings, kept
+-- an hour after the node is gone), a priority in use in it (lane_priorities), a dead job or a
+-- schedule. `jobd lanes pause` without a config says so when nothing does: likely a typo,
+-- while the lane meant keeps running.
+SELECT EXISTS (SELECT 1 FROM nodes WHERE lane_settings ? %(lane)s)
+    OR EXISTS (SELECT 1 FROM lane_priorities WHERE lane = %(lane)s)
+    OR EXISTS (SELECT 1 FROM dead_letter WHERE lane = %(lane)s)
+    OR EXISTS (SELECT 1 FROM schedules WHERE lane = %(lane)s)
+
 -- name: list_pauses
 SELECT lane, handler, paused_at, paused_by
   FROM lane_pauses
