@@ -117,15 +117,19 @@ class Snapshot:
 
 def collect(conn: psycopg.Connection, config: Config, *, window: float = LATENCY_WINDOW,
             sample: int = LATENCY_SAMPLE, now: datetime | None = None) -> Snapshot:
-    """One snapshot: the lanes that hold jobs or dead jobs, that the config names or that a
-    live node serves, and the live nodes."""
+    """One snapshot: the lanes that hold jobs or dead jobs, that the config names, that a
+    live node serves or that a pause names (the lanes of ``jobd status``), and the live
+    nodes."""
     nodes = views.node_status(conn)
     workers = views.live_workers(nodes)
-    statuses = views.with_lanes(views.lane_status(conn, now), set(config.lanes) | set(workers))
+    paused = pauses.pauses(conn)
+    # A lane paused before its first job (ahead of a deploy) shows, as in `jobd status`
+    # and jobd_lane_paused: the pause is in force for the jobs still to come.
+    statuses = views.with_lanes(views.lane_status(conn, now), set(config.lanes) | set(workers)
+                                | {p.lane for p in paused})
     latency = views.lane_latency(conn, [s.lane for s in statuses], window, sample, now)
     at = views.database_clock(conn, now)
     rates = views.lane_rates(nodes)
-    paused = pauses.pauses(conn)
     lanes = tuple(
         LaneRow(s, latency.get(s.lane), rates.get(s.lane), workers.get(s.lane, 0),
                 config.lanes[s.lane].slo_pickup if s.lane in config.lanes else None,

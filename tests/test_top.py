@@ -425,6 +425,17 @@ def test_pauses_are_shown_per_lane(conn: psycopg.Connection) -> None:
     assert "paus" not in row_of(lines, "running").text
 
 
+def test_a_lane_named_only_by_a_pause_is_shown_as_status_shows_it(
+    conn: psycopg.Connection,
+) -> None:
+    # Paused ahead of a deploy, before its first job and in no config here: `jobd status`
+    # and jobd_lane_paused show it, so the view of the same must too.
+    jobd.pause(conn, "upcoming")
+    shot = top.collect(conn, Config())
+    assert [(row.status.lane, row.paused) for row in shot.lanes] == [("upcoming", True)]
+    assert "PAUSED" in row_of(top.lane_table(shot), "upcoming").text
+
+
 def test_slow_reads_stretch_the_refresh_and_say_so() -> None:
     assert top_screen.paced(1.0, 0.01) == 1.0
     assert top_screen.paced(1.0, 0.4) == pytest.approx(0.4 * top_screen.READ_SHARE)
