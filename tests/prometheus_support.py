@@ -1,8 +1,9 @@
 """A real Prometheus server and promtool for the metrics tests.
 
 :class:`Prometheus` starts ``/usr/bin/prometheus`` on a free port with a temporary TSDB
-directory, scraping one target every second, and stops it by its PID. Tests that need the
-binaries skip with the Debian package that brings them.
+directory, scraping one target every second (and evaluating a rule file's rules as often,
+when given one), and stops it by its PID. Tests that need the binaries skip with the Debian
+package that brings them.
 """
 
 from __future__ import annotations
@@ -45,11 +46,12 @@ def fetch(url: str, timeout: float = 5.0) -> str:
 
 
 class Prometheus:
-    def __init__(self, directory: Path, target: str) -> None:
+    def __init__(self, directory: Path, target: str, rules: Path | None = None) -> None:
         if not Path(PROMETHEUS).exists():
             pytest.skip(SKIP_PROMETHEUS)
         self.dir = directory
         self.target = target
+        self.rules = rules  # a rule file to load, evaluated every second
         self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = directory / "prometheus.log"
@@ -58,7 +60,8 @@ class Prometheus:
         config = self.dir / "prometheus.yml"
         config.write_text(
             "global: {scrape_interval: 1s, scrape_timeout: 1s, evaluation_interval: 1s}\n"
-            "scrape_configs:\n"
+            + (f"rule_files: [{json.dumps(str(self.rules))}]\n" if self.rules else "")
+            + "scrape_configs:\n"
             "  - job_name: jobd\n"
             f"    static_configs: [{{targets: ['{self.target}']}}]\n")
         tsdb = self.dir / "tsdb"
@@ -106,6 +109,12 @@ class Prometheus:
         assert body["status"] == "success", body
         return [{"metric": r["metric"], "value": float(r["value"][1])}
                 for r in body["data"]["result"]]
+
+    def alerts(self, name: str) -> list[dict[str, Any]]:
+        """The alerts of rule ``name`` that are pending or firing, with their labels."""
+        body = json.loads(fetch(f"http://127.0.0.1:{self.port}/api/v1/alerts"))
+        assert body["status"] == "success", body
+        return [a for a in body["data"]["alerts"] if a["labels"]["alertname"] == name]
 
     def value(self, expression: str) -> float | None:
         """The value of an expression that selects one series, or None while it has none."""

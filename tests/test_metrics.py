@@ -4,8 +4,9 @@ Pure parts first (histograms, the report's wire format, aggregation across worke
 the families a view exports), then the sampler and the worker's counting against a real
 PostgreSQL, then the daemon: every family exported from the start, a counter that does not
 go backwards when a worker is killed with SIGKILL, and a real Prometheus scraping a running
-daemon while jobs are enqueued, run, fail and dead-letter. ``promtool check metrics`` judges
-the exposition.
+daemon while jobs are enqueued, run, fail and dead-letter, and evaluating the shipped alert
+rules (contrib/prometheus/alerts.yml) on that scrape. ``promtool check metrics`` judges the
+exposition.
 """
 
 from __future__ import annotations
@@ -873,3 +874,37 @@ def test_prometheus_scrapes_the_daemon_as_jobs_run_fail_and_die(
 
     checked = check_metrics(scrape(target))
     assert checked.returncode == 0 and checked.stdout + checked.stderr == "", checked
+
+
+ALERT_RULES = Path(__file__).resolve().parent.parent / "contrib" / "prometheus" / "alerts.yml"
+
+
+def lanes_alerted(prometheus: Prometheus, name: str) -> list[str]:
+    return sorted(alert["labels"].get("lane", "") for alert in prometheus.alerts(name))
+
+
+@pytest.mark.slow
+def test_the_shipped_rules_see_an_unserved_lane_and_a_fleet_that_stopped_exporting(
+        daemons: Daemons, tmp_path: Path, conn: psycopg.Connection) -> None:
+    # The rules on a real scrape, beside promtool's series: a due job no worker serves makes
+    # JobdLaneUnserved pend. Once the only daemon is gone, every jobd series goes stale,
+    # that alert with them, though the job still waits: JobdMetricsAbsent must take over.
+    daemon, target = start_daemon(daemons, tmp_path, {"default": {}, "parked": {"workers": 0}})
+    prometheus = Prometheus(tmp_path, target, rules=ALERT_RULES).start()
+    try:
+        def context() -> str:
+            return f"{prometheus.tail()}\n{daemon.tail()}"
+
+        prometheus.wait_value('up{job="jobd"}', 1, context=context)
+        jobd.enqueue(conn, "quick", lane="parked")
+        wait_until(lambda: lanes_alerted(prometheus, "JobdLaneUnserved") == ["parked"], 30,
+                   interval=0.25, message=lambda: f"JobdLaneUnserved for parked\n{context()}")
+        assert prometheus.alerts("JobdMetricsAbsent") == []
+
+        daemon.stop()
+        prometheus.wait_value('up{job="jobd"}', 0, context=context)
+        wait_until(lambda: prometheus.alerts("JobdMetricsAbsent"), 30, interval=0.25,
+                   message=lambda: f"JobdMetricsAbsent once the daemon is gone\n{context()}")
+        assert lanes_alerted(prometheus, "JobdLaneUnserved") == []
+    finally:
+        prometheus.stop()
