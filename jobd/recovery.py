@@ -220,20 +220,39 @@ def _split_by_board(rows: list[Any], running: Running | None,
     return started, [row for row in rows if row[0] not in running.job_ids]
 
 
-def fail_claims_not_held(conn: psycopg.Connection, worker: str, held: Iterable[Lease],
-                         error: str, policy_for: PolicyLookup,
-                         now: datetime | None = None) -> FailOutcome:
-    """Fail the jobs claimed under ``worker``'s name except the ``held`` leases: claims whose
-    rows never reached the worker (its connection broke while the claim ran, or the rows
-    could not be loaded). They are retried after their backoff, or dead when their budget is
-    spent: the attempt was counted at claim, and a claim that fails the same way every time
-    must end in the dead-letter queue rather than loop."""
+@dataclass(slots=True)
+class LostClaims:
+    """What the repair after a lost claim did: jobs given back unspent, and jobs failed."""
+
+    given_back: list[int] = field(default_factory=list)
+    failed: FailOutcome = field(default_factory=FailOutcome)
+
+
+def repair_claims_not_held(conn: psycopg.Connection, worker: str, held: Iterable[Lease],
+                           give_back: Callable[[int], bool], error: str,
+                           policy_for: PolicyLookup, now: datetime | None = None
+                           ) -> LostClaims:
+    """The jobs claimed under ``worker``'s name except the ``held`` leases: claims whose rows
+    never reached the worker (its connection broke while the claim ran, or the rows could
+    not be loaded), so none of them started. Those for which ``give_back(id)`` holds go back
+    to the queue with their attempt unspent, as a dead worker's unstarted jobs do; the
+    others fail as an attempt (retried after their backoff, dead when their budget is
+    spent), so that a claim that fails the same way every time ends in the dead-letter
+    queue rather than loops. A job asked to stop is never given back (release_jobs): it
+    fails, archived as cancelled. One transaction."""
     held_leases = set(held)
-    rows = conn.execute(query("jobs_held_by"), {"worker": worker}).fetchall()
-    orphans = [row for row in rows if Lease(row[0], row[1]) not in held_leases]
-    if not orphans:
-        return FailOutcome()
-    return _fail_rows(conn, orphans, lambda _worker: error, policy_for, now, False)
+    with conn.transaction():
+        rows = conn.execute(query("jobs_held_by"), {"worker": worker}).fetchall()
+        orphans = [row for row in rows if Lease(row[0], row[1]) not in held_leases]
+        if not orphans:
+            return LostClaims()
+        back = [Lease(row[0], row[1]) for row in orphans if give_back(row[0])]
+        given_back = release(conn, back).applied
+        kept = set(given_back)
+        failing = [row for row in orphans if row[0] not in kept]
+        failed = (_fail_rows(conn, failing, lambda _worker: error, policy_for, now, False)
+                  if failing else FailOutcome())
+    return LostClaims(given_back, failed)
 
 
 def finish_cancelled(conn: psycopg.Connection, worker: str, error: str,

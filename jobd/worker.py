@@ -125,7 +125,7 @@ class Worker:
                 break
             self._ensure_connection()
             if self.claims_unknown and self.conn is not None:
-                self.repair.fail_claims_not_held()
+                self.repair.repair_lost_claims()
             self._refresh_controls()
             # A drain or a pause just learnt of: no thread may start a job on deck meanwhile.
             self.slots.recall_deck(self.lifecycle.mode, time.monotonic())

@@ -101,24 +101,42 @@ def test_a_failed_statement_on_a_healthy_connection_keeps_it(loop: worker.Worker
     assert loop.conn is conn and not conn.closed and not loop.claims_unknown
 
 
-def test_after_a_lost_connection_claims_it_never_received_fail_as_an_attempt(
+def test_after_a_lost_connection_claims_it_never_received_go_back_with_their_attempt_unspent(
         loop: worker.Worker, conn: psycopg.Connection) -> None:
-    for _ in range(3):
-        jobd.enqueue(conn, "h")
+    """None of them started: a network blip during a claim must not spend their attempts,
+    put them behind their backoff, or dead-letter one on its last attempt unrun."""
+    jobd.enqueue(conn, "h")
+    last = jobd.enqueue(conn, "h", max_attempts=1)
+    jobd.enqueue(conn, "h")
     # A claim whose result was lost with the connection, next to a job the worker did get.
     held, *orphans = queue.claim(conn, LANE, WORKER_ID, 3, 30.0)
+    assert last in {job.id for job in orphans}
     loop.completer.pending = [outcomes.Outcome(held, None)]
     loop.link.lost("test", psycopg.OperationalError("server closed the connection"))
     loop._ensure_connection()
-    loop.repair.fail_claims_not_held()
+    loop.repair.repair_lost_claims()
     assert not loop.claims_unknown
     for job in orphans:
-        state, attempts, error = state_of(conn, job.id)
-        assert (state, attempts) == ("failed", 1)
-        assert error is not None and "never reached the worker" in error
+        assert state_of(conn, job.id) == ("pending", 0, None)
     assert state_of(conn, held.id)[:2] == ("claimed", 1)
     loop._settle_and_claim(claim=False)
     assert state_of(conn, held.id)[0] == "done"
+
+
+def test_a_job_lost_with_a_connection_a_second_time_fails_as_an_attempt(
+        loop: worker.Worker, conn: psycopg.Connection) -> None:
+    """A job whose claim loses the connection every time (an answer too large for the
+    reply bound, say) must reach the dead-letter queue, not loop: given back unspent once,
+    it fails the next time."""
+    job_id = jobd.enqueue(conn, "h", max_attempts=1)
+    for expected in (("pending", 0), ("dead", 1)):
+        assert [job.id for job in queue.claim(conn, LANE, WORKER_ID, 1, 30.0)] == [job_id]
+        loop.link.lost("test", psycopg.OperationalError("server closed the connection"))
+        loop._ensure_connection()
+        loop.repair.repair_lost_claims()
+        state, attempts, error = state_of(conn, job_id)
+        assert (state, attempts) == expected
+    assert error is not None and "never reached the worker" in error
 
 
 def test_claimed_rows_that_cannot_be_loaded_end_in_the_dead_letter_queue(
@@ -134,7 +152,7 @@ def test_claimed_rows_that_cannot_be_loaded_end_in_the_dead_letter_queue(
         loop._settle_and_claim()
         assert loop.claims_unknown and loop.inflight == {}
         loop.link.usable_at = 0.0
-        loop.repair.fail_claims_not_held()
+        loop.repair.repair_lost_claims()
         assert not loop.claims_unknown
         if attempt == 1:
             assert conn.execute("SELECT state, attempts FROM jobs WHERE id = %s",
@@ -225,7 +243,7 @@ def test_jobs_whose_release_went_unanswered_never_start_and_are_released_again(
     holder = OTHER_WORKER if committed else WORKER_ID
     # The next turn, in the loop's order: the repair, then the slots are filled first.
     loop._ensure_connection()
-    loop.repair.fail_claims_not_held()
+    loop.repair.repair_lost_claims()
     loop.slots.fill(WorkerMode.RUNNING)
     assert loop.inflight == {}
     # The repair took them for held: their release was not known to have applied.
@@ -290,7 +308,7 @@ def test_a_claim_still_running_on_a_lost_connections_backend_is_ended_before_the
     with budget_lock_held(db_url):
         old = claim_lost_while_waiting(limited, conn)
         limited._ensure_connection()
-        limited.repair.fail_claims_not_held()
+        limited.repair.repair_lost_claims()
         assert not limited.claims_unknown
     # The lock is free: a claim still waiting for it would go on and commit now.
     wait_until(lambda: (backend_state(conn, old) or ("gone",))[0] != "active", WAIT_S,
@@ -313,14 +331,14 @@ def test_the_repair_waits_for_a_lost_connections_backend_that_has_not_exited(
         with monkeypatch.context() as patched:
             # It outlives the wait (a backend stuck where a terminate cannot reach it).
             patched.setattr(queue, "end_backends", lambda *_args: [old])
-            limited.repair.fail_claims_not_held()
+            limited.repair.repair_lost_claims()
         assert limited.claims_unknown and limited.repair.lost_backends == [old]
         retry_at = limited.repair.due_at()
         assert retry_at is not None and retry_at > time.monotonic()
-        limited.repair.fail_claims_not_held()  # not before its time: nothing tried
+        limited.repair.repair_lost_claims()  # not before its time: nothing tried
         assert backend_state(conn, old) == ("active", "Lock")
         limited.repair.backends_retry_at = 0.0  # as if the loop woke at due_at()
-        limited.repair.fail_claims_not_held()
+        limited.repair.repair_lost_claims()
         assert not limited.claims_unknown and limited.repair.due_at() is None
         assert backend_state(conn, old) is None
 
