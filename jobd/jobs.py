@@ -234,13 +234,14 @@ _ANY = datetime.min
 
 def in_ordered_claim_order(claimed: list[Job], max_wait: float | None,
                            visibility_timeout: float) -> list[Job]:
-    """A fair or age-promoting lane's claim (claim_jobs_ordered) in the order its jobs are to
-    start: the overdue ones (due for ``max_wait`` or longer at the claim) oldest first, as
-    claim_order took them ahead of every priority, then the others highest priority first.
-    The UPDATE returns the rows in the order it finds them by id, and the worker starts its
-    buffer in that order: an overdue job enqueued after younger high-priority ones started
-    behind them, and a priority-0 job enqueued first started ahead of priority-5 ones. Within
-    a priority the rows keep their order (a fair claim's keys share it as before)."""
+    """A rate-limited fair or age-promoting lane's claim (claim_jobs_limited picks with
+    claim_order()) in the order its jobs are to start: the overdue ones (due for
+    ``max_wait`` or longer at the claim) oldest first, as claim_order took them ahead of
+    every priority, then the others highest priority first. The UPDATE returns the rows in
+    the order it finds them by id, and the worker starts its buffer in that order: an
+    overdue job enqueued after younger high-priority ones started behind them, and a
+    priority-0 job enqueued first started ahead of priority-5 ones. Within a priority the
+    rows keep their order. (claim_jobs_ordered returns its rows in claim order.)"""
     overdue_before = None
     if max_wait is not None:
         # Every job of one claim has the same lease, set from the claim's clock.

@@ -198,28 +198,29 @@ def _jobs(rows: Iterable[tuple[Any, ...]]) -> list[Job]:
     return [Job.from_row(row) for row in rows]
 
 
-# The claims that apply the byte bound and the last attempts' cut: each of their rows ends
-# with one number for the statement: 4 x the count of jobs the claim locked before the cuts,
-# + 2 if the byte bound ended the claim, + 1 if a job on its last attempt was locked.
-_BOUNDED_CLAIMS = frozenset({"claim_jobs", "claim_jobs_limited"})
+# The claims that apply the last attempts' cut (and, but for claim_jobs_ordered, the byte
+# bound): each of their rows ends with one number for the statement: 4 x the count of jobs
+# the claim locked before the cuts, + 2 if the byte bound ended the claim, + 1 if a job on
+# its last attempt was locked.
+_BOUNDED_CLAIMS = frozenset({"claim_jobs", "claim_jobs_limited", "claim_jobs_ordered"})
 
 
 def _claimed(rows: list[tuple[Any, ...]], request: ClaimRequest, suspect: Job | None = None,
              budget_wait: float = 0.0) -> Claimed:
     """A claim's rows as Claimed, its jobs in the order they are to start."""
-    ordered = request.order is not None and request.order["ordered"]
-    if _claim_query(request) not in _BOUNDED_CLAIMS or not rows:
-        taken = _jobs(rows)
-        if ordered and taken:
-            taken = _in_ordered_claim_order(taken, request)
-        return Claimed(taken, suspect, budget_wait)
+    name = _claim_query(request)
+    if name not in _BOUNDED_CLAIMS or not rows:
+        return Claimed(_jobs(rows), suspect, budget_wait)
     claimed = [Job.from_row(row[:-1]) for row in rows]
     summary = rows[0][-1]  # see _BOUNDED_CLAIMS
     bounded = summary >> 2 > len(rows)
-    if summary & 1:
+    if name == "claim_jobs_ordered":
+        pass  # its rows come in claim order
+    elif summary & 1:
         # The ones on their last attempt are among the first, which start at once.
         claimed = in_claim_order(claimed)
-    elif ordered:
+    elif request.order is not None and request.order["ordered"]:
+        # A limited lane's claim_order() pick, returned in id order.
         claimed = _in_ordered_claim_order(claimed, request)
     else:
         claimed = in_priority_order(claimed)

@@ -211,12 +211,15 @@ def test_a_lane_of_single_attempts_holds_only_the_jobs_it_runs(
     assert sorted(rows) == sorted((job_id, 1) for job_id in ids)
 
 
+@pytest.mark.parametrize("ordering", [{}, {"fair_by": "handler", "max_wait": "1m"}],
+                         ids=["plain", "fair-and-aging"])
 def test_jobs_on_their_last_attempt_are_not_held_ahead_in_a_lane_of_more_attempts(
-    daemons: Daemons, effects_db: psycopg.Connection
+    daemons: Daemons, effects_db: psycopg.Connection, ordering: dict[str, Any]
 ) -> None:
     """The same for jobs enqueued with ``max_attempts = 1`` into a lane that retries: its
-    workers claim ahead, but a claim takes such a job only into a free slot."""
-    kill_a_node_running_two_of_eight(daemons, effects_db, {"max_attempts": 5}, 1)
+    workers claim ahead, but a claim takes such a job only into a free slot, in a fair or
+    age-promoting lane as in a plain one."""
+    kill_a_node_running_two_of_eight(daemons, effects_db, {"max_attempts": 5, **ordering}, 1)
 
 
 # --- 3. a job that kills its worker every time ---------------------------------------------

@@ -148,22 +148,28 @@ def started_in_order(conn: psycopg.Connection, lane: LaneConfig) -> list[int]:
     return started
 
 
-@pytest.mark.parametrize("fair_by", ["none", "handler"])
+# claim_jobs_ordered, and claim_jobs_limited's pick by claim_order() in a rate-limited lane.
+ORDERED_LANES = pytest.mark.parametrize("fair_by, rate", [
+    ("none", None), ("handler", None), ("none", 1000), ("handler", 1000)])
+
+
+@ORDERED_LANES
 def test_an_ordered_claims_jobs_start_highest_priority_first_whatever_their_ids(
-    conn: psycopg.Connection, fair_by: str
+    conn: psycopg.Connection, fair_by: str, rate: int | None
 ) -> None:
     # The UPDATE returns the rows by id and the worker starts its buffer in that order: in a
     # lane with max_wait or fair_by, a priority-0 job enqueued before three of priority 5
     # started first, one job at a time, ahead of all of them.
     older = jobd.enqueue(conn, "h", priority=0)
     newer = [jobd.enqueue(conn, "h", priority=5) for _ in range(3)]
-    lane = LaneConfig(LANE, concurrency=1, prefetch=3, max_wait=3600, fair_by=fair_by)
+    lane = LaneConfig(LANE, concurrency=1, prefetch=3, max_wait=3600, fair_by=fair_by,
+                      rate_limit=rate)
     assert started_in_order(conn, lane) == [*newer, older]
 
 
-@pytest.mark.parametrize("fair_by", ["none", "handler"])
+@ORDERED_LANES
 def test_an_overdue_job_starts_ahead_of_the_younger_work_its_claim_took(
-    conn: psycopg.Connection, fair_by: str
+    conn: psycopg.Connection, fair_by: str, rate: int | None
 ) -> None:
     # claim_order takes the overdue job first; the worker started it last, behind every
     # higher-priority job of its claim with a smaller id.
@@ -171,7 +177,8 @@ def test_an_overdue_job_starts_ahead_of_the_younger_work_its_claim_took(
     fresh = [jobd.enqueue(conn, "h", run_at=t0, priority=9) for _ in range(3)]
     overdue = jobd.enqueue(conn, "h", run_at=t0 - timedelta(seconds=120), priority=0)
     older_overdue = jobd.enqueue(conn, "h", run_at=t0 - timedelta(seconds=300), priority=1)
-    lane = LaneConfig(LANE, concurrency=1, prefetch=4, max_wait=60, fair_by=fair_by)
+    lane = LaneConfig(LANE, concurrency=1, prefetch=4, max_wait=60, fair_by=fair_by,
+                      rate_limit=rate)
     assert started_in_order(conn, lane) == [older_overdue, overdue, *fresh]
 
 

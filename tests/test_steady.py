@@ -8,6 +8,7 @@ import secrets
 import time
 from collections.abc import Iterator
 from datetime import timedelta
+from typing import Any
 
 import psycopg
 import pytest
@@ -800,9 +801,11 @@ def test_a_claim_takes_jobs_on_their_last_attempt_only_among_those_that_start_at
     # twice, is one too.
     conn.execute("UPDATE jobs SET state = 'failed', attempts = 2 WHERE id = %s", (ids[4],))
 
-    def claim(starting: int | None, limited: bool = False) -> queue.Claimed:
+    def claim(starting: int | None, limited: bool = False,
+              order: dict[str, Any] | None = None) -> queue.Claimed:
         request = queue.ClaimRequest(
-            LANE, "w", 6, 30, payload_bytes=10**9, starting=starting, lane_max_attempts=3,
+            LANE, "w", 6, 30, payload_bytes=None if order else 10**9, starting=starting,
+            lane_max_attempts=3, order=order,
             budget={"max_running": None, "rate_limit": 1000, "rate_per": 1.0} if limited
             else None)
         claimed = queue.settle_and_claim(conn, [], [], request)[2]
@@ -826,6 +829,42 @@ def test_a_claim_takes_jobs_on_their_last_attempt_only_among_those_that_start_at
         # takes), nothing is cut.
         everything = claim(None, limited)
         assert (sorted(job.id for job in everything.jobs), everything.bounded) == (ids, False)
+    # A fair or age-promoting lane's claim (claim_jobs_ordered) cuts as claim_jobs does, in
+    # its own claim order: here one share key, so oldest first.
+    for fair_by, max_wait in (("handler", None), ("none", 60.0), ("handler", 60.0)):
+        ordered = LaneConfig(LANE, fair_by=fair_by, max_wait=max_wait).claim_order(None)
+        assert taken(claim(0, order=ordered)) == (ids[:2], True, False)
+        assert taken(claim(3, order=ordered)) == (ids[:4], True, False)
+        assert taken(claim(5, order=ordered)) == (ids, False, False)
+        everything = claim(None, order=ordered)
+        assert ([job.id for job in everything.jobs], everything.bounded) == (ids, False)
+
+
+def test_a_fair_claims_jobs_come_in_its_claim_order_and_its_cut_follows_it(
+    conn: psycopg.Connection,
+) -> None:
+    """A fair claim takes each share key's share in turn, then splits what is left: its
+    jobs start in that order, not by id, and the last attempts' cut counts in it."""
+    a1, a2, a3 = (jobd.enqueue(conn, "a") for _ in range(3))
+    last_b = jobd.enqueue(conn, "b", max_attempts=1)
+    b2 = jobd.enqueue(conn, "b")
+    last_c = jobd.enqueue(conn, "c", max_attempts=1)
+    ordered = LaneConfig(LANE, fair_by="handler").claim_order(None)
+
+    def claim(starting: int) -> queue.Claimed:
+        request = queue.ClaimRequest(LANE, "w", 6, 30, order=ordered, starting=starting,
+                                     lane_max_attempts=3)
+        claimed = queue.settle_and_claim(conn, [], [], request)[2]
+        queue.release(conn, [job.lease for job in claimed.jobs])
+        return claimed
+
+    # Shares of two for a, b and c, then a's third job with the room c left.
+    everything = claim(6)
+    assert ([job.id for job in everything.jobs], everything.bounded) == (
+        [a1, a2, last_b, b2, last_c, a3], False)
+    # b's last attempt is third, among the three that start at once; c's is fifth: cut.
+    cut = claim(3)
+    assert ([job.id for job in cut.jobs], cut.bounded) == ([a1, a2, last_b, b2], True)
 
 
 def test_a_worker_whose_claim_ahead_meets_a_last_attempt_claims_it_once_a_slot_frees(

@@ -199,7 +199,12 @@ RETURNING jobs.id, jobs.lease_token, jobs.lane, jobs.handler, jobs.payload::text
 -- claim_jobs for a lane with max_wait or fair_by (docs/design/fairness.md): claim_order()
 -- (migrations/0013_fairness.sql) picks and locks the jobs, overdue ones first and shared
 -- across keys, and this statement claims them as claim_jobs does. The pause and suspect
--- rules are claim_jobs'.
+-- rules are claim_jobs'. So is the last attempts' cut: a job whose claim spends its last
+-- attempt is taken only among the jobs that start at once, counted in claim order, and the
+-- claim ends before the first other one (no count: no cut). No byte bound here. The rows come back in claim
+-- order (the UPDATE returns them in the order it finds them by id; the worker starts them in
+-- the order they come), each ending with claim_jobs' number: 4 x the count of the jobs
+-- claim_order locked, + 1 if one of them was on its last attempt.
 WITH paused AS (
     SELECT coalesce(bool_or(handler IS NULL), false) AS whole_lane,
            coalesce(array_agg(handler) FILTER (WHERE handler IS NOT NULL), '{}')
@@ -207,7 +212,7 @@ WITH paused AS (
       FROM lane_pauses
      WHERE lane = %(lane)s
 ),
-picked AS MATERIALIZED (
+chosen AS MATERIALIZED (
     SELECT claim_order(%(lane)s, %(floor_priorities)s::int[], %(floor_run_ats)s::timestamptz[],
                        %(floor_ids)s::bigint[], %(floor_ages)s::float8[],
                        %(default_floor_age)s::float8, coalesce(%(now)s::timestamptz, now()),
@@ -220,19 +225,52 @@ picked AS MATERIALIZED (
        AND NOT EXISTS (SELECT 1 FROM jobs AS s
                         WHERE s.lane = %(lane)s AND s.suspect AND s.state = 'claimed'
                           AND s.claimed_by = %(worker)s)
+),
+picked AS MATERIALIZED (
+    SELECT u.id, u.n FROM chosen AS c, unnest(c.ids) WITH ORDINALITY AS u(id, n)
+),
+-- Each locked job's place and whether it is past the jobs that start at once on its last
+-- attempt: read only when the worker counts the starting jobs (it always does).
+numbered AS MATERIALIZED (
+    SELECT p.id, p.n,
+           p.n > %(starting)s::int
+           AND j.attempts + 1 >= coalesce(j.max_attempts, %(lane_max_attempts)s::int) AS past,
+           j.attempts + 1 >= coalesce(j.max_attempts, %(lane_max_attempts)s::int) AS last
+      FROM picked AS p
+      JOIN jobs AS j ON j.id = p.id
+     WHERE %(starting)s::int IS NOT NULL
+),
+kept AS (
+    SELECT n.id, n.n
+      FROM (SELECT id, n, bool_or(past) OVER (ORDER BY n ROWS UNBOUNDED PRECEDING) AS cut
+              FROM numbered) AS n
+     WHERE NOT coalesce(n.cut, false)
+),
+totals AS (
+    SELECT (SELECT count(*)::int FROM picked) AS locked,
+           coalesce((SELECT bool_or(last) FROM numbered), false) AS any_last
+),
+claimed AS (
+    UPDATE jobs
+       SET state = 'claimed',
+           attempts = jobs.attempts + 1,
+           claimed_by = %(worker)s,
+           claimed_at = coalesce(%(now)s::timestamptz, now()),
+           lease_until = coalesce(%(now)s::timestamptz, now())
+                         + make_interval(secs => %(visibility_timeout)s),
+           lease_token = (SELECT new_lease_token())
+     WHERE jobs.id = ANY(CASE WHEN %(starting)s::int IS NULL THEN ARRAY(SELECT id FROM picked)
+                              ELSE ARRAY(SELECT id FROM kept) END)
+    RETURNING jobs.id, jobs.lease_token, jobs.lane, jobs.handler, jobs.payload::text,
+              jobs.priority, jobs.run_at, jobs.attempts, jobs.max_attempts,
+              jobs.idempotency_key, jobs.created_at, jobs.lease_until, jobs.fairness_key
 )
-UPDATE jobs
-   SET state = 'claimed',
-       attempts = jobs.attempts + 1,
-       claimed_by = %(worker)s,
-       claimed_at = coalesce(%(now)s::timestamptz, now()),
-       lease_until = coalesce(%(now)s::timestamptz, now())
-                     + make_interval(secs => %(visibility_timeout)s),
-       lease_token = (SELECT new_lease_token())
- WHERE jobs.id = ANY((SELECT ids FROM picked)::bigint[])
-RETURNING jobs.id, jobs.lease_token, jobs.lane, jobs.handler, jobs.payload::text, jobs.priority,
-          jobs.run_at, jobs.attempts, jobs.max_attempts, jobs.idempotency_key,
-          jobs.created_at, jobs.lease_until, jobs.fairness_key
+SELECT c.id, c.lease_token, c.lane, c.handler, c.payload, c.priority, c.run_at, c.attempts,
+       c.max_attempts, c.idempotency_key, c.created_at, c.lease_until, c.fairness_key,
+       (SELECT 4 * locked + any_last::int FROM totals)
+  FROM claimed AS c
+  JOIN picked AS p ON p.id = c.id
+ ORDER BY p.n
 
 -- name: claim_jobs_limited
 -- claim_jobs for a lane with limits across all nodes (lanes.<l>.max_running, lanes.<l>.rate):
