@@ -40,6 +40,11 @@ class TransactionEnded(RuntimeError):
     statement): what it wrote no longer commits with the job's completion."""
 
 
+class TransactionAborted(RuntimeError):
+    """A statement of the handler failed and the handler returned all the same: the job's
+    transaction is aborted, and nothing of it can commit."""
+
+
 class ConnectionGone(Exception):
     """The connection was dead before the transaction began (the server closed it while it
     sat idle in the pool: a restart, a failover, an idle timeout): nothing of the run
@@ -66,9 +71,15 @@ def run_transactional(
     SERIALIZABLE the completion's fenced DELETE of that row would then fail every run that
     outlasts a heartbeat.
     """
+    callers_autocommit = conn.autocommit
     if conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
         # Inside a caller's transaction (jobd.testing) the caller's level stands.
         conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
+        # Not autocommit while the handler runs: a statement it sends after ending the job's
+        # transaction itself (a ROLLBACK, then a write) opens a transaction that is rolled
+        # back below, instead of committing on its own; after a ROLLBACK the key is gone too,
+        # and every retry would have made that write again.
+        conn.autocommit = False
     # jobd's statements read tuples; the handler gets the connection's own row factory, and
     # whatever it sets (dict_row, say) ends with its run.
     callers_rows = conn.row_factory
@@ -85,8 +96,8 @@ def run_transactional(
             if first is not None:
                 conn.row_factory = callers_rows
                 check_ran(job.handler, forks.call(handler, job, conn))
-                _check_transaction_open(conn, job)
                 conn.row_factory = tuple_row
+                _check_transaction_open(conn, job)
             completed = complete(conn, [job.lease], schema=schema)
             if not completed.applied:
                 raise LeaseLost(f"job {job.id}: lease lost before commit; effect rolled back")
@@ -96,6 +107,7 @@ def run_transactional(
         raise
     finally:
         conn.row_factory = callers_rows
+        _restore_autocommit(conn, callers_autocommit)
     if completed.cancelled:
         return "cancelled"
     return "done" if first is not None else "replayed"
@@ -105,11 +117,35 @@ def _check_transaction_open(conn: psycopg.Connection, job: Job) -> None:
     """A handler that sent ``ROLLBACK`` undid its writes and the effect key, and the
     completion that follows would then commit alone: the job done, its effect never made.
     One that sent ``COMMIT`` made its effect without the completion. Either fails the job
-    (after a COMMIT, its retry finds the key and completes it without running again)."""
-    if conn.info.transaction_status != psycopg.pq.TransactionStatus.INTRANS:
+    (after a COMMIT, its retry finds the key and completes it without running again), and so
+    does one that went on in a transaction begun after it ended the job's (its next statement
+    opened one, or its own ``BEGIN`` did), which the server tells (effect_key_held).
+
+    A handler that caught the error of a failed statement and returned left the transaction
+    aborted: that is said as such, not as a transaction it ended."""
+    status = conn.info.transaction_status
+    if status == psycopg.pq.TransactionStatus.INERROR:
+        raise TransactionAborted(
+            f"a statement of handler {job.handler!r} failed and the handler went on: the "
+            f"job's transaction is aborted; to go on after a statement that may fail, run "
+            f"it in a savepoint (with conn.transaction(): ...)")
+    if status != psycopg.pq.TransactionStatus.INTRANS or not _holds_effect_key(conn, job):
         raise TransactionEnded(
             f"handler {job.handler!r} ended the job's transaction itself (a COMMIT or "
             f"ROLLBACK statement); raise an exception to roll its work back instead")
+
+
+def _holds_effect_key(conn: psycopg.Connection, job: Job) -> bool:
+    row = conn.execute(query("effect_key_held"), {"key": job.effect_key}).fetchone()
+    return bool(row and row[0])
+
+
+def _restore_autocommit(conn: psycopg.Connection, autocommit: bool) -> None:
+    """Put back the connection's autocommit once the run's transaction is over (a closed or
+    broken connection is dropped by its pool, as it is)."""
+    if (conn.autocommit != autocommit and not conn.closed
+            and conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE):
+        conn.autocommit = autocommit
 
 
 def end_abandoned(conn: psycopg.Connection, job: Job) -> int:

@@ -247,6 +247,66 @@ def test_a_handler_that_ends_the_transaction_itself_fails_its_job_and_the_effect
         assert state_of(conn, job_id) == "done"
 
 
+@pytest.mark.parametrize("statement", ["ROLLBACK", "ROLLBACK; BEGIN", "COMMIT; BEGIN"])
+def test_what_a_handler_writes_after_ending_the_transaction_itself_is_never_committed(
+    tables: psycopg.Connection, db_url: str, statement: str
+) -> None:
+    # After its own ROLLBACK the handler's next write committed on its own (the pool's
+    # connections are autocommit), and the effect key was gone: every retry ran the handler
+    # again and wrote it again. After "ROLLBACK; BEGIN" the completion committed in the new
+    # transaction: the job done, its key never recorded. Now neither commits anything.
+    conn = tables
+    job_id = jobd.enqueue(conn, "tx")
+
+    @jobd.transactional
+    def handler(job: Job, tx: psycopg.Connection) -> None:
+        tx.execute(statement)
+        insert_effect(job, tx, "worker-a")
+
+    committed = statement.startswith("COMMIT")
+    for attempt in (1, 2):
+        job = claim_one(conn, "worker-a", db_now(conn))
+        with connect(db_url) as a_conn:
+            if committed and attempt == 2:
+                # The key committed with the COMMIT: the retry completes the job unrun.
+                assert run_transactional(a_conn, job, handler) == "replayed"
+            else:
+                with pytest.raises(exactly_once.TransactionEnded,
+                                   match="ended the job's transaction"):
+                    run_transactional(a_conn, job, handler)
+            assert a_conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+            assert a_conn.autocommit, "the connection goes back as it came"
+        assert effect_rows(conn) == [], f"attempt {attempt}"
+        if state_of(conn, job_id) == "claimed":
+            queue.release(conn, [job.lease])
+    assert state_of(conn, job_id) == ("done" if committed else "pending")
+    assert processed_keys(conn) == ([(f"jobd:job:{job_id}", job_id)] if committed else [])
+
+
+def test_a_handler_that_goes_on_after_a_failed_statement_is_told_so(
+    tables: psycopg.Connection, db_url: str
+) -> None:
+    # It used to fail as "ended the job's transaction itself (a COMMIT or ROLLBACK)", which
+    # it never sent: the usual case is an error caught without a savepoint.
+    conn = tables
+    job_id = jobd.enqueue(conn, "tx")
+
+    @jobd.transactional
+    def handler(job: Job, tx: psycopg.Connection) -> None:
+        insert_effect(job, tx, "worker-a")
+        try:
+            tx.execute("SELECT 1 / 0")
+        except psycopg.errors.DivisionByZero:
+            pass
+
+    job = claim_one(conn, "worker-a", db_now(conn))
+    with connect(db_url) as a_conn, pytest.raises(
+            exactly_once.TransactionAborted, match=r"failed and the handler went on.*savepoint"):
+        run_transactional(a_conn, job, handler)
+    assert state_of(conn, job_id) == "claimed"
+    assert effect_rows(conn) == [] and processed_keys(conn) == []
+
+
 # --- (b) two threads at once ---------------------------------------------------------------
 
 

@@ -1515,10 +1515,12 @@ DELETE FROM schedule_fires WHERE fire_at < now() - make_interval(secs => %(older
 -- and bounds the transaction on the server by the lane's timeout (%(timeout_ms)s, NULL for
 -- none) in case the worker is frozen where no sweep sees it. A tighter bound of the role's or
 -- database's own stands, and without a lane timeout theirs do (current_setting() reads as an
--- interval: 0, 300ms, 5s, 1min).
+-- interval: 0, 300ms, 5s, 1min). It also marks the transaction as the one that holds the key
+-- (jobd.effect_key, local to it: see effect_key_held).
 INSERT INTO {schema}.processed_keys (idempotency_key, job_id)
 SELECT %(key)s, %(job_id)s
   FROM (SELECT set_config('application_name', %(application_name)s, true),
+               set_config('jobd.effect_key', %(key)s, true),
                (SELECT count(set_config(setting, %(timeout_ms)s::bigint::text, true))
                   FROM unnest(ARRAY['idle_in_transaction_session_timeout',
                                     'statement_timeout']) AS setting
@@ -1528,6 +1530,14 @@ SELECT %(key)s, %(job_id)s
        ) AS session
 ON CONFLICT DO NOTHING
 RETURNING job_id
+
+-- name: effect_key_held
+-- After a transactional handler ran, before its job's completion: whether the open
+-- transaction is still the one that recorded the job's effect key. record_effect_key set
+-- jobd.effect_key local to that transaction; a COMMIT or ROLLBACK the handler sent ended it
+-- and took the setting with it, so a transaction begun after that (its next statement, or its
+-- own BEGIN) reads NULL or an empty string here.
+SELECT current_setting('jobd.effect_key', true) IS NOT DISTINCT FROM %(key)s
 
 -- name: prune_job_keys
 -- This and the two prunes after it (jobd/archive.py) delete a batch of rows at most, a
