@@ -70,17 +70,27 @@ def error_text(exc: BaseException) -> str:
     return str(exc) if isinstance(exc, JobTimedOut) else format_error(exc)
 
 
+# In the traceback, an exception's own lines (its type and message) beyond this many
+# characters are cut: the headline carries the message, and the traceback's frames, which
+# say where it was raised, must not be pushed out of the text that is kept.
+MAX_MESSAGE_IN_TRACEBACK = 500
+# A group's headline names at most this many of the exceptions it holds.
+GROUP_LEAVES_NAMED = 3
+
+
 def format_error(exc: BaseException) -> str:
     """The text stored as a failed attempt's error: the exception's headline, then its
     traceback, each at most MAX_ERROR_CHARS, and always storable: PostgreSQL text cannot hold
     NUL or lone surrogates, and an exception whose ``__str__`` fails still fails its job
-    rather than the worker thread that ran it."""
+    rather than the worker thread that ran it.
+
+    The headline is the first line (what ``jobd jobs show`` and the log print): for an
+    exception group (``asyncio.TaskGroup``) it also names the exceptions the group holds. The
+    traceback keeps its end, where the innermost frames are; an exception's message is cut
+    short in it, so a long one (a response body) leaves room for the frames."""
+    headline = _headline(exc)
     try:
-        headline = f"{type(exc).__name__}: {exc}"
-    except Exception as broken:
-        headline = f"{type(exc).__name__} (its message could not be formatted: {broken!r})"
-    try:
-        text = "".join(traceback.format_exception(exc))
+        text = _shortened("".join(traceback.format_exception(exc)), exc)
     except Exception:
         # As above, the user's exception is at fault, not the job's outcome: the headline
         # (which says what could not be formatted, if that was it) stands for the text.
@@ -89,6 +99,58 @@ def format_error(exc: BaseException) -> str:
     if len(text) > MAX_ERROR_CHARS:
         text = text[-MAX_ERROR_CHARS:]
     return f"{headline}\n{text}" if text.strip() != headline else headline
+
+
+def _headline(exc: BaseException) -> str:
+    headline = _one_line(exc)
+    if isinstance(exc, BaseExceptionGroup):
+        leaves = _leaves(exc)
+        named = "; ".join(_one_line(leaf).split("\n", 1)[0]
+                          for leaf in leaves[:GROUP_LEAVES_NAMED])
+        more = len(leaves) - GROUP_LEAVES_NAMED
+        headline += f": {named}" + (f"; and {more} more" if more > 0 else "")
+    return headline
+
+
+def _one_line(exc: BaseException) -> str:
+    try:
+        return f"{type(exc).__name__}: {exc}"
+    except Exception as broken:
+        return f"{type(exc).__name__} (its message could not be formatted: {broken!r})"
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    """The exceptions a group holds, nested groups opened, in order."""
+    found: list[BaseException] = []
+    for inner in group.exceptions:
+        found.extend(_leaves(inner) if isinstance(inner, BaseExceptionGroup) else [inner])
+    return found
+
+
+def _shortened(text: str, exc: BaseException) -> str:
+    """``text`` (the formatted traceback of ``exc``) with the long messages of ``exc`` and of
+    the exceptions chained to it cut to MAX_MESSAGE_IN_TRACEBACK characters."""
+    for chained in _chain(exc):
+        try:
+            lines = "".join(traceback.format_exception_only(chained))
+        except Exception:
+            continue
+        if len(lines) > MAX_MESSAGE_IN_TRACEBACK:
+            cut = (lines[:MAX_MESSAGE_IN_TRACEBACK]
+                   + f"... [{len(lines) - MAX_MESSAGE_IN_TRACEBACK} more characters]\n")
+            text = text.replace(lines, cut)
+    return text
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and what it was raised from or while handling, as a traceback shows them."""
+    seen: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and not any(current is s for s in seen):
+        seen.append(current)
+        current = current.__cause__ or (None if current.__suppress_context__
+                                        else current.__context__)
+    return seen
 
 
 def first_line_of(text: str) -> str:

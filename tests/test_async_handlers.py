@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from jobd import handlers, jobs, logs, protocol
+from jobd import handlers, jobs, logs, outcomes, protocol
 from jobd.async_handlers import AsyncHandlers
 from jobd.claimer import Claimer
 from jobd.completer import Completer, Counters
@@ -447,3 +447,41 @@ def test_a_generator_handler_is_refused_and_one_behind_a_wrapper_fails_its_job()
             runner.close()
         assert outcome.error is not None and "generator instead of running" in outcome.error
     assert ran == []
+
+
+def test_a_failed_task_group_names_what_failed_in_its_first_line() -> None:
+    # The first line is what `jobd jobs show`, `jobs list` and the log print; for a TaskGroup
+    # it was "unhandled errors in a TaskGroup (2 sub-exceptions)", naming neither.
+    async def handler(job: jobs.Job) -> None:
+        async def charge() -> None:
+            raise ValueError("card declined")
+
+        async def reserve() -> None:
+            raise KeyError("sku-7")
+
+        async with asyncio.TaskGroup() as group:
+            group.create_task(charge())
+            group.create_task(reserve())
+
+    error = run(handler).error
+    assert error is not None
+    first = outcomes.first_line_of(error)
+    assert first.startswith("ExceptionGroup: unhandled errors in a TaskGroup (2 sub-exceptions)")
+    assert "ValueError: card declined" in first and "KeyError: 'sku-7'" in first
+    assert "Traceback" in error
+
+
+def test_a_long_error_message_leaves_the_traceback_its_frames() -> None:
+    # An error that carries a response body: the traceback's tail, which is what is kept,
+    # was the message over again, and the frames (where it was raised) were lost.
+    async def handler(job: jobs.Job) -> None:
+        def call_the_api() -> None:
+            raise RuntimeError("HTTP 502: " + "<html>" * 2000)
+
+        call_the_api()
+
+    error = run(handler).error
+    assert error is not None
+    assert error.startswith("RuntimeError: HTTP 502: <html>")
+    assert "in call_the_api" in error and 'raise RuntimeError("HTTP 502: "' in error
+    assert len(error) <= 2 * outcomes.MAX_ERROR_CHARS + 1
