@@ -145,9 +145,17 @@ class HandlerCheck:
         with tempfile.TemporaryFile("w+") as stdin:
             stdin.write(json.dumps([[p.kind, p.name, p.path] for p in paths]))
             stdin.seek(0)
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "jobd.handlers"], stdin=stdin, stdout=self._stdout,
-                stderr=self._stderr, text=True)
+            # Born with SIGHUP held (a blocked signal stays blocked across exec): a SIGHUP
+            # sent to the daemon's process group (a terminal that closes) would otherwise end
+            # the check, which reads as a handler that cannot be imported: at boot, exit
+            # code 3. The supervisor takes the group's SIGHUP as a reload.
+            previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
+            try:
+                self.process = subprocess.Popen(
+                    [sys.executable, "-m", "jobd.handlers"], stdin=stdin, stdout=self._stdout,
+                    stderr=self._stderr, text=True)
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, previous)
         self.problems: list[str] | None = None
 
     def poll(self) -> list[str] | None:

@@ -2,7 +2,11 @@
 
 SIGTERM drains (stop claiming, let jobs finish up to ``shutdown_timeout``, release the rest);
 SIGUSR2 retires (finish every job, however long, then exit: used when a reload replaces the
-worker); SIGQUIT or a second SIGTERM stops at once, releasing what the worker holds. The
+worker); SIGQUIT or a second SIGTERM stops at once, releasing what the worker holds. SIGHUP
+changes nothing: reloading is the supervisor's, and a SIGHUP reaches the workers only when it
+is sent to the whole process group (a terminal that closes, ``systemctl kill -s HUP``),
+whose default action would end them mid-job. It is handled rather than ignored, so the
+handlers' own child processes are born with SIGHUP's default action. The
 supervisor going away counts as a SIGTERM: with no one to account for it, a retiring worker
 must not run on for as long as its jobs take.
 """
@@ -16,7 +20,7 @@ import structlog
 
 from jobd.protocol import WorkerMode
 
-HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGUSR2, signal.SIGQUIT)
+HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGUSR2, signal.SIGQUIT, signal.SIGHUP)
 # Held from the worker's birth until its loop handles them: the supervisor spawns it with
 # these blocked (a blocked signal stays blocked across exec), so a drain's SIGTERM or a
 # terminal's Ctrl-C that arrives while the interpreter starts, or while the handlers import,
@@ -48,6 +52,7 @@ class Lifecycle:
         elif signum == signal.SIGUSR2 and self.mode == WorkerMode.RUNNING:
             self.mode = WorkerMode.RETIRING
             log.info("retiring", in_flight=in_flight)
+        # SIGHUP: nothing (see the module's docstring).
 
     def supervisor_gone(self, in_flight: int) -> None:
         log.warning("supervisor gone; draining", mode=str(self.mode), in_flight=in_flight)

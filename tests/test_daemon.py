@@ -446,6 +446,29 @@ def test_reload_adds_a_worker_and_a_lane_without_touching_running_workers(
     assert effects(effects_db, job_id, "end")[0]["pid"] == extra["pid"]
 
 
+def test_a_sighup_to_the_whole_process_group_reloads_and_leaves_the_workers_running(
+    daemons: Daemons, effects_db: psycopg.Connection
+) -> None:
+    # A terminal that closes, `kill -HUP -PGID` or `systemctl kill -s HUP jobd` (whose
+    # default is every process of the unit) sends SIGHUP to the workers too. Before, its
+    # default action killed each of them: their running jobs failed an attempt as if they
+    # had crashed their workers ("killed by SIGHUP", logged as errors).
+    daemon = daemons(make_config({"default": {"workers": 1, "concurrency": 2}}))
+    [pid] = daemon.wait_workers_started("default", 1).values()
+    job_id = jobd.enqueue(effects_db, "slow", {"seconds": 2})
+    wait_until(lambda: effects(effects_db, job_id, "start"), 10, message="the job to start")
+
+    mark = daemon.mark()
+    os.killpg(daemon.pid, signal.SIGHUP)  # the daemon leads its own process group
+    daemon.wait_for_log("config reloaded", since=mark)
+    wait_state(effects_db, job_id, "done", 15, daemon)
+    row = job_row(effects_db, job_id)
+    assert (row["attempts"], row["errors"]) == (1, [])
+    assert [e["pid"] for e in effects(effects_db, job_id, "end")] == [pid]
+    assert alive(pid)
+    assert not daemon.events("worker exited", since=mark), daemon.tail()
+
+
 @pytest.mark.parametrize("bad_config", [
     "lanes: [this is not: valid yaml\n",
     "handlers: {ok: 'testhandlers:ok'}\nlanes:\n  default:\n    wrokers: 3\n",

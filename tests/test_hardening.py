@@ -637,6 +637,23 @@ def test_a_sighup_while_the_handlers_import_at_start_is_a_reload_once_running(
     wait_state(effects_db, job_id, "done", 15, daemon)
 
 
+def test_a_sighup_to_the_process_group_while_the_handlers_import_at_start_is_no_boot_failure(
+    daemons: Daemons, effects_db: psycopg.Connection
+) -> None:
+    # A terminal's hangup reaches the boot's import check too. Before, its default action
+    # ended the check, which the supervisor took for a handler that cannot be imported: exit
+    # code 3, which systemd does not restart.
+    daemon, gate = started_with_a_slow_import(daemons)
+    wait_until((daemon.dir / "importing").exists, 15, message="the boot's import check")
+    os.killpg(daemon.pid, signal.SIGHUP)  # the daemon leads its own process group
+    gate.touch()
+    daemon.wait_workers_started("default", 1)
+    daemon.wait_for_log("config reloaded")
+    assert not daemon.events("boot failure")
+    job_id = jobd.enqueue(effects_db, "ok", {})
+    wait_state(effects_db, job_id, "done", 15, daemon)
+
+
 def test_a_worker_asked_to_drain_while_its_handlers_import_drains_and_is_no_crash(
     daemons: Daemons,
 ) -> None:
