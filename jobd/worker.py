@@ -243,12 +243,22 @@ class Worker:
             self.link.retry_at = 0.0  # one more try, whatever the backoff said
             self._ensure_connection()
         self._settle_and_claim(claim=False)
+        self._warn_unrecorded()
         unfinished = (self.slots.unfinished_leases() + self.claimer.buffer.leases()
                       + [job.lease for job in self.claimer.releasing])
         if unfinished:
             released = self.link.run("queue", lambda conn: queue.release(conn, unfinished))
-            log.info("released unfinished jobs", job_ids=[lease.id for lease in unfinished],
-                     released=len(released.applied) if released else 0)
+            job_ids = [lease.id for lease in unfinished]
+            if released is None:
+                # The lease sweep of a node that reaches the database fails them once their
+                # leases expire: each spends an attempt.
+                log.warning("exiting without giving back unfinished jobs: the write to the "
+                            "database failed; they stay claimed until their leases expire, then "
+                            "are retried", job_ids=job_ids,
+                            visibility_timeout=self.spec.lane.visibility_timeout)
+            else:
+                log.info("released unfinished jobs", job_ids=job_ids,
+                         released=len(released.applied))
         if self.claimer.arming.armed:
             self.link.run("queue", lambda conn: queue.disarm(conn, self.spec.worker_id))
         self._report(force=True)
@@ -260,6 +270,18 @@ class Worker:
         # supervisor, whatever the exit code.
         if self.runner.board is not None:
             self.runner.board.mark_shut_down()
+
+
+    def _warn_unrecorded(self) -> None:
+        """Say which finished jobs' outcomes the last write could not record: they run
+        again once their leases expire (an operator looking for a job run twice starts
+        here)."""
+        unrecorded = [outcome.job.id for outcome in self.completer.pending]
+        if unrecorded:
+            log.warning("exiting without recording finished jobs: the write to the "
+                        "database failed; they stay claimed until their leases expire, then run "
+                        "again", job_ids=unrecorded,
+                        visibility_timeout=self.spec.lane.visibility_timeout)
 
 
 def main() -> int:

@@ -991,6 +991,51 @@ def test_a_database_outage_neither_spins_nor_loses_work(
     assert daemon.running()
 
 
+def test_a_drain_without_the_database_says_which_jobs_stay_claimed_until_their_leases_expire(
+    daemons: Daemons, effects_db: psycopg.Connection, pg_server: Any, db_url: str
+) -> None:
+    # A stop while the database is away (a host going down with its server, say): the
+    # worker can neither record what finished nor give back what did not. Those jobs stay
+    # claimed until their leases expire and then run again. Before, the log said "released
+    # unfinished jobs" at info level (with released: 0) and nothing of the finished one.
+    daemon = daemons(make_config({"default": {"workers": 1, "concurrency": 2}},
+                                 supervisor={"shutdown_timeout": "3s"}))
+    daemon.wait_workers_started("default", 1)
+    short = jobd.enqueue(effects_db, "slow", {"seconds": 1})
+    long = jobd.enqueue(effects_db, "slow", {"seconds": 60})
+    for job_id in (short, long):
+        wait_until(lambda job_id=job_id: effects(effects_db, job_id, "start"), 10,
+                   message=f"job {job_id} to start")
+
+    dbname = psycopg.conninfo.conninfo_to_dict(db_url)["dbname"]
+    with psycopg.connect(pg_server.admin_url, autocommit=True) as admin:
+        admin.execute(psycopg.sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS false").format(
+            psycopg.sql.Identifier(dbname)))
+        try:
+            admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                          "WHERE datname = %s AND application_name LIKE 'jobd _%%'", (dbname,))
+            daemon.signal(signal.SIGTERM)
+            assert daemon.wait_exit(15) == 0
+        finally:
+            admin.execute(psycopg.sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS true").format(
+                psycopg.sql.Identifier(dbname)))
+    # The short job's run ended (its handler fails to leave its trace: the database is
+    # away); the long one's did not.
+    unrecorded = daemon.events("exiting without recording finished jobs: the write to "
+                               "the database failed; they stay claimed until their leases expire, "
+                               "then run again", process=None)
+    assert [e["job_ids"] for e in unrecorded] == [[short]], daemon.tail()
+    assert unrecorded[0]["level"] == "warning"
+    kept = daemon.events("exiting without giving back unfinished jobs: the write to "
+                         "the database failed; they stay claimed until their leases expire, then "
+                         "are retried", process=None)
+    assert [e["job_ids"] for e in kept] == [[long]], daemon.tail()
+    assert kept[0]["level"] == "warning"
+    assert not daemon.events("released unfinished jobs", process=None)
+    for job_id in (short, long):
+        assert job_row(effects_db, job_id)["state"] == "claimed"
+
+
 def test_reload_applies_a_new_log_level_to_the_supervisor_and_its_workers(
     daemons: Daemons, effects_db: psycopg.Connection
 ) -> None:
