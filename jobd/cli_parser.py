@@ -50,6 +50,8 @@ from jobd.db import DEFAULT_SCHEMA
 from jobd.errors import printable
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from _typeshed import SupportsWrite  # what argparse's print_help takes
 
 # schedules next builds its answer in memory: a bound on what it may be asked for.
@@ -74,8 +76,20 @@ def version() -> str:
 class _Parser(argparse.ArgumentParser):
     """Reports usage errors in one line with exit code 2."""
 
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: {printable(message)} (see {self.prog} --help)\n")
+    def error(self, message: str, prog: str | None = None) -> None:  # type: ignore[override]
+        prog = prog or self.prog
+        self.exit(2, f"{prog}: {printable(message)} (see {prog} --help)\n")
+
+    def parse_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                   namespace: argparse.Namespace | None = None) -> argparse.Namespace:
+        # argparse reports arguments no parser took from the top parser ("jobd: ... see
+        # jobd --help", whose help lists the commands); the command's own help lists the
+        # options that were meant.
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}",
+                       getattr(parsed, COMMAND_PROG, None))
+        return parsed
 
     def print_help(self, file: SupportsWrite[str] | None = None) -> None:
         # argparse ignores a write that fails: the help is output like any other, and a
@@ -115,6 +129,16 @@ class _Version(argparse.Action):
         parser.exit()
 
 
+# The parsed arguments name the innermost command given (its parser's prog, "jobd jobs
+# list"), for a usage error that only the top parser sees.
+COMMAND_PROG = "_command_prog"
+
+
+def _named(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.set_defaults(**{COMMAND_PROG: parser.prog})
+    return parser
+
+
 def build_parser() -> argparse.ArgumentParser:
     # The connection options work before or after the subcommand. Below the subcommand they
     # default to SUPPRESS, so an option given before it is not overwritten by a default.
@@ -130,16 +154,15 @@ def build_parser() -> argparse.ArgumentParser:
                                      parser_class=_Parser, help="what to do")
 
     def add(name: str, help_text: str, **kwargs: Any) -> argparse.ArgumentParser:
-        return commands.add_parser(name, parents=[common], help=help_text,
-                                   description=help_text, epilog=EPILOG,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter,
-                                   **kwargs)
+        return _named(commands.add_parser(
+            name, parents=[common], help=help_text, description=help_text, epilog=EPILOG,
+            formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs))
 
     def leaf(actions: Any, name: str, help_text: str) -> argparse.ArgumentParser:
         """An action of a command (jobs show, dlq replay ...), explained in its own --help."""
-        return actions.add_parser(name, parents=[common], help=help_text,
-                                  description=help_text, epilog=EPILOG,
-                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+        return _named(actions.add_parser(
+            name, parents=[common], help=help_text, description=help_text, epilog=EPILOG,
+            formatter_class=argparse.RawDescriptionHelpFormatter))
 
     run_cmd = add("run", "Run the supervisor daemon in the foreground: lane-pinned worker "
                          "processes, wake-ups, lease sweeps. SIGHUP reloads the config, "

@@ -446,3 +446,18 @@ def test_output_to_a_full_disk_is_one_line_not_a_traceback(args: list[str],
                                 env=clean_env(PYTHONUNBUFFERED=unbuffered), timeout=TIMEOUT)
     assert result.returncode == 1
     assert result.stderr == "jobd: cannot write the output: No space left on device\n"
+
+
+@pytest.mark.parametrize("args, command", [
+    (["status", "--bogus"], "jobd status"),
+    (["jobs", "list", "--verbose"], "jobd jobs list"),
+    (["dlq", "purge", "--before", "30d", "extra"], "jobd dlq purge"),
+    (["enqueue", "ok", "--priorty", "3"], "jobd enqueue"),
+])
+def test_an_unknown_option_names_the_command_whose_help_lists_the_right_ones(
+        args: list[str], command: str) -> None:
+    # Before: "jobd: unrecognized arguments: --bogus (see jobd --help)", whose help lists
+    # the commands, not their options.
+    line = assert_one_line_error(cli(*args), 2)
+    assert line.startswith(f"{command}: unrecognized arguments: "), line
+    assert line.endswith(f"(see {command} --help)"), line
