@@ -2,13 +2,16 @@
 
 SIGTERM drains (stop claiming, let jobs finish up to ``shutdown_timeout``, release the rest);
 SIGUSR2 retires (finish every job, however long, then exit: used when a reload replaces the
-worker); SIGQUIT or a second SIGTERM stops at once, releasing what the worker holds. SIGHUP
-changes nothing: reloading is the supervisor's, and a SIGHUP reaches the workers only when it
-is sent to the whole process group (a terminal that closes, ``systemctl kill -s HUP``),
-whose default action would end them mid-job. It is handled rather than ignored, so the
-handlers' own child processes are born with SIGHUP's default action. The
-supervisor going away counts as a SIGTERM: with no one to account for it, a retiring worker
-must not run on for as long as its jobs take.
+worker); SIGQUIT stops at once, releasing what the worker holds (the supervisor sends it on a
+second stop signal). The supervisor going away counts as a SIGTERM: with no one to account
+for it, a retiring worker must not run on for as long as its jobs take.
+
+A signal sent to the whole process group (a terminal that closes, ``systemctl kill``, an init
+in a container that forwards to the group) reaches the workers directly as well as the
+supervisor, which decides. So a SIGTERM while draining changes nothing (it is the same stop,
+relayed by the supervisor too), and neither does SIGHUP (reloading is the supervisor's; its
+default action would end the worker mid-job). SIGHUP is handled rather than ignored, so the
+handlers' own child processes are born with its default action.
 """
 
 from __future__ import annotations
@@ -41,18 +44,17 @@ class Lifecycle:
         self.stop_now = False
 
     def on_signal(self, signum: int, in_flight: int) -> None:
-        if signum == signal.SIGQUIT or (signum == signal.SIGTERM
-                                        and self.mode == WorkerMode.DRAINING):
+        if signum == signal.SIGQUIT:
             log.info("stopping at once", signal=signal.Signals(signum).name)
             self.stop_now = True
-        elif signum == signal.SIGTERM:
+        elif signum == signal.SIGTERM and self.mode != WorkerMode.DRAINING:
             self.mode = WorkerMode.DRAINING
             self.drain_deadline = time.monotonic() + self.shutdown_timeout
             log.info("draining", in_flight=in_flight, shutdown_timeout=self.shutdown_timeout)
         elif signum == signal.SIGUSR2 and self.mode == WorkerMode.RUNNING:
             self.mode = WorkerMode.RETIRING
             log.info("retiring", in_flight=in_flight)
-        # SIGHUP: nothing (see the module's docstring).
+        # SIGHUP, and a SIGTERM while draining: nothing (see the module's docstring).
 
     def supervisor_gone(self, in_flight: int) -> None:
         log.warning("supervisor gone; draining", mode=str(self.mode), in_flight=in_flight)

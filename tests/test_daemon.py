@@ -600,6 +600,27 @@ def test_sigterm_drains_finishes_short_jobs_and_releases_long_ones(
     assert not alive(pid)
 
 
+def test_a_sigterm_to_the_whole_process_group_drains_as_one_to_the_supervisor(
+    daemons: Daemons, effects_db: psycopg.Connection
+) -> None:
+    # `systemctl kill jobd` (every process of the unit), `kill -TERM -PGID`, or an init
+    # that forwards to the process group (dumb-init by default, tini -g) reach the workers
+    # directly and through the supervisor. Before, a worker took the second SIGTERM for an
+    # operator's "stop fast": it released a job that had a second left to run.
+    daemon = daemons(make_config({"default": {"workers": 1, "concurrency": 2}},
+                                 supervisor={"shutdown_timeout": "20s"}))
+    daemon.wait_workers_started("default", 1)
+    job_id = jobd.enqueue(effects_db, "slow", {"seconds": 1})
+    wait_until(lambda: effects(effects_db, job_id, "start"), 10, message="the job to start")
+
+    os.killpg(daemon.pid, signal.SIGTERM)  # the daemon leads its own process group
+    assert daemon.wait_exit(20) == 0
+    row = job_row(effects_db, job_id)
+    assert (row["state"], row["attempts"]) == ("done", 1), daemon.tail()
+    assert not daemon.events("stopping at once", process=None)
+    assert not daemon.events("second stop signal: stopping fast")
+
+
 def test_a_second_sigterm_stops_fast(daemons: Daemons, effects_db: psycopg.Connection
                                      ) -> None:
     daemon = daemons(make_config({"default": {"workers": 1}},

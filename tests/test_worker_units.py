@@ -357,7 +357,7 @@ def test_moments_that_need_the_database_wait_until_it_can_be_used() -> None:
                           connected=True) == 0.0
 
 
-def test_sigterm_drains_until_the_deadline_and_a_second_one_stops_at_once() -> None:
+def test_sigterm_drains_until_the_deadline_and_sigquit_stops_at_once() -> None:
     life = Lifecycle(shutdown_timeout=30.0)
     assert not life.finished(holds_work=False, now=time.monotonic())  # running: never
     life.on_signal(signal.SIGTERM, in_flight=3)
@@ -367,7 +367,13 @@ def test_sigterm_drains_until_the_deadline_and_a_second_one_stops_at_once() -> N
     assert life.finished(holds_work=True, now=life.drain_deadline)
     life.on_signal(signal.SIGUSR2, in_flight=3)  # a drain is not turned into a retirement
     assert life.mode == WorkerMode.DRAINING and not life.stop_now
+    # A second SIGTERM is the same stop reaching the worker twice (sent to the process
+    # group, and relayed by the supervisor): the drain goes on, to the same deadline.
+    deadline = life.drain_deadline
     life.on_signal(signal.SIGTERM, in_flight=3)
+    assert life.mode == WorkerMode.DRAINING and not life.stop_now
+    assert life.drain_deadline == deadline
+    life.on_signal(signal.SIGQUIT, in_flight=3)  # the supervisor's "stop fast"
     assert life.stop_now
 
 
