@@ -322,8 +322,14 @@ class Supervisor:
         self.notifier.ready(self._status_text())
 
     def _refuse_reload(self, error: str, unforeseen: BaseException | None = None) -> None:
+        # A reload still being checked is the file as it was: the newer SIGHUP supersedes
+        # it, refused or not, or it would be applied after this line, a config no longer in
+        # the file.
+        superseded = self.pending_reload is not None
+        self._cancel_reload()
         log.error("reload refused; still running the previous config", error=error,
-                  exc_info=unforeseen)
+                  exc_info=unforeseen, **({"superseded_pending_reload": True}
+                                          if superseded else {}))
         self.notifier.ready(self._status_text())
 
     def _cancel_reload(self) -> None:

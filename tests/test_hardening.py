@@ -654,6 +654,32 @@ def test_a_sighup_to_the_process_group_while_the_handlers_import_at_start_is_no_
     wait_state(effects_db, job_id, "done", 15, daemon)
 
 
+def test_a_newer_reload_that_is_refused_also_drops_the_one_still_being_checked(
+    daemons: Daemons, effects_db: psycopg.Connection
+) -> None:
+    # An edit whose import check is still running (a heavy application), then another edit
+    # that is refused. "Still running the previous config" must stay true: before, the
+    # earlier edit was applied once its check finished, a config no longer in the file.
+    daemon = new_daemon(daemons)
+    gate = gated_module(daemon)
+    gate.touch()  # the start's own check passes at once
+    daemon.start(config({"default": {}}))
+    daemon.wait_workers_started("default", 1)
+    gate.unlink()
+    mark = daemon.reload({**config({"default": {}, "extra": {}}),
+                          "handlers": {**HANDLERS, "later": "slowimport:run"}})
+    wait_until(lambda: boot_check_running(daemon), 15, message="the reload's import check")
+    daemon.reload("lanes: [this is not: valid yaml\n")
+    daemon.wait_for_log("reload refused; still running the previous config", since=mark)
+    wait_until(lambda: not boot_check_running(daemon), 5,
+               message=lambda: f"the superseded check to end\n{daemon.tail()}")
+    gate.touch()
+    daemon.reload(config({"default": {}, "third": {}}))
+    reloaded = daemon.wait_for_log("config reloaded", since=mark)
+    assert reloaded["lanes"] == {"default": 1, "third": 1}
+    assert not daemon.events("worker spawned", since=mark, lane="extra")
+
+
 def test_a_worker_asked_to_drain_while_its_handlers_import_drains_and_is_no_crash(
     daemons: Daemons,
 ) -> None:
