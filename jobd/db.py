@@ -83,14 +83,19 @@ class SessionSettings:
     jit: bool = True
     seqscan: bool = True  # enable_seqscan; the workers' own sessions turn it off
     time_zone: str | None = None  # TimeZone; None leaves it to the server (workers: UTC)
+    # The longest wait for an answer whatever the statement_timeout: a caller that must
+    # show signs of life within a bound of its own (a worker's loop, worker_reply_cap).
+    reply_cap: float | None = None
 
     def reply_timeout(self) -> float | None:
         """How long a statement's answer may take before the connection is given up: the
-        statement_timeout and :data:`REPLY_GRACE`. None where no statement_timeout bounds
-        the server (off, or left to the server), as then no answer is overdue."""
-        if self.statement_timeout is None or self.statement_timeout <= 0:
-            return None
-        return self.statement_timeout + REPLY_GRACE
+        statement_timeout and :data:`REPLY_GRACE`, at most ``reply_cap``. None where neither
+        bounds it (no statement_timeout, off or left to the server: no answer is overdue)."""
+        bound = (None if self.statement_timeout is None or self.statement_timeout <= 0
+                 else self.statement_timeout + REPLY_GRACE)
+        if self.reply_cap is None:
+            return bound
+        return self.reply_cap if bound is None else min(bound, self.reply_cap)
 
     def bounded(self, statement_timeout: float, lock_timeout: float) -> SessionSettings:
         """These settings with timeouts no longer than the given ones (a caller that must
@@ -587,6 +592,20 @@ def worker_session(session: SessionSettings) -> SessionSettings:
     handler sees its job's times in UTC. No statement of a worker depends on the session's
     zone (the archive's days are UTC days whoever computes them)."""
     return replace(session, seqscan=False, time_zone=UTC_ZONE)
+
+
+def worker_reply_cap(worker_timeout: float, report_interval: float) -> float:
+    """How long a worker's loop waits for an answer on its connection before it gives the
+    connection up, so that it reports to the supervisor before ``worker_timeout`` takes it
+    for hung. A wait in a loop turn may follow a connection attempt (up to
+    :data:`CONNECT_TIMEOUT_SECONDS`), and the report itself may be a second late.
+
+    Without it a claim that waited for a paused or saturated pooler's queue (PgBouncer's
+    PAUSE, a pool other clients held) or for a silent network waited statement_timeout + 5 s
+    (65 s by default), and the supervisor aborted the worker as hung at 30 s: a stack dump
+    in the log, a restart, and the jobs it held run again once their leases ran out."""
+    return max(worker_timeout / 2,
+               worker_timeout - CONNECT_TIMEOUT_SECONDS - 2 * report_interval)
 
 
 class ManagedConnection:

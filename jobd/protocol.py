@@ -84,6 +84,9 @@ class WorkerSpec:
     # Where the worker's faulthandler writes its stack dumps (jobd.crash_dumps); -1: to the
     # log's stream, as before the field.
     crash_fd: int = -1
+    # supervisor.worker_timeout: the worker's loop gives a silent connection up before it
+    # (db.worker_reply_cap). None from a supervisor older than the field: no such bound.
+    worker_timeout: float | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

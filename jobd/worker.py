@@ -29,6 +29,7 @@ import os
 import signal
 import sys
 import time
+from dataclasses import replace
 
 import psycopg
 import structlog
@@ -39,7 +40,7 @@ from jobd.claim_buffer import BUFFER_MAX_AGE
 from jobd.claim_repair import ClaimRepair
 from jobd.claimer import Claimer
 from jobd.completer import Completer, Counters
-from jobd.db import ManagedConnection, worker_session
+from jobd.db import ManagedConnection, SessionSettings, worker_reply_cap, worker_session
 from jobd.eventloop import SelectLoop
 from jobd.exchange import Exchange
 from jobd.handler_runner import HandlerRunner
@@ -49,7 +50,7 @@ from jobd.settler import Settler, settles_apart
 from jobd.slots import Running, Slots
 from jobd.worker_controls import Controls
 from jobd.worker_mode import HANDLED_SIGNALS, HELD_AT_START, Lifecycle
-from jobd.worker_status import StatusReporter
+from jobd.worker_status import REPORT_INTERVAL, StatusReporter
 from jobd.worker_timers import Timers, select_timeout
 
 log = structlog.get_logger("jobd.worker")
@@ -69,7 +70,7 @@ class Worker:
             on_lost=self._claims_now_unknown,
             # A failed statement is retried with the same leases, which decide what still
             # applies (in a pipelined settle, statements before it may have committed).
-            pause_after_failure=1.0, session=worker_session(spec.session))
+            pause_after_failure=1.0, session=_loop_session(spec))
         self.claimer = Claimer(spec.lane, spec.worker_id, frozenset(resolved))
         self.counters = Counters.for_spec(spec)
         self.completer = Completer(spec.lane, self.counters)
@@ -271,7 +272,6 @@ class Worker:
         if self.runner.board is not None:
             self.runner.board.mark_shut_down()
 
-
     def _warn_unrecorded(self) -> None:
         """Say which finished jobs' outcomes the last write could not record: they run
         again once their leases expire (an operator looking for a job run twice starts
@@ -282,6 +282,16 @@ class Worker:
                         "database failed; they stay claimed until their leases expire, then run "
                         "again", job_ids=unrecorded,
                         visibility_timeout=self.spec.lane.visibility_timeout)
+
+
+def _loop_session(spec: WorkerSpec) -> SessionSettings:
+    """The session of the connection the loop waits on: a worker's, whose waits end before
+    the supervisor would take the loop for hung (db.worker_reply_cap). The settler's thread
+    and the handlers' connections do not hold up the loop, and keep their bounds."""
+    session = worker_session(spec.session)
+    if spec.worker_timeout is None:
+        return session
+    return replace(session, reply_cap=worker_reply_cap(spec.worker_timeout, REPORT_INTERVAL))
 
 
 def main() -> int:

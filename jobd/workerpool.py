@@ -304,7 +304,7 @@ class WorkerPool:
             metrics=config.metrics_listen is not None,
             node=config.node_name, session=config.session,
             settles_apart=self._settles_apart(config, slot.lane), board_fd=board_fd,
-            crash_fd=crash_fd,
+            crash_fd=crash_fd, worker_timeout=config.worker_timeout,
         )
 
     def _read_status(self, process: WorkerProcess) -> None:

@@ -3,7 +3,8 @@ bench/pooler_bench.py.
 
 :func:`start_pgbouncer` writes an ini into a directory of its own: every database of the
 server (``* =``), ``pool_mode = transaction``, trust auth for the server's user (listed in an
-auth_file, as PgBouncer wants), a free port on 127.0.0.1, and PgBouncer's defaults for
+auth_file, as PgBouncer wants), that user as the console's admin (``PAUSE``, ``RESUME``:
+:meth:`PgBouncer.admin`), a free port on 127.0.0.1, and PgBouncer's defaults for
 everything else: in particular no ``ignore_startup_parameters``, so it refuses ``options``
 the way a stock install does. PgBouncer refuses to run as root; as root it is started with
 ``-u`` and the user that owns the PostgreSQL install (or ``nobody``), so its directory is a
@@ -74,6 +75,15 @@ class PgBouncer:
         params.pop("options", None)  # PgBouncer refuses it (jobd moves it, plain clients fail)
         return make_conninfo(**params)
 
+    def admin(self, command: str) -> list[tuple[object, ...]]:
+        """``command`` (``PAUSE``, ``RESUME``, ``SHOW CLIENTS``, ...) on PgBouncer's console,
+        which takes the simple query protocol only (a client-side cursor)."""
+        url = make_conninfo(self.url_for(self.server_url), dbname="pgbouncer")
+        with psycopg.connect(url, autocommit=True, prepare_threshold=None,
+                             cursor_factory=psycopg.ClientCursor, connect_timeout=5) as conn:
+            cursor = conn.execute(command)
+            return cursor.fetchall() if cursor.description else []
+
     def log(self) -> str:
         texts = [path.read_text(errors="replace") for name in ("stderr.log", "pgbouncer.log")
                  if (path := self.directory / name).exists()]
@@ -105,6 +115,7 @@ def _ini(port: int, server: dict[str, str], directory: Path, pool_mode: str,
         "auth_type = trust",
         f"auth_file = {directory / 'users.txt'}",
         f"logfile = {directory / 'pgbouncer.log'}",
+        f"admin_users = {server['user']}",  # for PgBouncer's console (PgBouncer.admin)
         *([f"ignore_startup_parameters = {ignore_startup_parameters}"]
           if ignore_startup_parameters else []),
         "",

@@ -305,3 +305,48 @@ def test_listen_through_the_pooler_is_refused_and_the_poll_runs_the_jobs(
                message="jobd status to say the node is not listening")
     status = cli("status", "--database-url", db_url)
     assert "poll only (LISTEN unavailable)" in status.stdout
+
+
+# --- the pooler paused ---------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_worker_waiting_on_a_paused_pooler_gives_its_connection_up_before_it_is_taken_for_hung(
+        daemons: Daemons, tmp_path: Path, pg_server: Server, db_url: str,
+        conn: psycopg.Connection) -> None:
+    """PgBouncer's PAUSE (a server restart behind it, say) holds every statement in its
+    queue. A worker's statement there waited statement_timeout + 5 s, and the supervisor
+    aborted the worker as hung after worker_timeout: a stack dump, a restart, its jobs run
+    again. It gives its connection up first, and goes on once the pooler resumes."""
+    with running_pgbouncer(pg_server.admin_url) as paused:  # PAUSE is for this test alone
+        daemon = pooled_daemon(daemons, tmp_path, paused.url_for(db_url))
+        daemon.start(pooled_config(
+            {"default": {"workers": 1, "poll_interval": "1s"}},
+            {"pooler": "transaction", "listen_url": db_url, "statement_timeout": "30s"},
+            worker_timeout="4s"))
+        [pid] = daemon.wait_workers_started("default", 1).values()
+        jobd.enqueue(conn, "noop")
+        wait_until(lambda: done_count(conn) == 1, 20,
+                   message=lambda: f"the first job done\n{daemon.tail()}")
+        mark = daemon.mark()
+        paused.admin("PAUSE")
+        try:
+            def gave_up() -> list[dict[str, Any]]:
+                return [e for e in daemon.events("database connection lost", process=None,
+                                                 since=mark)
+                        if e["process"] != "supervisor"
+                        and "no answer" in e["error"]]
+
+            # Three give-ups of at most half the worker_timeout each: the worker has
+            # outlasted its worker_timeout in the queue (or was aborted, without the bound).
+            wait_until(lambda: len(gave_up()) >= 3 or daemon.events("worker hung; aborting it"),
+                       60, message=lambda: f"the worker's waits to end\n{daemon.tail()}")
+        finally:
+            paused.admin("RESUME")
+        assert daemon.events("worker hung; aborting it") == []
+        jobd.enqueue(conn, "noop")
+        wait_until(lambda: done_count(conn) == 2, 30,
+                   message=lambda: f"the second job done\n{daemon.tail()}")
+        assert daemon.worker_pids("default") == {0: pid}
+        assert conn.execute("SELECT max(attempts) FROM all_jobs").fetchone() == (1,)
+        daemon.stop()  # before its pooler does

@@ -30,6 +30,7 @@ from jobd.db import (
     is_pooled,
     options_settings,
     supervisor_session,
+    worker_reply_cap,
     worker_session,
 )
 from jobd.errors import ConfigError, DatabaseUnavailable, UsageError
@@ -95,8 +96,19 @@ def test_worker_spec_carries_the_session_settings() -> None:
     spec = protocol.WorkerSpec(
         worker_id="n:default#0:ab", lane=LaneConfig("default"), handlers={}, database_url="",
         schema="jobd", slot=0, generation=1, status_fd=-1, wake_fd=-1, shutdown_timeout=1.0,
-        node="web-1", session=TIGHT)
+        node="web-1", session=TIGHT, worker_timeout=12.0)
     assert protocol.WorkerSpec.from_json(spec.to_json()) == spec
+
+
+def test_a_workers_loop_gives_up_on_an_answer_before_its_worker_timeout() -> None:
+    # A wait may follow a connection attempt (5 s) and a report may be a second late.
+    assert worker_reply_cap(30.0, 1.0) == 23.0
+    assert worker_reply_cap(4.0, 1.0) == 2.0
+    capped = SessionSettings(statement_timeout=60.0, reply_cap=23.0)
+    assert capped.reply_timeout() == 23.0
+    assert SessionSettings(statement_timeout=10.0, reply_cap=23.0).reply_timeout() == 15.0
+    assert SessionSettings(statement_timeout=0, reply_cap=23.0).reply_timeout() == 23.0
+    assert DEFAULT_SESSION.reply_timeout() == 65.0
 
 
 def test_application_names_name_role_detail_and_node_within_63_characters() -> None:
