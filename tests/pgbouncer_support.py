@@ -101,7 +101,7 @@ class PgBouncer:
 
 
 def _ini(port: int, server: dict[str, str], directory: Path, pool_mode: str,
-         ignore_startup_parameters: str = "") -> str:
+         ignore_startup_parameters: str = "", extra: dict[str, str] | None = None) -> str:
     target = " ".join(f"{key}={server[key]}" for key in ("host", "port", "user", "password")
                       if server.get(key))
     return "\n".join([
@@ -118,13 +118,15 @@ def _ini(port: int, server: dict[str, str], directory: Path, pool_mode: str,
         f"admin_users = {server['user']}",  # for PgBouncer's console (PgBouncer.admin)
         *([f"ignore_startup_parameters = {ignore_startup_parameters}"]
           if ignore_startup_parameters else []),
+        *(f"{name} = {value}" for name, value in (extra or {}).items()),
         "",
     ])
 
 
 def start_pgbouncer(server_url: str, *, pool_mode: str = "transaction",
-                    ignore_startup_parameters: str = "") -> PgBouncer:
-    """A PgBouncer on a free port in front of ``server_url``'s server; waits until it answers."""
+                    ignore_startup_parameters: str = "", **extra: str) -> PgBouncer:
+    """A PgBouncer on a free port in front of ``server_url``'s server; waits until it answers.
+    ``extra``: further settings of its ini (``default_pool_size="2"``, say)."""
     binary = pgbouncer_binary()
     if binary is None:
         raise FileNotFoundError(f"pgbouncer is not installed (Debian package {PACKAGE})")
@@ -136,7 +138,7 @@ def start_pgbouncer(server_url: str, *, pool_mode: str = "transaction",
     (directory / "users.txt").write_text(f'"{server["user"]}" ""\n')
     port = free_port()
     ini = directory / "pgbouncer.ini"
-    ini.write_text(_ini(port, server, directory, pool_mode, ignore_startup_parameters))
+    ini.write_text(_ini(port, server, directory, pool_mode, ignore_startup_parameters, extra))
     command = [binary, str(ini)]
     user = _run_as()
     if user is not None:

@@ -21,7 +21,7 @@ from pgbouncer_support import PACKAGE, PgBouncer, TcpRelay, pgbouncer_binary, ru
 from prometheus_support import fetch
 
 import jobd
-from jobd import queue
+from jobd import queue, testing
 from jobd.db import DEFAULT_SESSION, SessionSettings, connect, is_pooled
 from jobd.errors import UsageError
 from jobd.listener import Listener
@@ -214,6 +214,60 @@ def test_sql_enqueue_through_the_pooler(pooled_url: str, conn: psycopg.Connectio
             ids.append(client.execute("SELECT jobd.enqueue('h')").fetchone()[0])
     assert conn.execute("SELECT count(*) FROM jobs WHERE id = ANY(%s)", (ids,)).fetchone() \
         == (9,)
+
+
+# --- jobd.testing through the pooler --------------------------------------------------------
+
+
+@pytest.fixture
+def alternating_url(pg_server: Server, db_url: str) -> Iterator[str]:
+    """A pooler whose three server sessions take turns (``server_round_robin``): a client's
+    consecutive transactions run on different server sessions, every time, and so do those
+    of two clients that take turns."""
+    with running_pgbouncer(pg_server.admin_url, default_pool_size="3",
+                           server_round_robin="1") as alternating:
+        url = alternating.url_for(db_url)
+        clients = [psycopg.connect(url, prepare_threshold=None) for _ in range(3)]
+        try:
+            for client in clients:  # all held at once: the pool opens three
+                client.execute("SELECT 1")
+            for client in clients:  # and keeps them (one closed in a transaction it drops)
+                client.commit()
+        finally:
+            for client in clients:
+                client.close()
+        yield url
+
+
+def test_testing_helpers_on_an_autocommit_connection_leave_the_pooled_sessions_alone(
+        alternating_url: str, conn: psycopg.Connection) -> None:
+    """On an autocommit connection run_jobs switched the search_path for the session, ran
+    jobd's statements, and switched it back, three transactions: through the pooler the
+    claim ran on the other server session ("jobd's schema 'jobd' is missing"), and the
+    session switched to jobd's schema stayed so for whoever got it next."""
+    with psycopg.connect(alternating_url, autocommit=True, prepare_threshold=None) as client:
+        jobd.enqueue_many(client, [jobd.JobSpec("h", {"n": n}) for n in range(3)])
+        assert len(testing.assert_enqueued(client, "h")) == 3
+        summary = testing.run_jobs(client, handlers={"h": lambda job: None})
+        assert summary.done == 3, str(summary)
+        paths = {client.execute("SHOW search_path").fetchone() for _ in range(4)}
+        assert ("jobd",) not in paths
+    assert done_count(conn) == 3
+
+
+def test_run_jobs_on_a_pooled_url_prepares_nothing_on_the_transactional_handlers_connection(
+        alternating_url: str, conn: psycopg.Connection) -> None:
+    """The handler's connection run_jobs opens to a URL is opened as the worker's pool opens
+    them: through a pooler, psycopg prepares none of its statements (it prepared the sixth
+    run of one on a server session, and the next job's ran on the other one)."""
+    @jobd.transactional
+    def record(job: jobd.Job, handler_conn: psycopg.Connection) -> None:
+        handler_conn.execute("SELECT %s::int", (job.payload["n"],))
+
+    jobd.enqueue_many(conn, [jobd.JobSpec("record", {"n": n}) for n in range(12)])
+    summary = testing.run_jobs(alternating_url, handlers={"record": record})
+    assert summary.done == 12, str(summary)
+    assert done_count(conn) == 12
 
 
 # --- the daemon ----------------------------------------------------------------------------

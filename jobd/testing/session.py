@@ -6,9 +6,11 @@ code enqueued without committing are there to assert on and to run, and the test
 undoes everything the helpers did. jobd's queue statements are written for connections whose
 search_path is the jobd schema (jobd/queries.py); on a test's connection the helpers switch
 the search_path for those statements alone and put the test's own back before any handler
-runs, so handler code resolves names exactly as the test's code does. Inside a transaction
-both switches are local to it, so the test's own setting, local or session-level, is what
-the transaction's end leaves.
+runs, so handler code resolves names exactly as the test's code does. Both switches are local
+to a transaction, so the test's own setting, local or session-level, is what the
+transaction's end leaves; on an autocommit connection between transactions, jobd's
+statements run in a transaction of their own, so nothing is left on the server session (a
+transaction-mode pooler lends it to other clients).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from jobd.db import (
     connect,
     conninfo,
     users_connection_reset,
+    users_connection_setup,
     validate_schema,
 )
 from jobd.errors import JobdError
@@ -66,14 +69,25 @@ class Session:
 
     @contextlib.contextmanager
     def _switched(self) -> Iterator[psycopg.Connection]:
-        local = _in_transaction_block(self.conn)
+        if not _in_transaction_block(self.conn):
+            # An autocommit connection between transactions: the switch and the statements
+            # go in one transaction of their own, the switch local to it. As three
+            # transactions (a session-level switch, the statements, the switch back), a
+            # transaction-mode pooler ran them on whichever server sessions it lent: the
+            # statements met a session without the jobd schema ("jobd's schema is
+            # missing"), and other clients got sessions whose search_path was jobd's.
+            with _reading_tuples(self.conn), self.conn.transaction():
+                self.conn.execute(query("testing_set_search_path"),
+                                  {"path": self.schema, "local": True})
+                yield self.conn
+            return
         with _reading_tuples(self.conn):
             if self.callers_path is None:
                 row = self.conn.execute(query("testing_session_settings")).fetchone()
                 assert row is not None
                 self.callers_path = str(row[0])
             self.conn.execute(query("testing_set_search_path"),
-                              {"path": self.schema, "local": local})
+                              {"path": self.schema, "local": True})
             try:
                 yield self.conn
             finally:
@@ -81,7 +95,7 @@ class Session:
                 # search_path by itself.
                 if self.conn.info.transaction_status != pq.TransactionStatus.INERROR:
                     self.conn.execute(query("testing_set_search_path"),
-                                      {"path": self.callers_path, "local": local})
+                                      {"path": self.callers_path, "local": True})
 
     @contextlib.contextmanager
     def handler_connection(self) -> Iterator[psycopg.Connection]:
@@ -97,6 +111,8 @@ class Session:
         if self.handler_conn is None or self.handler_conn.closed or self.handler_conn.broken:
             self.handler_conn = psycopg.connect(
                 conninfo(self.url, None, "jobd.testing handler"), autocommit=True)
+            # Through a pooler, no automatic prepared statements, as in the worker's pool.
+            users_connection_setup(self.url, SERVER_DEFAULTS)(self.handler_conn)
         try:
             yield self.handler_conn
         finally:
