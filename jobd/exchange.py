@@ -62,6 +62,14 @@ class Exchange:
         self.separate_next = False
         # Seconds a claim round trip from the floors takes, a moving average.
         self.usual_round_trip = 0.0
+        # The session is new (the worker's first, or one after a lost connection): its first
+        # scan from the head plans its statements and reads a cold cache, and is not what
+        # such scans cost (see _round_trip_took).
+        self.session_is_new = True
+
+    def session_began(self) -> None:
+        """The link has a new connection: its first scan from the head is not charged."""
+        self.session_is_new = True
 
     def settle_and_claim(self, mode: WorkerMode, claim: bool = True) -> None:
         """Write finished jobs' outcomes and claim more work: one round trip, one commit;
@@ -228,9 +236,17 @@ class Exchange:
         ones too: a statement timeout says as much about the cost). A scan from the head is
         charged what it took beyond the usual round trip, since the same round trip also
         writes outcomes and commits; the log says when that spaces such scans out well past
-        a second, and when they are back to once a second."""
+        a second, and when they are back to once a second. The first scan from the head of
+        a new session is not charged."""
         if probe != claim_floors.HEAD:
             self.usual_round_trip += ROUND_TRIP_WEIGHT * (seconds - self.usual_round_trip)
+            return
+        if self.session_is_new:
+            # A fresh worker's first claim is a scan from the head on a new session, and
+            # with no round trip measured yet all of its time (the planning, a cold cache, a
+            # busy machine at start) read as the scan's: 50 ms spaced the next ones 25 s
+            # apart, and a job due behind the floors waited that long.
+            self.session_is_new = False
             return
         floors = self.claimer.floors
         before = floors.full_scan_spacing

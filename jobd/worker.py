@@ -192,6 +192,7 @@ class Worker:
     def _ensure_connection(self) -> None:
         if self.link.ensure():
             self.repair.connected()
+            self.exchange.session_began()
             self.leases.renew_now()
             self.claimer.maybe_more = True
             self.claimer.arming.disconnected()

@@ -6,6 +6,7 @@ signal does to its mode)."""
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import socket
@@ -647,3 +648,44 @@ def test_a_limited_lanes_wait_for_its_budget_lock_is_not_charged_to_a_scan_from_
         releaser.join()
     assert waited >= 0.3
     assert FULL_SCAN_INTERVAL <= floors.full_scan_spacing <= 0.02 / HEAD_SCAN_SHARE
+
+
+@contextlib.contextmanager
+def claims_wait(db_url: str, seconds: float) -> Iterator[None]:
+    """Claims sent meanwhile wait ``seconds`` for another session's lock on lane_pauses,
+    which every claim reads."""
+    with psycopg.connect(db_url) as holder:
+        holder.execute("LOCK TABLE jobd.lane_pauses IN ACCESS EXCLUSIVE MODE")
+        release = threading.Timer(seconds, holder.commit)
+        release.start()
+        try:
+            yield
+        finally:
+            release.join()
+
+
+def test_a_new_sessions_first_scan_from_the_head_is_not_taken_for_what_such_scans_cost(
+        loop: worker.Worker, conn: psycopg.Connection, db_url: str) -> None:
+    """A fresh worker's first claim scans from the head on a new session; slow for reasons
+    of its own (the planning, a cold cache, a busy machine at start), it spaced the next
+    scans from the head up to a minute apart, and a job due behind the floors waited so."""
+    jobd.enqueue(conn, "h")
+    loop.claimer.suspects_possible = False
+
+    def slow_claim_from_the_head() -> None:
+        loop.claimer.floors.last_full_scan = -math.inf  # a scan from the head is due
+        loop.claimer.maybe_more = True
+        with claims_wait(db_url, 0.3):
+            loop._settle_and_claim()
+
+    slow_claim_from_the_head()
+    assert not loop.claimer.floors.spaced_out
+    # The next one is what such scans cost now: spaced out.
+    slow_claim_from_the_head()
+    assert loop.claimer.floors.spaced_out
+    # So is a new session's first one after a lost connection.
+    loop.claimer.floors.full_scan_spacing = FULL_SCAN_INTERVAL
+    loop.link.lost("test", psycopg.OperationalError("server closed the connection"))
+    loop._ensure_connection()
+    slow_claim_from_the_head()
+    assert not loop.claimer.floors.spaced_out
