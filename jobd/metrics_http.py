@@ -12,6 +12,7 @@ retries at its next scrape).
 
 from __future__ import annotations
 
+import errno
 import re
 import socket
 import threading
@@ -23,7 +24,10 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import make_wsgi_app
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from jobd.errors import UsageError
+from jobd.errors import JobdError, UsageError
+
+# Listen failures that may pass: the port held by another process, the address not up yet.
+_NOT_YET = frozenset({errno.EADDRINUSE, errno.EADDRNOTAVAIL})
 
 SCRAPE_TIMEOUT = 10.0  # seconds: Prometheus's default scrape timeout
 MAX_CONNECTIONS = 16  # served at once: Prometheus servers, a person with curl
@@ -85,8 +89,14 @@ class Server:
                                  self._server_class(host, port),
                                  handler_class=self._handler_class())
         except OSError as exc:
-            raise UsageError(f"metrics.listen {self.listen}: cannot listen: "
-                             f"{exc.strerror or exc}") from None
+            message = f"metrics.listen {self.listen}: cannot listen: {exc.strerror or exc}"
+            if exc.errno in _NOT_YET:
+                # Not the config's fault: another process holds the port (an old daemon still
+                # stopping), or the address is not up yet at boot. A runtime failure (exit
+                # code 1), which systemd's Restart=on-failure tries again; exit code 2 is in
+                # the unit's RestartPreventExitStatus.
+                raise JobdError(message) from None
+            raise UsageError(message) from None
         thread = threading.Thread(target=server.serve_forever, name="metrics", daemon=True)
         thread.start()
         self.handle = (server, thread)
