@@ -201,10 +201,10 @@ RETURNING jobs.id, jobs.lease_token, jobs.lane, jobs.handler, jobs.payload::text
 -- across keys, and this statement claims them as claim_jobs does. The pause and suspect
 -- rules are claim_jobs'. So is the last attempts' cut: a job whose claim spends its last
 -- attempt is taken only among the jobs that start at once, counted in claim order, and the
--- claim ends before the first other one (no count: no cut). No byte bound here. The rows come back in claim
--- order (the UPDATE returns them in the order it finds them by id; the worker starts them in
--- the order they come), each ending with claim_jobs' number: 4 x the count of the jobs
--- claim_order locked, + 1 if one of them was on its last attempt.
+-- claim ends before the first other one (no count: no cut). No byte bound here. The rows
+-- come back in claim order, which the worker starts them in (the UPDATE returns them in
+-- the order it finds them by id), each ending with claim_jobs' number: 4 x the count of the
+-- jobs claim_order locked (no + 1 for a last attempt: the order is the claim's already).
 WITH paused AS (
     SELECT coalesce(bool_or(handler IS NULL), false) AS whole_lane,
            coalesce(array_agg(handler) FILTER (WHERE handler IS NOT NULL), '{}')
@@ -229,26 +229,14 @@ chosen AS MATERIALIZED (
 picked AS MATERIALIZED (
     SELECT u.id, u.n FROM chosen AS c, unnest(c.ids) WITH ORDINALITY AS u(id, n)
 ),
--- Each locked job's place and whether it is past the jobs that start at once on its last
--- attempt: read only when the worker counts the starting jobs (it always does).
-numbered AS MATERIALIZED (
-    SELECT p.id, p.n,
-           p.n > %(starting)s::int
-           AND j.attempts + 1 >= coalesce(j.max_attempts, %(lane_max_attempts)s::int) AS past,
-           j.attempts + 1 >= coalesce(j.max_attempts, %(lane_max_attempts)s::int) AS last
+-- Where the cut falls: the place of the first job past the ones that start at once that is
+-- on its last attempt (none: no cut).
+cut AS (
+    SELECT min(p.n) AS at
       FROM picked AS p
       JOIN jobs AS j ON j.id = p.id
-     WHERE %(starting)s::int IS NOT NULL
-),
-kept AS (
-    SELECT n.id, n.n
-      FROM (SELECT id, n, bool_or(past) OVER (ORDER BY n ROWS UNBOUNDED PRECEDING) AS cut
-              FROM numbered) AS n
-     WHERE NOT coalesce(n.cut, false)
-),
-totals AS (
-    SELECT (SELECT count(*)::int FROM picked) AS locked,
-           coalesce((SELECT bool_or(last) FROM numbered), false) AS any_last
+     WHERE p.n > %(starting)s::int
+       AND j.attempts + 1 >= coalesce(j.max_attempts, %(lane_max_attempts)s::int)
 ),
 claimed AS (
     UPDATE jobs
@@ -259,18 +247,17 @@ claimed AS (
            lease_until = coalesce(%(now)s::timestamptz, now())
                          + make_interval(secs => %(visibility_timeout)s),
            lease_token = (SELECT new_lease_token())
-     WHERE jobs.id = ANY(CASE WHEN %(starting)s::int IS NULL THEN ARRAY(SELECT id FROM picked)
-                              ELSE ARRAY(SELECT id FROM kept) END)
+      FROM picked AS p
+     WHERE jobs.id = p.id AND p.n < coalesce((SELECT at FROM cut), %(limit)s::int + 1)
     RETURNING jobs.id, jobs.lease_token, jobs.lane, jobs.handler, jobs.payload::text,
               jobs.priority, jobs.run_at, jobs.attempts, jobs.max_attempts,
-              jobs.idempotency_key, jobs.created_at, jobs.lease_until, jobs.fairness_key
+              jobs.idempotency_key, jobs.created_at, jobs.lease_until, jobs.fairness_key, p.n
 )
-SELECT c.id, c.lease_token, c.lane, c.handler, c.payload, c.priority, c.run_at, c.attempts,
-       c.max_attempts, c.idempotency_key, c.created_at, c.lease_until, c.fairness_key,
-       (SELECT 4 * locked + any_last::int FROM totals)
-  FROM claimed AS c
-  JOIN picked AS p ON p.id = c.id
- ORDER BY p.n
+SELECT id, lease_token, lane, handler, payload, priority, run_at, attempts, max_attempts,
+       idempotency_key, created_at, lease_until, fairness_key,
+       (SELECT 4 * count(*)::int FROM picked)
+  FROM claimed
+ ORDER BY n
 
 -- name: claim_jobs_limited
 -- claim_jobs for a lane with limits across all nodes (lanes.<l>.max_running, lanes.<l>.rate):
