@@ -8,10 +8,9 @@ Where the server comes from, in order:
 If none works, the run stops with a message naming what was tried.
 
 Each run migrates one template database and clones a fresh database from it for every test
-that asks for one. A test's database is dropped on a background thread once the test is over,
-so the next test does not wait for it; what is left is dropped at the end. A run stopped with
-SIGTERM (a CI timeout, ``kill``) tears down as on Ctrl-C, so the daemons, clusters and
-databases the tests started do not outlive it.
+that asks for one; all of them are dropped at the end. A run stopped with SIGTERM (a CI
+timeout, ``kill``) tears down as on Ctrl-C, so the daemons, clusters and databases the tests
+started do not outlive it.
 """
 
 from __future__ import annotations
@@ -20,10 +19,8 @@ import contextlib
 import itertools
 import os
 import signal
-import threading
 import uuid
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from types import FrameType
 
@@ -139,16 +136,11 @@ class Databases:
         self.template = f"{self.prefix}_template"
         self.counter = itertools.count(1)
         self.created: list[str] = []
-        # Dropping a database takes 40-120 ms; one thread does it while the next test runs.
-        self.dropper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drop-database")
-        self.drops: list[Future[None]] = []
-        self.lock = threading.Lock()  # over ``created``, which the dropper thread edits
-        self.closed = False  # drop_all has run: the last test's teardown comes after it
 
     def create_template(self) -> None:
         with self.server.admin() as admin:
             admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(self.template)))
-        self._created(self.template)
+        self.created.append(self.template)
         with connect(self.server.url_for(self.template), SCHEMA, autocommit=True) as conn:
             migrate(conn, SCHEMA)
 
@@ -157,7 +149,7 @@ class Databases:
         name = f"{self.prefix}_{next(self.counter)}"
         with self.server.admin() as admin:
             admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-        self._created(name)
+        self.created.append(name)
         return self.server.url_for(name)
 
     def migrated(self) -> str:
@@ -166,41 +158,14 @@ class Databases:
         with self.server.admin() as admin:
             admin.execute(sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
                 sql.Identifier(name), sql.Identifier(self.template)))
-        self._created(name)
+        self.created.append(name)
         return self.server.url_for(name)
 
-    def existing(self) -> list[str]:
-        """The databases created and not dropped yet (a copy)."""
-        with self.lock:
-            return list(self.created)
-
-    def drop_soon(self, url: str) -> None:
-        """Drop the database of ``url`` on the background thread; its failure is raised at
-        the end of the session, by :meth:`drop_all`."""
-        if self.closed:
-            return  # dropped with the rest
-        name = psycopg.conninfo.conninfo_to_dict(url)["dbname"]
-        self.drops.append(self.dropper.submit(self._drop, str(name)))
-
     def drop_all(self) -> None:
-        self.closed = True
-        self.dropper.shutdown(wait=True)
-        failures = [exc for exc in (drop.exception() for drop in self.drops) if exc]
-        for name in reversed(self.existing()):
-            self._drop(name)
-        if failures:
-            raise failures[0]
-
-    def _created(self, name: str) -> None:
-        with self.lock:
-            self.created.append(name)
-
-    def _drop(self, name: str) -> None:
         with self.server.admin() as admin:
-            admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
-                sql.Identifier(name)))
-        with self.lock:
-            self.created.remove(name)
+            for name in reversed(self.created):
+                admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+                    sql.Identifier(name)))
 
 
 @pytest.fixture(scope="session")
@@ -220,25 +185,9 @@ def databases(pg_server: Server) -> Iterator[Databases]:
 
 
 @pytest.fixture
-def db_url(databases: Databases) -> Iterator[str]:
-    """URL of a fresh, migrated database for this test alone, dropped once it is over."""
-    url = databases.migrated()
-    yield url
-    _test_databases.append((databases, url))
-
-
-# The databases of the test being torn down. They are dropped once its whole teardown is done:
-# a fixture set up before ``db_url`` (a daemon, say) is torn down after it, and must not find
-# its database gone.
-_test_databases: list[tuple[Databases, str]] = []
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
-    yield
-    while _test_databases:
-        databases, url = _test_databases.pop()
-        databases.drop_soon(url)
+def db_url(databases: Databases) -> str:
+    """URL of a fresh, migrated database for this test alone."""
+    return databases.migrated()
 
 
 @pytest.fixture

@@ -50,7 +50,7 @@ def producer(databases: Databases) -> Iterator[str]:
                           " WHERE usename = %s", (role,))
             # The session's databases that still exist: other tests dropped theirs.
             existing = {row[0] for row in admin.execute("SELECT datname FROM pg_database")}
-            for name in [n for n in databases.existing() if n in existing]:
+            for name in [n for n in databases.created if n in existing]:
                 try:
                     with psycopg.connect(databases.server.url_for(name),
                                          autocommit=True) as conn:
