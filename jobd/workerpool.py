@@ -35,6 +35,7 @@ from jobd.protocol import (
     EXIT_BOOT_FAILURE,
     EXIT_OK,
     StatusReport,
+    WorkerMode,
     WorkerSpec,
     describe_exit,
 )
@@ -487,11 +488,17 @@ class WorkerPool:
     # --- what it reports ------------------------------------------------------------------
 
     def snapshot(self) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
-        """Live workers and counters (including those of exited workers) per lane."""
+        """Live workers and counters (including those of exited workers) per lane.
+
+        A worker is live as the unserved-lane alert counts it (``jobd_workers`` starting or
+        running): one that is hung, draining or retiring takes no new job, and `jobd status`
+        said the lane was served while the alert said it was not. Its lane stays listed, at
+        0 if nothing else serves it: the lease sweep of other nodes leaves the lane's
+        expired leases to a node that lists it."""
         workers: dict[str, int] = {}
         counters = {lane: dict(values) for lane, values in self.exited_counters.items()}
         for process in self.processes():
-            workers[process.lane] = workers.get(process.lane, 0) + 1
+            workers[process.lane] = workers.get(process.lane, 0) + int(_takes_jobs(process))
             lane_counters = counters.setdefault(process.lane, {})
             for key, value in process.report.counters.items():
                 lane_counters[key] = lane_counters.get(key, 0) + value
@@ -569,6 +576,10 @@ def _close_all(fds: list[int]) -> None:
         except OSError as exc:
             log.warning("could not close a descriptor of a failed spawn", fd=fd,
                         error=str(exc))
+
+
+def _takes_jobs(process: WorkerProcess) -> bool:
+    return not process.retiring and _state_of(process) in ("starting", WorkerMode.RUNNING)
 
 
 def _state_of(process: WorkerProcess) -> str:

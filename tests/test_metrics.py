@@ -911,3 +911,29 @@ def test_the_shipped_rules_see_an_unserved_lane_and_a_fleet_that_stopped_exporti
         assert lanes_alerted(prometheus, "JobdLaneUnserved") == []
     finally:
         prometheus.stop()
+
+
+def test_only_workers_that_take_jobs_count_as_live_in_the_heartbeat() -> None:
+    """`jobd status` reads the heartbeat's live workers; the unserved-lane alert counts only
+    `jobd_workers` starting or running. A hung or retiring worker counted as live there
+    had status say the lane was served while the alert fired."""
+    pool = WorkerPool(Config(lanes={"default": LaneConfig("default")}), "", SelectLoop())
+    hung = exited_worker(pool, None, [])
+    hung.reported = True
+    hung.kill_reason = "silent past worker_timeout"
+    retiring = pool.slots.pop(("default", 0)).process
+    assert retiring is not None
+    retiring.retiring = True
+    pool.retiring.append(retiring)
+    assert pool.snapshot()[0] == {"default": 0}
+    assert pool.worker_states() == {"default": {"retiring": 1}}
+    hung = exited_worker(pool, None, [])
+    hung.kill_reason = "silent past worker_timeout"
+    assert pool.snapshot()[0] == {"default": 0}
+    hung.kill_reason = None
+    assert pool.snapshot()[0] == {"default": 1}  # starting: no report yet
+    hung.reported = True
+    hung.report = protocol.StatusReport(mode=protocol.WorkerMode.DRAINING)
+    assert pool.snapshot()[0] == {"default": 0}
+    hung.report = protocol.StatusReport(mode=protocol.WorkerMode.RUNNING)
+    assert pool.snapshot()[0] == {"default": 1}
