@@ -22,6 +22,9 @@ from jobd.run_board import RunBoard
 
 log = structlog.get_logger("jobd.worker")
 
+# The attribute naming, on a task a handler's task started, the job it belongs to.
+_STARTED_BY = "_jobd_started_by"
+
 # What a task factory is handed: before 3.12, asyncio still takes generator-based coroutines.
 if sys.version_info >= (3, 12):
     _TaskCoroutine: TypeAlias = Coroutine[Any, Any, Any]
@@ -47,6 +50,7 @@ class AsyncHandlers:
         self._starts_scheduled = False
         self.loop = asyncio.new_event_loop()
         self.loop.set_task_factory(self._new_task)
+        self.loop.set_exception_handler(self._on_unhandled_error)
         self.watch = LoopWatch(self.loop, self._job_of)
         self._closing = False
         self._thread = threading.Thread(target=self._run_loop, name="jobd-async", daemon=True)
@@ -101,7 +105,27 @@ class AsyncHandlers:
         if job is not None:
             self._jobs[task] = job
             task.add_done_callback(self._forget)
+            # Kept on the task past its end: asyncio reports an exception nobody retrieved
+            # when the task is collected, after _forget.
+            setattr(task, _STARTED_BY, job)
         return task
+
+    def _on_unhandled_error(self, loop: asyncio.AbstractEventLoop,
+                            context: dict[str, Any]) -> None:
+        """asyncio's report of an error no one awaited: above all a task a handler started
+        and never awaited that raised ("Task exception was never retrieved"). asyncio's own
+        report names no job, and comes when the task is collected, long after the job's
+        records; jobd's names the job whose handler started the task."""
+        source = context.get("task") or context.get("future")
+        job: jobs.Job | None = getattr(source, _STARTED_BY, None)
+        if job is None:
+            loop.default_exception_handler(context)
+            return
+        exc = context.get("exception")
+        log.error(str(context.get("message") or "unhandled error in an async handler's task"),
+                  job_id=job.id, handler=job.handler,
+                  error=None if exc is None else f"{type(exc).__name__}: {exc}",
+                  exc_info=exc)
 
     def _forget(self, task: asyncio.Task[Any]) -> None:
         self._jobs.pop(task, None)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import queue
 import threading
 import time
@@ -485,3 +486,34 @@ def test_a_long_error_message_leaves_the_traceback_its_frames() -> None:
     assert error.startswith("RuntimeError: HTTP 502: <html>")
     assert "in call_the_api" in error and 'raise RuntimeError("HTTP 502: "' in error
     assert len(error) <= 2 * outcomes.MAX_ERROR_CHARS + 1
+
+
+def test_an_error_in_a_task_the_handler_never_awaited_names_the_job() -> None:
+    # asyncio reports it ("Task exception was never retrieved") when the task is collected,
+    # after the job's own records, and named no job.
+    delivered: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
+    runner = AsyncHandlers(None, delivered.put)
+
+    async def fails_later() -> None:
+        await asyncio.sleep(0)
+        raise ValueError("lost in a task")
+
+    async def handler(job: jobs.Job) -> None:
+        asyncio.get_running_loop().create_task(fails_later())
+
+    try:
+        with capture_logs() as logged:
+            runner.start(handlers.resolved("spawner", handler), job(5))
+            assert delivered.get(timeout=10).error is None
+            deadline = time.monotonic() + 10
+            while not any(entry.get("job_id") == 5 for entry in logged):
+                assert time.monotonic() < deadline, logged
+                runner.loop.call_soon_threadsafe(gc.collect)
+                time.sleep(0.01)
+        [entry] = [entry for entry in logged if entry.get("job_id") == 5]
+        assert entry["log_level"] == "error"
+        assert entry["event"] == "Task exception was never retrieved"
+        assert (entry["handler"], entry["error"]) == ("h", "ValueError: lost in a task")
+        assert isinstance(entry["exc_info"], ValueError)
+    finally:
+        stop(runner)
