@@ -106,6 +106,18 @@ class NodeMetrics:
         if totals is not None:
             self.retired.setdefault(lane, WorkTotals()).add(totals)
 
+    def count_settled(self, lane: str, counts: Mapping[str, Mapping[str, int]],
+                      allowed: Iterable[str]) -> None:
+        """Outcomes (handler -> outcome -> jobs) that crash attribution wrote for a dead
+        worker's jobs, counted as a worker counts its own: a handler outside the allow-list
+        as UNLISTED."""
+        totals = self.retired.setdefault(lane, WorkTotals())
+        allowed = frozenset(allowed)
+        for handler, by_outcome in counts.items():
+            work = totals.handler(handler if handler in allowed else UNLISTED)
+            for outcome, count in by_outcome.items():
+                work.outcomes[OUTCOMES.index(outcome)] += count
+
     def lane_totals(self, live: Iterable[tuple[str, WorkTotals | None]]) -> dict[str, WorkTotals]:
         """Per lane, the retired totals plus those of the live workers (lane, totals)."""
         lanes: dict[str, WorkTotals] = {}

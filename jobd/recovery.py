@@ -148,6 +148,9 @@ class CrashOutcome:
     given_back: list[int] = field(default_factory=list)  # held, never started: unharmed
     # The handlers of the jobs that were running (failed or suspects), for the log.
     handlers: list[str] = field(default_factory=list)
+    # Job id -> handler, of every job the worker held: the outcomes of ``failed`` per
+    # handler, for the node's counters (jobd.duties.crash_attribution).
+    handler_of: dict[int, str] = field(default_factory=dict)
 
 
 def settle_crashed_worker(
@@ -186,6 +189,7 @@ def settle_crashed_worker(
         rows = conn.execute(query("jobs_held_by"), {"worker": worker}).fetchall()
         rows, unstarted = _split_by_board(rows, running, given_back_before)
         handlers = sorted({row[6] for row in rows})
+        handler_of = {row[0]: row[6] for row in (*rows, *unstarted)}
         given_back = release(conn, [Lease(row[0], row[1]) for row in unstarted if not row[5]])
         # Asked to stop and never started: ended as cancelled, like the running ones.
         stop_unstarted = [row for row in unstarted if row[5]]
@@ -196,12 +200,12 @@ def settle_crashed_worker(
                                     lease_arrays(leases)).fetchall()
             stopped = _fail_rows(conn, cancelled, lambda _worker: error, policy_for, now, False)
             return CrashOutcome(stopped, sorted(row[0] for row in released),
-                                sorted(given_back.applied), handlers)
+                                sorted(given_back.applied), handlers, handler_of)
         failed = _fail_rows(conn, rows + stop_unstarted, lambda _worker: error, policy_for,
                             now, False)
         if failed.retried:
             conn.execute(query("mark_suspect"), {"ids": bigint_array(failed.retried)})
-        return CrashOutcome(failed, [], sorted(given_back.applied), handlers)
+        return CrashOutcome(failed, [], sorted(given_back.applied), handlers, handler_of)
 
 
 def _split_by_board(rows: list[Any], running: Running | None,

@@ -92,7 +92,9 @@ class Supervisor:
         routes = DeferredRouter(self.router, loop_calls)
         self.crashes = CrashAttribution(
             self._retry_policy, routes, self._lanes,
-            pinned=lambda worker: loop_calls.later(partial(self.pool.forgive_crash, worker)))
+            pinned=lambda worker: loop_calls.later(partial(self.pool.forgive_crash, worker)),
+            counted=lambda lane, counts: loop_calls.later(
+                partial(self._count_settled, lane, counts)))
         self.lane_poll = LanePoll(lambda: self.config, routes)
         self.materializer = Materializer(self.instance, lambda: self.config, routes)
         self.lease_sweep = LeaseSweep(self._duty_interval, self._retry_policy, routes,
@@ -236,6 +238,14 @@ class Supervisor:
                 release=not exited.crashed, running=exited.running)))
             if self.metrics is not None:
                 self.metrics.retire(exited.lane, exited.report.work)
+
+    def _count_settled(self, lane: str, counts: dict[str, dict[str, int]]) -> None:
+        """Outcomes crash attribution wrote for a dead worker: into the node's counters (the
+        heartbeat's rates, which `jobd status` and `jobd top` show) and, with metrics on,
+        into jobd_jobs_completed_total, as the worker would have counted them."""
+        self.pool.count_settled(lane, counts)
+        if self.metrics is not None:
+            self.metrics.count_settled(lane, counts, self.config.worker_handlers())
 
     # --- wake-ups -------------------------------------------------------------------------
 

@@ -424,6 +424,14 @@ class WorkerPool:
             log.warning("worker restart backing off", lane=slot.lane.name, slot=slot.index,
                         delay=delay, failures=slot.backoff.failures)
 
+    def count_settled(self, lane: str, counts: dict[str, dict[str, int]]) -> None:
+        """Outcomes (handler -> outcome -> jobs) written for the jobs of a worker that died,
+        added to the lane's counters as its own outcomes are when it exits."""
+        base = self.exited_counters.setdefault(lane, {})
+        for by_outcome in counts.values():
+            for outcome, count in by_outcome.items():
+                base[outcome] = base.get(outcome, 0) + count
+
     def forgive_crash(self, worker_id: str) -> None:
         """Crash attribution pinned the crash of ``worker_id`` on the one job it held: its
         slot restarts after the base delay, and the crash does not grow its backoff."""

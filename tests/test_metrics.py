@@ -704,12 +704,19 @@ def quick(job):
 
 def boom(job):
     raise RuntimeError("boom")
+
+
+def crash(job):
+    import os
+    import signal
+    os.kill(os.getpid(), signal.SIGKILL)
 '''
 
 
 def metrics_config(port: int, lanes: dict[str, dict[str, Any]]) -> dict[str, Any]:
     config = make_config(lanes, handlers={"quick": "metricshandlers:quick",
-                                          "boom": "metricshandlers:boom"})
+                                          "boom": "metricshandlers:boom",
+                                          "crash": "metricshandlers:crash"})
     config["metrics"] = {"listen": f"127.0.0.1:{port}"}
     return config
 
@@ -820,6 +827,36 @@ def test_a_counter_does_not_go_back_when_a_worker_is_killed(
     jobd.enqueue_many(conn, [jobd.JobSpec("quick") for _ in range(3)])
     wait_until(lambda: claimed_now() == 8, timeout=15,
                message=lambda: f"8 claims in the metrics\n{daemon.tail()}")
+
+
+def test_jobs_that_kill_their_worker_count_as_failed_and_dead(
+        daemons: Daemons, tmp_path: Path, conn: psycopg.Connection) -> None:
+    """Crash attribution fails the job that killed its worker: the dead worker cannot count
+    that outcome, so the supervisor does. Before, a crash loop showed no failures at all in
+    jobd_jobs_completed_total, `jobd status` and `jobd top` while the DLQ filled."""
+    daemon, target = start_daemon(daemons, tmp_path, {"default": {"max_attempts": 2}})
+    daemon.wait_workers_started("default", 1)
+    job_id = jobd.enqueue(conn, "crash")
+
+    def outcomes() -> tuple[float, float]:
+        text = scrape(target)
+        return (value(text, "jobd_jobs_completed_total", lane="default", handler="crash",
+                      outcome="failed"),
+                value(text, "jobd_jobs_completed_total", lane="default", handler="crash",
+                      outcome="dead"))
+
+    wait_until(lambda: outcomes() == (1, 1), timeout=30,
+               message=lambda: f"one failed and one dead, got {outcomes()}\n{daemon.tail()}")
+    assert daemon_support.job_state(conn, job_id) == "dead"
+
+    def heartbeat_counters() -> dict[str, int]:
+        row = conn.execute("SELECT counters -> 'default' FROM nodes").fetchone()
+        return {} if row is None or row[0] is None else dict(row[0])
+
+    # The node's heartbeat, whose rates `jobd status` and `jobd top` show, counts them too.
+    wait_until(lambda: (heartbeat_counters().get("failed"),
+                        heartbeat_counters().get("dead")) == (1, 1), timeout=15,
+               message=lambda: f"the heartbeat's counters, got {heartbeat_counters()}")
 
 
 @pytest.mark.slow

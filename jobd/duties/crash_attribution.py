@@ -22,6 +22,10 @@ from jobd.duties import NEVER, Duty, Router
 from jobd.queries import query
 from jobd.run_board import Running
 
+# What a settlement ended, for the node's counters: handler -> outcome -> jobs, the outcomes
+# named as the workers count them (jobd.worker_metrics.OUTCOMES).
+OutcomeCounts = dict[str, dict[str, int]]
+
 log = structlog.get_logger("jobd.duties.crash_attribution")
 
 RETRY_AFTER = 1.0  # seconds before a failed settlement is tried again
@@ -47,11 +51,17 @@ class CrashAttribution(Duty):
 
     def __init__(self, policy_for: recovery.PolicyLookup, router: Router,
                  lanes: Callable[[], Iterable[str]],
-                 pinned: Callable[[str], None] = lambda _worker: None) -> None:
+                 pinned: Callable[[str], None] = lambda _worker: None,
+                 counted: Callable[[str, OutcomeCounts], None] = lambda _lane, _counts: None
+                 ) -> None:
         super().__init__()
         self.policy_for = policy_for
         # Told the worker id when a crash is pinned on the one job the worker held.
         self.pinned = pinned
+        # Told the lane and the outcomes of the jobs a crash failed: the dead worker cannot
+        # count them, and without them a crash loop showed no failures in `jobd status`,
+        # `jobd top` or jobd_jobs_completed_total while its jobs filled the DLQ.
+        self.counted = counted
         self.router = router
         self.lanes = lanes
         self.pending: list[Attribution] = []
@@ -93,6 +103,9 @@ class CrashAttribution(Duty):
                                                  running=attribution.running,
                                                  given_back_before=self.given_back.keys())
         self.given_back.update(dict.fromkeys(outcome.given_back, now))
+        counts = outcome_counts(outcome)
+        if counts:
+            self.counted(attribution.lane, counts)
         self.router.retries_due(outcome.failed.next_retry_by_lane)
         if outcome.given_back:
             log.info("gave back the jobs a dead worker held but had not started",
@@ -115,3 +128,18 @@ class CrashAttribution(Duty):
                         retried_job_ids=outcome.failed.retried,
                         dead_job_ids=outcome.failed.dead)
             self.pinned(worker_id)
+
+
+def outcome_counts(outcome: recovery.CrashOutcome) -> OutcomeCounts:
+    """Per handler, how many of the jobs ``outcome`` failed were retried, dead-lettered or
+    ended as cancelled (suspects and jobs given back ended nothing: they run again)."""
+    counts: OutcomeCounts = {}
+    failed = outcome.failed
+    for name, ids in (("failed", failed.retried), ("dead", failed.dead),
+                      ("cancelled", failed.cancelled)):
+        for job_id in ids:
+            handler = outcome.handler_of.get(job_id)
+            if handler is not None:
+                by_outcome = counts.setdefault(handler, {})
+                by_outcome[name] = by_outcome.get(name, 0) + 1
+    return counts
