@@ -145,6 +145,24 @@ def test_crash_attribution_settles_each_dead_worker_once(conn: psycopg.Connectio
     assert router._suspects == {"default"}
 
 
+def test_crash_attribution_counts_and_logs_a_job_it_dead_letters_as_an_error(
+    conn: psycopg.Connection,
+) -> None:
+    """The job that killed its worker on its last attempt is dead: logged at error level,
+    as every other dead-lettering, and counted for the node (the worker cannot)."""
+    jobd.enqueue(conn, "h", max_attempts=1)
+    [job] = queue.claim(conn, "default", "w-alone", 1, 30)
+    counted: list[tuple[str, dict[str, dict[str, int]]]] = []
+    crashes = CrashAttribution(policy, WakeRouter(), lambda: ["default"],
+                               counted=lambda lane, counts: counted.append((lane, counts)))
+    crashes.add(Attribution("w-alone", "default", "died: killed by SIGSEGV", release=False))
+    with structlog.testing.capture_logs() as logged:
+        crashes.run(conn, NOW)
+    [entry] = [e for e in logged if e["event"] == "failed the job that killed its worker"]
+    assert (entry["log_level"], entry["dead_job_ids"]) == ("error", [job.id])
+    assert counted == [("default", {"h": {"dead": 1}})]
+
+
 def test_crash_attribution_gives_back_the_jobs_of_a_worker_we_stopped(
     conn: psycopg.Connection,
 ) -> None:

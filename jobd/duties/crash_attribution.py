@@ -123,7 +123,10 @@ class CrashAttribution(Duty):
                         lane=attribution.lane, worker=worker_id, reason=reason,
                         suspect_job_ids=outcome.suspects, handlers=outcome.handlers)
         elif outcome.failed.retried or outcome.failed.dead:
-            log.warning("failed the job that killed its worker", lane=attribution.lane,
+            # A job dead-lettered is an error, as the worker logs its own dead jobs
+            # (docs/operations.md, "Reading the log"); a retry is worth a look.
+            (log.error if outcome.failed.dead else log.warning)(
+                "failed the job that killed its worker", lane=attribution.lane,
                         worker=worker_id, reason=reason, handlers=outcome.handlers,
                         retried_job_ids=outcome.failed.retried,
                         dead_job_ids=outcome.failed.dead)
