@@ -127,9 +127,8 @@ class CrashAttribution(Duty):
             # (docs/operations.md, "Reading the log"); a retry is worth a look.
             (log.error if outcome.failed.dead else log.warning)(
                 "failed the job that killed its worker", lane=attribution.lane,
-                        worker=worker_id, reason=reason, handlers=outcome.handlers,
-                        retried_job_ids=outcome.failed.retried,
-                        dead_job_ids=outcome.failed.dead)
+                worker=worker_id, reason=reason, handlers=outcome.handlers,
+                retried_job_ids=outcome.failed.retried, dead_job_ids=outcome.failed.dead)
             self.pinned(worker_id)
 
 
