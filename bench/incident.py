@@ -74,6 +74,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--mitigate-by", type=float, default=defaults.mitigate_by_s,
                         metavar="S", help="act this long after the cause if the DLQ alert "
                                           f"has not fired (default {defaults.mitigate_by_s:g})")
+    parser.add_argument("--no-mitigation", dest="mitigate", action="store_false",
+                        help="never run the runbook (pause, quarantine): how the lane copes "
+                             "with the poison on its own")
+    parser.add_argument("--max-attempts", type=int, default=defaults.max_attempts, metavar="N",
+                        help=f"the lane's max_attempts (default {defaults.max_attempts})")
     parser.add_argument("--poison-every", type=float, default=defaults.poison_every_s,
                         metavar="S", help=f"a poison job every S seconds from the cause; 0 "
                                           f"sends none, the herd alone (default "
@@ -96,6 +101,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if not all(math.isfinite(value) for value in seconds):  # nan passes every comparison below
         parser.error("--baseline, --interval, --mitigate-by, --tail and --poison-every must be "
                      "finite numbers of seconds")
+    if args.max_attempts < 1:
+        parser.error("--max-attempts must be at least 1")
     if (args.herd < 1 or args.baseline < 10 or args.interval <= 0 or args.mitigate_by <= 0
             or args.tail < 0 or args.poison_every < 0):
         parser.error("--herd must be positive, --baseline at least 10 s, --interval and "
@@ -129,7 +136,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     settings = Settings(fairness=args.fairness, herd=args.herd, baseline_s=args.baseline,
                         mitigate_by_s=args.mitigate_by, interval_s=args.interval, tail_s=args.tail,
-                        poison_every_s=args.poison_every,
+                        poison_every_s=args.poison_every, mitigate=args.mitigate,
+                        max_attempts=args.max_attempts,
                         rules=args.rules.resolve(), keep=args.keep)
     started = time.monotonic()
     source = source_revision()  # before the run: what the daemon's processes loaded

@@ -71,6 +71,7 @@ class Settings:
     poison_every_s: float = 2.0  # 0: no poison (the herd alone)
     baseline_s: float = 40.0
     mitigate_by_s: float = 60.0  # act without an alert this long after the cause
+    mitigate: bool = True  # False: the runbook is not run, the lane is left to itself
     drain_timeout_s: float = 200.0
     tail_s: float = 15.0
     interval_s: float = 2.0  # Prometheus scrape and rule evaluation
@@ -329,7 +330,7 @@ class Drill:
         s, marks = self.s, self.marks
         cause = marks.events["cause"]
         # Without poison (the herd alone) there is nothing to mitigate.
-        mitigated, drained = s.poison_every_s == 0, False
+        mitigated, drained = s.poison_every_s == 0 or not s.mitigate, False
         with psycopg.connect(self.url, autocommit=True) as conn:
             while True:
                 self._check()
