@@ -41,11 +41,16 @@ class Backoff:
 
 @dataclass(frozen=True, slots=True)
 class RetryPolicy:
-    """How a lane retries: its backoff and the attempt budget for jobs that set none."""
+    """How a lane retries: its backoff, the attempt budget for jobs that set none, and how
+    many times a job may kill its worker, running alone, before it is dead-lettered whatever
+    attempts it has left (``max_crashes``)."""
 
     backoff: Backoff = field(default_factory=Backoff)
     max_attempts: int = 8
+    max_crashes: int = 2
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
+        if self.max_crashes < 1:
+            raise ValueError("max_crashes must be at least 1")

@@ -52,6 +52,12 @@ class LaneConfig:
     timeout: float | None = None
     max_attempts: int = 8
     backoff: Backoff = field(default_factory=Backoff)
+    # A job that killed its worker this many times, running alone each time, is dead-lettered
+    # whatever attempts it has left: each of its retries would kill a worker again, and the
+    # lane's other jobs wait while the slot restarts. Applied by the supervisor's crash
+    # attribution, not the workers: compare=False, so a reload changing it alone does not
+    # replace the lane's workers.
+    max_crashes: int = field(default=2, compare=False)
     poll_interval: float = 5.0
     # Jobs a worker process claims ahead of its free slots (None: adapted to the start rate
     # from a floor of 3 x concurrency, jobd.prefetch), so the database sees larger claims
@@ -130,7 +136,8 @@ class LaneConfig:
         them claimed it. Stated in the node's heartbeat (migration 0044), compared by `jobd
         status` and every node. Durations in seconds; None: not set. Workers, concurrency,
         prefetch and the poll are each node's own and left out."""
-        return {"max_attempts": self.max_attempts, "timeout": self.timeout,
+        return {"max_attempts": self.max_attempts, "max_crashes": self.max_crashes,
+                "timeout": self.timeout,
                 "visibility_timeout": self.visibility_timeout,
                 "backoff_base": self.backoff.base, "backoff_cap": self.backoff.cap,
                 "max_running": self.max_running, "rate_limit": self.rate_limit,
@@ -139,7 +146,7 @@ class LaneConfig:
 
     @property
     def retry_policy(self) -> RetryPolicy:
-        return RetryPolicy(self.backoff, self.max_attempts)
+        return RetryPolicy(self.backoff, self.max_attempts, self.max_crashes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,6 +242,7 @@ def _lane(name: str, located: yamlcheck.Located, path: str) -> LaneConfig:
         timeout=section.take("timeout", yamlcheck.positive_duration, None),
         max_attempts=section.take("max_attempts", yamlcheck.int_between(1, 1000), 8),
         backoff=Backoff(base, cap),
+        max_crashes=section.take("max_crashes", yamlcheck.int_between(1, 1000), 2),
         poll_interval=section.take("poll_interval", yamlcheck.positive_duration, 5.0),
         prefetch=section.take("prefetch", yamlcheck.int_between(0, 10_000), None),
         settle_connection=section.take("settle_connection", yamlcheck.boolean_or_auto, None),

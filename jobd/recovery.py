@@ -4,7 +4,7 @@ claims a worker made but never received. Each decides what a job's attempt count
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -29,19 +29,25 @@ def _fail_rows(
     policy_for: PolicyLookup,
     now: datetime | None,
     expired_only: bool,
+    poison: Mapping[int, str] | None = None,
 ) -> FailOutcome:
+    """Fails ``rows`` as attempts; those in ``poison`` are dead-lettered whatever their
+    budget, the note given there added to their error."""
     failures = []
     lanes = {row[0]: row[2] for row in rows}
+    poison = poison or {}
     # (id, lease_token, lane, attempts, claimed_by), and from jobs_held_by a cancel flag that
-    # fail_jobs reads for itself and the handler.
+    # fail_jobs reads for itself, the handler and the crashes counted.
     for job_id, token, lane, attempts, claimed_by, *_flags in rows:
         policy = policy_for(lane)
+        note = poison.get(job_id)
         failures.append(
             Failure(
                 lease=Lease(job_id, token),
-                error=reason(claimed_by),
+                error=reason(claimed_by) if note is None else f"{reason(claimed_by)}; {note}",
                 retry_delay=policy.backoff.delay(attempts),
                 default_max_attempts=policy.max_attempts,
+                final=note is not None,
             )
         )
     outcome = fail(conn, failures, now, expired_only=expired_only)
@@ -173,7 +179,10 @@ def settle_crashed_worker(
     the process, so a board can clear the job that killed it once, not twice.
 
     Alone, the job running killed it: that job spends an attempt (retried after its backoff,
-    dead when its budget is spent) and stays a suspect, so its retries run alone. Several
+    dead when its budget is spent) and stays a suspect, so its retries run alone; the
+    ``max_crashes``-th time it kills its worker so, it is dead-lettered whatever attempts it
+    has left (each retry would kill a worker again, and a poison arriving steadily kept the
+    lane's slots restarting). Several
     running, nothing says which one killed it: all of them get their attempt back and
     become suspects, each run alone by an idle worker (claim_suspect) until the one that
     kills its worker is found. So only the poison spends its budget, never its neighbours.
@@ -202,10 +211,25 @@ def settle_crashed_worker(
             return CrashOutcome(stopped, sorted(row[0] for row in released),
                                 sorted(given_back.applied), handlers, handler_of)
         failed = _fail_rows(conn, rows + stop_unstarted, lambda _worker: error, policy_for,
-                            now, False)
+                            now, False, _poison(rows, policy_for))
         if failed.retried:
             conn.execute(query("mark_suspect"), {"ids": bigint_array(failed.retried)})
         return CrashOutcome(failed, [], sorted(given_back.applied), handlers, handler_of)
+
+
+def _poison(rows: Sequence[tuple[Any, ...]], policy_for: PolicyLookup) -> dict[int, str]:
+    """Of the rows (jobs_held_by) of a job that killed its worker alone, those that have now
+    done so ``max_crashes`` times: job id -> the note on their dead-lettering. A job asked to
+    stop is archived as cancelled either way."""
+    poison = {}
+    for row in rows:
+        job_id, lane, cancelled, crashes_before = row[0], row[2], row[5], row[7]
+        limit = policy_for(lane).max_crashes
+        if not cancelled and crashes_before + 1 >= limit:
+            poison[job_id] = (f"dead-lettered: it killed its worker {crashes_before + 1} "
+                              f"{'time' if crashes_before == 0 else 'times'} running alone "
+                              f"(lanes.{lane}.max_crashes: {limit})")
+    return poison
 
 
 def _split_by_board(rows: list[Any], running: Running | None,

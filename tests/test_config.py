@@ -57,6 +57,7 @@ def test_the_example_config_loads() -> None:
     critical = config.lanes["critical"]
     assert critical.backoff == Backoff(0.5, 60.0)
     assert critical.retry_policy.max_attempts == 5
+    assert (default.max_crashes, critical.max_crashes) == (2, 2)
     assert (default.slo_pickup, critical.slo_pickup, config.lanes["outbox"].slo_pickup) == (
         5.0, 1.0, None)
     [schedule] = config.schedules
@@ -154,6 +155,7 @@ def test_wrong_type(tmp_path: Path) -> None:
          "lanes.default.visibility_timeout"),
         ("limits:\n  max_payload_bytes: lots\n", 2, "limits.max_payload_bytes"),
         ("metrics:\n  listen: 9464\n", 2, "metrics.listen"),
+        ("lanes:\n  default:\n    max_crashes: 0\n", 3, "lanes.default.max_crashes"),
         ("supervisor:\n  worker_timeout: 0s\n", 2, "supervisor.worker_timeout"),
         (HANDLERS + "schedules:\n  - id: a\n    cron: '* * * * *'\n    handler: echo\n"
          "    catchup: maybe\n", 7, "schedules[0].catchup"),
@@ -584,6 +586,10 @@ def test_the_slo_does_not_count_as_a_worker_setting() -> None:
     assert before.slo_pickup != after.slo_pickup
     assert not workerpool._settings_differ(after, before)
     assert workerpool._settings_differ(other, before)
+    # Nor max_crashes, which the supervisor's crash attribution applies.
+    crashes = parse("lanes:\n  default: {concurrency: 4, max_crashes: 5}\n").lanes["default"]
+    assert crashes.max_crashes == 5 and crashes.retry_policy.max_crashes == 5
+    assert not workerpool._settings_differ(crashes, before)
 
 
 @pytest.mark.parametrize(("payload", "message"), [

@@ -16,7 +16,7 @@ from jobd import queue, recovery, run_board
 from jobd.backoff import Backoff, RetryPolicy
 from jobd.claim_floors import full_scan_params
 from jobd.db import connect
-from jobd.jobs import JobSpec
+from jobd.jobs import JobSpec, Lease
 from jobd.queries import query
 from jobd.queue import Failure
 from jobd.run_board import RunBoard, Running
@@ -400,6 +400,61 @@ def test_a_worker_that_died_holding_one_job_spends_that_jobs_attempt(
     assert outcome.suspects == [] and outcome.failed.retried == [job_id]
     row = conn.execute("SELECT state, attempts, suspect, last_error FROM jobs").fetchone()
     assert row == ("failed", 1, True, "worker killed by SIGKILL")
+
+
+def crash_alone(conn: psycopg.Connection, worker: str, policy_for: recovery.PolicyLookup
+                ) -> recovery.CrashOutcome:
+    """The job due first, suspect or not, claimed alone by ``worker``, which then dies."""
+    request = queue.ClaimRequest("default", worker, 1, 30, suspect_first=True)
+    conn.execute("UPDATE jobs SET run_at = now() - interval '1 second'")
+    _done, _failed, claimed = queue.settle_and_claim(conn, [], [], request)
+    assert len(claimed.jobs) + (claimed.suspect is not None) == 1
+    return recovery.settle_crashed_worker(conn, worker, f"worker {worker} died: SIGSEGV",
+                                          policy_for)
+
+
+def test_a_job_that_kills_its_worker_alone_max_crashes_times_is_dead_lettered(
+    conn: psycopg.Connection,
+) -> None:
+    """Each retry of a job that kills its worker kills one more: with 8 attempts, a poison
+    arriving every 2 s kept a lane's two slots restarting and the lane did nothing else.
+    Attempts that failed otherwise do not count."""
+    job_id = jobd.enqueue(conn, "h")
+    queue.claim(conn, "default", "w0", 1, 30)
+    queue.fail(conn, [queue.Failure(queue_lease(conn), "ValueError: bad", 0.0, 8)])
+    three = lambda _lane: RetryPolicy(Backoff(1.0, 300.0), 8, max_crashes=3)  # noqa: E731
+    for worker in ("w1", "w2"):
+        outcome = crash_alone(conn, worker, three)
+        assert (outcome.failed.retried, outcome.failed.dead) == ([job_id], [])
+    outcome = crash_alone(conn, "w3", three)
+    assert (outcome.failed.retried, outcome.failed.dead) == ([], [job_id])
+    attempts, last_error, errors = conn.execute(
+        "SELECT attempts, last_error, errors FROM dead_letter WHERE id = %s", (job_id,)
+    ).fetchone() or (None, None, None)
+    assert attempts == 4  # of 8
+    assert last_error == ("worker w3 died: SIGSEGV; dead-lettered: it killed its worker 3 "
+                          "times running alone (lanes.default.max_crashes: 3)")
+    assert [e.get("killed_worker", False) for e in errors] == [False, True, True, False]
+
+
+def test_by_default_a_job_that_kills_its_worker_alone_twice_is_dead_lettered(
+    conn: psycopg.Connection,
+) -> None:
+    job_id = jobd.enqueue(conn, "h")
+    assert crash_alone(conn, "w1", policy()).failed.retried == [job_id]
+    assert crash_alone(conn, "w2", policy()).failed.dead == [job_id]
+    # A suspect from a crash among several jobs has killed nothing yet: it counts from 0.
+    ids = jobd.enqueue_many(conn, [JobSpec("h") for _ in range(2)])
+    queue.claim(conn, "default", "w-many", 2, 30)
+    assert sorted(recovery.settle_crashed_worker(conn, "w-many", "died", policy()).suspects
+                  ) == ids
+    assert crash_alone(conn, "w3", policy()).failed.retried == [ids[0]]
+
+
+def queue_lease(conn: psycopg.Connection) -> Lease:
+    row = conn.execute("SELECT id, lease_token FROM jobs WHERE state = 'claimed'").fetchone()
+    assert row is not None
+    return Lease(row[0], row[1])
 
 
 def crash_with_board(conn: psycopg.Connection, running: set[int] | None, complete: bool = True

@@ -779,8 +779,15 @@ UPDATE jobs
 RETURNING jobs.id
 
 -- name: mark_suspect
--- A job that killed its worker alone keeps running alone on its retries.
-UPDATE jobs SET suspect = true WHERE id = ANY(%(ids)s::bigint[])
+-- A job that killed its worker alone keeps running alone on its retries, and the failure
+-- fail_jobs just recorded (the last of its errors) is marked as a crash it caused: crash
+-- attribution counts them against the lane's max_crashes (jobs_held_by).
+UPDATE jobs
+   SET suspect = true,
+       errors = CASE WHEN jsonb_array_length(errors) = 0 THEN errors
+                     ELSE jsonb_set(errors, ARRAY[(jsonb_array_length(errors) - 1)::text],
+                                    (errors -> -1) || '{"killed_worker": true}') END
+ WHERE id = ANY(%(ids)s::bigint[])
 
 -- name: terminate_worker_backends
 -- Crash attribution, first: ends the backends of a worker process that died (its
@@ -839,8 +846,11 @@ SELECT id FROM jobs WHERE id = ANY(%(ids)s::bigint[]) FOR UPDATE SKIP LOCKED
 -- The jobs a worker holds: failed at once when the supervisor sees it die, or by the worker
 -- itself when a claim took jobs whose rows it never received. Rare, so no index of its own:
 -- it reads the live jobs table. The sixth column says whether the job was asked to stop;
--- the handler is for the log.
-SELECT id, lease_token, lane, attempts, claimed_by, cancel_requested_at IS NOT NULL, handler
+-- the handler is for the log; the last, how many times the job killed its worker before,
+-- running alone (the failures mark_suspect marked; crash attribution's max_crashes).
+SELECT id, lease_token, lane, attempts, claimed_by, cancel_requested_at IS NOT NULL, handler,
+       (SELECT count(*) FROM jsonb_array_elements(errors) AS e
+         WHERE e ? 'killed_worker')::int
   FROM jobs
  WHERE state = 'claimed' AND claimed_by = %(worker)s
 
