@@ -45,6 +45,11 @@ class TransactionAborted(RuntimeError):
     transaction is aborted, and nothing of it can commit."""
 
 
+class TransactionRolledBack(RuntimeError):
+    """The handler raised ``psycopg.Rollback`` outside a ``with conn.transaction():`` block
+    of its own: the job's transaction is rolled back, and the attempt fails."""
+
+
 class ConnectionGone(Exception):
     """The connection was dead before the transaction began (the server closed it while it
     sat idle in the pool: a restart, a failover, an idle timeout): nothing of the run
@@ -95,7 +100,7 @@ def run_transactional(
             }).fetchone()
             if first is not None:
                 conn.row_factory = callers_rows
-                check_ran(job.handler, forks.call(handler, job, conn))
+                check_ran(job.handler, _call(handler, job, conn))
                 conn.row_factory = tuple_row
                 _check_transaction_open(conn, job)
             completed = complete(conn, [job.lease], schema=schema)
@@ -111,6 +116,21 @@ def run_transactional(
     if completed.cancelled:
         return "cancelled"
     return "done" if first is not None else "replayed"
+
+
+def _call(handler: Callable[[Job, psycopg.Connection], Any], job: Job,
+          conn: psycopg.Connection) -> Any:
+    """``handler(job, conn)``. A ``psycopg.Rollback`` it raises ends the innermost
+    ``conn.transaction()`` block quietly: out of the handler, that block is the job's own, which
+    would then end as if the handler had returned, with nothing to complete. It fails the
+    attempt instead, as any exception the handler raises does."""
+    try:
+        return forks.call(handler, job, conn)
+    except psycopg.Rollback as exc:
+        raise TransactionRolledBack(
+            f"handler {job.handler!r} raised psycopg.Rollback outside a transaction block of "
+            f"its own: the job's transaction is rolled back and the attempt fails (to undo a "
+            f"part of the work, raise it inside `with conn.transaction():`)") from exc
 
 
 def _check_transaction_open(conn: psycopg.Connection, job: Job) -> None:

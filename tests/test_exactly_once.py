@@ -307,6 +307,31 @@ def test_a_handler_that_goes_on_after_a_failed_statement_is_told_so(
     assert effect_rows(conn) == [] and processed_keys(conn) == []
 
 
+def test_a_handler_that_raises_psycopgs_rollback_fails_its_attempt_saying_so(
+    tables: psycopg.Connection, db_url: str
+) -> None:
+    # psycopg.Rollback ends the innermost `with conn.transaction()` block and is swallowed
+    # there: raised out of the handler, that block was jobd's own, which then went on as if
+    # the handler had returned and failed the run with "UnboundLocalError: cannot access
+    # local variable 'completed'".
+    conn = tables
+    job_id = jobd.enqueue(conn, "tx")
+
+    @jobd.transactional
+    def handler(job: Job, tx: psycopg.Connection) -> None:
+        insert_effect(job, tx, "worker-a")
+        raise psycopg.Rollback()
+
+    job = claim_one(conn, "worker-a", db_now(conn))
+    with connect(db_url) as a_conn:
+        with pytest.raises(exactly_once.TransactionRolledBack,
+                           match=r"'tx' raised psycopg.Rollback.*rolled back"):
+            run_transactional(a_conn, job, handler)
+        assert a_conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    assert state_of(conn, job_id) == "claimed"
+    assert effect_rows(conn) == [] and processed_keys(conn) == []
+
+
 # --- (b) two threads at once ---------------------------------------------------------------
 
 
