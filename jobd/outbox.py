@@ -76,18 +76,24 @@ def add(conn: psycopg.Connection, job: Job, sender: str, payload: Any, *,
         key: str | None = None) -> int:
     """Record an outbox entry in the handler's transaction; returns its id.
 
+    ``payload`` meets the rules of a job's payload (:func:`jobd.validation.encode_payload`;
+    ValueError), the size limit aside; a :class:`jobd.JsonText` keeps its numbers as written.
     ``key`` defaults to ``<job's effect key>:<sender>``; a handler that sends several
     messages through one sender gives each its own key. Adding a key twice keeps the first.
     The delivery job goes to the configured ``outbox.lane``.
     """
     # Checked here, where the handler can be told: its deliveries' handler names it.
     validation.sender(sender)
+    # A job's payload rules, so the sender gets the value the handler gave ({1: "a"} would
+    # arrive as {"1": "a"}), a JsonText keeps its digits, and a refusal is a ValueError here
+    # rather than a server error that aborts the handler's transaction.
+    encoded = validation.encode_payload(payload)
     entry_key = key if key is not None else f"{job.effect_key}:{sender}"
     # A tuple whatever row factory the handler gave its connection (or a test's, under
     # jobd.testing).
     row = conn.cursor(row_factory=tuple_row).execute(qualified("outbox_add", _settings.schema), {
-        "key": entry_key, "sender": sender, "payload": Jsonb(payload), "lane": _settings.lane,
-        "source_job_id": job.id,
+        "key": entry_key, "sender": sender, "payload": Jsonb(encoded, dumps=str),
+        "lane": _settings.lane, "source_job_id": job.id,
     }).fetchone()
     assert row is not None
     return int(row[0])

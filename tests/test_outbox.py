@@ -184,6 +184,34 @@ def test_an_outbox_entry_commits_with_the_handler_and_gets_a_delivery_job(
     ]
 
 
+def test_an_outbox_payload_meets_a_jobs_payload_rules(
+    conn: psycopg.Connection, db_url: str
+) -> None:
+    # The payload went to psycopg's own JSON dump: {1: "a", "1": "b"} reached the sender as
+    # {"1": "b"}, a JsonText was a TypeError and a NaN a server error aborting the handler.
+    create_tables(conn)
+    payloads: list[Any] = [{1: "a", "1": "b"}, {"amount": float("nan")},
+                           jobd.JsonText('{"amount": 19.90}')]
+    for _ in payloads:
+        jobd.enqueue(conn, "order")
+    claimed = queue.claim(conn, "default", "w", len(payloads), 30)
+
+    def adding(payload: Any) -> Callable[[Job, psycopg.Connection], None]:
+        @jobd.transactional
+        def handler(job: Job, tx: psycopg.Connection) -> None:
+            outbox.add(tx, job, "mailer", payload)
+        return handler
+
+    with connect(db_url) as tx_conn:
+        for job, payload in zip(claimed[:2], payloads[:2], strict=True):
+            with pytest.raises(ValueError, match="payload"):
+                run_transactional(tx_conn, job, adding(payload))
+            assert tx_conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+        assert run_transactional(tx_conn, claimed[2], adding(payloads[2])) == "done"
+    assert [r["payload"] for r in outbox_rows(conn)] == [{"amount": 19.9}]
+    assert scalar(conn, "SELECT payload::text FROM outbox") == '{"amount": 19.90}'
+
+
 def test_an_outbox_entry_of_a_failed_or_stale_handler_is_rolled_back(
     conn: psycopg.Connection, db_url: str
 ) -> None:
