@@ -122,15 +122,28 @@ def _missing_schema(ctx: Context | None, schema: str) -> str:
     """What a statement that found none of jobd's tables means: the schema is missing (or
     older), or it is there and the role may not use it (then its names look missing too)."""
     missing = f"{schema} is missing or incomplete in this database; run `jobd migrate` first"
+    return _usage_problem(ctx) or missing
+
+
+def _refused(ctx: Context | None, exc: psycopg.Error) -> str:
+    """What a statement refused for want of a privilege means. One that names jobd's schema
+    (``SELECT jobd.enqueue(...)``, ``jobd.pause``) is refused the schema itself, not a name
+    in it, when the role was granted nothing: that is said as for the commands that find no
+    table, naming the grant."""
+    return _usage_problem(ctx) or f"database error: {first_line(exc)}"
+
+
+def _usage_problem(ctx: Context | None) -> str | None:
+    """Why the role may not use jobd's schema (no USAGE on it), or None."""
     if ctx is None:
-        return missing
+        return None
     try:
         with ctx.connect() as conn:
-            return grants.usage_problem(conn, ctx.schema) or missing
+            return grants.usage_problem(conn, ctx.schema)
     except (psycopg.Error, JobdError):
         # A second look for a better message only: the statement's own failure is what the
-        # user is told about, and "missing" is true of it either way.
-        return missing
+        # user is told about otherwise.
+        return None
 
 
 def _dispatch(argv: Sequence[str] | None) -> int:
@@ -156,6 +169,9 @@ def _dispatch(argv: Sequence[str] | None) -> int:
             psycopg.errors.UndefinedColumn, psycopg.errors.InvalidSchemaName):
         # UndefinedColumn: a schema of an older jobd, whose tables lack a newer column.
         print(f"jobd: {_missing_schema(ctx, schema)}", file=sys.stderr)
+        return 1
+    except psycopg.errors.InsufficientPrivilege as exc:
+        print(f"jobd: {_refused(ctx, exc)}", file=sys.stderr)
         return 1
     except psycopg.Error as exc:
         if _is_input_error(exc):

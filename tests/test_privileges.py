@@ -409,8 +409,11 @@ def test_a_role_without_usage_on_the_schema_is_told_to_get_a_grant(roles: Roles,
     url = roles.url(roles.runtime)
     config = tmp_path / "jobd.yaml"
     config.write_text(yaml.safe_dump(make_config({"default": {}})))
+    # enqueue, cancel and the pauses call functions that name the schema: refused the
+    # schema itself, they said "database error: permission denied for schema jobd".
     for args, code in ((["status"], 1), (["jobs", "list"], 1), (["run", "-c", str(config)], 1),
-                       (["migrate"], 2)):
+                       (["migrate"], 2), (["enqueue", "echo"], 1), (["jobs", "cancel", "1"], 1),
+                       (["lanes", "pause", "default"], 1)):
         line = assert_one_line_error(cli(*args, "--database-url", url), code)
         assert f"role {roles.runtime!r} may not use schema jobd" in line, (args, line)
         assert "--grant-runtime" in line and "first" not in line, (args, line)
