@@ -599,9 +599,11 @@ def _state_of(process: WorkerProcess) -> str:
 def _node_wide(config: Config) -> tuple[object, ...]:
     """What every worker's spec carries from outside its lane (_spec): a worker keeps what
     it was started with, so a change to any of these needs new workers in every lane (a
-    moved outbox lane, say, would otherwise keep getting the deliveries)."""
+    moved outbox lane, say, would otherwise keep getting the deliveries). worker_timeout is
+    one: a worker's loop gives a silent connection up before it (db.worker_reply_cap), so a
+    worker started under a longer one would be aborted as hung under the shorter."""
     return (config.worker_handlers(), config.outbox_senders, config.outbox_lane,
-            config.shutdown_timeout, config.log_level)
+            config.shutdown_timeout, config.log_level, config.worker_timeout)
 
 
 def _settings_differ(new: LaneConfig, old: LaneConfig) -> bool:

@@ -404,3 +404,41 @@ def test_a_worker_waiting_on_a_paused_pooler_gives_its_connection_up_before_it_i
         assert daemon.worker_pids("default") == {0: pid}
         assert conn.execute("SELECT max(attempts) FROM all_jobs").fetchone() == (1,)
         daemon.stop()  # before its pooler does
+
+
+@pytest.mark.slow
+def test_a_reload_that_shortens_worker_timeout_gives_the_workers_the_shorter_wait(
+        daemons: Daemons, tmp_path: Path, pg_server: Server, db_url: str,
+        conn: psycopg.Connection) -> None:
+    """A worker's loop gives its connection up before worker_timeout (the test above), from
+    the worker_timeout it was started with. A reload that shortened worker_timeout left the
+    running workers with the longer wait while the supervisor took the shorter one: a paused
+    pooler then got them aborted as hung, stack dumps and restarts, as if nothing bounded
+    their waits."""
+    with running_pgbouncer(pg_server.admin_url) as paused:  # PAUSE is for this test alone
+        daemon = pooled_daemon(daemons, tmp_path, paused.url_for(db_url))
+        database = {"pooler": "transaction", "listen_url": db_url, "statement_timeout": "30s"}
+        lanes = {"default": {"workers": 1, "poll_interval": "1s"}}
+        daemon.start(pooled_config(lanes, database, worker_timeout="60s"))
+        daemon.wait_workers_started("default", 1)
+        mark = daemon.reload(pooled_config(lanes, database, worker_timeout="4s"))
+        daemon.wait_for_log("config reloaded", since=mark)
+        # Done by a worker of the reloaded config: the pause below is for it.
+        jobd.enqueue(conn, "noop")
+        wait_until(lambda: done_count(conn) == 1, 20,
+                   message=lambda: f"the first job done\n{daemon.tail()}")
+        mark = daemon.mark()
+        paused.admin("PAUSE")
+        try:
+            def gave_up() -> list[dict[str, Any]]:
+                return [e for e in daemon.events("database connection lost", process=None,
+                                                 since=mark)
+                        if e["process"] != "supervisor" and "no answer" in e["error"]]
+
+            # Three give-ups of at most half the new worker_timeout each have outlasted it.
+            wait_until(lambda: len(gave_up()) >= 3 or daemon.events("worker hung; aborting it"),
+                       60, message=lambda: f"the worker's waits to end\n{daemon.tail()}")
+        finally:
+            paused.admin("RESUME")
+        assert daemon.events("worker hung; aborting it") == [], daemon.tail()
+        daemon.stop()  # before its pooler does
