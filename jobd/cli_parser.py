@@ -217,7 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "pickup percentiles, oldest unclaimed age against the lane's SLO "
                          "(highlighted when over it), DLQ depth, workers; live nodes. q or "
                          "Ctrl-C quits. Reads the database alone. Prints one plain snapshot "
-                         "when stdout is not a terminal, with --once, or as JSON with --json.")
+                         "when stdout is not a terminal (or one that cannot place its cursor: "
+                         "$TERM unset, unknown or dumb), with --once, or as JSON with --json.")
     top_cmd.add_argument("--interval", type=interval, default=1.0, metavar="DURATION",
                          help="time between refreshes, e.g. 1s, 500ms, 5s (default: 1s, at "
                               "least 100ms)")

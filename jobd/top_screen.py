@@ -60,7 +60,8 @@ class Feed:
 
 
 def usable_terminal() -> bool:
-    """Whether curses knows this terminal ($TERM); if not, the caller prints a snapshot."""
+    """Whether curses knows this terminal ($TERM) and can draw a screen on it; if not, the
+    caller prints a snapshot."""
     # The size comes from the terminal itself (ncurses asks it when these are unset), not
     # from $LINES and $COLUMNS: a shell may have exported those before its window took its
     # size (tmux starts a pane at 80x24, then sizes it), and they do not follow resizes.
@@ -70,7 +71,9 @@ def usable_terminal() -> bool:
         curses.setupterm()
     except curses.error:
         return False
-    return True
+    # A terminal curses knows may still be unable to place its cursor (TERM=dumb, as Emacs'
+    # shell and some CI runners set it): the view would be one garbled line, never redrawn.
+    return curses.tigetstr("cup") is not None
 
 
 def run(feed: Feed, interval: float) -> int:

@@ -4,7 +4,13 @@ query's bounds and plan, and the plain snapshot through the real command line.""
 from __future__ import annotations
 
 import json
+import os
+import pty
+import select
 import statistics
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -12,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 import pytest
-from cli_support import assert_one_line_error, cli, ok
+from cli_support import assert_one_line_error, clean_env, cli, ok
 from daemon_support import db_now, enqueued_when_due
 from psycopg import sql
 from psycopg.types.json import Jsonb
@@ -380,6 +386,57 @@ def test_top_prints_a_plain_snapshot_when_stdout_is_not_a_terminal(
         assert rows["fast"][start:start + 7].strip() != "-"
         assert rows["slow"][start:start + 7].strip() == "-"
         assert "no live nodes" in out
+
+
+def run_on_a_terminal(args: list[str], env: dict[str, str], timeout: float
+                      ) -> tuple[int | None, str]:
+    """``jobd ARGS`` with stdin and stdout on a pseudo-terminal; its exit code (None if it
+    was still running at the deadline, and killed) and what it wrote there."""
+    main, secondary = pty.openpty()
+    process = subprocess.Popen([sys.executable, "-m", "jobd", *args], stdin=secondary,
+                               stdout=secondary, stderr=subprocess.DEVNULL, env=env)
+    os.close(secondary)
+    output = b""
+    deadline = time.monotonic() + timeout
+    try:
+        while (remaining := deadline - time.monotonic()) > 0:
+            if not select.select([main], [], [], remaining)[0]:
+                continue
+            try:
+                chunk = os.read(main, 65536)
+            except OSError:  # EIO: the process has closed the terminal's last descriptor
+                break
+            if not chunk:
+                break
+            output += chunk
+        try:
+            code: int | None = process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            code = None
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        os.close(main)
+    return code, output.decode(errors="replace").replace("\r\n", "\n")
+
+
+@pytest.mark.parametrize("term", ["dumb", "no-such-terminal"])
+def test_top_on_a_terminal_that_cannot_place_the_cursor_prints_a_plain_snapshot(
+    db_url: str, conn: psycopg.Connection, tmp_path: Path, term: str
+) -> None:
+    """TERM=dumb (Emacs' shell, some CI runners) names a terminal curses knows but that
+    cannot move its cursor: the live view drew one garbled line there and never a refresh,
+    and the command ran on until killed."""
+    fill(conn)
+    env = clean_env(TERM=term)
+    code, out = run_on_a_terminal(
+        ["top", "-c", str(write_config(tmp_path)), "--database-url", db_url], env, 20)
+    assert code == 0, out
+    lines = out.splitlines()
+    assert lines[0].startswith("jobd top ") and "q quits" not in out, out
+    assert any(line.startswith("LANE") for line in lines), out
+    assert "\x1b" not in out  # no curses escapes: plain text
 
 
 def test_top_json_is_the_snapshot(db_url: str, conn: psycopg.Connection, tmp_path: Path
