@@ -33,7 +33,7 @@ def cmd_run(ctx: Context, _args: argparse.Namespace) -> int:
         # A runtime failure, as for every other command: the same `jobd run` starts once
         # `jobd migrate` has run.
         raise JobdError(problem)
-    return Supervisor(config, ctx.url).run()
+    return Supervisor(config, ctx.url, file_config=ctx.config).run()
 
 
 def cmd_migrate(ctx: Context, args: argparse.Namespace) -> int:

@@ -74,9 +74,13 @@ log = structlog.get_logger("jobd.supervisor")
 
 class Supervisor:
     def __init__(self, config: Config, database_url: str,
-                 notifier: Notifier | None = None) -> None:
+                 notifier: Notifier | None = None, *, file_config: Config | None = None
+                 ) -> None:
         self.config = config
         self.url = database_url
+        # The file's database settings at start, before the command line's (--schema): a
+        # reload compares the file with them, so an option is not taken for an edit.
+        self.file_database = _database_of(file_config or config)
         self.instance = f"{config.node_name}:{os.getpid()}:{secrets.token_hex(3)}"
         self.notifier = notifier or Notifier()
         self.loop = SelectLoop()
@@ -304,11 +308,12 @@ class Supervisor:
         if problems:
             self._refuse_reload("; ".join(problems))
             return
-        if _database_of(new) != _database_of(self.config):
+        if _database_of(new) != self.file_database:
             log.warning("database settings (url, schema, listen_url, pooler, timeouts) "
                         "change on restart")
-            new = replace(new, database_url=self.config.database_url, schema=self.config.schema,
-                          listen_url=self.config.listen_url, session=self.config.session)
+        # The connections keep what they were opened with, an override included.
+        new = replace(new, database_url=self.config.database_url, schema=self.config.schema,
+                      listen_url=self.config.listen_url, session=self.config.session)
         if new.metrics_listen != self.config.metrics_listen:
             log.warning("metrics.listen changes take effect on restart")
             new = replace(new, metrics_listen=self.config.metrics_listen)

@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable
 from datetime import datetime, timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -1080,3 +1081,30 @@ def test_reload_applies_a_new_log_level_to_the_supervisor_and_its_workers(
 
     wait_until(relayed, 30, interval=0.2, message="a wake-up the supervisor logs at debug")
     daemon.wait_for_log("claimed", process=None, since=mark)  # the new worker's
+
+
+RESTART_NEEDED = "database settings (url, schema, listen_url, pooler, timeouts) change on restart"
+
+
+def test_reload_does_not_take_the_schema_given_on_the_command_line_for_an_edit(
+    daemons: Daemons, effects_db: psycopg.Connection
+) -> None:
+    # `jobd run --schema S` overrides the file's database.schema. A reload compared the
+    # file's schema with S and warned, on every reload, that the database settings change on
+    # restart, though nothing in the file had changed and a restart changes nothing.
+    daemon = daemons()
+    daemon.command = partial(Daemon.command, daemon, "--schema", "jobd")  # type: ignore[method-assign]
+    config = {**make_config({"default": {"workers": 1}}), "database": {"schema": "elsewhere"}}
+    daemon.start(config)
+    daemon.wait_workers_started("default", 1)
+
+    mark = daemon.reload({**config, "lanes": {"default": {**config["lanes"]["default"],
+                                                           "concurrency": 3}}})
+    daemon.wait_for_log("config reloaded", since=mark)
+    daemon.wait_workers_started("default", 1, since=mark)
+    job_id = jobd.enqueue(effects_db, "ok")  # the new worker runs on the schema it was given
+    wait_state(effects_db, job_id, "done", 15, daemon)
+    assert not daemon.events(RESTART_NEEDED, since=mark), daemon.tail()
+
+    mark = daemon.reload({**config, "database": {"schema": "moved"}})  # an edit: said so
+    daemon.wait_for_log(RESTART_NEEDED, since=mark)
