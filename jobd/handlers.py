@@ -72,11 +72,13 @@ def resolve(name: str, path: str, kind: str = HANDLER) -> ResolvedHandler:
         ) from exc
     if not callable(target):
         raise HandlerImportError(f"{kind} {name!r} ({path}) is not callable")
-    return resolved(name, target)
+    return resolved(name, target, kind, path)
 
 
-def resolved(name: str, target: Handler) -> ResolvedHandler:
-    """A callable as a handler named ``name``: async or not, transactional or not."""
+def resolved(name: str, target: Handler, kind: str = HANDLER, path: str | None = None
+             ) -> ResolvedHandler:
+    """A callable as a handler (or outbox sender) named ``name``: async or not,
+    transactional or not, and able to take the arguments it is called with."""
     # A class instance with an ``async def __call__`` is an async handler too, and so is an
     # ``async def`` behind a plain decorator that kept it as ``__wrapped__`` (functools.wraps).
     is_async = any(inspect.iscoroutinefunction(candidate) for candidate in (
@@ -92,7 +94,28 @@ def resolved(name: str, target: Handler) -> ResolvedHandler:
         raise HandlerImportError(
             f"handler {name!r} is async and @jobd.transactional: a transactional handler "
             f"runs on a thread with a sync connection; write it as a plain def")
+    _check_arguments(f"{kind} {name!r}" + (f" ({path})" if path else ""), target, kind,
+                     is_transactional)
     return ResolvedHandler(name, target, is_async, is_transactional)
+
+
+def _check_arguments(label: str, target: Handler, kind: str, is_transactional: bool) -> None:
+    """Refuse a callable that cannot take what it is called with (the wrong function named,
+    a transactional handler without ``conn``): every job of it would fail with a TypeError
+    until the dead-letter queue. The callable's own signature is read, not the one a
+    decorator's ``functools.wraps`` shows, since the wrapper is what gets called."""
+    arguments: tuple[str, ...] = (
+        ("entry",) if kind == SENDER else ("job", "conn") if is_transactional else ("job",))
+    try:
+        signature = inspect.signature(target, follow_wrapped=False)
+    except (TypeError, ValueError):
+        return  # no signature to read (a callable of an extension module): its call tells
+    try:
+        signature.bind(*arguments)
+    except TypeError as exc:
+        call = f"{'sender' if kind == SENDER else 'handler'}({', '.join(arguments)})"
+        raise HandlerImportError(
+            f"{label} cannot be called as {call}: {exc}") from None
 
 
 def check_ran(name: str, result: object) -> None:

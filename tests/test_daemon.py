@@ -1108,3 +1108,35 @@ def test_reload_does_not_take_the_schema_given_on_the_command_line_for_an_edit(
 
     mark = daemon.reload({**config, "database": {"schema": "moved"}})  # an edit: said so
     daemon.wait_for_log(RESTART_NEEDED, since=mark)
+
+
+ARITY_MODULE = '''\
+import jobd
+
+
+def takes_nothing():
+    pass
+
+
+@jobd.transactional
+def transactional_without_conn(job):
+    pass
+'''
+
+
+def test_a_handler_that_cannot_take_its_arguments_fails_the_boot_with_exit_code_3(
+    daemons: Daemons,
+) -> None:
+    # A handler pointed at the wrong function, or a transactional one that forgot `conn`,
+    # was accepted and failed every attempt of every job with a TypeError until the jobs
+    # reached the dead-letter queue.
+    daemon = daemons()
+    (daemon.dir / "arityhandlers.py").write_text(ARITY_MODULE)
+    daemon.start(make_config({"default": {}}, handlers={
+        "ok": "testhandlers:ok", "nothing": "arityhandlers:takes_nothing",
+        "tx": "arityhandlers:transactional_without_conn"}))
+    assert daemon.wait_exit(20) == 3
+    errors = " ".join(failure["error"] for failure in daemon.events("boot failure"))
+    assert "'nothing'" in errors and "handler(job)" in errors, errors
+    assert "'tx'" in errors and "handler(job, conn)" in errors, errors
+    assert not daemon.events("worker spawned")
