@@ -18,7 +18,7 @@ from daemon_support import wait_until
 from worker_support import connected_worker
 
 import jobd
-from jobd import handlers, jobs, protocol, settler, worker
+from jobd import handlers, jobs, pipes, protocol, settler, worker
 from jobd.config import Config, LaneConfig, load
 from jobd.errors import ConfigError
 from jobd.eventloop import SelectLoop
@@ -65,9 +65,12 @@ def run_to_outcomes(subject: worker.Worker, conn: psycopg.Connection, count: int
 
 
 def wait_for_answer(subject: worker.Worker) -> None:
+    """Until the settler pokes its pipe, which is then drained (as the worker's loop does):
+    a poke left there made the next wait return before the next batch's answer."""
     assert subject.settler is not None
     readable, _, _ = select.select([subject.settler.wake_fd], [], [], WAIT_S)
     assert readable, "the settler never answered"
+    pipes.drain(subject.settler.wake_fd)
 
 
 def settle_backends(conn: psycopg.Connection) -> list[int]:
