@@ -12,7 +12,7 @@ import pytest
 from psycopg.types.json import Jsonb
 
 import jobd
-from jobd import queue, recovery, run_board
+from jobd import dlq, queue, recovery, run_board
 from jobd.backoff import Backoff, RetryPolicy
 from jobd.claim_floors import full_scan_params
 from jobd.db import connect
@@ -450,6 +450,24 @@ def test_by_default_a_job_that_kills_its_worker_alone_twice_is_dead_lettered(
                   ) == ids
     assert crash_alone(conn, "w3", policy()).failed.retried == [ids[0]]
 
+
+
+def test_a_replayed_job_counts_its_crashes_afresh(conn: psycopg.Connection) -> None:
+    """A replay gives a dead job a fresh attempt budget, and its crashes start over as well:
+    counted from its whole history, a job replayed after a fix (or more memory) was
+    dead-lettered again by the first crash it caused, after one run instead of
+    max_crashes."""
+    job_id = jobd.enqueue(conn, "h")
+    crash_alone(conn, "w1", policy())
+    assert crash_alone(conn, "w2", policy()).failed.dead == [job_id]
+    assert dlq.replay(conn, [job_id]) == [job_id]
+    outcome = crash_alone(conn, "w3", policy())
+    assert (outcome.failed.retried, outcome.failed.dead) == ([job_id], [])
+    outcome = crash_alone(conn, "w4", policy())
+    assert (outcome.failed.retried, outcome.failed.dead) == ([], [job_id])
+    row = conn.execute("SELECT last_error FROM dead_letter WHERE id = %s", (job_id,)).fetchone()
+    assert row is not None and row[0].endswith(
+        "it killed its worker 2 times running alone (lanes.default.max_crashes: 2)")
 
 def queue_lease(conn: psycopg.Connection) -> Lease:
     row = conn.execute("SELECT id, lease_token FROM jobs WHERE state = 'claimed'").fetchone()

@@ -847,10 +847,14 @@ SELECT id FROM jobs WHERE id = ANY(%(ids)s::bigint[]) FOR UPDATE SKIP LOCKED
 -- itself when a claim took jobs whose rows it never received. Rare, so no index of its own:
 -- it reads the live jobs table. The sixth column says whether the job was asked to stop;
 -- the handler is for the log; the last, how many times the job killed its worker before,
--- running alone (the failures mark_suspect marked; crash attribution's max_crashes).
+-- running alone (the failures mark_suspect marked; crash attribution's max_crashes), since
+-- it was last replayed: a replay gives it a fresh budget of crashes as of attempts.
 SELECT id, lease_token, lane, attempts, claimed_by, cancel_requested_at IS NOT NULL, handler,
-       (SELECT count(*) FROM jsonb_array_elements(errors) AS e
-         WHERE e ? 'killed_worker')::int
+       (SELECT count(*) FROM jsonb_array_elements(errors) WITH ORDINALITY AS e(entry, n)
+         WHERE e.entry ? 'killed_worker'
+           AND e.n > (SELECT coalesce(max(r.n), 0)
+                        FROM jsonb_array_elements(errors) WITH ORDINALITY AS r(entry, n)
+                       WHERE r.entry ? 'replayed_at'))::int
   FROM jobs
  WHERE state = 'claimed' AND claimed_by = %(worker)s
 
