@@ -214,6 +214,8 @@ def settle_crashed_worker(
                             now, False, _poison(rows, policy_for))
         if failed.retried:
             conn.execute(query("mark_suspect"), {"ids": bigint_array(failed.retried)})
+        if failed.dead:  # the running job alone: a job asked to stop ends cancelled
+            conn.execute(query("mark_killed_worker_dead"), {"ids": bigint_array(failed.dead)})
         return CrashOutcome(failed, [], sorted(given_back.applied), handlers, handler_of)
 
 

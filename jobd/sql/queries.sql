@@ -789,6 +789,15 @@ UPDATE jobs
                                     (errors -> -1) || '{"killed_worker": true}') END
  WHERE id = ANY(%(ids)s::bigint[])
 
+-- name: mark_killed_worker_dead
+-- The crash that dead-lettered a job that killed its worker alone (its budget of attempts
+-- or of crashes spent) is marked in its history as the crashes before it were
+-- (mark_suspect): the dead-letter queue shows every failure that was a crash it caused.
+UPDATE dead_letter
+   SET errors = jsonb_set(errors, ARRAY[(jsonb_array_length(errors) - 1)::text],
+                          (errors -> -1) || '{"killed_worker": true}')
+ WHERE id = ANY(%(ids)s::bigint[]) AND jsonb_array_length(errors) > 0
+
 -- name: terminate_worker_backends
 -- Crash attribution, first: ends the backends of a worker process that died (its
 -- connections' application_name starts with %(prefix)s) and waits up to a second for each
