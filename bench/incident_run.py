@@ -77,6 +77,9 @@ class Settings:
     interval_s: float = 2.0  # Prometheus scrape and rule evaluation
     slo_pickup_s: float = 5.0
     max_attempts: int = 3
+    # The lane's max_crashes: a poison job is dead-lettered at its second crash alone,
+    # before its max_attempts run out.
+    max_crashes: int = 2
     rules: Path = RULES
     keep: bool = False
 
@@ -175,7 +178,8 @@ def config_text(s: Settings, metrics_listen: str, fair_key: bool) -> str:
         "lanes:", f"  {LANE}:",
         f"    workers: {s.workers}", f"    concurrency: {s.concurrency}",
         "    visibility_timeout: 30s", "    heartbeat: 10s",
-        f"    max_attempts: {s.max_attempts}", "    backoff: {base: 500ms, cap: 5s}",
+        f"    max_attempts: {s.max_attempts}", f"    max_crashes: {s.max_crashes}",
+        "    backoff: {base: 500ms, cap: 5s}",
         f"    slo: {{pickup: {s.slo_pickup_s:g}s}}",
     ]
     if fair_key:

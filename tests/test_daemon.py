@@ -229,8 +229,9 @@ def test_jobs_on_their_last_attempt_are_not_held_ahead_in_a_lane_of_more_attempt
 def test_a_job_that_kills_its_worker_reaches_the_dead_letter_queue(
     daemons: Daemons, effects_db: psycopg.Connection
 ) -> None:
+    # Its attempts run out before its crashes do (max_crashes, the next test).
     daemon = daemons(make_config(
-        {"default": {"workers": 2, "concurrency": 2, "max_attempts": 3}}))
+        {"default": {"workers": 2, "concurrency": 2, "max_attempts": 3, "max_crashes": 5}}))
     daemon.wait_workers_started("default", 2)
     poison = jobd.enqueue(effects_db, "suicide")
     normal = [jobd.enqueue(effects_db, "ok", {"n": n}) for n in range(6)]
@@ -267,7 +268,8 @@ def test_a_job_that_ends_its_worker_with_status_0_is_a_crash_and_reaches_the_dea
     daemons: Daemons, effects_db: psycopg.Connection
 ) -> None:
     """Status 0 the supervisor did not ask for (the worker never shut down) is a crash: the
-    job spends an attempt each time, and the slot backs off instead of respawning at once."""
+    job spends an attempt each time, and the slot backs off instead of respawning at once.
+    The second such crash dead-letters it (max_crashes, default 2), attempts left or not."""
     daemon = daemons(make_config(
         {"default": {"workers": 1, "concurrency": 1, "max_attempts": 3}},
         handlers={**daemon_support.HANDLERS, "exit_zero": "testhandlers:exit_zero"}))
@@ -276,18 +278,21 @@ def test_a_job_that_ends_its_worker_with_status_0_is_a_crash_and_reaches_the_dea
 
     wait_state(effects_db, poison, "dead", 40, daemon)
     row = job_row(effects_db, poison)
-    assert row["attempts"] == 3
-    assert [e["attempt"] for e in row["errors"]] == [1, 2, 3]
+    assert row["attempts"] == 2
+    assert [e["attempt"] for e in row["errors"]] == [1, 2]
+    assert [e.get("killed_worker") for e in row["errors"]] == [True, True]
     for error in row["errors"]:
         assert "died: exit code 0 without shutting down" in error["error"]
+    assert row["last_error"].endswith("dead-lettered: it killed its worker 2 times running "
+                                      "alone (lanes.default.max_crashes: 2)")
     crashes = daemon.events("worker exited", cause="exit code 0 without shutting down")
-    assert len(crashes) == 3
+    assert len(crashes) == 2
     # Each crash put the slot through its restart delay: one spawn per crash, not a fork
     # loop (there is no other worker to run the retries).
-    assert len(daemon.events("worker restart backing off")) >= 3
-    daemon.wait_for_log("worker spawned", count=4)
-    assert len(daemon.events("worker spawned")) == 4
-    assert len(effects(effects_db, poison, "start")) == 3
+    assert len(daemon.events("worker restart backing off")) >= 2
+    daemon.wait_for_log("worker spawned", count=3)
+    assert len(daemon.events("worker spawned")) == 3
+    assert len(effects(effects_db, poison, "start")) == 2
     assert not daemon.events("released the jobs of a stopped worker")
 
 

@@ -102,9 +102,11 @@ def test_one_command_runs_the_incident_and_writes_its_timeline(tmp_path: Path) -
     # The poison killed workers and crash attribution dead-lettered it on its own.
     assert summary["crashes"] >= record["settings"]["max_attempts"]
     assert record["poison"]["dead_by_crashes"], record["poison"]
+    settings = record["settings"]
     for job in record["poison"]["dead_by_crashes"]:
-        # Each crash it caused alone spent an attempt; one among other jobs gave it back.
-        assert job["attempts"] == record["settings"]["max_attempts"]
+        # Each crash it caused alone spent an attempt; one among other jobs gave it back. Its
+        # max_crashes-th crash alone dead-letters it, attempts left or not.
+        assert job["attempts"] == min(settings["max_attempts"], settings["max_crashes"])
         assert job["crashes"] >= job["attempts"]
     # Prometheus saw the DLQ grow, and the mitigation ran on that alert.
     assert summary["alerts_firing_s"].get("JobdDeadLetterQueueGrowing") is not None
