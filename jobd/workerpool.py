@@ -459,10 +459,12 @@ class WorkerPool:
             for process in self.processes():
                 process.last_seen = max(process.last_seen, now)
             return
-        timeout = self.config.worker_timeout
         for process in self.processes():
             if process.kill_at is not None or process.kill_reason is not None:
                 continue  # already being aborted
+            # The timeout it was started with, which bounds its loop's waits: one retiring
+            # after a reload that shortened it may wait longer than the new one.
+            timeout = process.spec.worker_timeout or self.config.worker_timeout
             silent = now - process.last_seen
             if silent > timeout:
                 process.kill_reason = (f"hung: no liveness report for {silent:.0f}s "

@@ -178,6 +178,46 @@ def test_an_exited_workers_final_report_that_cannot_be_read_is_logged() -> None:
     assert "Is a directory" in warning["error"]
 
 
+def test_a_worker_is_judged_hung_by_the_worker_timeout_it_was_started_with() -> None:
+    """Its loop gives a silent connection up before the worker_timeout it was started with
+    (db.worker_reply_cap). A reload that shortens worker_timeout retires it, but it may run
+    on for long, finishing its jobs: judged by the shorter timeout, a wait its loop was
+    allowed got it aborted as hung, its running job failed as if it had killed it."""
+    lane = LaneConfig("default", workers=1, concurrency=1)
+    pool = WorkerPool(Config(lanes={"default": lane}, worker_timeout=60.0), "", SelectLoop())
+    pool.build()
+    slot = pool.slots[("default", 0)]
+    board, board_fd = RunBoard.create(1)
+    os.close(board_fd)
+    status_r, status_w = os.pipe()
+    wake_r, wake_w = os.pipe()
+    for fd in (status_w, wake_r):
+        os.close(fd)
+    popen = subprocess.Popen(["sleep", "60"])
+    spec = WorkerSpec(worker_id="test-node:default#0:0", lane=lane, handlers={},
+                      database_url="", schema="jobd", slot=0, generation=1, status_fd=-1,
+                      wake_fd=-1, shutdown_timeout=1.0, worker_timeout=60.0)
+    now = time.monotonic()
+    old = slot.process = WorkerProcess(spec, popen, wake_w, status_r, board, started=now,
+                                       last_seen=now)
+    try:
+        pool.apply(Config(lanes={"default": lane}, worker_timeout=10.0))
+        assert old.retiring and old in pool.retiring
+        old.last_seen = now - 20.0  # silent for longer than the new timeout, not the old
+        pool.last_liveness_check = now
+        pool.check_liveness(now + 0.5)
+        assert old.kill_reason is None
+        old.last_seen = now - 61.0
+        pool.check_liveness(now + 1.0)
+        assert old.kill_reason is not None and "worker_timeout 60s" in old.kill_reason
+    finally:
+        popen.kill()
+        popen.wait(timeout=30)
+        board.close()
+        os.close(status_r)
+        os.close(wake_w)
+
+
 # --- the worker pool: a failed spawn ------------------------------------------------------
 
 
