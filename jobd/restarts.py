@@ -3,10 +3,12 @@
 A worker that stays up for ``healthy_uptime`` counts as healthy and clears its slot's
 failure count. One that dies sooner is a crash loop: the slot waits ``base * 2**(n - 1)``
 seconds (capped) before the next spawn, so a poison job that kills every worker cannot make
-the supervisor fork as fast as it can. A crash that crash attribution pins on the one job its
-worker held does not count: that job has spent an attempt (retried after its backoff, or
-dead), so the cause is dealt with, and a slot that backed off for it would only keep the
-lane's other work waiting (docs/incidents/0001-poison-pill-and-herd.md).
+the supervisor fork as fast as it can. A crash that crash attribution explains by its worker's
+jobs does not count: pinned on the one job it ran, that job has spent an attempt (retried
+alone after its backoff, or dead); among several, they become suspects, each run alone until
+the one that kills its worker is found. The cause is dealt with either way, and a slot that
+backed off for it would only keep the lane's other work waiting
+(docs/incidents/0001-poison-pill-and-herd.md).
 :func:`restart_reason` names why a slot's worker was replaced, for the metrics.
 """
 
@@ -40,8 +42,8 @@ class SlotBackoff:
         return min(self.cap, self.base * 2.0 ** min(self.failures - 1, 32))
 
     def forgive(self) -> float:
-        """The last exit was a crash pinned on the one job its worker held (crash
-        attribution failed that job): it does not count toward the backoff. Returns the
+        """The last exit was a crash that crash attribution explained by its worker's jobs
+        (pinned on one, or suspects): it does not count toward the backoff. Returns the
         slot's restart delay instead: ``base``, so that a stream of distinct poison jobs
         still cannot make the supervisor fork as fast as it can."""
         self.failures = max(0, self.failures - 1)

@@ -433,15 +433,16 @@ class WorkerPool:
                 base[outcome] = base.get(outcome, 0) + count
 
     def forgive_crash(self, worker_id: str) -> None:
-        """Crash attribution pinned the crash of ``worker_id`` on the one job it held: its
-        slot restarts after the base delay, and the crash does not grow its backoff."""
+        """Crash attribution explained the crash of ``worker_id`` by its jobs (pinned on the
+        one it ran, or suspects run alone next): its slot restarts after the base delay, and
+        the crash does not grow its backoff."""
         for slot in self.slots.values():
             if slot.last_worker != worker_id or slot.process is not None:
                 continue
             delay = slot.backoff.forgive()
             spawn_at = min(slot.spawn_at, slot.exited_at + delay)
             if spawn_at < slot.spawn_at:
-                log.info("crash pinned on one job; restarting without further backoff",
+                log.info("crash explained by its jobs; restarting without further backoff",
                          lane=slot.lane.name, slot=slot.index, delay=delay,
                          failures=slot.backoff.failures)
             slot.spawn_at = spawn_at

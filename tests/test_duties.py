@@ -163,6 +163,23 @@ def test_crash_attribution_counts_and_logs_a_job_it_dead_letters_as_an_error(
     assert counted == [("default", {"h": {"dead": 1}})]
 
 
+@pytest.mark.parametrize("running", [1, 3])
+def test_a_crash_explained_by_its_jobs_is_forgiven_whether_one_or_several_ran(
+    conn: psycopg.Connection, running: int,
+) -> None:
+    """Pinned on one job, or several made suspects: the slot is told to restart without
+    backing off further. A crash among several grew the backoff, and a fair lane's poison,
+    claimed beside other jobs each time, kept its slots waiting up to a minute."""
+    jobd.enqueue_many(conn, [jobd.JobSpec("h") for _ in range(running)])
+    queue.claim(conn, "default", "w-crashed", running, 30)
+    forgiven: list[str] = []
+    crashes = CrashAttribution(policy, WakeRouter(), lambda: ["default"],
+                               pinned=forgiven.append)
+    crashes.add(Attribution("w-crashed", "default", "died: killed by SIGSEGV", release=False))
+    crashes.run(conn, NOW)
+    assert forgiven == ["w-crashed"]
+
+
 def test_crash_attribution_gives_back_the_jobs_of_a_worker_we_stopped(
     conn: psycopg.Connection,
 ) -> None:

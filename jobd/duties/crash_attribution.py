@@ -56,7 +56,13 @@ class CrashAttribution(Duty):
                  ) -> None:
         super().__init__()
         self.policy_for = policy_for
-        # Told the worker id when a crash is pinned on the one job the worker held.
+        # Told the worker id when its crash is explained by its jobs: pinned on the one it
+        # was running, or one of the several it was running, now suspects run alone. Its
+        # slot restarts after the base delay: the crash's cause is being dealt with, and a
+        # slot that backed off for it kept the lane's other work waiting. Before, a crash
+        # among several jobs grew the slot's delay: with a poison arriving every 2 s in a
+        # fair lane (a share of every claim, so each first crashed beside other jobs) the
+        # slots waited up to a minute each time, and the lane did almost nothing else.
         self.pinned = pinned
         # Told the lane and the outcomes of the jobs a crash failed: the dead worker cannot
         # count them, and without them a crash loop showed no failures in `jobd status`,
@@ -122,6 +128,7 @@ class CrashAttribution(Duty):
                         "the one that killed it (their attempts are given back)",
                         lane=attribution.lane, worker=worker_id, reason=reason,
                         suspect_job_ids=outcome.suspects, handlers=outcome.handlers)
+            self.pinned(worker_id)
         elif outcome.failed.retried or outcome.failed.dead:
             # A job dead-lettered is an error, as the worker logs its own dead jobs
             # (docs/operations.md, "Reading the log"); a retry is worth a look.
