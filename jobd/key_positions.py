@@ -70,19 +70,29 @@ def next_key_cursor(cursor: str | None, taken: list[jobs.Job],
 
 def last_level(taken: list[jobs.Job], overdue_before: datetime | None) -> list[jobs.Job]:
     """The jobs a fair claim took in the last level it visited. claim_order visits, with
-    max_wait, each priority's jobs due before ``overdue_before`` (oldest first), then each
-    priority's other due jobs, highest first; every level before the last one came back
-    short, drained, so only the last one's keys have more to rotate through. A cursor taken
-    over all the levels stuck at a key of another level (a high priority's key sorting after
-    the tenants', an overdue job's), and the last level started at its first keys again at
+    max_wait, each priority's jobs due before ``overdue_before`` (the highest priority's
+    due jobs all at once, migration 0053) in the order of their oldest, then each priority's
+    other due jobs, highest first; every level before the last one came back short,
+    drained, so only the last one's keys have more to rotate through. A cursor taken over
+    all the levels stuck at a key of another level (a high priority's key sorting after the
+    tenants', an overdue job's), and the last level started at its first keys again at
     every claim: the keys after them starved."""
-    later = [job for job in taken if overdue_before is None or job.run_at > overdue_before]
-    if later:
+    if overdue_before is None:
+        lowest = min(job.priority for job in taken)
+        return [job for job in taken if job.priority == lowest]
+    top = max(job.priority for job in taken)
+    later = [job for job in taken if job.run_at > overdue_before]
+    if any(job.priority < top for job in later):
+        # The second pass reached a lower priority: its lowest is the last level.
         lowest = min(job.priority for job in later)
         return [job for job in later if job.priority == lowest]
-    # Every job overdue: the overdue levels go in the order of their oldest job.
-    oldest: dict[int, datetime] = {}
+    # Every level the claim visited was an overdue one, or the top priority's: the top's
+    # holds its younger jobs too, and comes last if none of them is overdue.
+    heads: dict[int, datetime] = {}
     for job in taken:
-        oldest[job.priority] = min(oldest.get(job.priority, job.run_at), job.run_at)
-    last = max(oldest, key=oldest.__getitem__)
+        if job.run_at <= overdue_before:
+            heads[job.priority] = min(heads.get(job.priority, job.run_at), job.run_at)
+    if top not in heads:
+        return [job for job in taken if job.priority == top]
+    last = max(heads, key=heads.__getitem__)
     return [job for job in taken if job.priority == last]

@@ -83,6 +83,39 @@ def test_overdue_jobs_of_several_priorities_go_oldest_first(conn: psycopg.Connec
     assert sorted(job.handler for job in taken) == ["p1"] * 3 + ["p5"] * 3
 
 
+@pytest.mark.parametrize("fair_by", ["handler", "fairness_key"])
+def test_a_herd_older_than_max_wait_does_not_hold_back_the_other_keys(
+    conn: psycopg.Connection, fair_by: str
+) -> None:
+    # With max_wait and fair_by (as in the example config), a herd of one key due for longer
+    # than max_wait (delayed jobs a clock jump made due, a backlog that outlived max_wait)
+    # filled every claim as overdue work, and the other keys' new jobs of the same priority
+    # waited max_wait each. No higher priority passes them over: they share the claim.
+    t0 = db_now(conn)
+    bulk(conn, 500, "herd", t0 - timedelta(hours=1))
+    bulk(conn, 5, "mail", t0)
+    jobd.enqueue(conn, "sms", lane=LANE, run_at=t0 - timedelta(seconds=1))
+    taken = claim(conn, 12, now=t0, lane_order=order(max_wait=60, fair_by=fair_by))
+    assert sorted(share_keys(taken)) == ["herd"] * 6 + ["mail"] * 5 + ["sms"]
+
+
+def test_an_older_overdue_job_of_a_lower_priority_goes_ahead_of_a_fair_lanes_top_one(
+    conn: psycopg.Connection,
+) -> None:
+    # The top priority's claim of all its due jobs keeps the place its oldest overdue job
+    # gives it: a lower priority's job overdue for longer still goes first, one overdue for
+    # less comes after it.
+    t0 = db_now(conn)
+    bulk(conn, 50, "herd", t0 - timedelta(seconds=300), priority=9)
+    bulk(conn, 50, "mail", t0, priority=9)
+    low = jobd.enqueue(conn, "low", lane=LANE, run_at=t0 - timedelta(seconds=600))
+    younger = jobd.enqueue(conn, "p5", lane=LANE, run_at=t0 - timedelta(seconds=120),
+                           priority=5)
+    taken = claim(conn, 10, now=t0, lane_order=order(max_wait=60, fair_by="handler"))
+    assert taken[0].id == low and younger not in [job.id for job in taken]
+    assert sorted(share_keys(taken)[1:]) == ["herd"] * 5 + ["mail"] * 4
+
+
 @pytest.mark.parametrize("blocker", ["paused", "suspect"])
 @pytest.mark.parametrize("fair_by", ["none", "handler"])
 def test_an_overdue_job_the_claim_cannot_take_does_not_put_its_priority_first(
@@ -361,6 +394,26 @@ def test_the_cursor_is_the_last_key_reached() -> None:
     assert next_key_cursor("b", jobs("c", "d")) == "d"
     assert next_key_cursor("m", jobs("x", "y", "a", "c")) == "c"  # wrapped around
     assert next_key_cursor("m", jobs("a", "m")) == "m"
+
+
+def test_the_cursor_counts_the_top_prioritys_overdue_keys_with_its_others() -> None:
+    # In a fair lane with max_wait, the highest priority's overdue jobs and its younger ones
+    # are one level (migration 0053): the last key reached may be an overdue one's.
+    now = datetime(2026, 1, 1).astimezone()
+    overdue_before = now - timedelta(seconds=60)
+
+    def job(n: int, key: str, age: float, priority: int = 0) -> jobd.Job:
+        at = now - timedelta(seconds=age)
+        return jobd.Job(n, n, LANE, "h", "{}", priority, at, 1, None, None, at, now, key)
+
+    taken = [job(1, "t16", 1), job(2, "t17", 1), job(3, "zz-herd", 3600)]
+    assert next_key_cursor("t15", taken, overdue_before) == "zz-herd"
+    # A lower priority's overdue level younger than the top's comes after it: its keys.
+    taken = [job(1, "zz-herd", 3600), job(2, "t17", 1), job(3, "low", 120, priority=-1)]
+    assert next_key_cursor("t15", taken, overdue_before) == "low"
+    # The top priority without overdue jobs is visited in the second pass, last.
+    taken = [job(1, "low", 120, priority=-1), job(2, "t17", 1)]
+    assert next_key_cursor("t15", taken, overdue_before) == "t17"
 
 
 def test_fair_shares_within_a_priority_and_priorities_still_first(

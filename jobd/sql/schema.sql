@@ -1025,7 +1025,10 @@ $$;
 -- Two passes over the lane's priorities (their floors from lane_floors, as in claim_jobs):
 -- 1. Overdue: with max_wait, jobs due since `at - max_wait` or earlier come first, whatever
 --    their priority; the priorities whose oldest overdue job is oldest go first. So a job
---    passed over for max_wait is next once the overdue jobs older than it are claimed.
+--    passed over for max_wait is next once the overdue jobs older than it are claimed. In a
+--    fair lane the highest priority with due jobs, which no priority passes over, takes all
+--    of its due jobs at its place there, shared across keys (migration 0053): its overdue
+--    jobs alone would fill the claim ahead of its other keys' younger ones.
 -- 2. The rest, highest priority first, each oldest first.
 -- Within a priority and pass, with `fair`, the jobs are shared round-robin across share
 -- keys (coalesce(fairness_key, handler)): the keys with due jobs are found one index
@@ -1051,7 +1054,26 @@ DECLARE
     positions jsonb := CASE WHEN fair THEN key_positions(key_floors_priority, key_floors_key,
                                                          key_floors_run_at, key_floors_id)
                             ELSE '{}' END;
+    -- A fair lane's highest priority with a due job the claim may take (NULL otherwise):
+    -- its overdue level takes all of its due jobs, shared across keys (migration 0053).
+    top integer;
 BEGIN
+    IF max_wait IS NOT NULL AND fair THEN
+        -- No priority above it passes its overdue jobs over. Taken alone they filled the
+        -- claim (a herd older than max_wait, or due since before a clock jump), and the
+        -- priority's other keys waited max_wait behind them.
+        SELECT max(l.priority) INTO top
+          FROM lane_floors(claim_order.lane, priorities, run_ats, ids, ages, default_age, at)
+               AS l
+         WHERE EXISTS (SELECT 1 FROM jobs AS j
+                        WHERE j.lane = claim_order.lane AND j.state IN ('pending', 'failed')
+                          AND j.priority = l.priority
+                          AND (j.run_at, j.id) >= (l.floor_at, l.floor_id)
+                          AND j.run_at <= at
+                          AND NOT j.suspect
+                          AND (cardinality(paused_handlers) = 0
+                               OR runnable(j.handler, paused_handlers)));
+    END IF;
     IF max_wait IS NOT NULL THEN
         FOR level IN
             SELECT l.priority, l.floor_at, l.floor_id
@@ -1074,8 +1096,10 @@ BEGIN
              ORDER BY head.run_at
         LOOP
             picked := picked || claim_level(claim_order.lane, level.priority, level.floor_at,
-                                            level.floor_id, '-infinity', overdue_before, fair,
-                                            key_cursor, wanted - cardinality(picked),
+                                            level.floor_id, '-infinity',
+                                            CASE WHEN level.priority = top THEN at
+                                                 ELSE overdue_before END,
+                                            fair, key_cursor, wanted - cardinality(picked),
                                             paused_handlers, positions);
             EXIT WHEN cardinality(picked) >= wanted;
         END LOOP;
