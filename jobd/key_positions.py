@@ -71,7 +71,7 @@ def next_key_cursor(cursor: str | None, taken: list[jobs.Job],
 def last_level(taken: list[jobs.Job], overdue_before: datetime | None) -> list[jobs.Job]:
     """The jobs a fair claim took in the last level it visited. claim_order visits, with
     max_wait, each priority's jobs due before ``overdue_before`` (the highest priority's
-    due jobs all at once, migration 0053) in the order of their oldest, then each priority's
+    due jobs all at once, migration 0048) in the order of their oldest, then each priority's
     other due jobs, highest first; every level before the last one came back short,
     drained, so only the last one's keys have more to rotate through. A cursor taken over
     all the levels stuck at a key of another level (a high priority's key sorting after the

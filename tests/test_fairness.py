@@ -99,6 +99,23 @@ def test_a_herd_older_than_max_wait_does_not_hold_back_the_other_keys(
     assert sorted(share_keys(taken)) == ["herd"] * 6 + ["mail"] * 5 + ["sms"]
 
 
+def test_a_fair_claim_lists_each_job_once_when_the_top_prioritys_jobs_all_fit(
+    conn: psycopg.Connection,
+) -> None:
+    # The top priority's overdue level takes its younger jobs too; the second pass, which
+    # visits the younger jobs of each priority, took them again (rows the claim's own
+    # transaction locked are not skipped): {1,2,3,4,3,4}.
+    t0 = db_now(conn)
+    bulk(conn, 2, "herd", t0 - timedelta(hours=1))
+    bulk(conn, 2, "mail", t0 - timedelta(seconds=1))
+    conn.execute("SELECT merge_wanted_priorities()")
+    with conn.transaction(force_rollback=True):
+        row = conn.execute(
+            "SELECT claim_order(%s, '{}', '{}', '{}', '{}', NULL, %s, 60, true, NULL, 10,"
+            " '{}', '{}', '{}', '{}', '{}')", (LANE, t0)).fetchone()
+    assert row is not None and len(row[0]) == len(set(row[0])) == 4
+
+
 def test_an_older_overdue_job_of_a_lower_priority_goes_ahead_of_a_fair_lanes_top_one(
     conn: psycopg.Connection,
 ) -> None:
@@ -398,7 +415,7 @@ def test_the_cursor_is_the_last_key_reached() -> None:
 
 def test_the_cursor_counts_the_top_prioritys_overdue_keys_with_its_others() -> None:
     # In a fair lane with max_wait, the highest priority's overdue jobs and its younger ones
-    # are one level (migration 0053): the last key reached may be an overdue one's.
+    # are one level (migration 0048): the last key reached may be an overdue one's.
     now = datetime(2026, 1, 1).astimezone()
     overdue_before = now - timedelta(seconds=60)
 

@@ -1027,7 +1027,7 @@ $$;
 --    their priority; the priorities whose oldest overdue job is oldest go first. So a job
 --    passed over for max_wait is next once the overdue jobs older than it are claimed. In a
 --    fair lane the highest priority with due jobs, which no priority passes over, takes all
---    of its due jobs at its place there, shared across keys (migration 0053): its overdue
+--    of its due jobs at its place there, shared across keys (migration 0048): its overdue
 --    jobs alone would fill the claim ahead of its other keys' younger ones.
 -- 2. The rest, highest priority first, each oldest first.
 -- Within a priority and pass, with `fair`, the jobs are shared round-robin across share
@@ -1055,8 +1055,12 @@ DECLARE
                                                          key_floors_run_at, key_floors_id)
                             ELSE '{}' END;
     -- A fair lane's highest priority with a due job the claim may take (NULL otherwise):
-    -- its overdue level takes all of its due jobs, shared across keys (migration 0053).
+    -- its overdue level takes all of its due jobs, shared across keys (migration 0048).
     top integer;
+    -- Whether the overdue pass visited the top priority: it then took all of its due jobs,
+    -- which the second pass must not take again (rows this transaction locked are not
+    -- skipped: each would be listed twice).
+    top_visited boolean := false;
 BEGIN
     IF max_wait IS NOT NULL AND fair THEN
         -- No priority above it passes its overdue jobs over. Taken alone they filled the
@@ -1101,6 +1105,7 @@ BEGIN
                                                  ELSE overdue_before END,
                                             fair, key_cursor, wanted - cardinality(picked),
                                             paused_handlers, positions);
+            top_visited := top_visited OR level.priority = top;
             EXIT WHEN cardinality(picked) >= wanted;
         END LOOP;
     END IF;
@@ -1121,6 +1126,7 @@ BEGIN
                               AND NOT j.suspect
                               AND (cardinality(paused_handlers) = 0
                                    OR runnable(j.handler, paused_handlers)))
+               AND NOT (top_visited AND l.priority = top)
              ORDER BY l.priority DESC
         LOOP
             picked := picked || claim_level(claim_order.lane, level.priority, level.floor_at,

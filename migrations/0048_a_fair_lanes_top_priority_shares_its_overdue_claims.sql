@@ -27,8 +27,12 @@ DECLARE
                                                          key_floors_run_at, key_floors_id)
                             ELSE '{}' END;
     -- A fair lane's highest priority with a due job the claim may take (NULL otherwise):
-    -- its overdue level takes all of its due jobs, shared across keys (migration 0053).
+    -- its overdue level takes all of its due jobs, shared across keys (migration 0048).
     top integer;
+    -- Whether the overdue pass visited the top priority: it then took all of its due jobs,
+    -- which the second pass must not take again (rows this transaction locked are not
+    -- skipped: each would be listed twice).
+    top_visited boolean := false;
 BEGIN
     IF max_wait IS NOT NULL AND fair THEN
         -- No priority above it passes its overdue jobs over. Taken alone they filled the
@@ -73,6 +77,7 @@ BEGIN
                                                  ELSE overdue_before END,
                                             fair, key_cursor, wanted - cardinality(picked),
                                             paused_handlers, positions);
+            top_visited := top_visited OR level.priority = top;
             EXIT WHEN cardinality(picked) >= wanted;
         END LOOP;
     END IF;
@@ -93,6 +98,7 @@ BEGIN
                               AND NOT j.suspect
                               AND (cardinality(paused_handlers) = 0
                                    OR runnable(j.handler, paused_handlers)))
+               AND NOT (top_visited AND l.priority = top)
              ORDER BY l.priority DESC
         LOOP
             picked := picked || claim_level(claim_order.lane, level.priority, level.floor_at,
