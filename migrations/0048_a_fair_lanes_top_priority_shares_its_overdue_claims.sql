@@ -77,7 +77,7 @@ BEGIN
                                                  ELSE overdue_before END,
                                             fair, key_cursor, wanted - cardinality(picked),
                                             paused_handlers, positions);
-            top_visited := top_visited OR level.priority = top;
+            top_visited := top_visited OR level.priority IS NOT DISTINCT FROM top;
             EXIT WHEN cardinality(picked) >= wanted;
         END LOOP;
     END IF;
@@ -98,7 +98,7 @@ BEGIN
                               AND NOT j.suspect
                               AND (cardinality(paused_handlers) = 0
                                    OR runnable(j.handler, paused_handlers)))
-               AND NOT (top_visited AND l.priority = top)
+               AND NOT (top_visited AND l.priority IS NOT DISTINCT FROM top)
              ORDER BY l.priority DESC
         LOOP
             picked := picked || claim_level(claim_order.lane, level.priority, level.floor_at,
