@@ -114,8 +114,20 @@ def _check_arguments(label: str, target: Handler, kind: str, is_transactional: b
         signature.bind(*arguments)
     except TypeError as exc:
         call = f"{'sender' if kind == SENDER else 'handler'}({', '.join(arguments)})"
-        raise HandlerImportError(
-            f"{label} cannot be called as {call}: {exc}") from None
+        hint = _transactional_hint(signature, kind, is_transactional)
+        raise HandlerImportError(f"{label} cannot be called as {call}: {exc}{hint}") from None
+
+
+def _transactional_hint(signature: inspect.Signature, kind: str, is_transactional: bool
+                        ) -> str:
+    """A plain handler that would take ``(job, conn)`` most likely lacks its decorator."""
+    if kind == SENDER or is_transactional:
+        return ""
+    try:
+        signature.bind("job", "conn")
+    except TypeError:
+        return ""
+    return " (a handler that takes the job's connection needs @jobd.transactional)"
 
 
 def check_ran(name: str, result: object) -> None:

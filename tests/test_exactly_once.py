@@ -844,7 +844,6 @@ def test_the_reset_between_jobs_keeps_the_connections_prepared_statements(
 SLOW_FIRST_ATTEMPT = """\
 import time
 
-import jobd
 
 
 @jobd.transactional
@@ -880,3 +879,18 @@ def test_a_timed_out_transactional_run_ends_its_transaction_so_the_retry_is_not_
     rows = tables.execute("SELECT worker, count(*) FROM public.effects GROUP BY worker").fetchall()
     assert rows == [("attempt 2", 1)]  # the timed-out run's writes rolled back
     daemon.wait_for_log("ended the transactions of timed-out jobs", process=f"worker {LANE}#0")
+
+
+def test_a_plain_handler_that_takes_conn_is_told_it_lacks_its_decorator() -> None:
+    def wants_conn(job: jobd.Job, conn: psycopg.Connection) -> None:
+        """Written as a transactional handler, without @jobd.transactional."""
+
+    def takes_nothing() -> None:
+        """The wrong function named."""
+
+    with pytest.raises(handlers.HandlerImportError,
+                       match=r"needs @jobd\.transactional\)$"):
+        handlers.resolved("charge", wants_conn)
+    with pytest.raises(handlers.HandlerImportError) as refused:
+        handlers.resolved("charge", takes_nothing)
+    assert "transactional" not in str(refused.value)
