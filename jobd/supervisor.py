@@ -180,6 +180,11 @@ class Supervisor:
         log.info("supervisor started", node=self.config.node_name, instance=self.instance,
                  lanes={name: lane.workers for name, lane in self.config.lanes.items()},
                  metrics=self.config.metrics_listen)
+        if not self.config.lanes:
+            # As a reload to such a file says: an empty `lanes:` (a bad merge, a template)
+            # leaves a node that looks up and runs nothing.
+            log.warning("the config declares no lanes: this node runs no workers until a "
+                        "reload adds one")
         self.notifier.ready(self._status_text())
         self.lag.begin()
         while True:

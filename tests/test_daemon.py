@@ -1145,3 +1145,11 @@ def test_a_handler_that_cannot_take_its_arguments_fails_the_boot_with_exit_code_
     assert "'nothing'" in errors and "handler(job)" in errors, errors
     assert "'tx'" in errors and "handler(job, conn)" in errors, errors
     assert not daemon.events("worker spawned")
+
+
+def test_a_config_of_no_lanes_is_said_at_start_as_on_reload(daemons: Daemons) -> None:
+    # A reload to such a file warned; a start with it came up silently, running nothing.
+    daemon = daemons(make_config({}))
+    daemon.wait_for_log("the config declares no lanes: this node runs no workers until a "
+                        "reload adds one")
+    assert not daemon.events("worker spawned")
