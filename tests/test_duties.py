@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta
 from types import SimpleNamespace
 
@@ -206,6 +207,9 @@ def test_the_materializer_declares_fires_refreshes_and_withdraws(
     declared = conn.execute("SELECT schedule_id, instance FROM schedule_declarations"
                             ).fetchall()
     assert declared == [("every-minute", INSTANCE)]
+    # The sync leaves the tick and the refresh to the next turn, in a transaction of its own.
+    assert materializer.due(NOW)
+    materializer.run(conn, NOW)
     # Next: the refresh after duty_interval, or the next fire, whichever is first.
     assert NOW < materializer.next_at <= NOW + 10.0
     materializer.resync()
@@ -236,9 +240,62 @@ def test_a_reloaded_expression_starts_when_the_config_was_read_not_at_the_sync(
     config = Config(duty_interval=60.0, lanes=lanes,
                     schedules=(ScheduleConfig("report", "* * * * *", "h"),))
     materializer.resync(read_at)
-    materializer.run(conn, time.monotonic())
+    materializer.run(conn, time.monotonic())  # the sync
+    materializer.run(conn, time.monotonic())  # the tick
     fired = conn.execute("SELECT run_at FROM jobs WHERE handler = 'h'").fetchall()
     assert [row[0].timestamp() for row in fired] == [boundary]
+
+
+def _blocked_on_a_lock(conn: psycopg.Connection, pid: int) -> bool:
+    row = conn.execute("SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s",
+                       (pid,)).fetchone()
+    return row is not None and row[0] == "Lock"
+
+
+def test_a_node_syncing_a_schedule_the_other_lacks_does_not_deadlock_with_its_tick(
+    conn: psycopg.Connection, db_url: str,
+) -> None:
+    # Node 1's config has only b; a, due too, is another node's. Its sync locks b, and a
+    # tick in the same duty transaction then locked a after b, out of the id order every
+    # tick locks in: with node 2's tick holding a and waiting for b, a lock cycle, which
+    # PostgreSQL broke by failing one of the two duty transactions.
+    lanes = {"default": LaneConfig("default")}
+    other = Config(duty_interval=10.0, lanes=lanes,
+                   schedules=(ScheduleConfig("a", "* * * * *", "h"),
+                              ScheduleConfig("b", "* * * * *", "h")))
+    Materializer("node-0:1:000000", lambda: other, WakeRouter()).run(conn, NOW)
+    conn.execute("UPDATE schedules SET materialized_until = now() - interval '2 minutes'")
+    mine = Config(duty_interval=10.0, lanes=lanes,
+                  schedules=(ScheduleConfig("b", "* * * * *", "h"),))
+    node1 = Materializer(INSTANCE, lambda: mine, WakeRouter())
+    with connect(db_url, autocommit=False) as duties, \
+            connect(db_url, autocommit=False) as ticking:
+        for each in (duties, ticking):  # a lock cycle shows up as a deadlock error
+            each.execute("SET lock_timeout = '20s'")
+            each.commit()
+
+        def duty_pass() -> None:  # as DutyRunner runs the shared duties
+            with duties.transaction():
+                node1.run(duties, time.monotonic())
+
+        with ThreadPoolExecutor(1) as pool:
+            ticking.execute("SELECT fire_schedule('a', 'x', now() - interval '1 minute')")
+            done = pool.submit(duty_pass)
+            wait_until(lambda: done.done() or _blocked_on_a_lock(conn, duties.info.backend_pid),
+                       timeout=10)
+            try:
+                ticking.execute("SELECT fire_schedule('b', 'x', now() - interval '1 minute')")
+                ticking.commit()
+            finally:
+                error = done.exception(timeout=30)
+        assert error is None, repr(error)
+        # The tick it left for its next turn fires what is still due, in a transaction of
+        # its own.
+        assert node1.due(time.monotonic())
+        duty_pass()
+    fired = conn.execute("SELECT schedule_id, count(*) FROM schedule_fires"
+                         " WHERE occurrence <> 'x' GROUP BY 1 ORDER BY 1").fetchall()
+    assert [schedule_id for schedule_id, _ in fired] == ["a", "b"]
 
 
 def test_the_materializer_warns_of_a_schedule_into_a_lane_the_node_does_not_serve(

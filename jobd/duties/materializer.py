@@ -54,7 +54,13 @@ class Materializer(Duty):
                 self.router.due_everywhere(config.lanes)
             self.synced = True
             self.changed_at = None
-            self._tick(conn, now)
+            # The tick waits for the next turn, a transaction of its own. The sync holds the
+            # locks of this node's schedules, taken in id order; a tick after it would lock
+            # the schedules only other nodes declare after them, out of the order every tick
+            # locks in, and close a lock cycle with another node's tick.
+            self.next_tick = now
+            self.next_at = now
+            return
         if now >= self.next_refresh:
             self.next_refresh = now + config.duty_interval
             self._tick(conn, now)
