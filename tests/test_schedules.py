@@ -304,6 +304,22 @@ def test_catchup_policies_after_three_days_of_downtime(conn: psycopg.Connection)
         assert len(jobs) == count and jobs[-1][1] == utc(2026, 10, 20, 12, 5), policy
 
 
+def test_a_fixed_time_in_a_skipped_day_does_not_fire_and_the_tick_goes_on(
+    conn: psycopg.Connection,
+) -> None:
+    # Pacific/Apia skipped 2011-12-30 (-10:00 to +14:00). Looking for the end of that jump,
+    # a tick over it raised a CronError, which ends the supervisor: no jump that long is a
+    # daylight-saving change, and as in Debian cron the skipped day's noon does not fire.
+    sync(conn, [schedule("noon", "0 12 * * *", "Pacific/Apia"),
+                schedule("other", "*/5 * * * *")], now=utc(2011, 12, 29, 23))
+    fired = []
+    for hour in range(1, 49):
+        fired += tick(conn, now=utc(2011, 12, 29, 23) + timedelta(hours=hour)).enqueued
+    assert [o for s, o, _ in fired if s == "noon"] == ["2011-12-31T12:00 Pacific/Apia",
+                                                       "2012-01-01T12:00 Pacific/Apia"]
+    assert len([s for s, _, _ in fired if s == "other"]) == 48
+
+
 def test_catchup_none_fires_an_occurrence_that_is_less_than_a_minute_late(
     conn: psycopg.Connection,
 ) -> None:

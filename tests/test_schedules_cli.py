@@ -292,6 +292,16 @@ def test_next_near_the_calendars_ends_is_a_usage_error(start: str) -> None:
     assert "too close to the calendar's end" in line
 
 
+def test_next_across_a_skipped_day_leaves_the_day_out() -> None:
+    # Samoa crossed the date line: 2011-12-30 never happened in Pacific/Apia. The search for
+    # the end of that 24-hour jump raised a CronError: a traceback, exit 1.
+    out = json.loads(ok("schedules", "next", "--cron", "0 12 * * *", "--tz", "Pacific/Apia",
+                        "--from", "2011-12-28T00:00:00Z", "--count", "4", "--json",
+                        "--database-url", UNREACHABLE))
+    assert out == ["2011-12-28T12:00:00-10:00", "2011-12-29T12:00:00-10:00",
+                   "2011-12-31T12:00:00+14:00", "2012-01-01T12:00:00+14:00"]
+
+
 def test_next_refuses_a_count_it_would_have_to_build_in_memory() -> None:
     line = assert_one_line_error(cli("schedules", "next", "--cron", "* * * * *", "--count",
                                      "100000000", "--database-url", UNREACHABLE), 2)
