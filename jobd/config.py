@@ -40,6 +40,8 @@ MIN_WORKER_TIMEOUT = 2.0
 # A configuration is a few kilobytes; a schedule's payload in it is held to the payload
 # limit besides. A larger file is a wrong path (a data file, a device), refused unparsed.
 MAX_CONFIG_BYTES = 8 * 2**20
+# supervisor.restart_backoff.base: seconds a slot waits before respawning after a crash.
+RESTART_BASE = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,7 +188,11 @@ class Config:
     # A transaction or replication slot holding vacuum back on jobd's tables for longer than
     # this is logged as a warning (jobd.duties.horizon_watch).
     horizon_warning: float = 300.0
-    restart_backoff: Backoff = field(default_factory=lambda: Backoff(1.0, 60.0))
+    # A crash that crash attribution explains by its jobs restarts its slot after base (no
+    # doubling): 250 ms rather than a second, since with poison arriving every 2 s a lane of
+    # two slots spent nearly all their time waiting at 1 s (docs/performance.md, "Restarts
+    # after a crash the jobs explain").
+    restart_backoff: Backoff = field(default_factory=lambda: Backoff(RESTART_BASE, 60.0))
     healthy_uptime: float = 30.0
     archive_retention: float = 7 * 86400.0
     log_level: str = "info"
@@ -428,7 +434,7 @@ def _session(database: yamlcheck.Section) -> SessionSettings:
 
 
 def _restart_backoff(section: yamlcheck.Section) -> Backoff:
-    base = section.take("base", yamlcheck.positive_duration, 1.0)
+    base = section.take("base", yamlcheck.positive_duration, RESTART_BASE)
     cap = section.take("cap", yamlcheck.positive_duration, 60.0)
     if cap < base:
         raise yamlcheck.Invalid(section.line, section.path, "cap must not be below base")

@@ -147,7 +147,7 @@ def test_status_0_without_the_shutdown_mark_is_a_crash_and_the_slot_backs_off() 
     assert exited.reason == "exit code 0 without shutting down"
     assert pool.restarts == {("default", "crash"): 1}
     assert slot.backoff.failures == 1
-    assert slot.spawn_at >= time.monotonic() + 0.5  # the base delay (1 s), not at once
+    assert slot.spawn_at >= time.monotonic() + 0.1  # the base delay (250 ms), not at once
 
 
 def test_status_0_after_the_workers_shutdown_is_a_clean_exit() -> None:
@@ -247,12 +247,12 @@ def test_a_failed_spawn_leaks_nothing_and_is_retried_after_the_restart_delay(
     assert (failure["log_level"], failure["lane"]) == ("error", "default")
     assert "Resource temporarily unavailable" in failure["error"]
     assert slot.backoff.failures == 1
-    assert pool.next_spawn_at() == slot.spawn_at >= time.monotonic() + 0.5
+    assert pool.next_spawn_at() == slot.spawn_at >= time.monotonic() + 0.1
     # Once the delay is over it spawns again, and a second failure waits longer.
     slot.spawn_at = time.monotonic()
     pool.spawn_due()
     assert slot.backoff.failures == 2
-    assert slot.spawn_at >= time.monotonic() + 1.5
+    assert slot.spawn_at >= time.monotonic() + 0.4  # 2 x the base delay
     assert open_descriptors() == before
 
 
