@@ -437,9 +437,14 @@ class WorkerPool:
         one it ran, or suspects run alone next): its slot restarts after the base delay, and
         the crash does not grow its backoff."""
         for slot in self.slots.values():
-            if slot.last_worker != worker_id or slot.process is not None:
+            if slot.last_worker != worker_id:
                 continue
             delay = slot.backoff.forgive()
+            if slot.process is not None:
+                # Respawned already (the settlement took longer than the delay: it waits up
+                # to a second for the dead worker's backends): the crash still comes off
+                # the count, or each would double the next delay.
+                return
             spawn_at = min(slot.spawn_at, slot.exited_at + delay)
             if spawn_at < slot.spawn_at:
                 log.info("crash explained by its jobs; restarting without further backoff",

@@ -974,3 +974,20 @@ def test_only_workers_that_take_jobs_count_as_live_in_the_heartbeat() -> None:
     assert pool.snapshot()[0] == {"default": 0}
     hung.report = protocol.StatusReport(mode=protocol.WorkerMode.RUNNING)
     assert pool.snapshot()[0] == {"default": 1}
+
+
+def test_a_crash_explained_after_its_slot_respawned_still_comes_off_the_count() -> None:
+    """Crash attribution may settle a crash after the restart delay (250 ms) is over: it
+    waits up to a second for the dead worker's backends. Skipped then, every explained
+    crash grew the slot's failures, and a steady poison doubled its restart delays."""
+    pool = WorkerPool(Config(lanes={"default": LaneConfig("default")}), "", SelectLoop())
+    exited_worker(pool, signal.SIGKILL, [])
+    [exited] = pool.reap(stopping=False)
+    slot = pool.slots[("default", 0)]
+    assert slot.backoff.failures == 1
+    # The slot's next worker, up before the forgive (a process of another pool stands in).
+    slot.process = exited_worker(
+        WorkerPool(Config(lanes={"default": LaneConfig("default")}), "", SelectLoop()),
+        None, [])
+    pool.forgive_crash(exited.worker_id)
+    assert slot.backoff.failures == 0
