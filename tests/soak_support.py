@@ -99,6 +99,11 @@ def soak_config(*, workers: int, concurrency: int) -> dict[str, Any]:
             "heartbeat": "1s",
             "poll_interval": "1s",
             "max_attempts": 1000,
+            # The chaos kills a worker about three times a second: a job killed twice while
+            # it ran alone (a suspect after the first) would be dead-lettered as poison
+            # (max_crashes), and this test is of one effect per job under kill -9, not of
+            # the crash budget (tests/test_queue.py, tests/test_daemon.py).
+            "max_crashes": 1000,
             "backoff": {"base": "50ms", "cap": "500ms"},
         }},
         supervisor={

@@ -844,6 +844,7 @@ def test_the_reset_between_jobs_keeps_the_connections_prepared_statements(
 SLOW_FIRST_ATTEMPT = """\
 import time
 
+import jobd
 
 
 @jobd.transactional
