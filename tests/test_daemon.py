@@ -304,8 +304,11 @@ class RetryNotWoken(AssertionError):
 def test_a_crash_retry_starts_when_its_backoff_ends_not_at_the_next_poll(
     daemons: Daemons, effects_db: psycopg.Connection
 ) -> None:
+    # Up to three kills of the job's worker while it runs alone: max_crashes (default 2)
+    # would dead-letter it at the second.
     daemon = daemons(make_config({"default": {
-        "workers": 1, "max_attempts": 5, "backoff": {"base": "20s", "cap": "20s"}}}))
+        "workers": 1, "max_attempts": 5, "max_crashes": 5,
+        "backoff": {"base": "20s", "cap": "20s"}}}))
     daemon.wait_workers_started("default", 1)
     job_id = jobd.enqueue(effects_db, "slow", {"seconds": 120, "slow_attempts": [1, 2, 3]})
 
