@@ -86,6 +86,9 @@ class _Parser(argparse.ArgumentParser):
         # jobd --help", whose help lists the commands); the command's own help lists the
         # options that were meant.
         parsed, extras = self.parse_known_args(args, namespace)
+        if getattr(parsed, PRINTS_NO_DATA, False) and parsed.json:
+            # `jobd --json run`: the top parser took it, for a command that would ignore it.
+            extras = ["--json", *extras]
         if extras:
             self.error(f"unrecognized arguments: {' '.join(extras)}",
                        getattr(parsed, COMMAND_PROG, None))
@@ -100,7 +103,7 @@ class _Parser(argparse.ArgumentParser):
 # --- parser --------------------------------------------------------------------------------
 
 
-def _common_options(default: Any) -> _Parser:
+def _common_options(default: Any, *, prints_data: bool = True) -> _Parser:
     common = _Parser(add_help=False)
     common.add_argument("-c", "--config", metavar="FILE", default=default, type=not_empty,
                         help="configuration file (default: $JOBD_CONFIG if set)")
@@ -111,9 +114,10 @@ def _common_options(default: Any) -> _Parser:
     common.add_argument("--schema", metavar="NAME", default=default, type=not_empty,
                         help=f"schema holding jobd's tables (default: database.schema in the "
                              f"config, else {DEFAULT_SCHEMA})")
-    common.add_argument("--json", action="store_true",
-                        default=False if default is None else default,
-                        help="print data as JSON (default: text for people)")
+    if prints_data:
+        common.add_argument("--json", action="store_true",
+                            default=False if default is None else default,
+                            help="print data as JSON (default: text for people)")
     return common
 
 
@@ -132,6 +136,8 @@ class _Version(argparse.Action):
 # The parsed arguments name the innermost command given (its parser's prog, "jobd jobs
 # list"), for a usage error that only the top parser sees.
 COMMAND_PROG = "_command_prog"
+# Set by a command that prints no data (jobd run): --json before it is refused too.
+PRINTS_NO_DATA = "_prints_no_data"
 
 
 def _named(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -143,6 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     # The connection options work before or after the subcommand. Below the subcommand they
     # default to SUPPRESS, so an option given before it is not overwritten by a default.
     common = _common_options(argparse.SUPPRESS)
+    # A command that prints no data does not offer --json: given, it is a usage error.
+    no_data = _common_options(argparse.SUPPRESS, prints_data=False)
 
     parser = _Parser(
         prog="jobd", description="A durable job scheduler whose queue is a PostgreSQL table.",
@@ -153,10 +161,14 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True,
                                      parser_class=_Parser, help="what to do")
 
-    def add(name: str, help_text: str, **kwargs: Any) -> argparse.ArgumentParser:
-        return _named(commands.add_parser(
-            name, parents=[common], help=help_text, description=help_text, epilog=EPILOG,
-            formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs))
+    def add(name: str, help_text: str, *, prints_data: bool = True) -> argparse.ArgumentParser:
+        command = _named(commands.add_parser(
+            name, parents=[common if prints_data else no_data], help=help_text,
+            description=help_text, epilog=EPILOG,
+            formatter_class=argparse.RawDescriptionHelpFormatter))
+        if not prints_data:
+            command.set_defaults(**{PRINTS_NO_DATA: True})
+        return command
 
     def leaf(actions: Any, name: str, help_text: str) -> argparse.ArgumentParser:
         """An action of a command (jobs show, dlq replay ...), explained in its own --help."""
@@ -168,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "processes, wake-ups, lease sweeps. SIGHUP reloads the config, "
                          "SIGTERM/SIGINT drain (a second one stops fast). Needs a config "
                          "file (-c FILE or $JOBD_CONFIG). Exit code 3: a handler cannot be "
-                         "imported.")
+                         "imported.", prints_data=False)
     run_cmd.set_defaults(func=cmd_run)
 
     migrate_cmd = add("migrate", "Create or upgrade jobd's schema (safe to run on many nodes at "

@@ -740,3 +740,20 @@ def test_database_url_from_the_environment(db_url: str, conn: psycopg.Connection
     result = cli("enqueue", "h", env=clean_env(JOBD_DATABASE_URL=db_url))
     assert result.returncode == 0, result.stderr
     assert conn.execute("SELECT id FROM jobs").fetchall() == [(int(result.stdout),)]
+
+
+def test_run_prints_no_data_so_json_is_a_usage_error() -> None:
+    """`jobd run` is the daemon: --json did nothing there, yet its help offered it."""
+    assert "--json" not in ok("run", "--help")
+    base = ["-c", EXAMPLE, "--database-url", UNREACHABLE]
+    for args in (["run", *base, "--json"], ["--json", "run", *base]):
+        line = assert_one_line_error(cli(*args), 2)
+        assert line == "jobd run: unrecognized arguments: --json (see jobd run --help)", args
+    # Without it, the same command is the daemon, which finds no database there (exit 1).
+    assert_one_line_error(cli("run", *base), 1)
+
+
+def test_every_command_but_run_offers_json() -> None:
+    offering = {path: any("--json" in action.option_strings for action in parser._actions)
+                for path, parser in _parsers(build_parser())}
+    assert [path for path, offers in offering.items() if not offers] == ["jobd run"]
