@@ -8,6 +8,9 @@ workers' processes and handler threads count against too: the node stops spawnin
 So here a connection has ``timeout`` seconds for its request and the answer, and at most
 ``max_connections`` are served at once; one beyond that is closed at once (Prometheus
 retries at its next scrape).
+
+``HEAD`` is answered as ``GET`` without the body: load balancers and uptime checks probe with
+it, and prometheus-client's application answers it 405.
 """
 
 from __future__ import annotations
@@ -16,10 +19,12 @@ import errno
 import re
 import socket
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
 
 from prometheus_client import make_wsgi_app
 from prometheus_client.registry import Collector, CollectorRegistry
@@ -33,6 +38,39 @@ SCRAPE_TIMEOUT = 10.0  # seconds: Prometheus's default scrape timeout
 MAX_CONNECTIONS = 16  # served at once: Prometheus servers, a person with curl
 
 _LISTEN = re.compile(r"^\[?(?P<host>[^\[\]]+?)\]?:(?P<port>\d+)$")
+
+
+def _answering_head(app: WSGIApplication) -> WSGIApplication:
+    """``app``, with HEAD answered as GET: the same status and headers (Content-Length that
+    of the body a GET gets), no body. Allow names HEAD too (OPTIONS, a refused method)."""
+
+    def application(environ: WSGIEnvironment,
+                    start_response: StartResponse) -> Iterable[bytes]:
+        head = environ.get("REQUEST_METHOD") == "HEAD"
+        answer: list[tuple[str, list[tuple[str, str]]]] = []
+
+        def start(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
+            headers = [(name, _with_head(value) if name.lower() == "allow" else value)
+                       for name, value in headers]
+            if head:
+                answer.append((status, headers))
+                return lambda _data: None  # the body is not sent
+            return start_response(status, headers, exc_info)
+
+        if not head:
+            return app(environ, start)
+        body = b"".join(app({**environ, "REQUEST_METHOD": "GET"}, start))
+        [(status, headers)] = answer
+        if not any(name.lower() == "content-length" for name, _ in headers):
+            headers.append(("Content-Length", str(len(body))))
+        start_response(status, headers)
+        return []
+
+    return application
+
+
+def _with_head(allow: str) -> str:
+    return allow if "HEAD" in allow.split(",") else f"{allow},HEAD"
 
 
 class _Handler(WSGIRequestHandler):
@@ -85,7 +123,7 @@ class Server:
         registry = CollectorRegistry(auto_describe=False)
         registry.register(self.collector)
         try:
-            server = make_server(host, port, make_wsgi_app(registry),
+            server = make_server(host, port, _answering_head(make_wsgi_app(registry)),
                                  self._server_class(host, port),
                                  handler_class=self._handler_class())
         except OSError as exc:

@@ -784,6 +784,41 @@ def test_a_starting_daemon_reports_no_loop_lag_older_than_itself(
                message=lambda: f"a running worker\n{daemon.tail()}")
 
 
+def http_answer(target: str, method: str) -> tuple[int, dict[str, str], bytes]:
+    """One request on a raw socket: the status, the headers (lower-case names) and every
+    byte after them, so a body sent to a HEAD shows (http.client would not read it)."""
+    host, port = target.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(f"{method} /metrics HTTP/1.1\r\nHost: {target}\r\n"
+                     "Connection: close\r\n\r\n".encode())
+        received = b""
+        while chunk := sock.recv(65536):  # the server closes after its answer
+            received += chunk
+    head, _, body = received.partition(b"\r\n\r\n")
+    status, *lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.split(":", 1) for line in lines)
+    return (int(status.split()[1]),
+            {name.lower(): value.strip() for name, value in headers.items()}, body)
+
+
+def test_the_endpoint_answers_head_as_get_without_the_body(daemons: Daemons, tmp_path: Path
+                                                           ) -> None:
+    """Load balancers and uptime checks probe with HEAD, which prometheus-client's
+    application refused (405)."""
+    _, target = start_daemon(daemons, tmp_path, {"default": {"workers": 0}})
+    status, got, body = http_answer(target, "GET")
+    assert status == 200 and body and "jobd_workers" in body.decode()
+    status, headed, nothing = http_answer(target, "HEAD")
+    assert (status, nothing) == (200, b"")
+    assert headed["content-type"] == got["content-type"]
+    # The length of the body a GET gets, not 0 (a gauge such as the loop lag may have
+    # changed by a digit or two in between).
+    assert got["content-length"] == str(len(body))
+    assert abs(int(headed["content-length"]) - len(body)) < len(body) / 100
+    status, allowed, _ = http_answer(target, "OPTIONS")
+    assert status == 200 and "HEAD" in allowed["allow"].split(",")
+
+
 def test_an_address_in_use_stops_the_start_with_one_line(daemons: Daemons, tmp_path: Path
                                                           ) -> None:
     """Exit code 1, a runtime failure that systemd's Restart=on-failure tries again (the
