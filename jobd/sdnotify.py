@@ -96,8 +96,15 @@ class Notifier:
         usec = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
         self._send(self._encode({"reloading": 1, "monotonic_usec": usec}), keep=True)
 
-    def stopping(self, status: str) -> None:
-        self._send(self._encode({"stopping": 1, "status": status}), keep=True)
+    def stopping(self, status: str, extend_timeout: float | None = None) -> None:
+        """``STOPPING=1``; with ``extend_timeout`` (seconds) ``EXTEND_TIMEOUT_USEC=`` too: systemd
+        (236 and later; older ones ignore it) then gives the stop that long from the message's
+        arrival before its own ``TimeoutStopSec`` kills the unit. It only ever lengthens the
+        timeout, so a longer ``TimeoutStopSec`` still holds."""
+        fields: dict[str, str | int] = {"stopping": 1, "status": status}
+        if extend_timeout is not None:
+            fields["extend_timeout_usec"] = round(extend_timeout * 1_000_000)
+        self._send(self._encode(fields), keep=True)
 
     def status(self, status: str) -> None:
         self.send(status=status)

@@ -68,6 +68,12 @@ METRICS_PUBLISH_INTERVAL = 0.5  # seconds between views published for the metric
 # watchdog is no longer pinged, so systemd restarts the daemon.
 DUTIES_STUCK_AFTER = 120.0
 FINISH_WAIT = 15.0  # on exit, how long to wait for the duties' batch in flight
+# What a stop takes beyond shutdown_timeout: KILL_GRACE before the stragglers' SIGKILL,
+# FINISH_WAIT for the duties' batch in flight, then 10 s of headroom for the last statements
+# (crash attribution, leaving the nodes table), as the unit's TimeoutStopSec=60 gave at the
+# default 30 s. systemd is asked for shutdown_timeout + this at SIGTERM (EXTEND_TIMEOUT_USEC),
+# so a raised shutdown_timeout is not SIGKILLed mid-drain by the unit's stop timeout.
+STOP_MARGIN = KILL_GRACE + FINISH_WAIT + 10.0
 
 log = structlog.get_logger("jobd.supervisor")
 
@@ -368,7 +374,8 @@ class Supervisor:
         self.stopping = True
         self._cancel_reload()
         self.stop_deadline = time.monotonic() + self.config.shutdown_timeout + KILL_GRACE
-        self.notifier.stopping("draining")
+        self.notifier.stopping("draining",
+                               extend_timeout=self.config.shutdown_timeout + STOP_MARGIN)
         log.info("draining", signal=signal_name, shutdown_timeout=self.config.shutdown_timeout,
                  workers=len(self.pool.processes()))
         # Retiring workers would finish everything; on shutdown they drain like the rest.

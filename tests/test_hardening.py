@@ -24,6 +24,7 @@ from daemon_support import Daemon, alive, effects, job_row, job_state, make_conf
 from psycopg import sql
 
 import jobd
+from jobd.supervisor import FINISH_WAIT, KILL_GRACE, STOP_MARGIN
 
 daemons = daemon_support.daemons
 effects_db = daemon_support.effects_db
@@ -333,6 +334,43 @@ def test_a_notify_socket_nobody_reads_does_not_stall_the_supervisor(
             except TimeoutError:
                 continue
         assert any(b"READY=1" in m for m in received)
+
+
+def test_at_sigterm_the_supervisor_asks_systemd_for_its_whole_stop(
+    daemons: Daemons, tmp_path: Path
+) -> None:
+    """A shutdown_timeout raised above the unit's TimeoutStopSec (60 s) got the daemon
+    SIGKILLed mid-drain: STOPPING=1 now carries EXTEND_TIMEOUT_USEC, the drain timeout plus
+    the stop's own margin (the stragglers' kill, the duties' last batch and statements)."""
+    address = str(tmp_path / "notify.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as reader:
+        reader.bind(address)
+        reader.settimeout(0.5)
+        daemon = new_daemon(daemons)
+        environment = daemon.env()
+        daemon.env = lambda: {**environment, "NOTIFY_SOCKET": address}  # type: ignore
+        daemon.start(config({"default": {"workers": 1}},
+                            supervisor={"shutdown_timeout": "300s"}))
+
+        def next_with(field: str) -> dict[str, str]:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                try:
+                    lines = reader.recv(65536).decode().split("\n")
+                except TimeoutError:
+                    continue
+                message = dict(line.split("=", 1) for line in lines)
+                if field in message:
+                    return message
+            raise AssertionError(f"no {field} from the supervisor\n{daemon.tail()}")
+
+        assert "EXTEND_TIMEOUT_USEC" not in next_with("READY")
+        daemon.signal(signal.SIGTERM)
+        stopping = next_with("STOPPING")
+        assert daemon.wait_exit(timeout=30) == 0
+    assert stopping["STOPPING"] == "1"
+    assert STOP_MARGIN >= KILL_GRACE + FINISH_WAIT
+    assert int(stopping["EXTEND_TIMEOUT_USEC"]) == round((300 + STOP_MARGIN) * 1_000_000)
 
 
 # --- a poison job does not take its neighbours down with it --------------------------------

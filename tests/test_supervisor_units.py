@@ -337,6 +337,16 @@ def test_ready_status_stopping_and_watchdog(notify_socket: tuple[str, socket.soc
     assert_nothing_more(sock)
 
 
+def test_stopping_can_ask_systemd_for_more_time(notify_socket: tuple[str, socket.socket]
+                                               ) -> None:
+    address, sock = notify_socket
+    with Notifier(address) as notifier:
+        notifier.stopping("draining", extend_timeout=330.25)
+    assert receive(sock) == {"STOPPING": "1", "STATUS": "draining",
+                             "EXTEND_TIMEOUT_USEC": "330250000"}
+    assert_nothing_more(sock)
+
+
 def test_reloading_carries_the_monotonic_clock_in_microseconds(
     notify_socket: tuple[str, socket.socket],
 ) -> None:
