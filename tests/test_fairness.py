@@ -547,6 +547,112 @@ def test_the_key_survives_the_dead_letter_queue_and_the_archive(
     assert row == ("done", "tenant-7")
 
 
+# --- an empty fairness key (migration 0049) -------------------------------------------------
+
+
+def fair_claim(conn: psycopg.Connection, lane: str, limit: int = 10) -> list[jobd.Job]:
+    lane_order = LaneConfig(lane, fair_by="fairness_key").claim_order(None)
+    return queue.claim(conn, lane, "w1", limit, 30, order=lane_order)
+
+
+def empty_keys(conn: psycopg.Connection) -> list[tuple[str, int]]:
+    return conn.execute("SELECT 'jobs', id FROM jobs WHERE fairness_key = ''"
+                        " UNION ALL SELECT 'dead_letter', id FROM dead_letter"
+                        " WHERE fairness_key = ''").fetchall()
+
+
+def test_a_callers_own_insert_or_copy_of_an_empty_fairness_key_is_refused(
+    conn: psycopg.Connection,
+) -> None:
+    # A fair claim lists the share keys after '', so a job stored with the key '' was never
+    # claimed in a fair lane: it waited for ever. Every entry point refuses the key; the
+    # table does too, for what is written into it by hand.
+    refused = "violates check constraint \"jobs_fairness_key_not_empty\""
+    with pytest.raises(psycopg.errors.CheckViolation, match=refused):
+        conn.execute("INSERT INTO jobs (handler, fairness_key) VALUES ('h', '')")
+    with pytest.raises(psycopg.errors.CheckViolation, match=refused), \
+            conn.cursor().copy("COPY jobs (handler, fairness_key) FROM STDIN") as copy:
+        copy.write_row(("h", "t1"))
+        copy.write_row(("h", ""))
+    kept = jobd.enqueue(conn, "h", fairness_key="t1")
+    with pytest.raises(psycopg.errors.CheckViolation, match=refused):
+        conn.execute("UPDATE jobs SET fairness_key = '' WHERE id = %s", (kept,))
+    assert conn.execute("SELECT count(*) FROM jobs").fetchone() == (1,)
+    # A key of its own, or none, still goes in both ways; the insert trigger announces the
+    # rows, and a fair claim takes them.
+    with conn.cursor().copy("COPY jobs (handler, fairness_key) FROM STDIN") as copy:
+        copy.write_row(("h", "t2"))
+        copy.write_row(("h", None))
+    conn.execute("INSERT INTO jobs (handler, fairness_key) VALUES ('h', 't3')")
+    assert sorted(share_keys(fair_claim(conn, LANE))) == ["h", "t1", "t2", "t3"]
+
+
+def test_jobs_stored_with_an_empty_fairness_key_before_0049_are_claimed_after_it(
+    databases: Databases, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """0049 gives the rows already stored with the key '' no key (they share by their
+    handler): in a fair lane they are claimed, and no later write of them fails the new
+    constraint. It does so whatever state they are in, and in the dead-letter queue."""
+    url = databases.empty()
+    before_0049 = [m for m in migrate_module.available() if m.version < 49]
+    with connect(url, autocommit=True) as admin:
+        monkeypatch.setattr(migrate_module, "available", lambda: before_0049)
+        migrate_module.migrate(admin, "jobd")
+        monkeypatch.undo()
+        with connect(url, "jobd", autocommit=True) as conn:
+            t0 = db_now(conn)
+            insert = ("INSERT INTO jobs (lane, handler, priority, state, attempts, run_at,"
+                      " fairness_key) VALUES (%s, %s, %s, %s, %s, %s, %s) RETURNING id")
+            rows = [(LANE, "h", 0, "pending", 0, "t1"), (LANE, "h", 0, "pending", 0, ""),
+                    (LANE, "h", 5, "pending", 0, ""), (LANE, "g", 0, "failed", 1, ""),
+                    (LANE, "g", 0, "pending", 0, None), ("other", "h", 0, "pending", 0, ""),
+                    ("busy", "h", 0, "pending", 0, "")]
+            ids = [conn.execute(insert, (lane, handler, priority, state, attempts,
+                                         t0 - timedelta(seconds=1), key)).fetchone()[0]
+                   for lane, handler, priority, state, attempts, key in rows]
+            # One of them running (claimed in a lane without fair_by, which takes it).
+            (running,) = queue.claim(conn, "busy", "w1", 1, 30)
+            dead = conn.execute(
+                "INSERT INTO dead_letter (id, lane, handler, payload, priority, run_at,"
+                " attempts, created_at, errors, fairness_key)"
+                " VALUES (nextval('job_id_seq'), %s, 'h', '{}', 0, %s, 3, %s, '[]', '')"
+                " RETURNING id", (LANE, t0, t0)).fetchone()[0]
+            with conn.transaction(force_rollback=True):
+                # What 0049 ends: a fair claim takes every job but those of the key ''.
+                assert sorted(job.id for job in fair_claim(conn, LANE)) == [ids[0], ids[4]]
+            assert [m.version for m in migrate_module.migrate(admin, "jobd")] == [49]
+            assert empty_keys(conn) == []
+            # Every row complies now: the constraint, added NOT VALID, validates.
+            conn.execute("ALTER TABLE jobs VALIDATE CONSTRAINT jobs_fairness_key_not_empty")
+            taken = fair_claim(conn, LANE)
+            assert sorted(job.id for job in taken) == sorted(ids[:5])
+            assert sorted(share_keys(taken)) == ["g", "g", "h", "h", "t1"]
+            assert [job.id for job in fair_claim(conn, "other")] == [ids[5]]
+            failure = queue.Failure(running.lease, "boom", 0, 5)
+            assert queue.fail(conn, [failure]).retried == [running.id]
+            assert dlq.replay(conn, [dead]) == [dead]
+            (replayed,) = fair_claim(conn, LANE)
+            assert (replayed.id, replayed.fairness_key) == (dead, None)
+
+
+def test_a_dead_job_stored_with_an_empty_fairness_key_is_replayed_sharing_by_its_handler(
+    conn: psycopg.Connection,
+) -> None:
+    # A job dead-lettered with the key '' while 0049 was being applied (after its pass over
+    # the dead-letter queue) is replayed without the key, as 0049 left the others.
+    t0 = db_now(conn)
+    dead = [conn.execute(
+        "INSERT INTO dead_letter (id, lane, handler, payload, priority, run_at, attempts,"
+        " created_at, errors, fairness_key)"
+        " VALUES (nextval('job_id_seq'), %s, %s, '{}', 0, %s, 3, %s, '[]', '')"
+        " RETURNING id", (LANE, handler, t0, t0)).fetchone()[0] for handler in ("a", "b")]
+    assert dlq.replay(conn, [dead[0]]) == [dead[0]]
+    assert dlq.replay_handler(conn, "b") == [dead[1]]
+    taken = fair_claim(conn, LANE)
+    assert sorted((job.id, job.fairness_key) for job in taken) == [(dead[0], None),
+                                                                   (dead[1], None)]
+
+
 def test_fairness_comes_from_the_lane_config() -> None:
     lanes = parse("lanes:\n  a: {max_wait: 5m, fair_by: handler}\n"
                   "  b: {fair_by: fairness_key}\n  c: {}\n", "jobd.yaml").lanes

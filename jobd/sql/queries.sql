@@ -1125,7 +1125,9 @@ SELECT id, lane, handler, attempts, last_error, died_at, idempotency_key
 -- Moves dead jobs back to the queue with a fresh attempt budget, keeping their error history.
 -- The job keeps its id (so its idempotency key still points at it); its next claim draws a
 -- new random token, so a worker from before its death can never write to it again. It is due at
--- once, or at its own run_at if that is later (a quarantined job scheduled for later).
+-- once, or at its own run_at if that is later (a quarantined job scheduled for later). A dead
+-- job stored with the fairness key '' (before migration 0049, or while it was applied) comes
+-- back without it, sharing by its handler: jobs refuses the key '' (no fair claim took it).
 WITH revived AS (
     DELETE FROM dead_letter WHERE id = ANY(%(ids)s::bigint[]) RETURNING *
 )
@@ -1135,7 +1137,7 @@ SELECT id, lane, handler, payload, 'pending', priority,
        greatest(run_at, coalesce(%(now)s::timestamptz, now())),
        0, max_attempts, idempotency_key, created_at, last_error,
        errors || jsonb_build_object('replayed_at', coalesce(%(now)s::timestamptz, now())),
-       fairness_key
+       nullif(fairness_key, '')
   FROM revived
 RETURNING id
 
@@ -1153,7 +1155,7 @@ SELECT id, lane, handler, payload, 'pending', priority,
        greatest(run_at, coalesce(%(now)s::timestamptz, now())),
        0, max_attempts, idempotency_key, created_at, last_error,
        errors || jsonb_build_object('replayed_at', coalesce(%(now)s::timestamptz, now())),
-       fairness_key
+       nullif(fairness_key, '')
   FROM revived
 RETURNING id
 

@@ -80,7 +80,8 @@ CREATE TABLE jobs (
     -- statements that finish it archive it as 'cancelled' however its run ends.
     cancel_requested_at timestamptz,
     -- Set at enqueue (a tenant, a customer): the job's share key in a fair lane (fair_by),
-    -- in place of its handler. NULL: it shares by its handler.
+    -- in place of its handler. NULL: it shares by its handler. Never '' (the constraint
+    -- jobs_fairness_key_not_empty below).
     fairness_key    text,
     -- A claimed job has a lease and a token; no other state has either.
     CHECK ((state = 'claimed') = (lease_until IS NOT NULL AND lease_token IS NOT NULL)),
@@ -92,6 +93,17 @@ CREATE TABLE jobs (
         CHECK (run_at >= '1970-01-01 00:00:00+00' AND run_at < '9999-01-01 00:00:00+00')
 );
 ALTER SEQUENCE job_id_seq OWNED BY jobs.id;
+
+-- A job's fairness key is not the empty string: a fair claim lists the share keys after ''
+-- (claim_level), so a job of the key '' was never claimed in a fair lane. jobd.enqueue
+-- refuses it with a message (check_job); this keeps a caller's own INSERT or COPY from
+-- storing it. The entry points' 256-byte bound on the key is theirs alone (migration 0049).
+-- NOT VALID because migration 0049 added it without reading every live job under its lock
+-- (it gave the rows stored with '' before a NULL key instead); every row written since is
+-- checked, and `ALTER TABLE jobs VALIDATE CONSTRAINT jobs_fairness_key_not_empty` validates
+-- the others without blocking the queue.
+ALTER TABLE jobs ADD CONSTRAINT jobs_fairness_key_not_empty
+    CHECK (fairness_key <> '') NOT VALID;
 
 -- The hottest query: due jobs of one lane by priority, then run_at (then id, so a claim's
 -- floor can sit between jobs that share a run_at). Only claimable rows are indexed, so the
