@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import re
 import socket
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,8 @@ from jobd.errors import ConfigError, printable
 from jobd.handlers import HANDLER, SENDER, ImportPath
 from jobd.yamlcheck import parse_duration
 
-__all__ = ["Config", "LaneConfig", "ScheduleConfig", "load", "parse", "parse_duration"]
+__all__ = ["Config", "LaneConfig", "ScheduleConfig", "check_schedules", "load", "parse",
+           "parse_duration"]
 
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 # Where workers find the built-in handler of outbox delivery jobs (validation.OUTBOX_HANDLER).
@@ -33,6 +35,9 @@ EMPTY_URL = "is empty: give a URL, or leave the key out ($JOBD_DATABASE_URL, els
 # fairness_key when it has one, else by its handler): a lane whose producers set no keys
 # shares by handler. "none": no shares.
 FAIR_BY = ("handler", "fairness_key", "none")
+# schedules[].catchup and schedules[].overlap (jobd.schedules.plan, fire_schedule in SQL).
+CATCHUP = ("latest", "all", "none")
+OVERLAP = ("allow", "skip")
 # A worker reports to the supervisor once a second (jobd.worker_status.REPORT_INTERVAL), and
 # that report is its liveness: a worker_timeout shorter than two of them takes healthy
 # workers for hung, and aborts and replaces them over and over, charging their jobs.
@@ -285,29 +290,72 @@ def _rate(lane: yamlcheck.Section) -> tuple[int | None, float]:
 def _schedule(located: yamlcheck.Located, path: str, handlers: dict[str, str],
               payload_limit: int) -> ScheduleConfig:
     section = yamlcheck.Section(located, path)
+    values = {key: section.take(key, convert, _SCHEDULE_DEFAULTS.get(key))
+              for key, convert in _schedule_keys(handlers).items()}
+    for key in ("id", "cron", "handler"):
+        if values[key] is None:
+            raise yamlcheck.Invalid(located.line, path, f"missing required key {key!r}")
+    values["payload"] = _schedule_payload(section.raw("payload"), f"{path}.payload",
+                                          payload_limit)
+    section.finish()
+    schedule = ScheduleConfig(**values)
+    try:
+        _catchup_with_overlap(schedule)
+    except ValueError as exc:
+        raise yamlcheck.Invalid(located.line, path, str(exc)) from None
+    return schedule
+
+
+# A schedule's keys that have a default, and the default (ScheduleConfig's own).
+_SCHEDULE_DEFAULTS = {f.name: f.default for f in fields(ScheduleConfig)
+                      if f.default is not MISSING}
+
+
+def _schedule_keys(handlers: Mapping[str, str] | None) -> dict[str, Any]:
+    """The check of each key of a schedule but its payload (:func:`_payload_rules`), which
+    a config file's schedules and ScheduleConfig values built in Python (check_schedules)
+    both pass. ``handlers``: the allow-list a schedule's handler must be in (None: any)."""
 
     def known_handler(value: object) -> str:
-        name = yamlcheck.name("handler")(value)
-        if name not in handlers:
+        name = validation.handler(value)
+        if handlers is not None and name not in handlers:
             raise ValueError(f"handler {name!r} is not in handlers")
         return name
 
-    schedule = ScheduleConfig(
-        id=section.take("id", yamlcheck.name("schedule")),
-        cron=section.take("cron", yamlcheck.cron),
-        handler=section.take("handler", known_handler),
-        timezone=section.take("timezone", yamlcheck.timezone, "UTC"),
-        lane=section.take("lane", yamlcheck.name("lane"), "default"),
-        payload=_schedule_payload(section.raw("payload"), f"{path}.payload", payload_limit),
-        priority=section.take("priority", yamlcheck.int_between(-(2**31), 2**31 - 1), 0),
-        catchup=section.take("catchup", yamlcheck.choice("latest", "all", "none"), "latest"),
-        overlap=section.take("overlap", yamlcheck.choice("allow", "skip"), "allow"),
-    )
-    for key in ("id", "cron", "handler"):
-        if getattr(schedule, key) is None:
-            raise yamlcheck.Invalid(located.line, path, f"missing required key {key!r}")
-    section.finish()
-    return schedule
+    return {
+        "id": yamlcheck.name("schedule"),
+        "cron": yamlcheck.cron,
+        "handler": known_handler,
+        "timezone": yamlcheck.timezone,
+        "lane": yamlcheck.name("lane"),
+        "priority": yamlcheck.int_between(-(2**31), 2**31 - 1),
+        "catchup": yamlcheck.choice(*CATCHUP),
+        "overlap": yamlcheck.choice(*OVERLAP),
+    }
+
+
+def _catchup_with_overlap(schedule: ScheduleConfig) -> None:
+    """ValueError for ``catchup: all`` with ``overlap: skip``, which cannot both be kept.
+    The occurrences a downtime missed are all due at once when it ends, so skip lets one of
+    them run (the newest, jobd.schedules.plan) and records the others as skipped: the job
+    for each missed occurrence that ``all`` promises would quietly be ``latest``'s one job.
+    Refused, the mistake shows at load, before any downtime has lost an occurrence, and
+    each alternative the message names keeps one of the two promises whole."""
+    if schedule.catchup == "all" and schedule.overlap == "skip":
+        raise ValueError(
+            "catchup: all and overlap: skip cannot both hold: after a downtime the missed "
+            "occurrences are all due at once, and skip would run one and drop the rest; use "
+            "catchup: all with overlap: allow to run each (one at a time on a lane with "
+            "max_running: 1), or catchup: latest with overlap: skip to run the newest")
+
+
+def _payload_rules(payload: Any, limit: int) -> None:
+    """ValueError unless ``payload`` meets every job's rules (jobd.validation) and its size
+    is within ``limit``."""
+    size = validation.utf8_size("payload", validation.encode_payload(payload))
+    if size > limit:
+        raise ValueError(f"payload is {size:,} bytes, over the limit of {limit:,} "
+                         f"(limits.max_payload_bytes)")
 
 
 def _schedule_payload(located: yamlcheck.Located | None, path: str, limit: int) -> Any:
@@ -318,16 +366,46 @@ def _schedule_payload(located: yamlcheck.Located | None, path: str, limit: int) 
     database: a fire does not check it, and would store jobs no other entry point takes."""
     payload = yamlcheck.unwrap(located) or {}
     try:
-        size = validation.utf8_size("payload", validation.encode_payload(payload))
-        if size > limit:
-            raise ValueError(f"payload is {size:,} bytes, over the limit of {limit:,} "
-                             f"(limits.max_payload_bytes)")
+        _payload_rules(payload, limit)
     except ValueError as exc:
         hint = (" (YAML reads an unquoted date or time, or !!binary, as no JSON value: "
                 "quote it to keep it as text)" if "not JSON serializable" in str(exc) else "")
         assert located is not None  # the default, {}, is valid
         yamlcheck.fail(located.line, path, f"{exc}{hint}")
     return payload
+
+
+def check_schedules(schedules: Sequence[ScheduleConfig],
+                    handlers: Mapping[str, str] | None = None,
+                    payload_limit: int = validation.DEFAULT_MAX_PAYLOAD_BYTES,
+                    ) -> list[ScheduleConfig]:
+    """ScheduleConfig values built in Python held to the rules of a config file's
+    schedules, which no file checked: the same checks, which raise :class:`ConfigError`
+    naming the schedule and the key. Returns them as a config stores them (a cron
+    expression normalized: ``0 5-5 * * *`` as ``0 5 * * *``). ``handlers``: the allow-list
+    their handlers must be in (None: any handler name); ``payload_limit``: the config's
+    ``limits.max_payload_bytes``."""
+    checked: list[ScheduleConfig] = []
+    for schedule in schedules:
+        if not isinstance(schedule, ScheduleConfig):
+            raise ConfigError(f"a schedule must be a jobd.config.ScheduleConfig, not "
+                              f"{type(schedule).__name__}")
+        where = f"schedule {printable(repr(schedule.id))}"
+        values: dict[str, Any] = {}
+        for key, convert in _schedule_keys(handlers).items():
+            try:
+                values[key] = convert(getattr(schedule, key))
+            except (ValueError, TypeError) as exc:
+                raise ConfigError(f"{where}: {key}: {printable(str(exc))}") from None
+        if values["id"] in {s.id for s in checked}:
+            raise ConfigError(f"{where}: id: duplicate schedule id {values['id']!r}")
+        try:
+            _payload_rules(schedule.payload, payload_limit)
+            _catchup_with_overlap(replace(schedule, **values))
+        except ValueError as exc:
+            raise ConfigError(f"{where}: {printable(str(exc))}") from None
+        checked.append(replace(schedule, **values))
+    return checked
 
 
 def _build(root: yamlcheck.Located, path: str | None) -> Config:

@@ -7,7 +7,8 @@ but how long to sleep.
 
 Catch-up after downtime, per schedule: ``latest`` fires the newest missed occurrence once,
 ``all`` fires every missed occurrence (at most :data:`CATCHUP_ALL_LIMIT`, the newest),
-``none`` fires only occurrences less than :data:`NONE_GRACE` late.
+``none`` fires only occurrences less than :data:`NONE_GRACE` late. Under ``overlap: skip``
+the newest of them is fired first, so it is the one that runs (:func:`plan`).
 
 Ownership: each supervisor instance declares the schedules of its config (:func:`sync`) and
 keeps the declarations live from its duty pass (:func:`refresh`); a leaving instance withdraws
@@ -55,12 +56,29 @@ log = structlog.get_logger("jobd.schedules")
 class Plan:
     """What to do for one schedule at one tick."""
 
-    fire: list[Occurrence]
+    fire: list[Occurrence]  # in the order to fire them
     advance_to: datetime | None  # move the cursor here although nothing fired
 
 
-def plan(schedule: CronSchedule, catchup: str, cursor: datetime, now: datetime) -> Plan:
-    """The occurrences in ``(cursor, now]`` to fire under the catch-up policy. Pure."""
+def plan(schedule: CronSchedule, catchup: str, cursor: datetime, now: datetime,
+         overlap: str = "allow") -> Plan:
+    """The occurrences in ``(cursor, now]`` to fire under the catch-up policy. Pure.
+
+    Under ``overlap: skip`` the newest is fired first. Missed occurrences are all due at
+    once, so skip lets only the first one fired run and records the others as skipped: that
+    one must be the newest, the run a schedule that had not missed anything would be making.
+    Fired oldest first, the stalest occurrence ran and every newer one, the latest included,
+    was skipped behind it. A config refuses ``catchup: all`` with ``overlap: skip``
+    (jobd.config); a definition stored by an earlier release may still have both, and
+    several occurrences can share the newest instant (a spring-forward gap) under any
+    policy."""
+    todo = _plan(schedule, catchup, cursor, now)
+    if overlap == "skip":
+        return Plan(todo.fire[::-1], todo.advance_to)
+    return todo
+
+
+def _plan(schedule: CronSchedule, catchup: str, cursor: datetime, now: datetime) -> Plan:
     if catchup == "latest":
         newest = schedule.between(cursor, now, last=1)
         if not newest:
@@ -123,10 +141,10 @@ def sync(conn: psycopg.Connection, schedules: Sequence[ScheduleConfig], instance
 
     Creates new schedules; a stored definition changes only when no other live instance
     still declares it (otherwise the difference is reported in ``conflicts``). Never
-    enables or disables a schedule: that flag is the operator's.
+    enables or disables a schedule: that flag is the operator's. The schedules have passed
+    the config's rules: a config file's as it loaded, values built in Python through
+    :func:`jobd.config.check_schedules` (jobd.testing's materialize_schedules).
     """
-    for s in schedules:
-        _check(s)
     result = SyncResult()
     ordered = sorted(schedules, key=lambda schedule: schedule.id)
     with conn.transaction():
@@ -153,17 +171,6 @@ def sync(conn: psycopg.Connection, schedules: Sequence[ScheduleConfig], instance
     return result
 
 
-def _check(schedule: ScheduleConfig) -> None:
-    """CronError unless ``schedule`` can be evaluated. A config file's schedules have been
-    checked as it loaded; ScheduleConfig values built in Python (jobd.testing's
-    materialize_schedules) have not, and stored unchecked, one would only ever log an error
-    at each tick."""
-    try:
-        CronSchedule.parse(schedule.cron, schedule.timezone)
-    except CronError as exc:
-        raise CronError(f"schedule {schedule.id!r}: {exc}") from None
-
-
 def _fire_what_the_old_definition_owes(conn: psycopg.Connection, schedule: ScheduleConfig,
                                        now: datetime | None, result: TickResult) -> None:
     """A new expression or zone starts at the change (migration 0035), so the occurrences
@@ -175,12 +182,12 @@ def _fire_what_the_old_definition_owes(conn: psycopg.Connection, schedule: Sched
         "now": now}).fetchone()
     if row is None:
         return
-    cron, timezone, catchup, cursor, db_now = row
+    cron, timezone, catchup, overlap, cursor, db_now = row
     try:
         stored = CronSchedule.parse(cron, timezone)
     except CronError:
         return  # nothing it can owe: the tick says so for every schedule that cannot fire
-    owed = plan(stored, catchup, cursor, db_now)
+    owed = plan(stored, catchup, cursor, db_now, overlap)
     for occurrence in owed.fire:
         _fire(conn, schedule.id, occurrence, now, result)
 
@@ -277,13 +284,13 @@ def tick(conn: psycopg.Connection, now: datetime | None = None) -> TickResult:
     result = TickResult()
     rows = conn.execute(query("due_schedules"), {"now": now}).fetchall()
     upcoming: list[datetime] = []
-    for schedule_id, expression, timezone, catchup, cursor, db_now in rows:
+    for schedule_id, expression, timezone, catchup, overlap, cursor, db_now in rows:
         try:
             schedule = CronSchedule.parse(expression, timezone)
         except CronError as exc:
             log.error("schedule cannot be evaluated", schedule=schedule_id, error=str(exc))
             continue
-        todo = plan(schedule, catchup, cursor, db_now)
+        todo = plan(schedule, catchup, cursor, db_now, overlap)
         for occurrence in todo.fire:
             _fire(conn, schedule_id, occurrence, now, result)
         if todo.advance_to is not None:
@@ -312,7 +319,7 @@ def _fire(conn: psycopg.Connection, schedule_id: str, occurrence: Occurrence,
         result.duplicates.append((schedule_id, occurrence.key))
     elif outcome == "skipped_overlap":
         result.skipped.append((schedule_id, occurrence.key))
-        log.info("schedule skipped: previous run still in progress", schedule=schedule_id,
+        log.info("schedule skipped: a run of it is still in progress", schedule=schedule_id,
                  occurrence=occurrence.key)
 
 

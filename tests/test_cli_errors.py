@@ -378,6 +378,21 @@ def test_a_config_from_the_environment_that_is_not_utf8_exits_2(tmp_path: Path,
     assert str(config) in assert_one_line_error(result, 2)
 
 
+def test_a_schedule_with_catchup_all_and_overlap_skip_stops_the_daemon_before_it_starts(
+    tmp_path: Path, db_url: str, conn: psycopg.Connection
+) -> None:
+    config = tmp_path / "jobd.yaml"
+    config.write_text("handlers: {echo: 'jobd.examples:echo'}\nlanes: {default: {}}\n"
+                      "schedules:\n  - {id: hourly, cron: '0 * * * *', handler: echo,\n"
+                      "     catchup: all, overlap: skip}\n")
+    for command in (["run"], ["schedules", "list"]):
+        line = assert_one_line_error(
+            cli(*command, "-c", str(config), "--database-url", db_url), 2)
+        assert line.startswith(f"jobd: {config}:4: schedules[0]: catchup: all and overlap: "
+                               "skip cannot both hold"), line
+    assert conn.execute("SELECT count(*) FROM schedules").fetchone() == (0,)
+
+
 # --- output into a closed pipe -------------------------------------------------------------
 
 

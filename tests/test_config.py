@@ -342,6 +342,27 @@ def test_schedule_naming_an_unknown_handler(tmp_path: Path) -> None:
     assert "'missing'" in message and "not in handlers" in message
 
 
+def test_catchup_all_with_overlap_skip_is_refused_naming_what_to_write_instead(
+    tmp_path: Path,
+) -> None:
+    # Missed occurrences are all due at once after a downtime, so skip would run one of
+    # them and drop the rest, where all promises each.
+    _, line, message = config_error(
+        tmp_path, HANDLERS + "schedules:\n  - id: hourly\n    cron: '0 * * * *'\n"
+        "    handler: echo\n    catchup: all\n    overlap: skip\n")
+    assert line == 4
+    assert "schedules[0]: catchup: all and overlap: skip cannot both hold" in message
+    assert "catchup: all with overlap: allow" in message
+    assert "max_running: 1" in message
+    assert "catchup: latest with overlap: skip" in message
+    assert "\n" not in message
+    # Each of the other combinations loads.
+    for catchup, overlap in (("all", "allow"), ("latest", "skip"), ("none", "skip")):
+        [schedule] = parse(HANDLERS + "schedules:\n  - {id: s, cron: '0 * * * *', handler: "
+                           f"echo, catchup: {catchup}, overlap: {overlap}}}\n").schedules
+        assert (schedule.catchup, schedule.overlap) == (catchup, overlap)
+
+
 def test_duplicate_key(tmp_path: Path) -> None:
     _, line, message = config_error(
         tmp_path, "lanes:\n  default:\n    workers: 2\n    workers: 3\n")

@@ -566,6 +566,17 @@ def test_catchup_all_fires_every_missed_up_to_the_newest_hundred_in_order(
     assert planned.fire == sorted(planned.fire)
 
 
+@pytest.mark.parametrize("catchup", ["latest", "all", "none"])
+def test_under_overlap_skip_the_newest_is_fired_first(catchup: str) -> None:
+    # Skip runs only the first occurrence fired while the others are due with it.
+    schedule = CronSchedule.parse("*/5 * * * *", "UTC")
+    for behind in (timedelta(hours=3), timedelta(seconds=150)):
+        allowed = plan(schedule, catchup, NOW - behind, NOW)
+        skipping = plan(schedule, catchup, NOW - behind, NOW, overlap="skip")
+        assert skipping.fire == allowed.fire[::-1]
+        assert skipping.advance_to == allowed.advance_to
+
+
 @pytest.mark.parametrize("behind", [timedelta(hours=3), timedelta(days=4)])
 def test_catchup_none_skips_what_is_older_than_the_grace_and_advances_the_cursor(
     behind: timedelta

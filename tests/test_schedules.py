@@ -384,6 +384,32 @@ def test_overlap_skip_is_not_blocked_by_a_previous_job_that_died(
         "2026-10-20T12:10Z"]
 
 
+def test_overlap_skip_catching_up_runs_the_newest_missed_occurrence(
+    conn: psycopg.Connection,
+) -> None:
+    # A config refuses catchup: all with overlap: skip; an earlier release's node still
+    # declares what its config says, and the definition it stored is the one that fires.
+    t0 = utc(2026, 10, 20, 8, 30)
+    stored = jobd.schedules.definition(schedule("s", "0 * * * *", catchup="all"))
+    conn.execute("SELECT declare_schedule('s', 'old-node:1:aa', %s, %s, %s)",
+                 (json.dumps({**stored, "overlap": "skip"}), LONG_TTL, t0))
+
+    # Down from 08:30 to 12:30: 09:00 to 12:00 all due at once.
+    result = tick(conn, now=t0 + timedelta(hours=4))
+
+    [(_, occurrence, job_id)] = result.enqueued
+    assert occurrence == "2026-10-20T12:00Z"
+    assert [r[1:] for r in jobs_of(conn, "s")] == [
+        (utc(2026, 10, 20, 12), "jobd:schedule:s:2026-10-20T12:00Z", "pending")]
+    assert [(r[2].hour, r[3], r[4]) for r in ledger(conn, "s")] == [
+        (9, "skipped_overlap", None), (10, "skipped_overlap", None),
+        (11, "skipped_overlap", None), (12, "enqueued", job_id)]
+    assert sorted(result.skipped) == [("s", f"2026-10-20T{h}:00Z") for h in ("09", "10", "11")]
+    assert cursor_of(conn, "s") == utc(2026, 10, 20, 12)
+    assert conn.execute("SELECT last_job_id FROM schedules WHERE id = 's'").fetchone() == (
+        job_id,)
+
+
 # --- the ledger outlives jobs --------------------------------------------------------------
 
 

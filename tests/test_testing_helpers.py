@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -26,10 +27,9 @@ import yaml
 from psycopg.rows import dict_row
 
 import jobd
-from jobd.config import ScheduleConfig
-from jobd.cron import CronError
+from jobd.config import Config, ScheduleConfig
 from jobd.db import connect
-from jobd.errors import JobdError
+from jobd.errors import ConfigError, JobdError
 from jobd.migrate import migrate
 from jobd.testing import (
     Clock,
@@ -687,14 +687,77 @@ def test_a_schedule_fires_at_the_frozen_clock_and_its_job_runs(
     assert one(user_conn, "SELECT array_agg(day) FROM reports") == ["2027-03-01"]
 
 
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        # Stored unchecked, a schedule the tick cannot evaluate would only log an error there.
+        ({"cron": "0 22-2 * * *"}, r"^schedule 'nightly': cron: invalid cron expression "
+         r"'0 22-2 \* \* \*': hour range 22-2 is reversed; write 22-23,0-2$"),
+        ({"cron": "every night"}, r"^schedule 'nightly': cron: invalid cron expression "),
+        ({"timezone": "Mars/Olympus"},
+         r"^schedule 'nightly': timezone: unknown time zone 'Mars/Olympus'"),
+        ({"timezone": "localtime"}, r"^schedule 'nightly': timezone: time zone 'localtime'"),
+        ({"id": "nightly report"}, r"^schedule 'nightly report': id: invalid schedule name"),
+        ({"handler": "send report"}, r"^schedule 'nightly': handler: invalid handler name"),
+        ({"handler": "jobd.outbox:mail"},
+         r"^schedule 'nightly': handler: handler 'jobd.outbox:mail' is reserved"),
+        ({"lane": ""}, r"^schedule 'nightly': lane: invalid lane name ''"),
+        ({"lane": None}, r"^schedule 'nightly': lane: invalid lane name None"),
+        ({"catchup": "some"}, r"^schedule 'nightly': catchup: must be one of latest, all, "
+         r"none, not 'some'$"),
+        ({"overlap": "queue"}, r"^schedule 'nightly': overlap: must be one of allow, skip, "
+         r"not 'queue'$"),
+        ({"priority": 2**31}, r"^schedule 'nightly': priority: must be an integer from"),
+        ({"payload": {"ratio": float("nan")}},
+         r"^schedule 'nightly': payload cannot be stored as JSON"),
+        ({"payload": {"big": "x" * 2**20}}, r"^schedule 'nightly': payload is 1,048,5.. "
+         r"bytes, over the limit of 1,048,576"),
+        ({"catchup": "all", "overlap": "skip"},
+         r"^schedule 'nightly': catchup: all and overlap: skip cannot both hold"),
+    ],
+)
 def test_a_schedule_built_in_python_is_checked_like_one_from_a_config_file(
+    user_conn: psycopg.Connection, options: dict[str, Any], message: str
+) -> None:
+    nightly = ScheduleConfig(**{"id": "nightly", "cron": "30 2 * * *",
+                                "handler": "nightly_report", **options})
+    with pytest.raises(ConfigError, match=message):
+        materialize_schedules(user_conn, [nightly])
+    assert one(user_conn, "SELECT count(*) FROM jobd.schedules") == 0
+
+
+def test_schedules_built_in_python_keep_the_config_files_other_rules(
     user_conn: psycopg.Connection,
 ) -> None:
-    # Stored unchecked, a schedule the tick cannot evaluate would only log an error there.
-    overnight = ScheduleConfig("overnight", "0 22-2 * * *", "nightly_report")
-    with pytest.raises(CronError, match=r"^schedule 'overnight': invalid cron expression "
-                       r"'0 22-2 \* \* \*': hour range 22-2 is reversed; write 22-23,0-2$"):
-        materialize_schedules(user_conn, [overnight])
+    hourly = ScheduleConfig("hourly", "0 * * * *", "nightly_report")
+    with pytest.raises(ConfigError, match=r"^schedule 'hourly': id: duplicate schedule id"):
+        materialize_schedules(user_conn, [hourly, hourly])
+    # A Config's handlers are its schedules' allow-list, as in a file.
+    config = Config(handlers={"other": "testing_app:nightly_report"}, schedules=(hourly,))
+    with pytest.raises(ConfigError, match=r"^schedule 'hourly': handler: handler "
+                                          r"'nightly_report' is not in handlers$"):
+        materialize_schedules(user_conn, config)
+    # Stored as a file's would be: an equal range as its one value.
+    fifth = ScheduleConfig("fifth", "0 5-5 * * *", "nightly_report")
+    assert materialize_schedules(user_conn, [fifth]) == []
+    assert one(user_conn, "SELECT cron FROM jobd.schedules WHERE id = 'fifth'") == "0 5 * * *"
+
+
+def test_catching_up_with_overlap_skip_runs_the_newest_missed_occurrence(
+    user_conn: psycopg.Connection,
+) -> None:
+    hourly = ScheduleConfig("hourly", "0 * * * *", "nightly_report", overlap="skip")
+    clock = Clock(datetime(2027, 6, 1, 8, 30, tzinfo=UTC))
+    assert materialize_schedules(user_conn, [hourly], clock=clock) == []
+    [fired] = materialize_schedules(user_conn, [hourly], clock=clock.advance(timedelta(hours=4)))
+    assert fired.occurrence == "2027-06-01T12:00Z"
+    # catchup: all would have to drop every missed occurrence but one: refused.
+    every = replace(hourly, catchup="all")
+    with pytest.raises(ConfigError, match=r"catchup: all with overlap: allow .* or catchup: "
+                                          r"latest with overlap: skip"):
+        materialize_schedules(user_conn, [every], clock=clock.advance(timedelta(hours=4)))
+    assert [job.run_at for job in enqueued_jobs(user_conn, "nightly_report")] == [
+        datetime(2027, 6, 1, 12, tzinfo=UTC)]
 
 
 def test_schedules_from_a_config_file_fire_through_a_database_url(

@@ -1387,7 +1387,7 @@ SELECT instance, node, pid, started_at, seen_at, workers, counters, prev_counter
 -- name: schedule_before_its_change
 -- A stored schedule whose expression or zone this instance's config changes, if it is
 -- enabled: what its definition still owes is fired before the change (schedules.sync).
-SELECT s.cron, s.timezone, s.catchup, s.materialized_until, clock.at
+SELECT s.cron, s.timezone, s.catchup, s.overlap, s.materialized_until, clock.at
   FROM schedules AS s, (SELECT coalesce(%(now)s::timestamptz, now()) AS at) AS clock
  WHERE s.id = %(id)s AND s.enabled
    AND (s.cron, s.timezone) IS DISTINCT FROM (%(cron)s::text, %(timezone)s::text)
@@ -1481,7 +1481,7 @@ SELECT id FROM schedules ORDER BY id
 -- name: due_schedules
 -- The schedules to materialize: enabled by the operator and declared by at least one live
 -- instance, with their cursors and the database clock to judge "due" and "live" by.
-SELECT s.id, s.cron, s.timezone, s.catchup, s.materialized_until, clock.at
+SELECT s.id, s.cron, s.timezone, s.catchup, s.overlap, s.materialized_until, clock.at
   FROM schedules AS s, (SELECT coalesce(%(now)s::timestamptz, now()) AS at) AS clock
  WHERE s.enabled
    AND EXISTS (SELECT 1 FROM schedule_declarations AS d

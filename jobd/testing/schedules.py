@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jobd import schedules
-from jobd.config import Config, ScheduleConfig
+from jobd.config import Config, ScheduleConfig, check_schedules
 from jobd.config import load as load_config
 from jobd.testing.clock import Clock
 from jobd.testing.session import Target, open_session
+from jobd.validation import DEFAULT_MAX_PAYLOAD_BYTES
 
 # The instance the declarations are made under. A test's declarations live as long as a
 # test can take, whatever the clock is advanced by in between: each step declares again.
@@ -36,12 +37,16 @@ class Fired:
 
 def _schedules(given: Config | str | Path | Sequence[ScheduleConfig]
                ) -> tuple[list[ScheduleConfig], str | None]:
-    if isinstance(given, Config):
-        return list(given.schedules), given.schema
+    """The schedules to declare, held to a config file's rules: a file is checked as it
+    loads; a Config or ScheduleConfig values built in Python are checked here, as a file's
+    schedules would be (ConfigError), rather than reaching the database unchecked."""
     if isinstance(given, str | Path):
-        loaded = load_config(given)
-        return list(loaded.schedules), loaded.schema
-    return list(given), None
+        given = load_config(given)
+    if isinstance(given, Config):
+        return check_schedules(given.schedules, given.handlers,
+                               given.max_payload_bytes or DEFAULT_MAX_PAYLOAD_BYTES
+                               ), given.schema
+    return check_schedules(given), None
 
 
 def materialize_schedules(target: Target,
@@ -54,6 +59,10 @@ def materialize_schedules(target: Target,
     A schedule declared for the first time starts at the clock's instant: it fires the
     occurrences after it, on a later call with the clock advanced past them (under its
     catch-up policy: ``latest``, the default, fires the newest missed one only).
+
+    Schedules a config file did not check (ScheduleConfig values, a Config built in Python)
+    pass a file's rules first: a value a file would refuse raises ConfigError naming the
+    schedule and the key, before anything reaches the database.
     """
     configured, config_schema = _schedules(schedules_or_config)
     clock = clock or Clock()
