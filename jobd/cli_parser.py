@@ -221,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     status_cmd = add("status", "Per lane: jobs by state, oldest unclaimed age, DLQ depth, "
                                "rates and live workers (lanes no live worker serves are "
                                "marked), pauses, and with -c the handlers with jobs waiting "
-                               "that the config does not list; live nodes.")
+                               "that the config does not list; every node, live or gone.")
     status_cmd.set_defaults(func=cmd_status)
 
     top_cmd = add("top", "A live view of the queue, refreshed every --interval: per lane "
