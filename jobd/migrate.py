@@ -1,10 +1,11 @@
 """Applying ``migrations/NNNN_name.sql`` in order, once each.
 
-All pending migrations run in one transaction under a transaction-level advisory lock keyed
-by the schema name, so any number of nodes may run ``jobd migrate`` at once: the first applies,
-the others wait and then find nothing to do. A migration that fails rolls back entirely. The
-same transaction grants the runtime and producer roles their privileges (:mod:`jobd.grants`),
-so a role never sees a schema it lacks the privileges for.
+All pending migrations run in one transaction, at READ COMMITTED whatever the default, under a
+transaction-level advisory lock keyed by the schema name, so any number of nodes may run
+``jobd migrate`` at once: the first applies, the others wait and then find nothing to do. A
+migration that fails rolls back entirely. The same transaction grants the runtime and producer
+roles their privileges (:mod:`jobd.grants`), so a role never sees a schema it lacks the
+privileges for.
 """
 
 from __future__ import annotations
@@ -100,7 +101,12 @@ def upgrade(conn: psycopg.Connection, schema: str, *, max_payload_bytes: int | N
     applied_now: list[Migration] = []
     # Its statements run without the session's statement_timeout (set_local_no_statement_
     # timeout below): nor may the client give up on them at that timeout.
+    # A transaction of its own at READ COMMITTED (migrate_read_committed); inside a caller's
+    # transaction, the caller's level stands.
+    own_transaction = conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
     with unbounded_replies(conn), conn.transaction():
+        if own_transaction:
+            conn.execute(query("migrate_read_committed"))
         conn.execute(query("migrate_lock"), {"schema": schema})
         row = conn.execute(query("schema_ownership"), {"schema": schema}).fetchone()
         owner = row is None or bool(row[0])  # a schema about to be created is its creator's

@@ -4,6 +4,8 @@ injected clock. (With daemons: tests/test_fairness_daemon.py.)"""
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -633,6 +635,44 @@ def test_jobs_stored_with_an_empty_fairness_key_before_0049_are_claimed_after_it
             assert dlq.replay(conn, [dead]) == [dead]
             (replayed,) = fair_claim(conn, LANE)
             assert (replayed.id, replayed.fairness_key) == (dead, None)
+
+
+def test_0049_at_a_repeatable_read_default_sees_the_jobs_committed_while_it_waited(
+    databases: Databases, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """0049 takes the key '' off the live jobs once it holds its lock on jobs: it must see
+    every job committed before it got the lock. At a role's or database's default of
+    REPEATABLE READ the migration's snapshot was its first statement's: a job committed
+    while it waited for the lock kept the key '', and every claim that took it (in a lane
+    without shares) then failed the new constraint, and with it the lane."""
+    url = databases.empty()
+    before_0049 = [m for m in migrate_module.available() if m.version < 49]
+    with connect(url, autocommit=True) as admin, \
+            connect(url, "jobd", autocommit=True) as conn:
+        monkeypatch.setattr(migrate_module, "available", lambda: before_0049)
+        migrate_module.migrate(admin, "jobd")
+        monkeypatch.undo()
+        admin.execute("SET default_transaction_isolation = 'repeatable read'")
+        # The producer is closed first on the way out, so a failure cannot leave the
+        # migration waiting for it.
+        with ThreadPoolExecutor(1) as pool, \
+                connect(url, "jobd", autocommit=False) as producer:
+            producer.execute("INSERT INTO jobs (handler, fairness_key) VALUES ('h', '')")
+            migrating = admin.info.backend_pid
+            applying = pool.submit(migrate_module.migrate, admin, "jobd")
+            # The producer's transaction holds the migration back from its lock on jobs.
+            waiting = ("SELECT EXISTS (SELECT 1 FROM pg_locks WHERE pid = %s AND NOT granted"
+                       " AND relation = 'jobs'::regclass)")
+            deadline = time.monotonic() + 30
+            while not conn.execute(waiting, (migrating,)).fetchone()[0]:  # type: ignore[index]
+                assert not applying.done(), applying.result()
+                assert time.monotonic() < deadline, "the migration never waited for its lock"
+                time.sleep(0.01)
+            producer.commit()
+            assert [m.version for m in applying.result(timeout=60)] == [49]
+        assert empty_keys(conn) == []
+        [job] = queue.claim(conn, LANE, "w1", 1, 30)
+        assert (job.handler, job.fairness_key) == ("h", None)
 
 
 def test_a_dead_job_stored_with_an_empty_fairness_key_is_replayed_sharing_by_its_handler(

@@ -1751,6 +1751,13 @@ SELECT (SELECT count(*) FROM pg_class AS c WHERE c.relnamespace = n.oid)
          WHERE t.typnamespace = n.oid AND t.typrelid = 0 AND t.typelem = 0)
   FROM pg_namespace AS n WHERE n.nspname = %(schema)s
 
+-- name: migrate_read_committed
+-- jobd migrate's transaction, whatever the role's or database's default isolation: each
+-- statement sees what committed before it. A migration that rewrites rows once it holds its
+-- lock on a table (0049) must see the rows committed while it waited for that lock, which a
+-- REPEATABLE READ snapshot, taken at the transaction's first statement, does not show.
+SET TRANSACTION ISOLATION LEVEL READ COMMITTED
+
 -- name: migrate_lock
 -- One `jobd migrate` at a time per schema, across every node that runs it at once; held to
 -- the end of its transaction.
