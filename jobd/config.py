@@ -364,7 +364,9 @@ def _schedule_payload(located: yamlcheck.Located | None, path: str, limit: int) 
     would otherwise fail each time the schedule is declared or fires. Its size is held to
     the config's ``limits.max_payload_bytes``, the limit ``jobd migrate -c`` gives the
     database: a fire does not check it, and would store jobs no other entry point takes."""
-    payload = yamlcheck.unwrap(located) or {}
+    # Left out or null, {} (as for jobd.enqueue); any other value as written: [], 0, false
+    # and "" are JSON values of their own.
+    payload = {} if located is None or located.value is None else yamlcheck.unwrap(located)
     try:
         _payload_rules(payload, limit)
     except ValueError as exc:

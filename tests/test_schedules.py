@@ -21,7 +21,7 @@ import pytest
 import jobd.cron
 import jobd.schedules
 from jobd import archive, queue
-from jobd.config import ScheduleConfig
+from jobd.config import ScheduleConfig, parse
 from jobd.cron import CronSchedule
 from jobd.db import connect
 from jobd.schedules import CATCHUP_ALL_LIMIT, NONE_GRACE, SyncResult, tick
@@ -408,6 +408,25 @@ def test_overlap_skip_catching_up_runs_the_newest_missed_occurrence(
     assert cursor_of(conn, "s") == utc(2026, 10, 20, 12)
     assert conn.execute("SELECT last_job_id FROM schedules WHERE id = 's'").fetchone() == (
         job_id,)
+
+
+def test_a_config_files_schedule_payload_reaches_its_jobs_as_written(
+    conn: psycopg.Connection,
+) -> None:
+    # Only a payload left out (or null) is {}; [], 0, false and "" are JSON values of their
+    # own, which jobd.enqueue and a ScheduleConfig built in Python keep as they are.
+    written = {"list": "[]", "zero": "0", "falsy": "false", "text": "''", "nulled": "null",
+               "left": None}
+    config = parse("handlers: {report: 'jobd.examples:echo'}\nschedules:\n" + "".join(
+        f"  - {{id: {name}, cron: '0 * * * *', handler: report"
+        + (f", payload: {payload}}}\n" if payload is not None else "}\n")
+        for name, payload in written.items()))
+    t0 = utc(2026, 10, 20, 8, 30)
+    sync(conn, list(config.schedules), now=t0)
+    tick(conn, now=t0 + timedelta(hours=1))
+    payloads = dict(conn.execute(
+        "SELECT split_part(idempotency_key, ':', 3), payload FROM jobs").fetchall())
+    assert payloads == {"list": [], "zero": 0, "falsy": False, "text": "", "nulled": {}, "left": {}}
 
 
 # --- the ledger outlives jobs --------------------------------------------------------------
