@@ -45,6 +45,7 @@ class Case:
     run_at: datetime | None = None
     key: str | None = None
     max_attempts: int | None = None
+    fairness_key: str | None = None
 
     def sql_payload(self) -> str:
         return self.payload_sql if self.payload_sql is not None else json.dumps(self.payload)
@@ -58,6 +59,8 @@ class Case:
             args += ["--idempotency-key", self.key]
         if self.max_attempts is not None:
             args += ["--max-attempts", str(self.max_attempts)]
+        if self.fairness_key is not None:
+            args += ["--fairness-key", self.fairness_key]
         return args
 
 
@@ -72,6 +75,9 @@ REFUSED = {
     "10 KB idempotency key": Case(key="k" * 10_000),
     "513-byte idempotency key": Case(key="k" * 513),
     "empty idempotency key": Case(key=""),
+    # A fair claim lists the keys after '': a job of the key '' was never claimed there.
+    "empty fairness key": Case(fairness_key=""),
+    "257-byte fairness key": Case(fairness_key="f" * 257),
     "max_attempts 0": Case(max_attempts=0),
     "reserved idempotency key": Case(key="jobd:mine"),
     "payload nested 300 levels": Case(payload=nested(DEEP)),
@@ -98,6 +104,7 @@ ACCEPTED = {
     "payload nested 256 levels": Case(payload=nested(256)),
     "a 4300-digit number": Case(payload=[HUGE - 1]),
     "a 512-byte key": Case(key="k" * 512),
+    "a 256-byte fairness key": Case(fairness_key="f" * 256),
     "run_at on the last accepted day": Case(run_at=datetime(9998, 12, 31, tzinfo=UTC)),
     "floats with exponents": Case(payload=[1e-300, 1.5e-05, -2.5e-07, 1e22]),
 }
@@ -106,34 +113,36 @@ ACCEPTED = {
 def via_sql(conn: psycopg.Connection, case: Case) -> int:
     row = conn.execute(
         "SELECT jobd.enqueue(%s, %s::jsonb, lane => %s, run_at => coalesce(%s, now()),"
-        " idempotency_key => %s, max_attempts => %s)",
+        " idempotency_key => %s, max_attempts => %s, fairness_key => %s)",
         (case.handler, case.sql_payload(), case.lane, case.run_at, case.key,
-         case.max_attempts)).fetchone()
+         case.max_attempts, case.fairness_key)).fetchone()
     assert row is not None
     return int(row[0])
 
 
 def via_python(conn: psycopg.Connection, case: Case) -> int:
     return jobd.enqueue(conn, case.handler, case.payload, lane=case.lane, run_at=case.run_at,
-                        idempotency_key=case.key, max_attempts=case.max_attempts)
+                        idempotency_key=case.key, max_attempts=case.max_attempts,
+                        fairness_key=case.fairness_key)
 
 
 def via_bulk(conn: psycopg.Connection, case: Case) -> int:
     [job_id] = jobd.enqueue_many(conn, [jobd.JobSpec(
-        case.handler, case.payload, case.lane, case.run_at, 0, case.key, case.max_attempts)])
+        case.handler, case.payload, case.lane, case.run_at, 0, case.key, case.max_attempts,
+        fairness_key=case.fairness_key)])
     return job_id
 
 
 def via_python_text(conn: psycopg.Connection, case: Case) -> int:
     return jobd.enqueue(conn, case.handler, jobd.JsonText(case.sql_payload()), lane=case.lane,
                         run_at=case.run_at, idempotency_key=case.key,
-                        max_attempts=case.max_attempts)
+                        max_attempts=case.max_attempts, fairness_key=case.fairness_key)
 
 
 def via_bulk_text(conn: psycopg.Connection, case: Case) -> int:
     [job_id] = jobd.enqueue_many(conn, [jobd.JobSpec(
         case.handler, jobd.JsonText(case.sql_payload()), case.lane, case.run_at, 0, case.key,
-        case.max_attempts)])
+        case.max_attempts, fairness_key=case.fairness_key)])
     return job_id
 
 
@@ -167,12 +176,13 @@ def test_every_entry_point_accepts(name: str, conn: psycopg.Connection, db_url: 
     ids.append(int(result.stdout))
     assert len(set(ids)) == 6
     # Every entry point stored the same value, and a worker decodes exactly it.
-    rows = conn.execute("SELECT payload, payload::text FROM jobs WHERE id = ANY(%s)",
-                        (ids,)).fetchall()
+    rows = conn.execute("SELECT payload, payload::text, fairness_key FROM jobs"
+                        " WHERE id = ANY(%s)", (ids,)).fetchall()
     assert len(rows) == 6
-    for stored, text in rows:
+    for stored, text, fairness_key in rows:
         assert stored == case.payload
         assert jobd.jobs.decode_stored_payload(text) == case.payload
+        assert fairness_key == case.fairness_key
 
 
 def test_numbers_given_as_json_text_keep_every_digit_as_sql_keeps_them(
