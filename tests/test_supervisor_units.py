@@ -25,7 +25,7 @@ import pytest
 import structlog
 
 from jobd import workerpool
-from jobd.config import Config, LaneConfig
+from jobd.config import RESTART_BASE, Config, LaneConfig
 from jobd.eventloop import SelectLoop
 from jobd.protocol import WorkerSpec, describe_exit
 from jobd.restarts import SlotBackoff, restart_reason
@@ -238,6 +238,9 @@ def test_a_failed_spawn_leaks_nothing_and_is_retried_after_the_restart_delay(
 
     monkeypatch.setattr(subprocess, "Popen", at_the_process_limit)
     before = open_descriptors()
+    # Taken before each spawn: the delay runs from the failure, and a loaded machine may
+    # take a while between the failure and the assertions below.
+    failed_after = time.monotonic()
     with structlog.testing.capture_logs() as logged:
         pool.spawn_due()  # does not raise: the supervisor's loop goes on
         pool.spawn_due()  # not due again yet
@@ -247,12 +250,12 @@ def test_a_failed_spawn_leaks_nothing_and_is_retried_after_the_restart_delay(
     assert (failure["log_level"], failure["lane"]) == ("error", "default")
     assert "Resource temporarily unavailable" in failure["error"]
     assert slot.backoff.failures == 1
-    assert pool.next_spawn_at() == slot.spawn_at >= time.monotonic() + 0.1
+    assert pool.next_spawn_at() == slot.spawn_at >= failed_after + RESTART_BASE
     # Once the delay is over it spawns again, and a second failure waits longer.
-    slot.spawn_at = time.monotonic()
+    failed_after = slot.spawn_at = time.monotonic()
     pool.spawn_due()
     assert slot.backoff.failures == 2
-    assert slot.spawn_at >= time.monotonic() + 0.4  # 2 x the base delay
+    assert slot.spawn_at >= failed_after + 2 * RESTART_BASE
     assert open_descriptors() == before
 
 
