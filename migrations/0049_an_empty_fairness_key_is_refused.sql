@@ -65,6 +65,8 @@ BEGIN
                 (SELECT j.lane, j.priority FROM jobs AS j
                   WHERE j.lane > at_lane AND j.state IN ('pending', 'failed')
                   ORDER BY j.lane, j.priority DESC LIMIT 1)
+                -- The same lane's first: UNION ALL alone does not promise its branches' order.
+                ORDER BY 1, 2 DESC
                 LIMIT 1) AS n;
     END LOOP;
 END
