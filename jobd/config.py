@@ -387,6 +387,12 @@ def check_schedules(schedules: Sequence[ScheduleConfig],
     expression normalized: ``0 5-5 * * *`` as ``0 5 * * *``). ``handlers``: the allow-list
     their handlers must be in (None: any handler name); ``payload_limit``: the config's
     ``limits.max_payload_bytes``."""
+    if isinstance(schedules, ScheduleConfig | str | bytes | Mapping) or not isinstance(
+            schedules, Sequence):
+        # One value, or a Config (materialize_schedules takes those): iterating would fail
+        # with "not iterable", or go through a string's characters.
+        raise TypeError(f"schedules must be a list of jobd.config.ScheduleConfig values, "
+                        f"not {type(schedules).__name__}")
     checked: list[ScheduleConfig] = []
     for schedule in schedules:
         if not isinstance(schedule, ScheduleConfig):

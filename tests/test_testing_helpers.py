@@ -737,6 +737,10 @@ def test_schedules_built_in_python_keep_the_config_files_other_rules(
     with pytest.raises(ConfigError, match=r"^schedule 'hourly': handler: handler "
                                           r"'nightly_report' is not in handlers$"):
         materialize_schedules(user_conn, config)
+    # One value rather than a list of them: said so, not "not iterable".
+    with pytest.raises(TypeError, match=r"^schedules must be a list of "
+                                        r"jobd.config.ScheduleConfig values, not ScheduleConfig$"):
+        materialize_schedules(user_conn, hourly)  # type: ignore[arg-type]
     # Stored as a file's would be: an equal range as its one value.
     fifth = ScheduleConfig("fifth", "0 5-5 * * *", "nightly_report")
     assert materialize_schedules(user_conn, [fifth]) == []
