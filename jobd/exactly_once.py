@@ -142,7 +142,13 @@ def _check_transaction_open(conn: psycopg.Connection, job: Job) -> None:
     opened one, or its own ``BEGIN`` did), which the server tells (effect_key_held).
 
     A handler that caught the error of a failed statement and returned left the transaction
-    aborted: that is said as such, not as a transaction it ended."""
+    aborted: that is said as such, not as a transaction it ended; one that closed the
+    connection (``conn.close()``) is told that, not of a statement it never sent."""
+    if conn.closed and not conn.broken:  # closed by the client, not lost
+        raise TransactionEnded(
+            f"handler {job.handler!r} closed the job's connection (conn.close()), which ended "
+            f"the job's transaction; leave the connection open, and raise an exception to "
+            f"roll its work back instead")
     status = conn.info.transaction_status
     if status == psycopg.pq.TransactionStatus.INERROR:
         raise TransactionAborted(

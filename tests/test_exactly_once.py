@@ -307,6 +307,29 @@ def test_a_handler_that_goes_on_after_a_failed_statement_is_told_so(
     assert effect_rows(conn) == [] and processed_keys(conn) == []
 
 
+def test_a_handler_that_closes_its_connection_is_told_so(
+    tables: psycopg.Connection, db_url: str
+) -> None:
+    # It failed as "ended the job's transaction itself (a COMMIT or ROLLBACK statement)",
+    # which it never sent: its author was left to look for a COMMIT in the handler.
+    conn = tables
+    job_id = jobd.enqueue(conn, "tx")
+
+    @jobd.transactional
+    def handler(job: Job, tx: psycopg.Connection) -> None:
+        insert_effect(job, tx, "worker-a")
+        tx.close()
+
+    job = claim_one(conn, "worker-a", db_now(conn))
+    with connect(db_url) as a_conn, pytest.raises(
+            exactly_once.TransactionEnded,
+            match=r"^handler 'tx' closed the job's connection \(conn.close\(\)\), which "
+                  r"ended the job's transaction; leave the connection open"):
+        run_transactional(a_conn, job, handler)
+    assert state_of(conn, job_id) == "claimed"
+    assert effect_rows(conn) == [] and processed_keys(conn) == []
+
+
 def test_a_handler_that_raises_psycopgs_rollback_fails_its_attempt_saying_so(
     tables: psycopg.Connection, db_url: str
 ) -> None:
