@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -69,10 +70,29 @@ def resolve(name: str, path: str, kind: str = HANDLER) -> ResolvedHandler:
     except Exception as exc:
         raise HandlerImportError(
             f"{kind} {name!r} ({path}) cannot be imported: {type(exc).__name__}: {exc}"
-        ) from exc
+            f"{_where(exc)}") from exc
     if not callable(target):
         raise HandlerImportError(f"{kind} {name!r} ({path}) is not callable")
     return resolved(name, target, kind, path)
+
+
+_IMPORTLIB = os.path.dirname(importlib.__file__) + os.sep
+
+
+def _where(exc: BaseException) -> str:
+    """Where the application's code raised ``exc`` while it was imported: its innermost
+    frame outside the import machinery and this module (a NameError in a module's body, an
+    import of a package not installed), as " (at FILE, line N)"; empty for an error of the
+    path itself (no such module, no such attribute), which the message names already. A
+    SyntaxError names its file without the directory: it gets the whole path."""
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return f" (at {exc.filename}, line {exc.lineno})"
+    frames = [frame for frame in traceback.extract_tb(exc.__traceback__)
+              if not frame.filename.startswith(("<", _IMPORTLIB))
+              and frame.filename != __file__]
+    if not frames:
+        return ""
+    return f" (at {frames[-1].filename}, line {frames[-1].lineno})"
 
 
 def resolved(name: str, target: Handler, kind: str = HANDLER, path: str | None = None
@@ -287,7 +307,7 @@ def _check_main() -> int:
             problems.append(str(exc))
         except BaseException as exc:  # a module that calls sys.exit() at import, say
             problems.append(f"{kind} {name!r} ({path}) failed at import: "
-                            + traceback.format_exception_only(exc)[-1].strip())
+                            + traceback.format_exception_only(exc)[-1].strip() + _where(exc))
     # Imported user code may have printed to stdout; the verdict is the last line.
     sys.stdout.write("\n" + json.dumps(problems) + "\n")
     return 0

@@ -706,6 +706,29 @@ def test_a_handler_whose_import_kills_the_check_is_named_in_the_boot_failure(
     assert not daemon.events("worker spawned")
 
 
+@pytest.mark.parametrize(("source", "error"), [
+    ("import jobd\n\nsettings = SETTINGS\n",
+     "NameError: name 'SETTINGS' is not defined (at {file}, line 3)"),
+    ("import no_such_dependency_for_jobd_tests\n",
+     "ModuleNotFoundError: No module named 'no_such_dependency_for_jobd_tests' "
+     "(at {file}, line 1)"),
+])
+def test_a_handler_module_that_fails_at_import_is_named_with_the_line_that_failed(
+    daemons: Daemons, source: str, error: str
+) -> None:
+    # Before, the boot failure said only "NameError: name 'SETTINGS' is not defined": where,
+    # in an application of many modules importing each other, was for its author to find.
+    daemon = daemons()
+    module = daemon.dir / "failsatimport.py"
+    module.write_text(source + "def run(job):\n    pass\n")
+    daemon.start(make_config({"default": {}},
+                             handlers={"ok": "testhandlers:ok", "app": "failsatimport:run"}))
+    assert daemon.wait_exit(20) == 3
+    [failure] = daemon.events("boot failure")
+    assert failure["error"] == ("handler 'app' (failsatimport:run) cannot be imported: "
+                                + error.format(file=module))
+
+
 def test_an_import_check_that_times_out_names_the_import_it_waited_for(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
