@@ -484,6 +484,117 @@ def test_a_handler_that_ends_the_tests_transaction_fails_the_run_saying_so(
         assert "then raised UniqueViolation" in str(raised.value)
 
 
+@pytest.mark.parametrize("ending", ["ROLLBACK", "COMMIT", "ROLLBACK, then write", "close"])
+def test_a_transactional_handler_that_ends_the_tests_transaction_fails_the_run_saying_so(
+    app_url: str, ending: str
+) -> None:
+    # On a worker the attempt fails (TransactionEnded). On the test's connection the
+    # transaction it ended was the test's: a ROLLBACK showed as a quiet lease_lost with the
+    # test's work gone, a COMMIT as a quiet failed attempt with the test's work committed,
+    # and a close as "OperationalError: the connection is closed".
+    @jobd.transactional
+    def settle(job: jobd.Job, conn: psycopg.Connection) -> None:
+        conn.execute("INSERT INTO calls (handler, job_id) VALUES ('settle', %s)", (job.id,))
+        if ending == "close":
+            conn.close()
+        else:
+            conn.execute(ending.split(",")[0])
+        if ending.endswith("write"):
+            conn.execute("INSERT INTO calls (handler, job_id) VALUES ('after', %s)", (job.id,))
+
+    with psycopg.connect(app_url) as test_conn:
+        test_conn.execute("INSERT INTO reports (day) VALUES ('the test''s own work')")
+        job_id = jobd.enqueue(test_conn, "settle", {})
+        with pytest.raises(HandlerBrokeTransaction, match=(
+                rf"^transactional handler 'settle' \(job {job_id}\) "
+                + (r"closed its connection \(conn.close\(\)\)" if ending == "close"
+                   else r"ended its transaction itself \(a COMMIT or ROLLBACK\)")
+                + r"; its connection is the test's")) as raised:
+            run_jobs(test_conn, handlers={"settle": settle})
+        assert raised.value.job.id == job_id
+        # The worker's own verdict is the cause.
+        assert isinstance(raised.value.__cause__, jobd.exactly_once.TransactionEnded)
+        if not test_conn.closed:
+            test_conn.rollback()
+
+
+def test_a_handler_that_closes_the_tests_connection_fails_the_run_saying_so(
+    app_url: str,
+) -> None:
+    # As application code does with `with conn:` around its work: it commits and closes.
+    # Before, run_jobs went on to record the outcome and failed with psycopg's
+    # "OperationalError: the connection is closed".
+    with psycopg.connect(app_url) as test_conn:
+        def archive(job: jobd.Job) -> None:
+            with test_conn:
+                test_conn.execute("INSERT INTO calls (handler, job_id) VALUES ('a', %s)",
+                                  (job.id,))
+
+        job_id = jobd.enqueue(test_conn, "archive", {})
+        with pytest.raises(HandlerBrokeTransaction, match=(
+                rf"^handler 'archive' \(job {job_id}\) closed the test's connection")):
+            run_jobs(test_conn, handlers={"archive": archive})
+
+
+class Abandon(BaseException):
+    """A BaseException of an application's own, not an Exception."""
+
+
+async def _abandons_async(job: jobd.Job) -> None:
+    raise Abandon("given up, async")
+
+
+async def _generator_exit_async(job: jobd.Job) -> None:
+    raise GeneratorExit("closed by hand")
+
+
+def _abandons(job: jobd.Job) -> None:
+    raise Abandon("given up")
+
+
+@jobd.transactional
+def _abandons_transactional(job: jobd.Job, conn: psycopg.Connection) -> None:
+    conn.execute("INSERT INTO calls (handler, job_id) VALUES ('abandons', %s)", (job.id,))
+    raise Abandon("given up in the transaction")
+
+
+@pytest.mark.parametrize(("handler", "error"), [
+    (_abandons, "Abandon: given up\n"),
+    (_abandons_async, "Abandon: given up, async\n"),
+    (_generator_exit_async, "GeneratorExit: closed by hand\n"),
+    (_abandons_transactional, "Abandon: given up in the transaction\n"),
+])
+def test_a_handler_that_raises_a_base_exception_fails_its_job_as_on_a_worker(
+    user_conn: psycopg.Connection, handler: Any, error: str
+) -> None:
+    # A worker fails the job of a handler that raises any BaseException (README). run_jobs
+    # let it out, the job left claimed, and the test aborted.
+    job_id = jobd.enqueue(user_conn, "abandons", {})
+    summary = run_jobs(user_conn, handlers={"abandons": handler})
+    assert [(r.id, r.outcome) for r in summary.runs] == [(job_id, "failed")]
+    assert summary.errors[0].startswith(error)
+    assert one(user_conn, "SELECT state FROM jobd.jobs WHERE id = %s", (job_id,)) == "failed"
+    assert one(user_conn, "SELECT count(*) FROM calls") == 0  # the transactional one's
+
+
+def test_a_handlers_keyboard_interrupt_is_recorded_then_stops_the_run(
+    user_conn: psycopg.Connection,
+) -> None:
+    # It fails the job as on a worker; then it goes on, as Ctrl-C, which it cannot be told
+    # from, must still stop the test run. Before, the job was left claimed.
+    def interrupted(job: jobd.Job) -> None:
+        raise KeyboardInterrupt("stop")
+
+    job_id = jobd.enqueue(user_conn, "interrupted", {})
+    jobd.enqueue(user_conn, "interrupted", {})
+    with pytest.raises(KeyboardInterrupt, match="stop"):
+        run_jobs(user_conn, handlers={"interrupted": interrupted})
+    state, last_error = one(user_conn, "SELECT state, last_error FROM jobd.jobs WHERE id = %s",
+                            (job_id,))
+    assert state == "failed" and last_error.startswith("KeyboardInterrupt: stop\n")
+    assert len(enqueued_jobs(user_conn, "interrupted")) == 2  # the second did not run
+
+
 def test_a_handler_that_commits_as_its_last_statement_still_completes_its_job(
     user_conn: psycopg.Connection, observer: psycopg.Connection
 ) -> None:

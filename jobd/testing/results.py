@@ -113,11 +113,11 @@ class JobFailed(Exception):
 
 
 class HandlerBrokeTransaction(Exception):
-    """A plain handler run on the test's connection left its transaction in a state
+    """A handler run on the test's connection left its transaction in a state
     ``run_jobs`` cannot go on from as a worker would: it ended the transaction the job was
-    claimed in (a COMMIT or ROLLBACK on the test's connection), or left it aborted and
-    returned as if it had succeeded. The handler's exception, if it raised one, is the
-    ``__cause__``."""
+    claimed in (a COMMIT or ROLLBACK on the test's connection, or closed it), or, a plain
+    handler, left it aborted and returned as if it had succeeded. The handler's exception,
+    if it raised one, is the ``__cause__``."""
 
     def __init__(self, message: str, job: Job) -> None:
         super().__init__(message)

@@ -168,23 +168,17 @@ def _in_utc(job: Job) -> Job:
                job.fairness_key)
 
 
-# What fails a job, as on a worker: a sys.exit() or a CancelledError nobody asked for too.
-_HANDLER_FAILURES = (Exception, SystemExit, asyncio.CancelledError)
-
-
 def _run(session: Session, plan: _Plan, job: Job, now: datetime | None) -> JobRun:
     resolved = plan.handlers.get(job.handler)
-    if resolved is not None and not resolved.is_transactional:
-        return _plain(session, plan, resolved, job, now)
-    try:
-        if resolved is None:
+    if resolved is None:
+        try:
             raise LookupError(f"no handler named {job.handler!r} in run_jobs' handlers "
                               f"(lane {job.lane!r})")
-        return _transactional(session, plan, resolved, job)
-    except exactly_once.LeaseLost:
-        return JobRun(job, "lease_lost")
-    except _HANDLER_FAILURES as exc:
-        return _failed(session, plan, job, exc, now)
+        except LookupError as exc:
+            return _failed(session, plan, job, exc, now)
+    if resolved.is_transactional:
+        return _transactional(session, plan, resolved, job, now)
+    return _plain(session, plan, resolved, job, now)
 
 
 def _plain(session: Session, plan: _Plan, resolved: handlers.ResolvedHandler, job: Job,
@@ -195,7 +189,7 @@ def _plain(session: Session, plan: _Plan, resolved: handlers.ResolvedHandler, jo
     savepoint = session.handler_savepoint()
     try:
         _call(resolved, job, plan.lane.timeout)
-    except _HANDLER_FAILURES as exc:
+    except BaseException as exc:  # as on a worker: whatever a handler raises fails its job
         savepoint.close()
         _check_transaction(savepoint, job, exc)
         run = _failed(session, plan, job, exc, now, rolled_back=savepoint.rolled_back)
@@ -206,6 +200,15 @@ def _plain(session: Session, plan: _Plan, resolved: handlers.ResolvedHandler, jo
     if savepoint.ended and run.outcome == "lease_lost":
         # A ROLLBACK: the claim went with it, and the test's own work in the transaction.
         raise HandlerBrokeTransaction(_ended(job, run.exception), job) from run.exception
+    return _interrupted(run)
+
+
+def _interrupted(run: JobRun) -> JobRun:
+    """``run``, recorded as a worker records it. A KeyboardInterrupt the handler raised
+    fails its job as on a worker and then goes on from here: in the test's process it
+    cannot be told from Ctrl-C, which must still stop the test run."""
+    if isinstance(run.exception, KeyboardInterrupt):
+        raise run.exception
     return run
 
 
@@ -213,6 +216,8 @@ def _check_transaction(savepoint: HandlerSavepoint, job: Job,
                        exc: BaseException | None) -> None:
     """Raise when the handler left nothing the job's outcome can be recorded in as a
     worker would record it; the handler's exception, if any, is the cause."""
+    if savepoint.closed:
+        raise HandlerBrokeTransaction(_closed(job, exc), job) from exc
     if savepoint.missing is not None:
         raise HandlerBrokeTransaction(_ended(job, exc), job) from exc or savepoint.missing
     if savepoint.rolled_back and exc is None:
@@ -228,11 +233,14 @@ def _check_transaction(savepoint: HandlerSavepoint, job: Job,
             f"of its own (with conn.transaction(): ...).", job)
 
 
+def _raised(exc: BaseException | None) -> str:
+    return f", then raised {type(exc).__name__} (the cause below)" if exc else ""
+
+
 def _ended(job: Job, exc: BaseException | None) -> str:
-    raised = f", then raised {type(exc).__name__} (the cause below)" if exc else ""
     return (f"handler {job.handler!r} (job {job.id}) ended the test's transaction itself (a "
-            f"COMMIT or ROLLBACK on the test's connection){raised}. run_jobs claimed the job "
-            f"in that transaction and records the attempt's outcome in it: a ROLLBACK took "
+            f"COMMIT or ROLLBACK on the test's connection){_raised(exc)}. run_jobs claimed "
+            f"the job in that transaction and records the attempt's outcome in it: a ROLLBACK took "
             f"the claim away with the test's work, a COMMIT made the test's work permanent, "
             f"and what the handler ran after it is in a transaction run_jobs did not open, so "
             f"the outcome cannot be recorded as a worker would record it. On a worker a "
@@ -240,6 +248,30 @@ def _ended(job: Job, exc: BaseException | None) -> str:
             f"ROLLBACK out of code that runs on the test's connection (with conn.transaction(): "
             f"... takes a savepoint, whose rollback undoes a part of the work), or give "
             f"run_jobs a database URL, where its connection and the handler's are separate.")
+
+
+def _closed(job: Job, exc: BaseException | None) -> str:
+    return (f"handler {job.handler!r} (job {job.id}) closed the test's connection "
+            f"(conn.close(), or `with conn:` around its work, which commits and closes "
+            f"it){_raised(exc)}. The test's transaction, in which run_jobs claimed the job and "
+            f"records the attempt's outcome, went with it, so the outcome cannot be recorded "
+            f"as a worker would record it. Leave closing the connection to the code that "
+            f"opened it (the test's fixture), or give run_jobs a database URL, where its "
+            f"connection and the handler's are separate.")
+
+
+def _ended_transactional(job: Job, marker: HandlerSavepoint) -> str:
+    how = ("closed its connection (conn.close())" if marker.closed
+           else "ended its transaction itself (a COMMIT or ROLLBACK)")
+    return (f"transactional handler {job.handler!r} (job {job.id}) {how}; its connection "
+            f"is the test's, so the transaction it ended was the test's, in which run_jobs "
+            f"claimed the job: a ROLLBACK or a close took the claim away with the test's "
+            f"work, a COMMIT made them permanent (the job stays claimed in the database), and "
+            f"the attempt's outcome cannot be recorded as a worker would record it. On a "
+            f"worker the attempt fails (the cause below): the transaction it ended was the "
+            f"one its writes, its effect key and the job's completion were to commit in. "
+            f"Raise an exception to roll the handler's work back (with conn.transaction(): "
+            f"... undoes a part of it).")
 
 
 def _completed(session: Session, job: Job, now: datetime | None) -> JobRun:
@@ -251,10 +283,28 @@ def _completed(session: Session, job: Job, now: datetime | None) -> JobRun:
 
 
 def _transactional(session: Session, plan: _Plan, resolved: handlers.ResolvedHandler,
-                   job: Job) -> JobRun:
+                   job: Job, now: datetime | None) -> JobRun:
+    """A transactional run, through the worker's own code. On the test's connection its
+    transaction is a savepoint of the test's, and a savepoint of run_jobs' own around it
+    tells whether the handler ended the test's transaction (a COMMIT, a ROLLBACK, a close
+    on its connection): on a worker that fails the attempt, here it took the claim with
+    it, or made the test's work permanent."""
+    raised: BaseException | None = None
+    result = "done"
     with session.handler_connection() as conn:
-        result = exactly_once.run_transactional(conn, job, resolved.func, session.schema,
-                                                plan.lane.timeout)
+        marker = session.handler_savepoint()
+        try:
+            result = exactly_once.run_transactional(conn, job, resolved.func, session.schema,
+                                                    plan.lane.timeout)
+        except BaseException as exc:  # as on a worker: whatever a handler raises fails its job
+            raised = exc
+        marker.close()
+    if marker.ended:
+        raise HandlerBrokeTransaction(_ended_transactional(job, marker), job) from raised
+    if isinstance(raised, exactly_once.LeaseLost):
+        return JobRun(job, "lease_lost")
+    if raised is not None:
+        return _interrupted(_failed(session, plan, job, raised, now))
     return JobRun(job, "cancelled" if result == "cancelled" else "done",
                   replayed=result == "replayed")
 

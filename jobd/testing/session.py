@@ -120,9 +120,11 @@ class Session:
                 users_connection_reset(self.url, SERVER_DEFAULTS)(self.handler_conn)
 
     def handler_savepoint(self) -> HandlerSavepoint:
-        """A savepoint for a plain handler's call, on the test's connection inside its open
+        """A savepoint for a handler's call, on the test's connection inside its open
         transaction; none elsewhere (a URL's connections are not the handler's, and outside
-        a transaction each of the handler's statements stands alone)."""
+        a transaction each of the handler's statements stands alone). Around a
+        transactional run it marks the test's transaction, so that a handler that ends it
+        is told from one that failed inside its own savepoint."""
         if (not self.on_callers_connection
                 or self.conn.info.transaction_status != pq.TransactionStatus.INTRANS):
             return HandlerSavepoint(None)
@@ -136,7 +138,7 @@ class Session:
 
 @dataclass
 class HandlerSavepoint:
-    """What a plain handler run on the test's connection left of the test's transaction.
+    """What a handler run on the test's connection left of the test's transaction.
 
     On a worker such a handler writes through the application's own connections: a statement
     of its that fails aborts the application's transaction, never the one jobd records the
@@ -154,10 +156,16 @@ class HandlerSavepoint:
     ended: bool = False
     # ... and went on in another transaction: what the missing savepoint's release said.
     missing: psycopg.Error | None = None
+    # The handler closed the test's connection (``conn.close()``, or ``with conn:`` around
+    # its work, which commits and closes): the transaction went with it.
+    closed: bool = False
 
     def close(self) -> None:
         """Release the savepoint, or roll back to it if the transaction is aborted."""
         if self.conn is None:
+            return
+        if self.conn.closed:
+            self.ended = self.closed = True
             return
         status = self.conn.info.transaction_status
         if status == pq.TransactionStatus.IDLE:
