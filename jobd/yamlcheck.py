@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from decimal import Context, Decimal
 from typing import Any, NoReturn
 
 import yaml
@@ -22,7 +23,15 @@ from jobd.errors import UsageError
 # Longer durations are certainly a mistake, and PostgreSQL cannot add huge ones to now().
 MAX_DURATION_SECONDS = 3650 * 86400.0
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
-_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+# Exact factors: a duration is the nearest float to its number times the unit, so one
+# duration written in two units is one value (700ms * 0.001 was 0.7000000000000001, not the
+# 0.7 of 0.7s, and nodes were told they configure a lane differently).
+_UNIT_SECONDS = {"ms": Decimal("0.001"), "s": Decimal(1), "m": Decimal(60),
+                 "h": Decimal(3600), "d": Decimal(86400), None: Decimal(1)}
+# A context of its own, not the thread's (a handler module may set that one's precision):
+# digits enough for any duration a float can hold, and no traps, so a number too large for
+# it becomes Infinity, refused below as no finite number.
+_EXACT = Context(prec=40, traps=[])
 _INT_TAG = "tag:yaml.org,2002:int"
 _DECIMAL = re.compile(r"[-+]?(0|[1-9][0-9]*)")
 # Values that YAML aliases may repeat in one document (an anchored schedule payload used by
@@ -48,7 +57,7 @@ def parse_duration(value: object, capped: bool = True) -> float:
             if str(value).strip().startswith("-") and _DURATION.match(str(value).strip()[1:]):
                 raise ValueError(f"a duration cannot be negative: {value!r}")
             raise ValueError(f"expected a duration like 30s, 5m or 250ms, not {value!r}")
-        seconds = float(match[1]) * _UNIT_SECONDS[match[2]]
+        seconds = float(_EXACT.multiply(Decimal(match[1]), _UNIT_SECONDS[match[2]]))
     if not math.isfinite(seconds):
         raise ValueError(f"a duration must be a finite number, not {value!r}")
     if seconds < 0:

@@ -11,11 +11,14 @@ from datetime import UTC, datetime
 from typing import Any
 
 import daemon_support
+import psycopg
 import pytest
 from cli_support import cli
 from daemon_support import Daemon, make_config, wait_until
 
-from jobd import views
+from jobd import config, views
+from jobd.duties.node_heartbeat import NodeHeartbeat
+from jobd.wake_routing import WakeRouter
 
 daemons = daemon_support.daemons
 
@@ -90,3 +93,35 @@ def test_nodes_that_configure_a_lane_differently_are_told_until_they_agree(
     wait_until(lambda: differing(db_url) == {}, 15, message="status to list no difference")
     text = cli("status", "--database-url", db_url)
     assert "configure differently" not in text.stdout, text.stdout
+
+
+def heartbeat_of(conn: psycopg.Connection, instance: str, text: str) -> NodeHeartbeat:
+    """A node's heartbeat, written to the database, stating the lanes of the config text."""
+    lanes = config.parse(text).lanes
+    heartbeat = NodeHeartbeat(
+        lambda: 5.0, instance, lambda: instance.split(":")[0],
+        lambda: ({name: 1 for name in lanes}, {}), WakeRouter(), lambda: lanes,
+        lane_settings=lambda: {name: lane.fleet_settings() for name, lane in lanes.items()})
+    heartbeat.prepare()
+    heartbeat.run(conn, 1000.0)
+    return heartbeat
+
+
+def test_one_duration_written_two_ways_is_no_disagreement(
+    conn: psycopg.Connection, db_url: str
+) -> None:
+    # The same durations, in other units: 700ms * 0.001 was 0.7000000000000001, not the
+    # 0.7 that 0.7s is, and the nodes were told they differ while status showed 0.7s twice.
+    first = heartbeat_of(conn, "node-a:1:a", """
+lanes:
+  default: {visibility_timeout: 9950ms, heartbeat: 1s, timeout: 2300ms,
+            backoff: {base: 700ms, cap: 1.1h}, max_wait: 350ms, slo: {pickup: 1150ms}}
+""")
+    second = heartbeat_of(conn, "node-b:2:b", """
+lanes:
+  default: {visibility_timeout: 9.95s, heartbeat: 1s, timeout: 2.3s,
+            backoff: {base: 0.7s, cap: 66m}, max_wait: 0.35s, slo: {pickup: 1.15s}}
+""")
+    first.compare_lanes(conn)  # it wrote its heartbeat before the second node's
+    assert first.reported == {} and second.reported == {}
+    assert differing(db_url) == {}
