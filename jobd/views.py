@@ -158,7 +158,10 @@ def node_status(conn: psycopg.Connection, include_gone: bool = False) -> list[No
         "misses": NODE_GONE_MISSES, "grace": NODE_GONE_GRACE,
         "unknown": NODE_GONE_UNKNOWN}).fetchall()
     nodes = [
-        NodeStatus(instance, node, pid, seen_at, workers,
+        # A gone node's last reported workers are not live: its lanes stay listed, at 0, as
+        # the lane table, the unserved-lane alert and the lease sweep judge them.
+        NodeStatus(instance, node, pid, seen_at,
+                   dict.fromkeys(workers, 0) if gone else workers,
                    _rates(counters, previous, sample_seconds) if not gone else {},
                    started, age, interval, gone, listening, lane_settings)
         for (instance, node, pid, started, seen_at, workers, counters, previous,

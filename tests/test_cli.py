@@ -276,6 +276,31 @@ def test_status_marks_lanes_no_live_worker_serves(db_url: str, conn: psycopg.Con
         assert rows[lane].endswith("0 (no live worker)"), rows[lane]
 
 
+def test_status_counts_no_live_worker_on_a_gone_node(db_url: str, conn: psycopg.Connection
+                                                     ) -> None:
+    """A node judged gone listed its last worker counts under "lanes (live workers)" (`bonly:
+    1` next to `gone`) while the lane table said no live worker served that lane: its lanes
+    stay listed, at 0, in the text and in --json."""
+    jobd.enqueue(conn, "h", lane="bonly")
+    report_node(conn, "web-1:1", {"default": 2})
+    report_node(conn, "old-1:1", {"default": 1, "bonly": 1})
+    conn.execute("UPDATE nodes SET node = 'old-1', seen_at = now() - interval '5 minutes'"
+                 " WHERE instance = 'old-1:1'")
+    data = ok_json("status", "--database-url", db_url)
+    lanes = {s["lane"]: (s["served"], s["live_workers"]) for s in data["lanes"]}
+    assert lanes == {"default": (True, 2), "bonly": (False, 0)}
+    nodes = {n["instance"]: n for n in data["nodes"]}
+    assert (nodes["old-1:1"]["gone"], nodes["old-1:1"]["lanes"], nodes["old-1:1"]["workers"]
+            ) == (True, ["bonly", "default"], {"bonly": 0, "default": 0})
+    assert nodes["web-1:1"]["workers"] == {"default": 2}
+    assert set(nodes["old-1:1"]) == set(nodes["web-1:1"])  # the same keys, gone or live
+    text = ok("status", "--database-url", db_url).splitlines()
+    [gone] = [line for line in text if line.startswith("old-1 ")]
+    assert "bonly: 0, default: 0" in gone and "gone" in gone, gone
+    [live] = [line for line in text if line.startswith("web-1 ")]
+    assert "default: 2" in live and "live" in live, live
+
+
 def test_status_names_handlers_the_config_does_not_list(db_url: str, conn: psycopg.Connection
                                                         ) -> None:
     # sendmail and resize: handlers no node with this config has.
