@@ -246,14 +246,20 @@ def _effective_max_attempts(config: Config, job: dict[str, Any]) -> tuple[int | 
 
 def _max_attempts_text(config: Config, job: dict[str, Any], limit: int | None,
                        source: str) -> str:
+    # Named as the given config's value of that lane: "(lane default)" read as "from lane
+    # 'default'", and nodes may configure a lane differently, so the job may have run with
+    # another node's value.
+    lane = job["lane"]
     if source == "job":
         return str(limit)
     if source == "lane":
-        return f"{limit} (lane default)"
+        return (f"{limit} (the max_attempts of lane {lane!r} in {config.path or 'this config'};"
+                " a node with another config runs the job with its own)")
     if config.path is not None:
-        return (f"lane default (lane {job['lane']!r} is not in {config.path}; the config of "
-                "the daemons that run it decides)")
-    return "lane default (from the daemons' config; pass -c FILE to see it)"
+        return (f"not set on the job: lane {lane!r} is not in {config.path}, so the config of "
+                "the nodes that run it decides")
+    return (f"not set on the job: the config of the nodes that run lane {lane!r} decides "
+            "(pass -c FILE to see one)")
 
 
 def _payload_text(job: dict[str, Any], whole: bool) -> str:
