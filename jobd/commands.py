@@ -18,7 +18,7 @@ from jobd.cli_context import Context
 from jobd.cli_output import print_json
 from jobd.errors import JobdError, UsageError
 from jobd.grants import RefusedGrant
-from jobd.migrate import ForeignSchema, NotOwner, schema_problem, upgrade
+from jobd.migrate import ForeignSchema, NotOwner, Upgrade, schema_problem, upgrade
 from jobd.supervisor import Supervisor
 
 
@@ -52,6 +52,7 @@ def cmd_migrate(ctx: Context, args: argparse.Namespace) -> int:
     if ctx.as_json:
         print_json({"schema": ctx.schema, "applied": names,
                     "max_payload_bytes_set": done.payload_limit,
+                    "max_payload_bytes_was": done.payload_limit_was,
                     "granted": [{"role": r, "kind": k} for r, k in done.roles.granted],
                     "forgotten": [{"role": r, "kind": k} for r, k in done.roles.forgotten],
                     "repinned": [{"function": f, "search_path": p} for f, p in done.repinned]})
@@ -65,12 +66,23 @@ def cmd_migrate(ctx: Context, args: argparse.Namespace) -> int:
         print(f"pinned the search_path of {len(done.repinned)} functions to schema "
               f"{ctx.schema} (they named {', '.join(old)})")
     if done.payload_limit is not None:
-        print(f"max_payload_bytes set to {done.payload_limit:,} (limits.max_payload_bytes)")
+        print(_limit_line(done, ctx.config.path))
     for role, kind in done.roles.granted:
         print(f"granted {kind} privileges to {role}")
     for role, kind in done.roles.forgotten:
         print(f"forgot the {kind} grant of {role}: the role no longer exists")
     return 0
+
+
+def _limit_line(done: Upgrade, path: str | None) -> str:
+    """The one line a changed payload limit gets: the limit is the fleet's, and nodes whose
+    files differ set it back and forth at each start (the systemd unit migrates before it),
+    so the journal shows the old value beside the new."""
+    new = f"{done.payload_limit:,}"
+    change = (f"set to {new}" if done.payload_limit_was is None
+              else f"changed from {done.payload_limit_was:,} to {new}")
+    return (f"max_payload_bytes {change} (limits.max_payload_bytes in {path or 'the config'}; "
+            "one limit for every node)")
 
 
 def _server_message(exc: psycopg.Error) -> str:

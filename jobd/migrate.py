@@ -73,6 +73,9 @@ class Upgrade:
     # Functions whose search_path this run pinned to the schema again, with the path they had
     # (a schema restored or renamed under another name).
     repinned: list[tuple[str, str]] = field(default_factory=list)
+    # The limit this run replaced, when it set one: nodes whose files differ set it back and
+    # forth at each start, and the fleet-wide value must not change unseen.
+    payload_limit_was: int | None = None
 
 
 def migrate(conn: psycopg.Connection, schema: str, *,
@@ -141,6 +144,7 @@ def upgrade(conn: psycopg.Connection, schema: str, *, max_payload_bytes: int | N
             applied_now.append(migration)
         # Archive partitions are dated; every migrate run tops them up.
         archive.ensure_partitions(conn)
+        limit_was = _stored_limit(conn)
         limit_set = _limit_differs(conn, max_payload_bytes)
         if limit_set:
             conn.execute(query("set_payload_limit"), {"max_payload_bytes": max_payload_bytes})
@@ -148,7 +152,8 @@ def upgrade(conn: psycopg.Connection, schema: str, *, max_payload_bytes: int | N
         if owner:
             granted = grants.apply(conn, schema, runtime=grant_runtime,
                                    producer=grant_producer)
-    return Upgrade(applied_now, granted, max_payload_bytes if limit_set else None, stale)
+    return Upgrade(applied_now, granted, max_payload_bytes if limit_set else None, stale,
+                   limit_was if limit_set else None)
 
 
 def pinned_elsewhere(conn: psycopg.Connection, schema: str) -> list[tuple[str, str]]:
@@ -195,11 +200,16 @@ def _pending(shipped: list[Migration], done: dict[int, tuple[str, str]]) -> list
     return [m for m in shipped if m.version not in done]
 
 
+def _stored_limit(conn: psycopg.Connection) -> int | None:
+    row = conn.execute(query("payload_limit")).fetchone()
+    return None if row is None else int(row[0])
+
+
 def _limit_differs(conn: psycopg.Connection, max_payload_bytes: int | None) -> bool:
     if max_payload_bytes is None:
         return False
-    row = conn.execute(query("payload_limit")).fetchone()
-    return row is None or row[0] != max_payload_bytes
+    stored = _stored_limit(conn)
+    return stored is None or stored != max_payload_bytes
 
 
 def _what_changes(pending: list[Migration], stale: list[tuple[str, str]]) -> str:

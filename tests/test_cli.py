@@ -141,6 +141,36 @@ def test_handlers_and_lanes_must_be_in_the_config(
     assert count_jobs(conn) == 1
 
 
+def test_migrate_shows_each_flip_of_the_fleets_payload_limit(tmp_path: Path, db_url: str
+                                                               ) -> None:
+    """Nodes whose files give different limits set the database's back and forth as each
+    migrates before it starts: every change is one line with the value it replaced, and a
+    migrate that changes nothing says nothing of the limit."""
+    small, large, none = (tmp_path / "small.yaml", tmp_path / "large.yaml",
+                          tmp_path / "none.yaml")
+    small.write_text("limits:\n  max_payload_bytes: 2000\n", "utf-8")
+    large.write_text("limits:\n  max_payload_bytes: 5000\n", "utf-8")
+    none.write_text("lanes:\n  default: {}\n", "utf-8")
+
+    def limit_lines(config: Path) -> list[str]:
+        out = ok("migrate", "-c", str(config), "--database-url", db_url)
+        return [line for line in out.splitlines() if "max_payload_bytes" in line]
+
+    def change(was: str, new: str, config: Path) -> list[str]:
+        return [f"max_payload_bytes changed from {was} to {new} (limits.max_payload_bytes in "
+                f"{config}; one limit for every node)"]
+
+    assert limit_lines(small) == change("1,048,576", "2,000", small)
+    assert limit_lines(small) == []
+    assert limit_lines(large) == change("2,000", "5,000", large)
+    assert limit_lines(none) == []  # a file without the limit leaves it as it is
+    assert limit_lines(small) == change("5,000", "2,000", small)
+    flip = json.loads(ok("migrate", "-c", str(large), "--database-url", db_url, "--json"))
+    assert (flip["max_payload_bytes_set"], flip["max_payload_bytes_was"]) == (5000, 2000)
+    same = json.loads(ok("migrate", "-c", str(large), "--database-url", db_url, "--json"))
+    assert (same["max_payload_bytes_set"], same["max_payload_bytes_was"]) == (None, None)
+
+
 def test_payload_over_the_configured_limit(
     tmp_path: Path, db_url: str, conn: psycopg.Connection
 ) -> None:
@@ -148,7 +178,9 @@ def test_payload_over_the_configured_limit(
     config.write_text("limits:\n  max_payload_bytes: 32\n", "utf-8")
     # The limit is the database's: `jobd migrate -c` writes it there for every entry point.
     out = ok("migrate", "-c", str(config), "--database-url", db_url)
-    assert out.splitlines()[-1] == "max_payload_bytes set to 32 (limits.max_payload_bytes)"
+    assert out.splitlines()[-1] == (
+        f"max_payload_bytes changed from 1,048,576 to 32 (limits.max_payload_bytes in {config};"
+        " one limit for every node)")
     again = ok("migrate", "-c", str(config), "--database-url", db_url, "--json")
     assert json.loads(again)["max_payload_bytes_set"] is None  # it was set already
     exact = json.dumps({"to": "x" * 22})
