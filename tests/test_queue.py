@@ -6,6 +6,7 @@ import multiprocessing
 import os
 import random
 from datetime import datetime, timedelta
+from typing import TYPE_CHECKING
 
 import psycopg
 import pytest
@@ -20,6 +21,9 @@ from jobd.jobs import JobSpec, Lease
 from jobd.queries import query
 from jobd.queue import Failure
 from jobd.run_board import RunBoard, Running
+
+if TYPE_CHECKING:
+    from conftest import Databases
 
 
 def db_now(conn: psycopg.Connection) -> datetime:
@@ -133,6 +137,53 @@ def test_enqueue_rejects_bad_arguments(conn: psycopg.Connection) -> None:
     with pytest.raises(ValueError, match="max_attempts"):
         jobd.enqueue(conn, "h", max_attempts=0)
     assert conn.execute("SELECT count(*) FROM jobs").fetchone() == (0,)
+
+
+MIGRATE_HINT = ("jobd's schema 'jobd' is missing or incomplete in this database; run "
+                "`jobd migrate` on it first")
+
+
+def test_enqueue_into_an_unmigrated_database_asks_for_migrate(databases: Databases) -> None:
+    """The Python API said only psycopg's `schema "jobd" does not exist` where the CLI and
+    jobd.testing say to run `jobd migrate`. It still raises psycopg's own error, so callers
+    that catch it by its class (or psycopg.Error) still do, with the server's diagnostics."""
+    with psycopg.connect(databases.empty(), autocommit=True) as conn:
+        for attempt in (lambda: jobd.enqueue(conn, "h"),
+                        lambda: jobd.enqueue(conn, "h", fairness_key="tenant-1"),
+                        lambda: jobd.enqueue_many(conn, [JobSpec("h")]),
+                        lambda: jobd.enqueue_many(conn, [JobSpec("h", idempotency_key="k")])):
+            with pytest.raises(psycopg.errors.InvalidSchemaName) as raised:
+                attempt()
+            first_line = str(raised.value).splitlines()[0]
+            assert first_line == f'schema "jobd" does not exist: {MIGRATE_HINT} (or pass the ' \
+                                 "schema it uses: schema=)"
+            assert raised.value.diag.message_primary == 'schema "jobd" does not exist'
+            assert raised.value.sqlstate == "3F000"
+        # In the caller's own transaction too: enqueue_many's savepoint is rolled back, as
+        # for any of its errors, and the caller's transaction goes on.
+        conn.autocommit = False
+        with pytest.raises(psycopg.errors.InvalidSchemaName, match="jobd migrate"):
+            jobd.enqueue_many(conn, [JobSpec("h")])
+        assert conn.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
+        conn.rollback()
+
+
+def test_enqueue_into_an_older_schema_asks_for_migrate(conn: psycopg.Connection) -> None:
+    """A schema of a jobd older than the caller's (here, one without fairness keys, migration
+    0013) raises UndefinedFunction or UndefinedColumn with the same hint; an error that is
+    not the schema's (a payload over the limit) is left as the server said it."""
+    conn.execute("DROP FUNCTION jobd.enqueue(text, jsonb, text, timestamptz, int, text, int,"
+                 " text)")
+    with pytest.raises(psycopg.errors.UndefinedFunction) as raised:
+        jobd.enqueue(conn, "h", fairness_key="tenant-1")
+    assert MIGRATE_HINT in str(raised.value).splitlines()[0]
+    conn.execute("ALTER TABLE jobd.jobs DROP COLUMN fairness_key CASCADE")
+    with pytest.raises(psycopg.errors.UndefinedColumn, match="run `jobd migrate`"):
+        jobd.enqueue_many(conn, [JobSpec("h", fairness_key="tenant-1")])
+    conn.execute("UPDATE settings SET value = '16' WHERE name = 'max_payload_bytes'")
+    with pytest.raises(psycopg.errors.InvalidParameterValue) as too_big:
+        jobd.enqueue_many(conn, [JobSpec("h", {"to": "x" * 40})])
+    assert "jobd migrate" not in str(too_big.value)
 
 
 def test_bulk_enqueue_sends_one_notification_per_lane(db_url: str) -> None:
