@@ -1,6 +1,6 @@
 """The connection an application hands to jobd's Python API (``enqueue``, ``enqueue_many``,
 ``cancel``, ``pause``, ``resume``): a synchronous psycopg 3 connection, checked before
-anything is sent.
+anything is sent; and the hint their errors carry when jobd's schema is not migrated.
 
 Anything else used to fail somewhere inside, with a message about jobd's own code: an
 ``AsyncConnection`` with "'coroutine' object has no attribute 'fetchone'" (and a coroutine
@@ -9,6 +9,8 @@ never awaited), a SQLAlchemy or Django connection, a psycopg2 connection or a cu
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -51,3 +53,27 @@ def _advice(conn: Any) -> str:
                 + _SQL_FUNCTION)
     return ("connect with psycopg.connect(url); from another driver, call the SQL function: "
             + _SQL_FUNCTION)
+
+
+# What a statement meets in a database where jobd's schema is missing, or is an older jobd's
+# (a function, table or column it lacks): the cases the CLI answers with "run `jobd migrate`".
+_SCHEMA_MISSING = (psycopg.errors.InvalidSchemaName, psycopg.errors.UndefinedFunction,
+                   psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn)
+
+
+@contextlib.contextmanager
+def schema_hint(schema: str) -> Iterator[None]:
+    """The schema-missing errors of jobd's own statements (enqueue, enqueue_many, cancel,
+    pause, resume) say what to do, as the CLI and jobd.testing do. The exception itself is
+    re-raised, only its message extended after the server's first line: callers that catch
+    psycopg.errors.InvalidSchemaName (or any psycopg.Error) still do, and its diag is the
+    server's."""
+    try:
+        yield
+    except _SCHEMA_MISSING as exc:
+        if exc.args and isinstance(exc.args[0], str):
+            first, newline, rest = exc.args[0].partition("\n")
+            hint = (f"jobd's schema {schema!r} is missing or incomplete in this database; run "
+                    f"`jobd migrate` on it first (or pass the schema it uses: schema=)")
+            exc.args = (f"{first}: {hint}{newline}{rest}", *exc.args[1:])
+        raise

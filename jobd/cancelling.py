@@ -40,8 +40,9 @@ def cancel(conn: psycopg.Connection, ids: Sequence[int], *,
     regardless (roll back to undo)."""
     conn = caller_connection.checked(conn, "jobd.cancel")
     result = CancelResult()
-    rows = conn.cursor(row_factory=tuple_row).execute(
-        qualified("cancel_jobs_qualified", schema), {"ids": list(ids)}).fetchall()
+    with caller_connection.schema_hint(schema):
+        rows = conn.cursor(row_factory=tuple_row).execute(
+            qualified("cancel_jobs_qualified", schema), {"ids": list(ids)}).fetchall()
     for job_id, outcome, state in rows:
         if outcome == "cancelled":
             result.cancelled.append(job_id)

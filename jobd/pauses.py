@@ -44,8 +44,10 @@ def pause(conn: psycopg.Connection, lane: str, handler: str | None = None, *,
     Takes effect when the caller's transaction commits."""
     conn = caller_connection.checked(conn, "jobd.pause")
     _checked(lane, handler)
-    row = conn.cursor(row_factory=tuple_row).execute(
-        qualified("pause_qualified", schema), {"lane": lane, "handler": handler}).fetchone()
+    with caller_connection.schema_hint(schema):
+        row = conn.cursor(row_factory=tuple_row).execute(
+            qualified("pause_qualified", schema), {"lane": lane, "handler": handler}
+        ).fetchone()
     assert row is not None
     return bool(row[0])
 
@@ -56,8 +58,10 @@ def resume(conn: psycopg.Connection, lane: str, handler: str | None = None, *,
     one handler's: the others stay); False if there was none."""
     conn = caller_connection.checked(conn, "jobd.resume")
     _checked(lane, handler)
-    row = conn.cursor(row_factory=tuple_row).execute(
-        qualified("resume_qualified", schema), {"lane": lane, "handler": handler}).fetchone()
+    with caller_connection.schema_hint(schema):
+        row = conn.cursor(row_factory=tuple_row).execute(
+            qualified("resume_qualified", schema), {"lane": lane, "handler": handler}
+        ).fetchone()
     assert row is not None
     return bool(row[0])
 

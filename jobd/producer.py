@@ -4,8 +4,7 @@ connection: a job is durable when the caller's transaction commits."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from datetime import datetime
 from typing import Any
@@ -27,29 +26,6 @@ def _stored_json(text: str) -> Jsonb:
 
 
 _NO_PAYLOAD: Any = object()
-
-# What a statement meets in a database where jobd's schema is missing, or is an older jobd's
-# (a function, table or column it lacks): the cases the CLI answers with "run `jobd migrate`".
-_SCHEMA_MISSING = (psycopg.errors.InvalidSchemaName, psycopg.errors.UndefinedFunction,
-                   psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn)
-
-
-@contextlib.contextmanager
-def _schema_hint(schema: str) -> Iterator[None]:
-    """The schema-missing errors of jobd's own statements say what to do, as the CLI and
-    jobd.testing do. The exception itself is re-raised, only its message extended after the
-    server's first line: callers that catch psycopg.errors.InvalidSchemaName (or any
-    psycopg.Error) still do, and its diag is the server's."""
-    try:
-        yield
-    except _SCHEMA_MISSING as exc:
-        if exc.args and isinstance(exc.args[0], str):
-            first, newline, rest = exc.args[0].partition("\n")
-            hint = (f"jobd's schema {schema!r} is missing or incomplete in this database; run "
-                    f"`jobd migrate` on it first (or pass the schema it uses: schema=)")
-            exc.args = (f"{first}: {hint}{newline}{rest}", *exc.args[1:])
-        raise
-
 
 def _tuples(conn: psycopg.Connection) -> psycopg.Cursor[tuple[Any, ...]]:
     """A cursor of plain tuples, whatever row factory the caller's connection has."""
@@ -95,7 +71,7 @@ def enqueue(
     encoded = spec.encoded_payload()
     statement = ("enqueue_qualified" if spec.fairness_key is None
                  else "enqueue_with_fairness_key_qualified")
-    with _schema_hint(schema):
+    with caller_connection.schema_hint(schema):
         row = _tuples(conn).execute(
             qualified(statement, schema),
             {
@@ -133,7 +109,7 @@ def enqueue_many(
     largest = max(len(text.encode("utf-8")) for text in encoded)  # valid UTF-8: checked
     ids: list[int | None] = [None] * len(specs)
     to_insert: list[tuple[int, int]] = []  # (job id, position in specs)
-    with _schema_hint(schema), _savepoint_in_callers_transaction(conn):
+    with caller_connection.schema_hint(schema), _savepoint_in_callers_transaction(conn):
         keyed = [i for i, spec in enumerate(specs) if spec.idempotency_key is not None]
         unkeyed = [i for i, spec in enumerate(specs) if spec.idempotency_key is None]
         # COPY cannot evaluate now(), so the database clock is read here: within a

@@ -151,7 +151,10 @@ def test_enqueue_into_an_unmigrated_database_asks_for_migrate(databases: Databas
         for attempt in (lambda: jobd.enqueue(conn, "h"),
                         lambda: jobd.enqueue(conn, "h", fairness_key="tenant-1"),
                         lambda: jobd.enqueue_many(conn, [JobSpec("h")]),
-                        lambda: jobd.enqueue_many(conn, [JobSpec("h", idempotency_key="k")])):
+                        lambda: jobd.enqueue_many(conn, [JobSpec("h", idempotency_key="k")]),
+                        lambda: jobd.cancel(conn, [1]),
+                        lambda: jobd.pause(conn, "default"),
+                        lambda: jobd.resume(conn, "default", "h")):
             with pytest.raises(psycopg.errors.InvalidSchemaName) as raised:
                 attempt()
             first_line = str(raised.value).splitlines()[0]
