@@ -145,7 +145,7 @@ def upgrade(conn: psycopg.Connection, schema: str, *, max_payload_bytes: int | N
         # Archive partitions are dated; every migrate run tops them up.
         archive.ensure_partitions(conn)
         limit_was = _stored_limit(conn)
-        limit_set = _limit_differs(conn, max_payload_bytes)
+        limit_set = max_payload_bytes is not None and limit_was != max_payload_bytes
         if limit_set:
             conn.execute(query("set_payload_limit"), {"max_payload_bytes": max_payload_bytes})
         granted = grants.Granted()
@@ -206,10 +206,7 @@ def _stored_limit(conn: psycopg.Connection) -> int | None:
 
 
 def _limit_differs(conn: psycopg.Connection, max_payload_bytes: int | None) -> bool:
-    if max_payload_bytes is None:
-        return False
-    stored = _stored_limit(conn)
-    return stored is None or stored != max_payload_bytes
+    return max_payload_bytes is not None and _stored_limit(conn) != max_payload_bytes
 
 
 def _what_changes(pending: list[Migration], stale: list[tuple[str, str]]) -> str:
